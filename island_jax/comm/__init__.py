@@ -1,0 +1,1 @@
+"""Transports between islands and the coordinator."""

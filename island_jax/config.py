@@ -1,0 +1,230 @@
+"""The configuration schema of a run, and its validation.
+
+A run is described by one `ml_collections.ConfigDict`, nested by concern:
+
+  seed      int, seeds parameter initialisation and data order.
+  model     decoder-only transformer shapes and dtypes.
+  moe       Mixture-of-Experts feed-forward layers (Switch Transformer, arXiv
+            2101.03961; ST-MoE router z-loss, arXiv 2202.08906).
+  islands   a ConfigDict keyed by island name, so `--config.islands.b.batch_size=8`
+            works; each island has `num_devices`, `mesh.data`, `mesh.expert`,
+            `batch_size` (sequences per inner step), `inner_steps` (H) and
+            `hardware` (a name such as "cpu").
+  inner     AdamW inner optimizer, warm-up + cosine schedule over all inner steps,
+            gradient clipping.
+  outer     DiLoCo outer loop (arXiv 2311.08105): `rounds`, SGD `learning_rate`,
+            `momentum`, `nesterov`; `enabled=False` trains a single island with
+            no outer loop (the data-parallel baseline).
+  codec     pseudo-gradient wire format: `kind` in {int8, bf16, none} and the
+            int8 `block_size` (elements per float32 scale).
+  data      corpus (`files`, a glob; empty means the interpreter's standard
+            library) and the held-out split.
+  eval      `every_rounds`, `batch_size`, `num_batches`.
+
+`validate(config)` checks everything that can be checked before JAX compiles
+anything and raises `ConfigError` naming the field and the fix.
+"""
+
+from __future__ import annotations
+
+import ml_collections
+
+CODECS = ("int8", "bf16", "none")
+DTYPES = ("float32", "bfloat16")
+
+
+class ConfigError(ValueError):
+    """A configuration value is invalid; the message names the field and the fix."""
+
+    def __str__(self) -> str:
+        return f"ConfigError: {super().__str__()}"
+
+
+def island(
+    num_devices: int,
+    data: int,
+    expert: int,
+    batch_size: int,
+    inner_steps: int,
+    hardware: str = "cpu",
+) -> ml_collections.ConfigDict:
+    """One island's entry for `config.islands`.
+
+    Args:
+      num_devices: devices in the island's mesh; must equal data x expert.
+      data: size of the `data` mesh axis (batch / FSDP).
+      expert: size of the `expert` mesh axis (expert parallelism; also splits
+        the batch outside MoE layers).
+      batch_size: sequences per inner step for the whole island.
+      inner_steps: H, inner AdamW steps per round.
+      hardware: hardware kind of the island's devices (e.g. "cpu", "h100").
+    """
+    return ml_collections.ConfigDict(
+        dict(
+            num_devices=num_devices,
+            mesh=dict(data=data, expert=expert),
+            batch_size=batch_size,
+            inner_steps=inner_steps,
+            hardware=hardware,
+        )
+    )
+
+
+def default_config() -> ml_collections.ConfigDict:
+    """Defaults for every field; experiment configs start from this and add islands."""
+    c = ml_collections.ConfigDict()
+    c.seed = 0
+    c.model = dict(
+        vocab_size=256,  # byte-level
+        seq_len=128,  # tokens (bytes) per sequence
+        num_layers=4,
+        d_model=128,
+        num_heads=4,
+        param_dtype="float32",
+        compute_dtype="float32",
+    )
+    c.moe = dict(
+        num_experts=4,
+        num_experts_per_token=2,  # top-k
+        expert_hidden_dim=256,  # SwiGLU hidden width per expert
+        capacity_factor=2.0,  # slots per expert = ceil(cf * tokens_per_shard * k / E)
+        renormalize=True,  # rescale the top-k router weights to sum to 1
+        load_balancing_loss_coef=0.01,
+        router_z_loss_coef=1e-3,
+    )
+    c.islands = ml_collections.ConfigDict()
+    c.inner = dict(
+        learning_rate=3e-3,  # peak AdamW learning rate
+        warmup_steps=50,  # of each island's inner steps, counted over all rounds
+        min_learning_rate_ratio=0.1,  # cosine decays to peak * ratio
+        b1=0.9,
+        b2=0.95,
+        eps=1e-8,
+        weight_decay=0.1,
+        grad_clip_norm=1.0,
+    )
+    c.outer = dict(
+        enabled=True,
+        rounds=20,
+        learning_rate=0.7,  # DiLoCo default
+        momentum=0.9,
+        nesterov=True,
+    )
+    c.codec = dict(kind="int8", block_size=256)
+    c.data = dict(
+        files="",  # glob of text files; "" = the running interpreter's stdlib *.py
+        eval_fraction=0.02,  # share of files held out for evaluation
+    )
+    c.eval = dict(every_rounds=5, batch_size=32, num_batches=8)
+    return c
+
+
+def _require(ok: bool, message: str) -> None:
+    if not ok:
+        raise ConfigError(message)
+
+
+def validate(config: ml_collections.ConfigDict, num_available_devices: int | None = None) -> None:
+    """Checks a run's config before anything compiles.
+
+    Args:
+      config: the run's config (see the module docstring for the schema).
+      num_available_devices: devices this process can use; when given, the
+        islands' total `num_devices` must not exceed it.
+
+    Raises:
+      ConfigError: naming the first invalid field and what to do about it.
+    """
+    m, moe = config.model, config.moe
+    _require(len(config.islands) > 0, "islands is empty; add at least one island with island_jax.config.island(...)")
+    for name in ("vocab_size", "seq_len", "num_layers", "d_model", "num_heads"):
+        _require(m[name] > 0, f"model.{name} is {m[name]}; it must be a positive integer")
+    _require(
+        m.d_model % m.num_heads == 0,
+        f"model.d_model={m.d_model} is not divisible by model.num_heads={m.num_heads}; pick num_heads dividing d_model",
+    )
+    for name in ("param_dtype", "compute_dtype"):
+        _require(m[name] in DTYPES, f"model.{name} is {m[name]!r}; choose one of {DTYPES}")
+    _require(moe.num_experts > 0, f"moe.num_experts is {moe.num_experts}; it must be positive")
+    _require(
+        1 <= moe.num_experts_per_token <= moe.num_experts,
+        f"moe.num_experts_per_token (top-k) is {moe.num_experts_per_token} but moe.num_experts is "
+        f"{moe.num_experts}; top-k must lie in 1..num_experts",
+    )
+    _require(moe.expert_hidden_dim > 0, f"moe.expert_hidden_dim is {moe.expert_hidden_dim}; it must be positive")
+    _require(
+        config.codec.kind in CODECS,
+        f"codec.kind is {config.codec.kind!r}, an unknown codec; choose one of {CODECS}",
+    )
+    _require(
+        config.codec.block_size > 0,
+        f"codec.block_size is {config.codec.block_size}; it must be a positive number of elements (e.g. 256)",
+    )
+    _require(config.outer.rounds > 0, f"outer.rounds is {config.outer.rounds}; it must be at least 1")
+    _require(
+        config.outer.enabled or len(config.islands) == 1,
+        f"outer.enabled is False but there are {len(config.islands)} islands; "
+        "without the outer loop only one island can train",
+    )
+    _require(config.eval.every_rounds > 0, f"eval.every_rounds is {config.eval.every_rounds}; it must be at least 1")
+    _require(0.0 < config.data.eval_fraction < 1.0, f"data.eval_fraction is {config.data.eval_fraction}; use a value in (0, 1)")
+
+    total = 0
+    for name, isl in config.islands.items():
+        p = f"islands.{name}"
+        mesh_devices = isl.mesh.data * isl.mesh.expert
+        _require(
+            isl.mesh.data > 0 and isl.mesh.expert > 0,
+            f"{p}.mesh has data={isl.mesh.data}, expert={isl.mesh.expert}; both axes must be at least 1",
+        )
+        _require(
+            mesh_devices == isl.num_devices,
+            f"{p}.mesh has data={isl.mesh.data}, expert={isl.mesh.expert} ({mesh_devices} devices) but "
+            f"{p}.num_devices is {isl.num_devices}; make data x expert equal num_devices",
+        )
+        _require(
+            moe.num_experts % isl.mesh.expert == 0,
+            f"moe.num_experts={moe.num_experts} is not divisible by {p}.mesh.expert={isl.mesh.expert}; "
+            "choose num_experts as a multiple of every island's expert axis",
+        )
+        _require(
+            isl.batch_size > 0 and isl.batch_size % mesh_devices == 0,
+            f"{p}.batch_size={isl.batch_size} is not divisible by data x expert = {mesh_devices}; "
+            "use a positive multiple of the island's device count",
+        )
+        _require(isl.inner_steps > 0, f"{p}.inner_steps is {isl.inner_steps}; it must be at least 1")
+        _require(
+            config.eval.batch_size % mesh_devices == 0,
+            f"eval.batch_size={config.eval.batch_size} is not divisible by {p}'s {mesh_devices} devices; "
+            "use a multiple of every island's device count",
+        )
+        total += isl.num_devices
+    if num_available_devices is not None:
+        _require(
+            total <= num_available_devices,
+            f"the islands need {total} devices in all (sum of islands.*.num_devices) but this machine has "
+            f"{num_available_devices}; shrink the islands or run on more devices",
+        )
+
+
+def total_devices(config: ml_collections.ConfigDict) -> int:
+    """Sum of `islands.*.num_devices`: the devices one process needs for all islands."""
+    return sum(isl.num_devices for isl in config.islands.values())
+
+
+def fingerprint(config: ml_collections.ConfigDict) -> str:
+    """SHA-256 (16 hex digits) of what islands and coordinator must share.
+
+    Covers the model and MoE shapes, the codec kind and block size, and the seed;
+    not island sizes, batch sizes or learning rates, which may differ per island.
+    """
+    import hashlib
+    import json
+
+    shared = dict(
+        model=config.model.to_dict(),
+        moe={k: config.moe[k] for k in ("num_experts", "num_experts_per_token", "expert_hidden_dim")},
+        codec=config.codec.to_dict(),
+        seed=config.seed,
+    )
+    return hashlib.sha256(json.dumps(shared, sort_keys=True).encode()).hexdigest()[:16]

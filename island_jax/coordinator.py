@@ -1,0 +1,189 @@
+"""The coordinator: float32 master parameters, the outer optimizer, the island view.
+
+It knows no transport: the in-process transport and the gRPC service call these
+plain methods. Per round (DiLoCo, arXiv 2311.08105, Algorithm 1):
+
+  1. collect one contribution per island: encoded pseudo-gradient + tokens;
+  2. decode each, refuse non-finite values, take the token-weighted mean;
+  3. outer step (SGD with Nesterov momentum) on the master parameters;
+  4. encode `master - view` once, apply those bytes to the view with the same
+     `codec.decode_and_apply` the islands use, and serve the same bytes to every
+     island. Whatever the codec loses stays in `master - view` and is sent in a
+     later round, never lost.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+import jax
+import ml_collections
+import numpy as np
+
+from island_jax.config import fingerprint
+from island_jax.outer import codec
+from island_jax.outer.merge import weighted_mean
+from island_jax.outer.optimizer import outer_optimizer, outer_step
+from island_jax.params import checksum
+
+
+class HandshakeError(ValueError):
+    """An island's config fingerprint or initial checksum differs from the coordinator's."""
+
+
+class ContributionError(ValueError):
+    """A contribution cannot be merged (wrong round, unknown island, bad payload, NaN/Inf)."""
+
+
+class UpdateNotReady(LookupError):
+    """The update for a round is not merged yet (some islands have not contributed)."""
+
+
+@dataclass
+class Contribution:
+    """One island's decoded pseudo-gradient for one round."""
+
+    island: str
+    tokens: int
+    pseudo_gradient: Any
+    num_bytes: int
+
+
+@dataclass
+class RoundRecord:
+    """What the coordinator logs for a merged round."""
+
+    round: int
+    tokens: dict[str, int] = field(default_factory=dict)
+    weights: dict[str, float] = field(default_factory=dict)
+    pseudo_gradient_norm: dict[str, float] = field(default_factory=dict)
+    update_bytes: int = 0
+
+
+class Coordinator:
+    """Holds the global state and merges islands' contributions.
+
+    Args:
+      config: the run's validated config (outer, codec, model, seed).
+      params: the seeded initial parameters (pytree of NumPy arrays, as from
+        `params.init_params`); the master copy is float32, the view keeps
+        the parameters' dtypes.
+      islands: names of the islands expected to contribute every round.
+    """
+
+    def __init__(self, config: ml_collections.ConfigDict, params: Any, islands: Sequence[str]):
+        self.config = config
+        self.kind, self.block_size = config.codec.kind, config.codec.block_size
+        self.islands = list(islands)
+        self.fingerprint = fingerprint(config)
+        self.view = jax.tree.map(np.asarray, params)
+        self.checksum = checksum(self.view)
+        self.master = jax.tree.map(lambda x: np.asarray(x, np.float32), params)
+        self.tx = outer_optimizer(config)
+        with jax.default_device(jax.devices("cpu")[0]):
+            self.opt_state = jax.device_get(self.tx.init(self.master))
+        self.round = 0
+        self.joined: set[str] = set()
+        self._pending: dict[str, Contribution] = {}
+        self._updates: dict[int, bytes] = {}
+        self.history: list[RoundRecord] = []
+
+    def join(self, island: str, config_fingerprint: str, initial_checksum: str) -> dict:
+        """Admits an island whose model, codec and initial parameters match.
+
+        Returns:
+          {"round": the round to train next, "checksum": the view's checksum}.
+
+        Raises:
+          HandshakeError: unknown island, or a fingerprint or checksum that differs.
+        """
+        if island not in self.islands:
+            raise HandshakeError(f"island {island!r} is not in this run's config (islands: {self.islands})")
+        if config_fingerprint != self.fingerprint:
+            raise HandshakeError(
+                f"island {island!r} has config fingerprint {config_fingerprint} but the coordinator has "
+                f"{self.fingerprint}; model shapes, codec, block_size and seed must match"
+            )
+        if self.round == 0 and initial_checksum != self.checksum:
+            raise HandshakeError(
+                f"island {island!r} has initial-parameter checksum {initial_checksum} but the coordinator has "
+                f"{self.checksum}; both must initialise from the same config.seed and model on the CPU backend"
+            )
+        self.joined.add(island)
+        return dict(round=self.round, checksum=self.checksum)
+
+    def contribute(self, round: int, island: str, tokens: int, payload: bytes) -> None:
+        """Accepts one island's encoded pseudo-gradient; merges when every island has sent.
+
+        Args:
+          round: the round the pseudo-gradient belongs to.
+          island: a joined island's name.
+          tokens: tokens the island processed this round (> 0), the merge weight.
+          payload: `codec.encode(anchor - params)`.
+
+        Raises:
+          ContributionError: island not joined, wrong round, duplicate, tokens <= 0,
+            payload of the wrong size, or NaN/Inf in the decoded values. Nothing
+            of a refused contribution reaches the merge.
+        """
+        if island not in self.joined:
+            raise ContributionError(f"island {island!r} contributed before joining; call join first")
+        if round != self.round:
+            raise ContributionError(f"island {island!r} sent round {round} but the coordinator is at round {self.round}")
+        if island in self._pending:
+            raise ContributionError(f"island {island!r} already contributed to round {round}")
+        if tokens <= 0:
+            raise ContributionError(f"island {island!r} reported {tokens} tokens for round {round}; it must be > 0")
+        try:
+            pseudo_gradient = codec.decode(payload, self.master, self.kind, self.block_size)
+        except codec.CodecError as e:
+            raise ContributionError(f"island {island!r}, round {round}: {e}") from e
+        if not codec.all_finite(pseudo_gradient):
+            raise ContributionError(
+                f"island {island!r}, round {round}: the pseudo-gradient holds NaN or Inf; the island diverged "
+                "(lower inner.learning_rate or check its data) and its contribution was refused"
+            )
+        self._pending[island] = Contribution(island, int(tokens), pseudo_gradient, len(payload))
+        if len(self._pending) == len(self.islands):
+            self._merge()
+
+    def _merge(self) -> None:
+        contributions = [self._pending[name] for name in self.islands if name in self._pending]
+        tokens = [c.tokens for c in contributions]
+        merged = weighted_mean([c.pseudo_gradient for c in contributions], tokens)
+        self.master, self.opt_state = outer_step(self.tx, self.master, self.opt_state, merged)
+        delta = jax.tree.map(lambda m, v: m - np.asarray(v, np.float32), self.master, self.view)
+        with jax.default_device(jax.devices("cpu")[0]):
+            payload = codec.encode(delta, self.kind, self.block_size)
+        self.view = codec.decode_and_apply(self.view, payload, self.kind, self.block_size)
+        total = sum(tokens)
+        record = RoundRecord(
+            round=self.round,
+            tokens={c.island: c.tokens for c in contributions},
+            weights={c.island: c.tokens / total for c in contributions},
+            pseudo_gradient_norm={
+                c.island: float(np.sqrt(sum(np.sum(x * x) for x in jax.tree.leaves(c.pseudo_gradient))))
+                for c in contributions
+            },
+            update_bytes=len(payload),
+        )
+        self.history.append(record)
+        logging.info("round %d merged: tokens %s weights %s", self.round, record.tokens, record.weights)
+        self._updates = {self.round: payload}  # only the latest round's update is kept
+        self._pending = {}
+        self.round += 1
+
+    def fetch_update(self, round: int, island: str) -> bytes:
+        """The update bytes for `round` (identical for every island).
+
+        Raises:
+          UpdateNotReady: the round has not been merged yet.
+          ContributionError: the round is older than the latest merged one.
+        """
+        if round in self._updates:
+            return self._updates[round]
+        if round >= self.round:
+            raise UpdateNotReady(f"round {round} is not merged yet; waiting for {sorted(set(self.islands) - set(self._pending))}")
+        raise ContributionError(f"island {island!r} asked for round {round}, older than the latest merged round {self.round - 1}")

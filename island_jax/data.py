@@ -1,0 +1,150 @@
+"""Byte-level text data: corpus discovery, a deterministic split, grain pipelines.
+
+The default corpus is real text found on every machine that runs island_jax:
+the `.py` files of the running interpreter's standard library (located through
+`sysconfig`, so no path is fixed). `data.files`, a glob, takes other text.
+
+Split by file, deterministically: a file is held out for evaluation when the
+CRC32 of its path relative to the corpus root falls in the lowest
+`eval_fraction` of the range, so the held-out set does not move when files
+are added elsewhere; the other files, in sorted order, are dealt round-robin
+to the islands, giving disjoint training shards. A shard is the concatenation
+of its files' bytes, cut into non-overlapping windows of seq_len + 1 bytes
+(inputs and next-byte targets); grain shuffles and batches them.
+"""
+
+from __future__ import annotations
+
+import glob
+import hashlib
+import os
+import sysconfig
+import zlib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Sequence
+
+import grain
+import numpy as np
+
+
+class DataError(ValueError):
+    """The corpus cannot be used as configured."""
+
+
+def stdlib_root() -> Path:
+    """The running interpreter's standard-library folder."""
+    return Path(sysconfig.get_paths()["stdlib"])
+
+
+def find_files(pattern: str = "") -> tuple[Path, list[Path]]:
+    """Corpus root and sorted files: `pattern` (a recursive glob) or the stdlib's *.py.
+
+    Raises:
+      DataError: if nothing matches.
+    """
+    if pattern:
+        files = sorted(Path(p) for p in glob.glob(os.path.expanduser(pattern), recursive=True) if os.path.isfile(p))
+        root = Path(os.path.commonpath([str(f.parent) for f in files])) if files else Path(".")
+    else:
+        root = stdlib_root()
+        skip = ("site-packages", "dist-packages")
+        files = sorted(p for p in root.rglob("*.py") if p.is_file() and not any(s in p.parts for s in skip))
+    if not files:
+        raise DataError(f"data.files={pattern!r} matches no files; give a glob such as '~/text/**/*.txt'")
+    return root, files
+
+
+@dataclass(frozen=True)
+class Corpus:
+    """Held-out evaluation bytes and one training shard per island (uint8 arrays)."""
+
+    eval_bytes: np.ndarray
+    train_bytes: dict[str, np.ndarray]
+    fingerprint: dict
+
+
+def _read(files: Sequence[Path]) -> np.ndarray:
+    return np.frombuffer(b"".join(f.read_bytes() for f in files), np.uint8)
+
+
+def load_corpus(pattern: str, eval_fraction: float, island_names: Sequence[str]) -> Corpus:
+    """Reads and splits the corpus.
+
+    Args:
+      pattern: `config.data.files` ("" for the stdlib).
+      eval_fraction: share of files held out, in (0, 1).
+      island_names: islands in config order; each gets a disjoint shard.
+
+    Returns:
+      A Corpus whose fingerprint holds `files` (count), `bytes` and `sha256`
+      (first 16 hex digits of the hash of the sorted relative paths).
+
+    Raises:
+      DataError: if no file matches, or the split leaves an island or the
+        evaluation set without data.
+    """
+    root, files = find_files(pattern)
+    rel = [f.relative_to(root).as_posix() for f in files]
+    threshold = int(eval_fraction * 2**32)
+    held = [zlib.crc32(r.encode()) < threshold for r in rel]
+    eval_files = [f for f, h in zip(files, held) if h]
+    train_files = [f for f, h in zip(files, held) if not h]
+    n = len(island_names)
+    shards = {name: train_files[i::n] for i, name in enumerate(island_names)}
+    if not eval_files or any(not s for s in shards.values()):
+        raise DataError(
+            f"{len(files)} files cannot be split into an evaluation set and {n} island shards; "
+            "add files or change data.eval_fraction"
+        )
+    fingerprint = dict(
+        files=len(files),
+        bytes=sum(f.stat().st_size for f in files),
+        sha256=hashlib.sha256("\n".join(rel).encode()).hexdigest()[:16],
+        eval_files=len(eval_files),
+    )
+    return Corpus(_read(eval_files), {k: _read(v) for k, v in shards.items()}, fingerprint)
+
+
+class Windows:
+    """Random-access source: item i is bytes [i*L, i*L + L + 1) of `data`, L = seq_len."""
+
+    def __init__(self, data: np.ndarray, seq_len: int):
+        self.data, self.seq_len = data, seq_len
+        self.count = (len(data) - 1) // seq_len
+        if self.count < 1:
+            raise DataError(f"{len(data)} bytes are too few for one sequence of {seq_len + 1}; add text")
+
+    def __len__(self) -> int:
+        return self.count
+
+    def __getitem__(self, i: int) -> np.ndarray:
+        start = int(i) * self.seq_len
+        return self.data[start : start + self.seq_len + 1]
+
+
+def train_dataset(data: np.ndarray, seq_len: int, batch_size: int, seed: int) -> grain.MapDataset:
+    """Shuffled, repeating batches: `ds[step]` is a uint8 array [batch_size, seq_len + 1].
+
+    Indexing by step makes the data position one integer (the inner step count).
+    """
+    return (
+        grain.MapDataset.source(Windows(data, seq_len))
+        .shuffle(seed=seed)
+        .repeat()
+        .batch(batch_size, drop_remainder=True)
+    )
+
+
+def eval_batches(data: np.ndarray, seq_len: int, batch_size: int, num_batches: int) -> list[np.ndarray]:
+    """Fixed evaluation batches: windows spread evenly over the held-out bytes.
+
+    Returns:
+      `num_batches` uint8 arrays [batch_size, seq_len + 1] (fewer windows than
+      asked are reused cyclically).
+    """
+    source = Windows(data, seq_len)
+    wanted = batch_size * num_batches
+    index = np.linspace(0, len(source) - 1, wanted).round().astype(int) if len(source) >= wanted else np.arange(wanted) % len(source)
+    windows = np.stack([source[i] for i in index])
+    return list(windows.reshape(num_batches, batch_size, seq_len + 1))

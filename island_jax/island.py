@@ -1,0 +1,215 @@
+"""An island: one JAX mesh training a full replica of the model on its own data.
+
+Per round (DiLoCo, arXiv 2311.08105, Algorithm 1): H jitted inner AdamW steps
+from the anchor (the global parameters of the round's start), then the
+pseudo-gradient anchor - params over `nnx.Param`s, encoded for the wire. When
+the coordinator's update arrives, the island applies it to its host copy of the
+global parameters with the shared `codec.decode_and_apply`, and those exact bits
+become both the new anchor and the new local parameters. The AdamW state is kept
+across rounds, as DiLoCo does.
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+from typing import Any, Sequence
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+import optax
+from flax import nnx
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from island_jax import data as data_lib
+from island_jax.models.moe import BATCH_AXES
+from island_jax.outer import codec
+from island_jax.params import checksum
+
+
+def inner_optimizer(config: ml_collections.ConfigDict, total_steps: int) -> optax.GradientTransformation:
+    """AdamW with global-norm clipping and warm-up + cosine decay over `total_steps` inner steps.
+
+    Weight decay applies to matrices only (rank >= 2), not to norms' scales.
+    """
+    i = config.inner
+    schedule = optax.warmup_cosine_decay_schedule(
+        init_value=0.0,
+        peak_value=i.learning_rate,
+        warmup_steps=min(i.warmup_steps, max(total_steps - 1, 0)),
+        decay_steps=max(total_steps, 1),
+        end_value=i.learning_rate * i.min_learning_rate_ratio,
+    )
+    return optax.chain(
+        optax.clip_by_global_norm(i.grad_clip_norm),
+        optax.adamw(
+            schedule,
+            b1=i.b1,
+            b2=i.b2,
+            eps=i.eps,
+            weight_decay=i.weight_decay,
+            mask=lambda p: jax.tree.map(lambda x: x.ndim >= 2, p),
+        ),
+    )
+
+
+def cross_entropy(logits: jax.Array, targets: jax.Array) -> jax.Array:
+    """Mean next-byte cross-entropy in nats. logits [B, S, V] float32, targets [B, S] int."""
+    return jnp.mean(optax.softmax_cross_entropy_with_integer_labels(logits, targets))
+
+
+def loss_fn(graphdef, params, inputs, targets, moe_config):
+    """Training loss: cross-entropy + load-balancing and router z-loss terms, with metrics."""
+    logits, stats = nnx.merge(graphdef, nnx.State(params))(inputs)
+    ce = cross_entropy(logits, targets)
+    loss = (
+        ce
+        + moe_config.load_balancing_loss_coef * stats["load_balancing_loss"]
+        + moe_config.router_z_loss_coef * stats["router_z_loss"]
+    )
+    return loss, dict(stats, cross_entropy=ce, loss=loss)
+
+
+class Island:
+    """One island: its mesh, parameters, AdamW state, anchor and data shard.
+
+    Args:
+      name: the island's key in `config.islands`.
+      config: the run's validated config.
+      devices: this island's own devices (len = islands.NAME.num_devices).
+      graphdef, params, specs: from `params.init_params(config)` (params are
+        the seeded initial values as NumPy arrays).
+      train_bytes: the island's training shard (uint8 [N]).
+      total_rounds: rounds in the run, for the learning-rate schedule.
+    """
+
+    def __init__(
+        self,
+        name: str,
+        config: ml_collections.ConfigDict,
+        devices: Sequence[jax.Device],
+        graphdef: nnx.GraphDef,
+        params: dict,
+        specs: dict,
+        train_bytes: np.ndarray,
+        total_rounds: int,
+    ):
+        cfg = config.islands[name]
+        self.name, self.config = name, config
+        self.inner_steps = cfg.inner_steps
+        self.batch_size = cfg.batch_size
+        self.seq_len = config.model.seq_len
+        self.mesh = jax.make_mesh((cfg.mesh.data, cfg.mesh.expert), ("data", "expert"), devices=devices)
+        self._param_sharding = jax.tree.map(
+            lambda s: NamedSharding(self.mesh, s), specs, is_leaf=lambda x: isinstance(x, P)
+        )
+        self._batch_sharding = NamedSharding(self.mesh, P(BATCH_AXES))
+        self.global_params = params  # host copy of the global view (NumPy): the anchor
+        self.initial_checksum = checksum(params)
+        self.tx = inner_optimizer(config, cfg.inner_steps * total_rounds)
+        self.dataset = data_lib.train_dataset(train_bytes, self.seq_len, cfg.batch_size, config.seed)
+        self.step = 0  # inner steps taken: also the data position
+        self.tokens_per_step = cfg.batch_size * self.seq_len
+
+        moe_config = config.moe
+        tx = self.tx
+
+        def train_step(params, opt_state, inputs, targets):
+            grad_fn = jax.value_and_grad(functools.partial(loss_fn, graphdef), has_aux=True)
+            (_, metrics), grads = grad_fn(params, inputs, targets, moe_config)
+            updates, opt_state = tx.update(grads, opt_state, params)
+            params = optax.apply_updates(params, updates)
+            return params, opt_state, dict(metrics, grad_norm=optax.global_norm(grads))
+
+        def eval_step(params, inputs, targets):
+            logits, _ = nnx.merge(graphdef, nnx.State(params))(inputs)
+            return cross_entropy(logits, targets)
+
+        def pseudo_gradient(anchor, params):
+            return jax.tree.map(lambda a, p: a.astype(jnp.float32) - p.astype(jnp.float32), anchor, params)
+
+        self._train_step = jax.jit(train_step, donate_argnums=(0, 1))
+        self._eval_step = jax.jit(eval_step)
+        self._pseudo_gradient = jax.jit(pseudo_gradient)
+        with jax.set_mesh(self.mesh):
+            self.params = self._place(params)
+            self.anchor = self._place(params)
+            self.opt_state = jax.jit(tx.init)(self.params)
+
+    def _place(self, host_params: dict) -> dict:
+        return jax.device_put(host_params, self._param_sharding)
+
+    def _batch(self, windows: np.ndarray) -> tuple[jax.Array, jax.Array]:
+        windows = windows.astype(np.int32)
+        return (
+            jax.device_put(windows[:, :-1], self._batch_sharding),
+            jax.device_put(windows[:, 1:], self._batch_sharding),
+        )
+
+    def train_round(self, num_steps: int | None = None) -> dict:
+        """Runs `num_steps` (default H) inner steps from the current parameters.
+
+        Returns:
+          dict with `steps`, `tokens` (processed this round), `seconds` (wall),
+          and per-step lists `loss`, `cross_entropy`, `load_balancing_loss`,
+          `router_z_loss`, `dropped_fraction`, `grad_norm`, plus
+          `expert_load` of the last step [num_layers, E].
+        """
+        num_steps = self.inner_steps if num_steps is None else num_steps
+        start = time.perf_counter()
+        history = []
+        with jax.set_mesh(self.mesh):
+            for _ in range(num_steps):
+                inputs, targets = self._batch(self.dataset[self.step])
+                self.params, self.opt_state, metrics = self._train_step(self.params, self.opt_state, inputs, targets)
+                history.append(metrics)
+                self.step += 1
+            history = jax.device_get(history)
+        seconds = time.perf_counter() - start
+        keys = ("loss", "cross_entropy", "load_balancing_loss", "router_z_loss", "dropped_fraction", "grad_norm")
+        out = {k: [float(m[k]) for m in history] for k in keys}
+        out.update(
+            steps=num_steps,
+            tokens=num_steps * self.tokens_per_step,
+            seconds=seconds,
+            expert_load=np.asarray(history[-1]["expert_load"]) if history else None,
+        )
+        return out
+
+    def encode_pseudo_gradient(self) -> bytes:
+        """anchor - params (float32, on device), encoded with `config.codec`; host bytes."""
+        with jax.set_mesh(self.mesh):
+            pg = self._pseudo_gradient(self.anchor, self.params)
+            return codec.encode(pg, self.config.codec.kind, self.config.codec.block_size)
+
+    def apply_update(self, payload: bytes) -> None:
+        """Applies the coordinator's update to the global view; it becomes anchor and params.
+
+        Raises:
+          CodecError: if the payload does not fit the model.
+        """
+        self.global_params = codec.decode_and_apply(
+            self.global_params, payload, self.config.codec.kind, self.config.codec.block_size
+        )
+        with jax.set_mesh(self.mesh):
+            self.params = self._place(self.global_params)
+            self.anchor = self._place(self.global_params)
+
+    def keep_local(self) -> None:
+        """Without an outer loop: the local parameters become the new global ones."""
+        self.global_params = jax.tree.map(np.asarray, jax.device_get(self.params))
+        with jax.set_mesh(self.mesh):
+            self.anchor = self._place(self.global_params)
+
+    def params_checksum(self) -> str:
+        """Checksum of the parameters on the island's devices (gathered to the host)."""
+        return checksum(jax.device_get(self.params))
+
+    def evaluate(self, batches: Sequence[np.ndarray]) -> float:
+        """Mean cross-entropy (nats per byte) of the current parameters over fixed batches."""
+        with jax.set_mesh(self.mesh):
+            losses = [self._eval_step(self.params, *self._batch(b)) for b in batches]
+            return float(np.mean(jax.device_get(losses)))

@@ -1,0 +1,1 @@
+"""Models: a decoder-only transformer whose feed-forward layers are expert-parallel MoE."""

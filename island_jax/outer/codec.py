@@ -1,0 +1,175 @@
+"""Wire codecs for pseudo-gradients.
+
+A payload is the concatenation, in pytree-flatten order, of each leaf's encoding;
+the shapes and dtypes are not sent, since both ends know the model. Kinds:
+
+  none  float32 little-endian, 4 bytes per element.
+  bf16  bfloat16, 2 bytes per element.
+  int8  blockwise absmax quantization (as in 8-bit optimizers, Dettmers et al.,
+        arXiv 2110.02861; used for DiLoCo pseudo-gradients by INTELLECT-1, arXiv
+        2412.01152): each leaf is flattened and cut into blocks of `block_size`
+        elements (the last block may be short); a block's float32 scale is
+        absmax / 127 and its codes are round(x / scale) clipped to [-127, 127].
+        A leaf of n elements costs n + 4 * ceil(n / block_size) bytes, so a
+        model of P parameters costs about P * (1 + 4 / block_size) bytes. An
+        all-zero block has scale 0 and decodes to exact zeros.
+
+`encode` runs with jax.numpy (on device for an island, on the CPU for the
+coordinator) and returns host bytes; `decode` and `decode_and_apply` run in
+NumPy on the host, so every process that applies the same bytes to the same
+parameters gets the same bits, whatever its accelerator.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+
+KINDS = ("none", "bf16", "int8")
+_INT8_MAX = 127
+
+
+class CodecError(ValueError):
+    """A payload does not match what the codec expects (size, kind)."""
+
+
+def _check_kind(kind: str) -> None:
+    if kind not in KINDS:
+        raise CodecError(f"unknown codec kind {kind!r}; choose one of {KINDS}")
+
+
+def leaf_bytes(size: int, kind: str, block_size: int) -> int:
+    """Bytes on the wire for one leaf of `size` elements."""
+    _check_kind(kind)
+    if kind == "none":
+        return 4 * size
+    if kind == "bf16":
+        return 2 * size
+    return size + 4 * math.ceil(size / block_size)
+
+
+def payload_bytes(like: Any, kind: str, block_size: int) -> int:
+    """Bytes of a whole payload for a pytree shaped like `like` (arrays or ShapeDtypeStructs)."""
+    return sum(leaf_bytes(int(np.prod(x.shape)), kind, block_size) for x in jax.tree.leaves(like))
+
+
+@functools.partial(jax.jit, static_argnames=("block_size",))
+def _int8_leaf(x: jax.Array, block_size: int) -> tuple[jax.Array, jax.Array]:
+    flat = x.astype(jnp.float32).reshape(-1)
+    n = flat.shape[0]
+    num_blocks = -(-n // block_size)
+    blocks = jnp.pad(flat, (0, num_blocks * block_size - n)).reshape(num_blocks, block_size)
+    absmax = jnp.max(jnp.abs(blocks), axis=1)
+    scale = absmax / _INT8_MAX
+    safe = jnp.where(scale > 0, scale, 1.0)
+    codes = jnp.clip(jnp.round(blocks / safe[:, None]), -_INT8_MAX, _INT8_MAX).astype(jnp.int8)
+    return codes.reshape(-1)[:n], scale
+
+
+def encode(tree: Any, kind: str, block_size: int) -> bytes:
+    """Encodes a pytree of floating arrays into one payload.
+
+    Args:
+      tree: pytree of float arrays of any rank and size (scalars, bfloat16
+        included); values must be finite.
+      kind: "none", "bf16" or "int8".
+      block_size: elements per int8 scale (ignored by the other kinds).
+
+    Returns:
+      The payload: `payload_bytes(tree, kind, block_size)` bytes.
+
+    Raises:
+      CodecError: on an unknown kind or a block_size <= 0.
+    """
+    _check_kind(kind)
+    if block_size <= 0:
+        raise CodecError(f"block_size is {block_size}; it must be a positive number of elements")
+    parts: list[bytes] = []
+    for leaf in jax.tree.leaves(tree):
+        if kind == "none":
+            parts.append(np.asarray(jnp.asarray(leaf, jnp.float32)).astype("<f4").tobytes())
+        elif kind == "bf16":
+            parts.append(np.asarray(jnp.asarray(leaf).astype(jnp.bfloat16)).tobytes())
+        else:
+            codes, scale = jax.device_get(_int8_leaf(jnp.asarray(leaf), block_size))
+            parts.append(np.asarray(codes).tobytes())
+            parts.append(np.asarray(scale).astype("<f4").tobytes())
+    return b"".join(parts)
+
+
+def decode(payload: bytes, like: Any, kind: str, block_size: int) -> Any:
+    """Decodes a payload into float32 NumPy arrays shaped like `like`.
+
+    Args:
+      payload: bytes from `encode` for a pytree with `like`'s structure and shapes.
+      like: pytree of arrays or ShapeDtypeStructs giving structure and shapes.
+      kind, block_size: as given to `encode`.
+
+    Returns:
+      A pytree with `like`'s structure of float32 `np.ndarray`s.
+
+    Raises:
+      CodecError: if the payload's size differs from what `like` implies.
+    """
+    _check_kind(kind)
+    expected = payload_bytes(like, kind, block_size)
+    if len(payload) != expected:
+        raise CodecError(
+            f"payload is {len(payload)} bytes but a {kind} payload for these parameters is {expected} bytes; "
+            "the sender uses a different model shape, codec or block_size"
+        )
+    buf = memoryview(payload)
+    leaves, treedef = jax.tree.flatten(like)
+    out, offset = [], 0
+    for leaf in leaves:
+        shape = tuple(leaf.shape)
+        n = int(np.prod(shape))
+        if kind == "none":
+            values = np.frombuffer(buf, "<f4", n, offset).astype(np.float32)
+            offset += 4 * n
+        elif kind == "bf16":
+            values = np.frombuffer(buf, ml_dtypes.bfloat16, n, offset).astype(np.float32)
+            offset += 2 * n
+        else:
+            num_blocks = math.ceil(n / block_size)
+            codes = np.frombuffer(buf, np.int8, n, offset)
+            scale = np.frombuffer(buf, "<f4", num_blocks, offset + n).astype(np.float32)
+            offset += n + 4 * num_blocks
+            padded = np.zeros(num_blocks * block_size, np.float32)
+            padded[:n] = codes
+            values = (padded.reshape(num_blocks, block_size) * scale[:, None]).reshape(-1)[:n]
+        out.append(values.reshape(shape))
+    return jax.tree.unflatten(treedef, out)
+
+
+def decode_and_apply(params: Any, payload: bytes, kind: str, block_size: int) -> Any:
+    """The one host-side update rule: `params + decode(payload)` in float32, cast back.
+
+    The coordinator (for its island view) and every island call this with the
+    same bytes and the same parameters, so all of them hold identical bits.
+
+    Args:
+      params: pytree of NumPy-convertible arrays (any float dtype).
+      payload: an update encoded for `params`' structure.
+
+    Returns:
+      A pytree of NumPy arrays with `params`' dtypes.
+
+    Raises:
+      CodecError: if the payload's size does not fit `params`.
+    """
+    delta = decode(payload, params, kind, block_size)
+    return jax.tree.map(
+        lambda p, d: (np.asarray(p, np.float32) + d).astype(np.asarray(p).dtype), params, delta
+    )
+
+
+def all_finite(tree: Any) -> bool:
+    """True if every element of every leaf is finite."""
+    return all(bool(np.isfinite(np.asarray(x)).all()) for x in jax.tree.leaves(tree))

@@ -1,0 +1,178 @@
+"""`train_and_evaluate(config, workdir)`: every island and the coordinator in one process.
+
+The islands run one after another on their own slices of this process's
+devices and reach the coordinator through the in-process transport; the
+multi-process launch swaps only the transport. Writes to `workdir`:
+`config.json`, `metrics.jsonl` (inner steps, rounds, evaluations) and
+`summary.json`.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+import jax
+import ml_collections
+import numpy as np
+from absl import logging
+
+from island_jax import config as config_lib
+from island_jax import data as data_lib
+from island_jax.comm.transport import InProcessTransport
+from island_jax.coordinator import Coordinator
+from island_jax.island import Island
+from island_jax.metrics import MetricsWriter, write_json
+from island_jax.outer import codec
+from island_jax.params import count, init_params
+
+
+def _eta(seconds: float) -> str:
+    m, s = divmod(int(round(seconds)), 60)
+    return f"{m}m{s:02d}s"
+
+
+def build_islands(config: ml_collections.ConfigDict, corpus: data_lib.Corpus, graphdef, params, specs) -> list[Island]:
+    """One Island per `config.islands` entry, each on its own consecutive slice of `jax.devices()`."""
+    devices, islands, start = jax.devices(), [], 0
+    for name, cfg in config.islands.items():
+        island_devices = devices[start : start + cfg.num_devices]
+        start += cfg.num_devices
+        islands.append(
+            Island(name, config, island_devices, graphdef, params, specs, corpus.train_bytes[name], config.outer.rounds)
+        )
+    return islands
+
+
+def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
+    """Trains the model with the DiLoCo outer loop (or none) and evaluates it.
+
+    Args:
+      config: see `island_jax.config`; validated here before anything compiles.
+      workdir: output folder (created).
+
+    Returns:
+      The summary, also written to `workdir/summary.json`: `rounds`, `params`,
+      `codec`, `block_size`, `corpus` (fingerprint), `eval_loss_initial`,
+      `eval_loss_final` (nats per byte on the held-out files), `wall_seconds`,
+      and `islands.NAME.{inner_steps, tokens, bytes_sent, bytes_received}`.
+
+    Raises:
+      ConfigError: on an invalid config (before compiling).
+      HandshakeError: if an island's initial parameters differ from the coordinator's.
+      RuntimeError: if islands end a round holding different global parameters.
+    """
+    config_lib.validate(config, num_available_devices=len(jax.devices()))
+    start = time.perf_counter()
+    os.makedirs(workdir, exist_ok=True)
+    with open(os.path.join(workdir, "config.json"), "w", encoding="utf-8") as f:
+        f.write(config.to_json_best_effort(indent=2, sort_keys=True))
+    metrics = MetricsWriter(os.path.join(workdir, "metrics.jsonl"))
+
+    names = list(config.islands.keys())
+    corpus = data_lib.load_corpus(config.data.files, config.data.eval_fraction, names)
+    logging.info("corpus: %s", corpus.fingerprint)
+    eval_batches = data_lib.eval_batches(
+        corpus.eval_bytes, config.model.seq_len, config.eval.batch_size, config.eval.num_batches
+    )
+    graphdef, params, specs = init_params(config)
+    num_params = count(params)
+    islands = build_islands(config, corpus, graphdef, params, specs)
+    transport = None
+    if config.outer.enabled:
+        transport = InProcessTransport(Coordinator(config, params, names))
+        for isl in islands:
+            transport.join(isl.name, config_lib.fingerprint(config), isl.initial_checksum)
+    wire_bytes = codec.payload_bytes(params, config.codec.kind, config.codec.block_size)
+    logging.info(
+        "%d parameters; islands %s; codec %s (%d bytes per payload)",
+        num_params,
+        {i.name: dict(devices=len(i.mesh.devices.flat), batch=i.batch_size, inner_steps=i.inner_steps) for i in islands},
+        config.codec.kind,
+        wire_bytes,
+    )
+
+    evaluator = islands[0]
+    eval_initial = evaluator.evaluate(eval_batches)
+    metrics.write(dict(kind="eval", round=0, eval_loss=eval_initial))
+    logging.info("round 0: eval loss %.4f nats/byte", eval_initial)
+    totals = {i.name: dict(inner_steps=0, tokens=0, bytes_sent=0, bytes_received=0) for i in islands}
+    eval_loss = eval_initial
+    loop_start = time.perf_counter()
+    rounds = config.outer.rounds
+    for r in range(rounds):
+        round_start = time.perf_counter()
+        losses = {}
+        for isl in islands:
+            step0 = isl.step
+            result = isl.train_round()
+            for j in range(result["steps"]):
+                metrics.write(
+                    dict(
+                        kind="inner",
+                        island=isl.name,
+                        round=r,
+                        step=step0 + j + 1,
+                        **{k: result[k][j] for k in ("loss", "cross_entropy", "load_balancing_loss", "router_z_loss", "dropped_fraction", "grad_norm")},
+                        tokens_per_second=result["tokens"] / result["seconds"],
+                    )
+                )
+            losses[isl.name] = float(np.mean(result["cross_entropy"]))
+            totals[isl.name]["inner_steps"] += result["steps"]
+            totals[isl.name]["tokens"] += result["tokens"]
+            if transport is not None:
+                payload = isl.encode_pseudo_gradient()
+                transport.contribute(r, isl.name, result["tokens"], payload)
+                totals[isl.name]["bytes_sent"] += len(payload)
+            metrics.write(
+                dict(kind="island_round", island=isl.name, round=r, seconds=result["seconds"], tokens=result["tokens"],
+                     expert_load=result["expert_load"])
+            )
+        for isl in islands:
+            if transport is None:
+                isl.keep_local()
+                continue
+            update = transport.fetch_update(r, isl.name)
+            isl.apply_update(update)
+            totals[isl.name]["bytes_received"] += len(update)
+        checksums = {isl.name: isl.params_checksum() for isl in islands}
+        if len(set(checksums.values())) != 1:
+            raise RuntimeError(f"islands hold different global parameters after round {r + 1}: {checksums}")
+        record = dict(kind="round", round=r + 1, seconds=time.perf_counter() - round_start, checksum=checksums[names[0]],
+                      train_loss=losses)
+        if transport is not None:
+            rec = transport.coordinator.history[-1]
+            record.update(tokens=rec.tokens, weights=rec.weights, pseudo_gradient_norm=rec.pseudo_gradient_norm,
+                          update_bytes=rec.update_bytes)
+        if (r + 1) % config.eval.every_rounds == 0 or r + 1 == rounds:
+            eval_loss = evaluator.evaluate(eval_batches)
+            metrics.write(dict(kind="eval", round=r + 1, eval_loss=eval_loss))
+            record["eval_loss"] = eval_loss
+        metrics.write(record)
+        elapsed = time.perf_counter() - loop_start
+        sent = sum(len_ for len_ in (totals[n]["bytes_sent"] for n in names)) / (r + 1)
+        logging.info(
+            "round %d/%d | loss %s | eval %.4f | sent %.2f MB/round | %.1f s | ETA %s",
+            r + 1,
+            rounds,
+            " ".join(f"{k}={v:.4f}" for k, v in losses.items()),
+            eval_loss,
+            sent / 1e6,
+            record["seconds"],
+            _eta(elapsed / (r + 1) * (rounds - r - 1)),
+        )
+    metrics.close()
+    summary = dict(
+        rounds=rounds,
+        params=num_params,
+        codec=config.codec.kind,
+        block_size=config.codec.block_size,
+        corpus=corpus.fingerprint,
+        eval_loss_initial=eval_initial,
+        eval_loss_final=eval_loss,
+        wall_seconds=time.perf_counter() - start,
+        islands=totals,
+    )
+    write_json(os.path.join(workdir, "summary.json"), summary)
+    logging.info("done in %.1f s: eval loss %.4f -> %.4f nats/byte", summary["wall_seconds"], eval_initial, eval_loss)
+    return summary
