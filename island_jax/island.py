@@ -165,6 +165,9 @@ class Island:
             for _ in range(num_steps):
                 inputs, targets = self._batch(self.dataset[self.step])
                 self.params, self.opt_state, metrics = self._train_step(self.params, self.opt_state, inputs, targets)
+                # One step in flight at a time: XLA:CPU's in-process collectives can
+                # deadlock when consecutive steps' all-to-alls interleave across devices.
+                jax.block_until_ready(metrics)
                 history.append(metrics)
                 self.step += 1
             history = jax.device_get(history)

@@ -24,7 +24,7 @@ from island_jax.coordinator import Coordinator
 from island_jax.island import Island
 from island_jax.metrics import MetricsWriter, write_json
 from island_jax.outer import codec
-from island_jax.params import count, init_params
+from island_jax.params import checksum, count, init_params
 
 
 def _eta(seconds: float) -> str:
@@ -136,9 +136,11 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
             isl.apply_update(update)
             totals[isl.name]["bytes_received"] += len(update)
         checksums = {isl.name: isl.params_checksum() for isl in islands}
+        if transport is not None:
+            checksums["coordinator"] = checksum(transport.coordinator.view)
         if len(set(checksums.values())) != 1:
             raise RuntimeError(f"islands hold different global parameters after round {r + 1}: {checksums}")
-        record = dict(kind="round", round=r + 1, seconds=time.perf_counter() - round_start, checksum=checksums[names[0]],
+        record = dict(kind="round", round=r + 1, seconds=time.perf_counter() - round_start, checksums=checksums,
                       train_loss=losses)
         if transport is not None:
             rec = transport.coordinator.history[-1]

@@ -74,12 +74,16 @@ class Transformer(nnx.Module):
     def __init__(self, config: ml_collections.ConfigDict, *, rngs: nnx.Rngs):
         m = config.model
         pd, cd = _dtype(m.param_dtype), _dtype(m.compute_dtype)
-        self.embedding = nnx.Param(jax.random.normal(rngs.params(), (m.vocab_size, m.d_model), pd))
+        self.embedding = nnx.Param(0.02 * jax.random.normal(rngs.params(), (m.vocab_size, m.d_model), pd))
         self.compute_dtype = cd
         self.position = nnx.Param(0.02 * jax.random.normal(rngs.params(), (m.seq_len, m.d_model), pd))
         self.blocks = nnx.List([Block(config, rngs=rngs) for _ in range(m.num_layers)])
         self.final_norm = nnx.RMSNorm(m.d_model, param_dtype=pd, dtype=cd, rngs=rngs)
-        self.head = nnx.Linear(m.d_model, m.vocab_size, use_bias=False, param_dtype=pd, dtype=cd, rngs=rngs)
+        # A small output init keeps the first loss near ln(vocab_size) (uniform bytes).
+        self.head = nnx.Linear(
+            m.d_model, m.vocab_size, use_bias=False, kernel_init=nnx.initializers.normal(0.02),
+            param_dtype=pd, dtype=cd, rngs=rngs,
+        )
 
     def __call__(self, tokens: jax.Array) -> tuple[jax.Array, dict]:
         # A one-hot matmul rather than a gather: it keeps the batch sharding under

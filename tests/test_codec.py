@@ -1,0 +1,79 @@
+"""int8 / bf16 / none codecs on awkward pytrees."""
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+
+from island_jax.outer import codec
+
+
+def _tree():
+    rng = np.random.default_rng(0)
+    return {
+        "scalar": np.float32(-0.37),
+        "vector": rng.normal(size=5).astype(np.float32),
+        "matrix": rng.normal(size=(3, 7)).astype(np.float32),
+        "tensor": (rng.normal(size=(4, 3, 5)) * 100).astype(np.float32),
+        "bf16": jnp.asarray(rng.normal(size=16), jnp.bfloat16),
+    }
+
+
+def test_int8_shapes_dtypes_and_error_bound():
+    tree = _tree()
+    payload = codec.encode(tree, "int8", 256)
+    assert len(payload) == codec.payload_bytes(tree, "int8", 256) == (1 + 5 + 21 + 60 + 16) + 4 * 5
+    decoded = codec.decode(payload, tree, "int8", 256)
+    assert jax.tree.structure(decoded) == jax.tree.structure(tree)
+    applied = codec.decode_and_apply(jax.tree.map(np.zeros_like, tree), payload, "int8", 256)
+    for key, x in tree.items():
+        x32 = np.asarray(x, np.float32).reshape(-1)
+        assert decoded[key].shape == np.shape(x) and decoded[key].dtype == np.float32
+        assert applied[key].dtype == np.asarray(x).dtype and applied[key].shape == np.shape(x)
+        bound = np.abs(x32).max() / 254 * (1 + 1e-6)
+        got = np.asarray(applied[key], np.float32).reshape(-1)
+        ulp_half = np.spacing(np.abs(got).astype(np.asarray(x).dtype)).astype(np.float32) / 2
+        assert np.all(np.abs(decoded[key].reshape(-1) - x32) <= bound)
+        assert np.all(np.abs(got - x32) <= bound + ulp_half)
+
+
+def test_int8_zero_blocks_are_exact_and_finite():
+    rng = np.random.default_rng(1)
+    t = rng.normal(size=(8, 64, 256)).astype(np.float32)
+    t[3] = 0.0
+    one = np.zeros((1000,), np.float32)
+    one[617] = 1.0
+    tree = {"t": t, "one": one}
+    payload = codec.encode(tree, "int8", 256)
+    decoded = codec.decode(payload, tree, "int8", 256)
+    assert np.all(decoded["t"][3] == 0.0)
+    np.testing.assert_array_equal(decoded["one"], one)  # 1.0 is code 127 x scale 1/127
+    for leaf in jax.tree.leaves(decoded):
+        assert np.isfinite(leaf).all()
+    # Scales sit after each leaf's codes; read them back raw.
+    n_one = one.size
+    scales = np.frombuffer(payload, "<f4", 4, n_one)
+    assert np.isfinite(scales).all() and (scales >= 0).all()
+    np.testing.assert_array_equal(scales, [0.0, 0.0, 1 / 127, 0.0])
+
+
+@pytest.mark.parametrize("kind,per_element", [("none", 4), ("bf16", 2)])
+def test_float_codecs(kind, per_element):
+    tree = _tree()
+    payload = codec.encode(tree, kind, 256)
+    assert len(payload) == per_element * (1 + 5 + 21 + 60 + 16)
+    decoded = codec.decode(payload, tree, kind, 256)
+    for key, x in tree.items():
+        expect = np.asarray(x, np.float32)
+        if kind == "bf16":
+            expect = expect.astype(ml_dtypes.bfloat16).astype(np.float32)
+        np.testing.assert_array_equal(decoded[key], expect)
+
+
+def test_wrong_size_and_kind_are_refused():
+    tree = {"w": np.ones(10, np.float32)}
+    with pytest.raises(codec.CodecError, match="payload is 3 bytes but a int8 payload for these parameters is 14 bytes"):
+        codec.decode(b"abc", tree, "int8", 256)
+    with pytest.raises(codec.CodecError, match="unknown codec kind 'int4'"):
+        codec.encode(tree, "int4", 256)

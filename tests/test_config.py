@@ -1,0 +1,65 @@
+"""Config validation: every rule names its field and the fix, before anything compiles."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from island_jax.config import ConfigError, default_config, island, validate
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _two_islands():
+    c = default_config()
+    c.islands.a = island(4, 2, 2, 16, 25)
+    c.islands.b = island(2, 1, 2, 8, 25)
+    return c
+
+
+def test_two_islands_is_valid():
+    validate(_two_islands(), num_available_devices=6)
+
+
+@pytest.mark.parametrize(
+    "edit,message",
+    [
+        (lambda c: c.islands.b.update(num_devices=4),
+         r"islands\.b\.mesh has data=1, expert=2 \(2 devices\) but islands\.b\.num_devices is 4"),
+        (lambda c: c.moe.update(num_experts=5), r"moe\.num_experts=5 is not divisible by islands\.a\.mesh\.expert=2"),
+        (lambda c: c.islands.a.update(batch_size=10), r"islands\.a\.batch_size=10 is not divisible by data x expert = 4"),
+        (lambda c: c.moe.update(num_experts_per_token=5), r"moe\.num_experts_per_token \(top-k\) is 5 but moe\.num_experts is 4"),
+        (lambda c: c.codec.update(kind="int3"), r"codec\.kind is 'int3', an unknown codec"),
+        (lambda c: c.codec.update(block_size=0), r"codec\.block_size is 0"),
+        (lambda c: c.islands.b.update(inner_steps=0), r"islands\.b\.inner_steps is 0"),
+        (lambda c: c.model.update(num_heads=3), r"model\.d_model=128 is not divisible by model\.num_heads=3"),
+        (lambda c: c.outer.update(enabled=False), r"outer\.enabled is False but there are 2 islands"),
+    ],
+)
+def test_rules(edit, message):
+    c = _two_islands()
+    edit(c)
+    with pytest.raises(ConfigError, match=message):
+        validate(c)
+
+
+def test_more_devices_than_the_machine_has():
+    with pytest.raises(ConfigError, match=r"the islands need 6 devices in all .* this machine has 4"):
+        validate(_two_islands(), num_available_devices=4)
+
+
+def test_error_text_starts_with_its_kind():
+    assert str(ConfigError("x")) == "ConfigError: x"
+
+
+def test_cli_refuses_bad_config_before_compiling(tmp_path):
+    workdir = tmp_path / "run"
+    proc = subprocess.run(
+        [sys.executable, "experiments/train.py", "--config=experiments/configs/two_islands.py",
+         f"--workdir={workdir}", "--config.moe.num_experts=5"],
+        cwd=ROOT, capture_output=True, text=True, timeout=120,
+    )
+    assert proc.returncode == 1
+    assert "ConfigError: moe.num_experts=5 is not divisible by islands.a.mesh.expert=2" in proc.stderr
+    assert not workdir.exists()  # stopped before anything was written or compiled

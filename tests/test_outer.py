@@ -1,0 +1,103 @@
+"""Outer step and token-weighted merge, through the coordinator's real path."""
+
+import numpy as np
+import pytest
+
+from island_jax.config import default_config, fingerprint, island
+from island_jax.coordinator import ContributionError, Coordinator, HandshakeError, UpdateNotReady
+from island_jax.outer import codec
+from island_jax.outer.merge import weighted_mean
+from island_jax.params import checksum
+
+
+def _config(lr, momentum, nesterov, kind="none"):
+    c = default_config()
+    c.islands.a = island(4, 2, 2, 16, 10)
+    c.islands.b = island(2, 1, 2, 8, 10)
+    c.outer.learning_rate, c.outer.momentum, c.outer.nesterov = lr, momentum, nesterov
+    c.codec.kind = kind
+    return c
+
+
+def _coordinator(config, start):
+    coord = Coordinator(config, {"w": np.asarray(start, np.float32)}, ["a", "b"])
+    for name in ("a", "b"):
+        coord.join(name, fingerprint(config), coord.checksum)
+    return coord
+
+
+def _round(coord, config, ends, tokens=(1000, 1000)):
+    """Islands end the round at `ends`; returns the view after the update."""
+    r = coord.round
+    anchor = coord.view["w"]
+    for name, end, t in zip(("a", "b"), ends, tokens):
+        pg = {"w": anchor - np.asarray(end, np.float32)}
+        coord.contribute(r, name, t, codec.encode(pg, config.codec.kind, config.codec.block_size))
+    return coord.fetch_update(r, "a")
+
+
+def test_sgd_lr1_is_parameter_averaging():
+    config = _config(1.0, 0.0, False)
+    coord = _coordinator(config, [1.0, 1.0])
+    _round(coord, config, ([0.5, 1.5], [0.7, 1.1]))
+    np.testing.assert_allclose(coord.master["w"], [0.6, 1.3], rtol=1e-6)
+    np.testing.assert_allclose(coord.view["w"], [0.6, 1.3], rtol=1e-6)
+
+
+def test_nesterov_momentum_survives_between_rounds():
+    config = _config(0.7, 0.9, True)
+    coord = _coordinator(config, [1.0, 1.0])
+    _round(coord, config, ([0.5, 1.5], [0.7, 1.1]))
+    np.testing.assert_allclose(coord.master["w"], [0.468, 1.399], rtol=1e-6)
+    # The same pseudo-gradients again, relative to the new anchor.
+    anchor = coord.view["w"]
+    _round(coord, config, (anchor - [0.5, -0.5], anchor - [0.3, -0.1]))
+    np.testing.assert_allclose(coord.master["w"], [-0.2908, 1.9681], rtol=1e-6)
+
+
+def test_token_weighting():
+    merged = weighted_mean([{"w": np.array([0.6])}, {"w": np.array([0.3])}], [4096, 2048])
+    np.testing.assert_allclose(merged["w"], [0.5], rtol=1e-6)
+    config = _config(1.0, 0.0, False)
+    coord = _coordinator(config, [1.0])
+    _round(coord, config, ([0.4], [0.7]), tokens=(4096, 2048))
+    np.testing.assert_allclose(coord.master["w"], [0.5], rtol=1e-6)  # uniform would give 0.55
+
+
+def test_same_update_bytes_for_every_island_and_view_follows_them():
+    config = _config(0.7, 0.9, True, kind="int8")
+    coord = _coordinator(config, np.linspace(-1, 1, 300))
+    island_view = {"w": coord.view["w"].copy()}
+    payload = _round(coord, config, (np.linspace(-1, 1, 300) * 0.9, np.linspace(-1, 1, 300) * 1.1 + 0.01))
+    assert coord.fetch_update(0, "b") == payload
+    island_view = codec.decode_and_apply(island_view, payload, "int8", config.codec.block_size)
+    assert checksum(island_view) == checksum(coord.view)
+    # What int8 lost is still in master - view, to be sent next round.
+    assert np.abs(coord.master["w"] - coord.view["w"]).max() > 0
+
+
+def test_refuses_non_finite_and_wrong_round():
+    config = _config(1.0, 0.0, False)
+    coord = _coordinator(config, [1.0, 1.0])
+    bad = codec.encode({"w": np.array([np.nan, 0.0], np.float32)}, "none", 256)
+    with pytest.raises(ContributionError, match="NaN or Inf"):
+        coord.contribute(0, "a", 10, bad)
+    with pytest.raises(ContributionError, match="round 3 but the coordinator is at round 0"):
+        coord.contribute(3, "a", 10, codec.encode({"w": np.zeros(2, np.float32)}, "none", 256))
+    with pytest.raises(ContributionError, match="is 4 bytes"):
+        coord.contribute(0, "a", 10, b"\0" * 4)
+    with pytest.raises(UpdateNotReady):
+        coord.fetch_update(0, "a")
+    assert coord._pending == {}
+
+
+def test_different_seed_is_refused_with_reason():
+    config = _config(1.0, 0.0, False)
+    coord = Coordinator(config, {"w": np.ones(2, np.float32)}, ["a", "b"])
+    other = checksum({"w": np.full(2, 2.0, np.float32)})
+    with pytest.raises(HandshakeError, match="initial-parameter checksum .* same config.seed"):
+        coord.join("a", fingerprint(config), other)
+    config_b = _config(1.0, 0.0, False)
+    config_b.seed = 1
+    with pytest.raises(HandshakeError, match="config fingerprint"):
+        coord.join("b", fingerprint(config_b), coord.checksum)
