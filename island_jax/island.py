@@ -122,7 +122,7 @@ class Island:
             (_, metrics), grads = grad_fn(params, inputs, targets, moe_config)
             updates, opt_state = tx.update(grads, opt_state, params)
             params = optax.apply_updates(params, updates)
-            return params, opt_state, dict(metrics, grad_norm=optax.global_norm(grads))
+            return params, opt_state, dict(metrics, grad_norm=optax.tree.norm(grads))
 
         def eval_step(params, inputs, targets):
             logits, _ = nnx.merge(graphdef, nnx.State(params))(inputs)

@@ -48,14 +48,14 @@ def test_int8_zero_blocks_are_exact_and_finite():
     payload = codec.encode(tree, "int8", 256)
     decoded = codec.decode(payload, tree, "int8", 256)
     assert np.all(decoded["t"][3] == 0.0)
-    np.testing.assert_array_equal(decoded["one"], one)  # 1.0 is code 127 x scale 1/127
+    np.testing.assert_array_equal(decoded["one"], one * (np.float32(127) * np.float32(1 / 127)))  # code 127 x scale 1/127
     for leaf in jax.tree.leaves(decoded):
         assert np.isfinite(leaf).all()
     # Scales sit after each leaf's codes; read them back raw.
     n_one = one.size
     scales = np.frombuffer(payload, "<f4", 4, n_one)
     assert np.isfinite(scales).all() and (scales >= 0).all()
-    np.testing.assert_array_equal(scales, [0.0, 0.0, 1 / 127, 0.0])
+    np.testing.assert_array_equal(scales, np.array([0.0, 0.0, 1 / 127, 0.0], np.float32))
 
 
 @pytest.mark.parametrize("kind,per_element", [("none", 4), ("bf16", 2)])

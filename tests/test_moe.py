@@ -11,6 +11,7 @@ from jax.sharding import PartitionSpec as P
 from island_jax.models.moe import MoE, capacity
 
 E, K, D, F = 4, 2, 32, 64
+SPECS = {"router": P(), "w_gate": P("expert"), "w_up": P("expert"), "w_down": P("expert")}
 
 
 def _dense_reference(x, router, w_gate, w_up, w_down):
@@ -50,8 +51,7 @@ def test_matches_dense_reference_on_2x2_mesh():
     cotangent = rng.normal(size=(8, 16, D)).astype(np.float32)
 
     mesh = jax.make_mesh((2, 2), ("data", "expert"), devices=jax.devices()[:4])
-    specs = {"router": P(), "w_gate": P("expert"), "w_up": P("expert"), "w_down": P("expert")}
-    placed = {k: jax.device_put(v, NamedSharding(mesh, specs[k])) for k, v in weights.items()}
+    placed = {k: jax.device_put(v, NamedSharding(mesh, SPECS[k])) for k, v in weights.items()}
     batch = NamedSharding(mesh, P(("data", "expert")))
 
     def sharded(w, x, ct):
@@ -84,8 +84,12 @@ def test_drops_past_capacity_in_token_order():
     layer = MoE(D, E, 1, F, capacity_factor=1.0 / 16, renormalize=True, rngs=nnx.Rngs(1))
     mesh = jax.make_mesh((1, 1), ("data", "expert"), devices=jax.devices()[:1])
     x = np.random.default_rng(2).normal(size=(1, 16, D)).astype(np.float32)
+    graphdef, state = nnx.split(layer, nnx.Param)
+    weights = {k: jax.device_put(v, NamedSharding(mesh, SPECS[k])) for k, v in nnx.to_pure_dict(state).items()}
     with jax.set_mesh(mesh):
-        out, stats = jax.jit(lambda x: layer(x))(x)
+        out, stats = jax.jit(lambda w, x: nnx.merge(graphdef, nnx.State(w))(x))(
+            weights, jax.device_put(x, NamedSharding(mesh, P(("data", "expert"))))
+        )
     probs = jax.nn.softmax(x.reshape(16, D) @ np.asarray(layer.router[...]), axis=-1)
     experts = np.asarray(jnp.argmax(probs, axis=-1))
     first = {int(e): t for t, e in reversed(list(enumerate(experts)))}

@@ -1,7 +1,7 @@
 """Data-parallel baseline: one island on all 6 devices, same total batch, no outer loop.
 
 The reference every DiLoCo result is compared against: one island (data=3,
-expert=2) with the two islands' combined batch (16 + 8 = 24 sequences per step)
+expert=2) with the two islands' combined batch (8 + 4 = 12 sequences per step)
 and the same number of inner steps, synchronising nothing.
 
   python experiments/train.py --config=experiments/configs/baseline_dp.py --workdir=/tmp/baseline_dp
@@ -14,9 +14,9 @@ from island_jax.config import default_config, island
 
 def get_config():
     config = default_config()
-    config.islands.a = island(num_devices=6, data=3, expert=2, batch_size=24, inner_steps=25)
+    config.islands.a = island(num_devices=6, data=3, expert=2, batch_size=12, inner_steps=50)
     config.outer.enabled = False
-    config.outer.rounds = 20
+    config.outer.rounds = 30
     config.eval.batch_size = 48  # divisible by the island's 6 devices
     config.eval.num_batches = 6
     return config

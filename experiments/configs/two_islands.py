@@ -1,7 +1,8 @@
 """Two unequal islands train one MoE language model with DiLoCo and int8 pseudo-gradients.
 
-Island `a`: 4 devices (data=2, expert=2), 16 sequences per step.
-Island `b`: 2 devices (data=1, expert=2), 8 sequences per step.
+Island `a`: 4 devices (data=2, expert=2), 8 sequences of 128 bytes per inner step.
+Island `b`: 2 devices (data=1, expert=2), 4 sequences per inner step.
+Both take H = 50 inner steps per round, 30 rounds; int8 pseudo-gradients.
 
   python experiments/train.py --config=experiments/configs/two_islands.py --workdir=/tmp/two_islands
 
@@ -14,7 +15,7 @@ from island_jax.config import default_config, island
 
 def get_config():
     config = default_config()
-    config.islands.a = island(num_devices=4, data=2, expert=2, batch_size=16, inner_steps=25)
-    config.islands.b = island(num_devices=2, data=1, expert=2, batch_size=8, inner_steps=25)
-    config.outer.rounds = 20
+    config.islands.a = island(num_devices=4, data=2, expert=2, batch_size=8, inner_steps=50)
+    config.islands.b = island(num_devices=2, data=1, expert=2, batch_size=4, inner_steps=50)
+    config.outer.rounds = 30
     return config
