@@ -18,4 +18,11 @@ def get_config():
     config.islands.a = island(num_devices=4, data=2, expert=2, batch_size=8, inner_steps=50)
     config.islands.b = island(num_devices=2, data=1, expert=2, batch_size=4, inner_steps=50)
     config.outer.rounds = 30
+    # Plain averaging of the islands' parameters (outer SGD, lr 1, no momentum).
+    # From a cold start with 30 short rounds, DiLoCo's Nesterov default (lr 0.7,
+    # momentum 0.9: up to 7x the averaged step) overshoots: after 10 of 30 rounds
+    # it measured eval 2.41 nats/byte against 2.26 with plain averaging here.
+    config.outer.learning_rate = 1.0
+    config.outer.momentum = 0.0
+    config.outer.nesterov = False
     return config

@@ -79,9 +79,9 @@ class Transformer(nnx.Module):
         self.position = nnx.Param(0.02 * jax.random.normal(rngs.params(), (m.seq_len, m.d_model), pd))
         self.blocks = nnx.List([Block(config, rngs=rngs) for _ in range(m.num_layers)])
         self.final_norm = nnx.RMSNorm(m.d_model, param_dtype=pd, dtype=cd, rngs=rngs)
-        # A small output init keeps the first loss near ln(vocab_size) (uniform bytes).
+        # A zero output head makes the first prediction uniform: loss ln(vocab_size).
         self.head = nnx.Linear(
-            m.d_model, m.vocab_size, use_bias=False, kernel_init=nnx.initializers.normal(0.02),
+            m.d_model, m.vocab_size, use_bias=False, kernel_init=nnx.initializers.zeros_init(),
             param_dtype=pd, dtype=cd, rngs=rngs,
         )
 
