@@ -25,6 +25,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from island_jax import data as data_lib
+from island_jax.mesh import island_mesh
 from island_jax.models.moe import BATCH_AXES
 from island_jax.outer import codec
 from island_jax.params import checksum
@@ -102,7 +103,7 @@ class Island:
         self.inner_steps = cfg.inner_steps
         self.batch_size = cfg.batch_size
         self.seq_len = config.model.seq_len
-        self.mesh = jax.make_mesh((cfg.mesh.data, cfg.mesh.expert), ("data", "expert"), devices=devices)
+        self.mesh = island_mesh(cfg.mesh.data, cfg.mesh.expert, devices)
         self._param_sharding = jax.tree.map(
             lambda s: NamedSharding(self.mesh, s), specs, is_leaf=lambda x: isinstance(x, P)
         )

@@ -61,9 +61,15 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
       ConfigError: on an invalid config (before compiling).
       HandshakeError: if an island's initial parameters differ from the coordinator's.
       RuntimeError: if islands end a round holding different global parameters.
+      FileExistsError: if `workdir` already holds a run.
     """
     config_lib.validate(config, num_available_devices=len(jax.devices()))
     start = time.perf_counter()
+    if os.path.exists(os.path.join(workdir, "metrics.jsonl")):
+        raise FileExistsError(
+            f"workdir {workdir} already holds a run (metrics.jsonl); pass a new --workdir, or move that one "
+            "away first, so that nothing it holds is overwritten"
+        )
     os.makedirs(workdir, exist_ok=True)
     with open(os.path.join(workdir, "config.json"), "w", encoding="utf-8") as f:
         f.write(config.to_json_best_effort(indent=2, sort_keys=True))
@@ -152,14 +158,14 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
             record["eval_loss"] = eval_loss
         metrics.write(record)
         elapsed = time.perf_counter() - loop_start
-        sent = sum(len_ for len_ in (totals[n]["bytes_sent"] for n in names)) / (r + 1)
         logging.info(
-            "round %d/%d | loss %s | eval %.4f | sent %.2f MB/round | %.1f s | ETA %s",
+            "round %d/%d | loss %s | eval %.4f | sent/received per island %.2f/%.2f MB | %.1f s | ETA %s",
             r + 1,
             rounds,
             " ".join(f"{k}={v:.4f}" for k, v in losses.items()),
             eval_loss,
-            sent / 1e6,
+            totals[names[0]]["bytes_sent"] / (r + 1) / 1e6,
+            totals[names[0]]["bytes_received"] / (r + 1) / 1e6,
             record["seconds"],
             _eta(elapsed / (r + 1) * (rounds - r - 1)),
         )

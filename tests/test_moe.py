@@ -8,6 +8,7 @@ from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from island_jax.mesh import island_mesh
 from island_jax.models.moe import MoE, capacity
 
 E, K, D, F = 4, 2, 32, 64
@@ -50,7 +51,7 @@ def test_matches_dense_reference_on_2x2_mesh():
     x = rng.normal(size=(8, 16, D)).astype(np.float32)
     cotangent = rng.normal(size=(8, 16, D)).astype(np.float32)
 
-    mesh = jax.make_mesh((2, 2), ("data", "expert"), devices=jax.devices()[:4])
+    mesh = island_mesh(2, 2, jax.devices()[:4])
     placed = {k: jax.device_put(v, NamedSharding(mesh, SPECS[k])) for k, v in weights.items()}
     batch = NamedSharding(mesh, P(("data", "expert")))
 
@@ -82,7 +83,7 @@ def test_matches_dense_reference_on_2x2_mesh():
 def test_drops_past_capacity_in_token_order():
     """Capacity 1 per expert and shard: only the first assignment to each expert survives."""
     layer = MoE(D, E, 1, F, capacity_factor=1.0 / 16, renormalize=True, rngs=nnx.Rngs(1))
-    mesh = jax.make_mesh((1, 1), ("data", "expert"), devices=jax.devices()[:1])
+    mesh = island_mesh(1, 1, jax.devices()[:1])
     x = np.random.default_rng(2).normal(size=(1, 16, D)).astype(np.float32)
     graphdef, state = nnx.split(layer, nnx.Param)
     weights = {k: jax.device_put(v, NamedSharding(mesh, SPECS[k])) for k, v in nnx.to_pure_dict(state).items()}

@@ -78,3 +78,11 @@ def test_baseline_without_outer_loop(tmp_path):
     summary = train_and_evaluate(config, str(tmp_path / "baseline"))
     assert summary["islands"]["a"]["bytes_sent"] == 0 and summary["islands"]["a"]["inner_steps"] == 6
     assert summary["eval_loss_final"] < summary["eval_loss_initial"]
+
+
+def test_refuses_a_workdir_that_holds_a_run(run):
+    config, _, _, workdir = run
+    before = open(workdir / "metrics.jsonl").read()
+    with pytest.raises(FileExistsError, match="already holds a run"):
+        train_and_evaluate(config, str(workdir))
+    assert open(workdir / "metrics.jsonl").read() == before

@@ -6,7 +6,9 @@ and the same number of inner steps, synchronising nothing.
 
   python experiments/train.py --config=experiments/configs/baseline_dp.py --workdir=/tmp/baseline_dp
 
-Reaches: see the README's results table.
+Reaches: eval loss 5.545 -> 1.77 nats per byte on the held-out standard-library
+files in about 7 minutes (417 s, 1500 inner steps, 2.3M tokens) on a 2-core CPU
+machine.
 """
 
 from island_jax.config import default_config, island

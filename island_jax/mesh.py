@@ -1,0 +1,24 @@
+"""An island's device mesh."""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import jax
+from jax.sharding import AxisType
+
+AXES = ("data", "expert")
+
+
+def island_mesh(data: int, expert: int, devices: Sequence[jax.Device]) -> jax.sharding.Mesh:
+    """A (data, expert) mesh over exactly these devices, with Explicit axis types.
+
+    `data` splits the batch (and, later, FSDP shards); `expert` holds the
+    experts of every MoE layer and also splits the batch outside them.
+
+    Raises:
+      ValueError: if data x expert differs from len(devices).
+    """
+    if data * expert != len(devices):
+        raise ValueError(f"a mesh of data={data} x expert={expert} needs {data * expert} devices, got {len(devices)}")
+    return jax.make_mesh((data, expert), AXES, axis_types=(AxisType.Explicit, AxisType.Explicit), devices=devices)
