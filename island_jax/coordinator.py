@@ -170,7 +170,7 @@ class Coordinator:
             update_bytes=len(payload),
         )
         self.history.append(record)
-        logging.info("round %d merged: tokens %s weights %s", self.round, record.tokens, record.weights)
+        logging.debug("round %d merged: tokens %s weights %s", self.round, record.tokens, record.weights)
         self._updates = {self.round: payload}  # only the latest round's update is kept
         self._pending = {}
         self.round += 1

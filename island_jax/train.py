@@ -103,8 +103,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
     metrics.write(dict(kind="eval", round=0, eval_loss=eval_initial))
     logging.info("round 0: eval loss %.4f nats/byte", eval_initial)
     totals = {i.name: dict(inner_steps=0, tokens=0, bytes_sent=0, bytes_received=0) for i in islands}
-    eval_loss = eval_initial
-    loop_start = time.perf_counter()
+    eval_loss, eval_round = eval_initial, 0
     rounds = config.outer.rounds
     for r in range(rounds):
         round_start = time.perf_counter()
@@ -117,7 +116,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
                     dict(
                         kind="inner",
                         island=isl.name,
-                        round=r,
+                        round=r + 1,
                         step=step0 + j + 1,
                         **{k: result[k][j] for k in ("loss", "cross_entropy", "load_balancing_loss", "router_z_loss", "dropped_fraction", "grad_norm")},
                         tokens_per_second=result["tokens"] / result["seconds"],
@@ -131,7 +130,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
                 transport.contribute(r, isl.name, result["tokens"], payload)
                 totals[isl.name]["bytes_sent"] += len(payload)
             metrics.write(
-                dict(kind="island_round", island=isl.name, round=r, seconds=result["seconds"], tokens=result["tokens"],
+                dict(kind="island_round", island=isl.name, round=r + 1, seconds=result["seconds"], tokens=result["tokens"],
                      expert_load=result["expert_load"])
             )
         for isl in islands:
@@ -153,22 +152,26 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
             record.update(tokens=rec.tokens, weights=rec.weights, pseudo_gradient_norm=rec.pseudo_gradient_norm,
                           update_bytes=rec.update_bytes)
         if (r + 1) % config.eval.every_rounds == 0 or r + 1 == rounds:
-            eval_loss = evaluator.evaluate(eval_batches)
+            eval_loss, eval_round = evaluator.evaluate(eval_batches), r + 1
             metrics.write(dict(kind="eval", round=r + 1, eval_loss=eval_loss))
             record["eval_loss"] = eval_loss
         metrics.write(record)
-        elapsed = time.perf_counter() - loop_start
+        # ETA from the rounds after the first, which also compiled the steps.
+        per_round = (time.perf_counter() - second_round_start) / r if r else record["seconds"]
         logging.info(
-            "round %d/%d | loss %s | eval %.4f | sent/received per island %.2f/%.2f MB | %.1f s | ETA %s",
+            "round %d/%d | loss %s | eval %.4f (round %d) | sent/received per island %.2f/%.2f MB | %.1f s | ETA %s",
             r + 1,
             rounds,
             " ".join(f"{k}={v:.4f}" for k, v in losses.items()),
             eval_loss,
+            eval_round,
             totals[names[0]]["bytes_sent"] / (r + 1) / 1e6,
             totals[names[0]]["bytes_received"] / (r + 1) / 1e6,
             record["seconds"],
-            _eta(elapsed / (r + 1) * (rounds - r - 1)),
+            _eta(per_round * (rounds - r - 1)),
         )
+        if r == 0:
+            second_round_start = time.perf_counter()
     metrics.close()
     summary = dict(
         rounds=rounds,

@@ -15,9 +15,10 @@ from island_jax.config import default_config, island
 
 def get_config():
     config = default_config()
-    config.islands.a = island(num_devices=4, data=2, expert=2, batch_size=8, inner_steps=50)
-    config.islands.b = island(num_devices=2, data=1, expert=2, batch_size=4, inner_steps=50)
-    config.outer.rounds = 30
+    config.islands.a = island(num_devices=4, data=2, expert=2, batch_size=8, inner_steps=25)
+    config.islands.b = island(num_devices=2, data=1, expert=2, batch_size=4, inner_steps=25)
+    config.outer.rounds = 50
+    config.eval.every_rounds = 10
     # Plain averaging of the islands' parameters (outer SGD, lr 1, no momentum).
     # From a cold start with 30 short rounds, DiLoCo's Nesterov default (lr 0.7,
     # momentum 0.9: up to 7x the averaged step) overshoots: after 10 of 30 rounds
