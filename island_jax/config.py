@@ -87,7 +87,7 @@ def default_config() -> ml_collections.ConfigDict:
         num_experts=4,
         num_experts_per_token=2,  # top-k
         expert_hidden_dim=256,  # SwiGLU hidden width per expert
-        capacity_factor=1.25,  # slots per expert = ceil(cf * tokens_per_shard * k / E)
+        capacity_factor=1.0,  # slots per expert = ceil(cf * tokens_per_shard * k / E)
         renormalize=True,  # rescale the top-k router weights to sum to 1
         load_balancing_loss_coef=0.01,
         router_z_loss_coef=1e-3,

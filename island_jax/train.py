@@ -157,7 +157,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
             record["eval_loss"] = eval_loss
         metrics.write(record)
         # ETA from the rounds after the first, which also compiled the steps.
-        per_round = (time.perf_counter() - second_round_start) / r if r else record["seconds"]
+        eta = _eta((time.perf_counter() - second_round_start) / r * (rounds - r - 1)) if r else "after round 2"
         logging.info(
             "round %d/%d | loss %s | eval %.4f (round %d) | sent/received per island %.2f/%.2f MB | %.1f s | ETA %s",
             r + 1,
@@ -168,7 +168,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
             totals[names[0]]["bytes_sent"] / (r + 1) / 1e6,
             totals[names[0]]["bytes_received"] / (r + 1) / 1e6,
             record["seconds"],
-            _eta(per_round * (rounds - r - 1)),
+            eta,
         )
         if r == 0:
             second_round_start = time.perf_counter()

@@ -18,7 +18,7 @@ def get_config():
     config = default_config()
     config.islands.a = island(num_devices=6, data=3, expert=2, batch_size=12, inner_steps=25)
     config.outer.enabled = False
-    config.outer.rounds = 50
+    config.outer.rounds = 60
     config.eval.every_rounds = 10
     config.eval.batch_size = 48  # divisible by the island's 6 devices
     config.eval.num_batches = 6
