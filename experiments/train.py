@@ -28,8 +28,7 @@ def main(argv):
     import jax
 
     jax.config.update("jax_num_cpu_devices", max(config_lib.total_devices(config), 1))
-    from island_jax.coordinator import HandshakeError
-    from island_jax.data import DataError
+
     from island_jax.coordinator import HandshakeError
     from island_jax.data import DataError
     from island_jax.train import train_and_evaluate
@@ -38,8 +37,6 @@ def main(argv):
         train_and_evaluate(config, _WORKDIR.value)
     except config_lib.ConfigError as e:
         sys.exit(str(e))
-    except (DataError, HandshakeError, FileExistsError) as e:
-        sys.exit(f"{type(e).__name__}: {e}")
     except (DataError, HandshakeError, FileExistsError) as e:
         sys.exit(f"{type(e).__name__}: {e}")
 

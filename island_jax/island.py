@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import functools
 import time
-from typing import Any, Sequence
+from typing import Sequence
 
 import jax
 import jax.numpy as jnp

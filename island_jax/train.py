@@ -91,11 +91,10 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
             transport.join(isl.name, config_lib.fingerprint(config), isl.initial_checksum)
     wire_bytes = codec.payload_bytes(params, config.codec.kind, config.codec.block_size)
     logging.info(
-        "%d parameters; islands %s; codec %s (%d bytes per payload)",
+        "%d parameters; islands %s; %s",
         num_params,
         {i.name: dict(devices=len(i.mesh.devices.flat), batch=i.batch_size, inner_steps=i.inner_steps) for i in islands},
-        config.codec.kind,
-        wire_bytes,
+        f"codec {config.codec.kind} ({wire_bytes} bytes per payload)" if transport else "no outer loop",
     )
 
     evaluator = islands[0]
@@ -105,6 +104,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
     totals = {i.name: dict(inner_steps=0, tokens=0, bytes_sent=0, bytes_received=0) for i in islands}
     eval_loss, eval_round = eval_initial, 0
     rounds = config.outer.rounds
+    second_round_start = start
     for r in range(rounds):
         round_start = time.perf_counter()
         losses = {}
@@ -145,8 +145,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
             checksums["coordinator"] = checksum(transport.coordinator.view)
         if len(set(checksums.values())) != 1:
             raise RuntimeError(f"islands hold different global parameters after round {r + 1}: {checksums}")
-        record = dict(kind="round", round=r + 1, seconds=time.perf_counter() - round_start, checksums=checksums,
-                      train_loss=losses)
+        record = dict(kind="round", round=r + 1, checksums=checksums, train_loss=losses)
         if transport is not None:
             rec = transport.coordinator.history[-1]
             record.update(tokens=rec.tokens, weights=rec.weights, pseudo_gradient_norm=rec.pseudo_gradient_norm,
@@ -155,6 +154,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
             eval_loss, eval_round = evaluator.evaluate(eval_batches), r + 1
             metrics.write(dict(kind="eval", round=r + 1, eval_loss=eval_loss))
             record["eval_loss"] = eval_loss
+        record["seconds"] = time.perf_counter() - round_start  # training, exchange and evaluation
         metrics.write(record)
         # ETA from the rounds after the first, which also compiled the steps.
         eta = _eta((time.perf_counter() - second_round_start) / r * (rounds - r - 1)) if r else "after round 2"
@@ -171,7 +171,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
             eta,
         )
         if r == 0:
-            second_round_start = time.perf_counter()
+            second_round_start = time.perf_counter()  # rounds after this one carry no compilation
     metrics.close()
     summary = dict(
         rounds=rounds,

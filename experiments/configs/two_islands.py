@@ -6,8 +6,9 @@ Both take H = 25 inner steps per round, 60 rounds; int8 pseudo-gradients.
 
   python experiments/train.py --config=experiments/configs/two_islands.py --workdir=/tmp/two_islands
 
-Reaches: see the README's results table (eval loss in nats per byte on held-out
-standard-library files, wall time on a 2-core CPU machine).
+Reaches: eval loss 5.545 -> 1.84 nats per byte on the held-out standard-library
+files in under 8 minutes (465 s; 2.3M tokens over both islands) on a 2-core CPU
+machine, every island holding bit-identical global parameters after each round.
 """
 
 from island_jax.config import default_config, island
@@ -23,8 +24,8 @@ def get_config():
     # From a cold start with few short rounds, DiLoCo's Nesterov default (lr 0.7,
     # momentum 0.9: up to 7x the averaged step) overshoots. Measured here with
     # H = 50: after 10 of 30 rounds, eval 2.41 nats/byte with Nesterov against
-    # 2.26 with plain averaging. At equal tokens, H = 25 ended at 1.82 where
-    # H = 50 ended at 1.90.
+    # 2.26 with plain averaging. At equal tokens (and capacity factor 1.25),
+    # H = 25 ended at 1.82 where H = 50 ended at 1.90.
     config.outer.learning_rate = 1.0
     config.outer.momentum = 0.0
     config.outer.nesterov = False
