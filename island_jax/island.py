@@ -31,6 +31,10 @@ from island_jax.outer import codec
 from island_jax.params import checksum
 
 
+# Scalars each inner step reports (see `Island.train_round`).
+STEP_METRICS = ("loss", "cross_entropy", "load_balancing_loss", "router_z_loss", "dropped_fraction", "grad_norm")
+
+
 def inner_optimizer(config: ml_collections.ConfigDict, total_steps: int) -> optax.GradientTransformation:
     """AdamW with global-norm clipping and warm-up + cosine decay over `total_steps` inner steps.
 
@@ -173,8 +177,7 @@ class Island:
                 self.step += 1
             history = jax.device_get(history)
         seconds = time.perf_counter() - start
-        keys = ("loss", "cross_entropy", "load_balancing_loss", "router_z_loss", "dropped_fraction", "grad_norm")
-        out = {k: [float(m[k]) for m in history] for k in keys}
+        out = {k: [float(m[k]) for m in history] for k in STEP_METRICS}
         out.update(
             steps=num_steps,
             tokens=num_steps * self.tokens_per_step,

@@ -21,7 +21,7 @@ from island_jax import config as config_lib
 from island_jax import data as data_lib
 from island_jax.comm.transport import InProcessTransport
 from island_jax.coordinator import Coordinator
-from island_jax.island import Island
+from island_jax.island import STEP_METRICS, Island
 from island_jax.metrics import MetricsWriter, write_json
 from island_jax.outer import codec
 from island_jax.params import checksum, count, init_params
@@ -118,7 +118,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
                         island=isl.name,
                         round=r + 1,
                         step=step0 + j + 1,
-                        **{k: result[k][j] for k in ("loss", "cross_entropy", "load_balancing_loss", "router_z_loss", "dropped_fraction", "grad_norm")},
+                        **{k: result[k][j] for k in STEP_METRICS},
                         tokens_per_second=result["tokens"] / result["seconds"],
                     )
                 )
