@@ -48,7 +48,6 @@ class Contribution:
     island: str
     tokens: int
     pseudo_gradient: Any
-    num_bytes: int
 
 
 @dataclass
@@ -145,7 +144,7 @@ class Coordinator:
                 f"island {island!r}, round {round}: the pseudo-gradient holds NaN or Inf; the island diverged "
                 "(lower inner.learning_rate or check its data) and its contribution was refused"
             )
-        self._pending[island] = Contribution(island, int(tokens), pseudo_gradient, len(payload))
+        self._pending[island] = Contribution(island, int(tokens), pseudo_gradient)
         if len(self._pending) == len(self.islands):
             self._merge()
 

@@ -205,12 +205,6 @@ class Island:
             self.params = self._place(self.global_params)
             self.anchor = self._place(self.global_params)
 
-    def keep_local(self) -> None:
-        """Without an outer loop: the local parameters become the new global ones."""
-        self.global_params = jax.tree.map(np.asarray, jax.device_get(self.params))
-        with jax.set_mesh(self.mesh):
-            self.anchor = self._place(self.global_params)
-
     def params_checksum(self) -> str:
         """Checksum of the parameters on the island's devices (gathered to the host)."""
         return checksum(jax.device_get(self.params))

@@ -133,10 +133,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
                 dict(kind="island_round", island=isl.name, round=r + 1, seconds=result["seconds"], tokens=result["tokens"],
                      expert_load=result["expert_load"])
             )
-        for isl in islands:
-            if transport is None:
-                isl.keep_local()
-                continue
+        for isl in islands if transport is not None else ():
             update = transport.fetch_update(r, isl.name)
             isl.apply_update(update)
             totals[isl.name]["bytes_received"] += len(update)
