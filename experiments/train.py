@@ -1,8 +1,17 @@
-"""Runs one experiment: `python experiments/train.py --config=CONFIG.py --workdir=DIR`.
+"""Runs one experiment, or one role of it.
 
-Overrides use ml_collections syntax, e.g. `--config.islands.b.batch_size=8`.
-The process gets one virtual CPU device per island device (set from the config
-before JAX starts its backend) unless it already runs on accelerators.
+  python experiments/train.py --config=CONFIG.py --workdir=DIR
+      the coordinator and every island in this process (in-process transport);
+  python experiments/train.py --config=CONFIG.py --workdir=DIR --role=coordinator --coordinator=HOST:PORT
+      the coordinator, serving gRPC on HOST:PORT;
+  python experiments/train.py --config=CONFIG.py --workdir=DIR --role=island --island=NAME --coordinator=HOST:PORT
+      island NAME, exchanging with the coordinator at HOST:PORT.
+
+`launch/local.py` starts the coordinator and every island as separate processes
+on this machine. Overrides use ml_collections syntax, e.g.
+`--config.islands.b.batch_size=8`; every role of a run needs the same ones.
+Each process gets one virtual CPU device per device it needs (set from the
+config before JAX starts its backend) unless it runs on accelerators.
 """
 
 import sys
@@ -11,33 +20,73 @@ from absl import app, flags
 from ml_collections import config_flags
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Path to an experiment config (a get_config() file).", lock_config=True)
-_WORKDIR = flags.DEFINE_string("workdir", None, "Folder for config.json, metrics.jsonl and summary.json.")
+_WORKDIR = flags.DEFINE_string("workdir", None, "The run's folder: config, metrics, checkpoints, summary.")
+_ROLE = flags.DEFINE_enum(
+    "role", "all", ["all", "coordinator", "island"],
+    "all: every role in this process; coordinator or island: one role of a multi-process run.",
+)
+_ISLAND = flags.DEFINE_string("island", None, "With --role=island: the island's name in config.islands.")
+_COORDINATOR = flags.DEFINE_string(
+    "coordinator", "localhost:50051", "The coordinator's HOST:PORT (where it listens, or where islands reach it)."
+)
 flags.mark_flags_as_required(["config", "workdir"])
+
+
+def _quiet_libraries() -> None:
+    """Keeps INFO lines of this project; libraries (orbax, JAX) log only warnings and errors."""
+    import logging
+    import os
+
+    from absl import logging as absl_logging
+
+    ours = (os.path.dirname(os.path.dirname(os.path.abspath(__file__))), os.path.dirname(__import__("island_jax").__file__))
+    absl_logging.get_absl_handler().addFilter(
+        lambda record: record.levelno >= logging.WARNING or record.pathname.startswith(ours)
+    )
 
 
 def main(argv):
     del argv
     from island_jax import config as config_lib
 
-    config = _CONFIG.value
+    _quiet_libraries()
+
+    config, role, name = _CONFIG.value, _ROLE.value, _ISLAND.value
+    if role == "island" and not name:
+        sys.exit("--role=island needs --island=NAME, one of the config's islands")
     try:
-        config_lib.validate(config)  # everything that needs no backend, before JAX starts
+        # Everything that needs no backend, before JAX starts.
+        config_lib.validate(config, island=name if role == "island" else None)
     except config_lib.ConfigError as e:
         sys.exit(str(e))
 
     import jax
 
-    jax.config.update("jax_num_cpu_devices", max(config_lib.total_devices(config), 1))
+    devices = {"all": config_lib.total_devices(config), "coordinator": 1}.get(role) or config.islands[name].num_devices
+    jax.config.update("jax_num_cpu_devices", max(devices, 1))
 
-    from island_jax.coordinator import HandshakeError
+    from island_jax.checkpoint import CheckpointError
+    from island_jax.comm.client import ExchangeError
+    from island_jax.coordinator import ContributionError, HandshakeError
     from island_jax.data import DataError
-    from island_jax.train import train_and_evaluate
 
     try:
-        train_and_evaluate(config, _WORKDIR.value)
+        if role == "all":
+            from island_jax.train import train_and_evaluate
+
+            train_and_evaluate(config, _WORKDIR.value)
+        elif role == "coordinator":
+            from island_jax.roles import run_coordinator
+
+            run_coordinator(config, _WORKDIR.value, _COORDINATOR.value)
+        else:
+            from island_jax.roles import run_island
+
+            run_island(config, _WORKDIR.value, name, _COORDINATOR.value)
     except config_lib.ConfigError as e:
         sys.exit(str(e))
-    except (DataError, HandshakeError, FileExistsError) as e:
+    except (DataError, HandshakeError, ContributionError, ExchangeError, CheckpointError, FileExistsError,
+            TimeoutError) as e:
         sys.exit(f"{type(e).__name__}: {e}")
 
 

@@ -20,6 +20,10 @@ A run is described by one `ml_collections.ConfigDict`, nested by concern:
   data      corpus (`files`, a glob; empty means the interpreter's standard
             library) and the held-out split.
   eval      `every_rounds`, `batch_size`, `num_batches`.
+  comm      the gRPC exchange between islands and the coordinator: `chunk_bytes`
+            (largest chunk of a streamed payload), `join_timeout_seconds`,
+            `round_timeout_seconds`.
+  checkpoint  orbax checkpoints of every role: `every_rounds`, `max_to_keep`.
 
 `validate(config)` checks everything that can be checked before JAX compiles
 anything and raises `ConfigError` naming the field and the fix.
@@ -30,6 +34,8 @@ from __future__ import annotations
 import ml_collections
 
 CODECS = ("int8", "bf16", "none")
+MIB = 1 << 20
+MAX_CHUNK_BYTES = 64 * MIB  # far below protobuf's 2 GiB message ceiling
 DTYPES = ("float32", "bfloat16")
 
 
@@ -47,6 +53,7 @@ def island(
     batch_size: int,
     inner_steps: int,
     hardware: str = "cpu",
+    crash_at_round: int = 0,
 ) -> ml_collections.ConfigDict:
     """One island's entry for `config.islands`.
 
@@ -58,6 +65,8 @@ def island(
       batch_size: sequences per inner step for the whole island.
       inner_steps: H, inner AdamW steps per round.
       hardware: hardware kind of the island's devices (e.g. "cpu", "h100").
+      crash_at_round: fault injection for tests of launchers and recovery: the
+        island's process fails at the start of this round (1-based; 0 = never).
     """
     return ml_collections.ConfigDict(
         dict(
@@ -66,6 +75,7 @@ def island(
             batch_size=batch_size,
             inner_steps=inner_steps,
             hardware=hardware,
+            crash_at_round=crash_at_round,
         )
     )
 
@@ -116,6 +126,15 @@ def default_config() -> ml_collections.ConfigDict:
         eval_fraction=0.02,  # share of files held out for evaluation
     )
     c.eval = dict(every_rounds=5, batch_size=32, num_batches=8)
+    c.comm = dict(
+        chunk_bytes=MIB,  # largest chunk of a streamed payload, bytes (gRPC's default message limit is 4 MiB)
+        join_timeout_seconds=300.0,  # how long an island waits for the coordinator to answer its join
+        round_timeout_seconds=3600.0,  # how long an island waits for a round's update
+    )
+    c.checkpoint = dict(
+        every_rounds=10,  # also after the last round
+        max_to_keep=2,
+    )
     return c
 
 
@@ -124,13 +143,18 @@ def _require(ok: bool, message: str) -> None:
         raise ConfigError(message)
 
 
-def validate(config: ml_collections.ConfigDict, num_available_devices: int | None = None) -> None:
+def validate(
+    config: ml_collections.ConfigDict, num_available_devices: int | None = None, island: str | None = None
+) -> None:
     """Checks a run's config before anything compiles.
 
     Args:
       config: the run's config (see the module docstring for the schema).
       num_available_devices: devices this process can use; when given, the
-        islands' total `num_devices` must not exceed it.
+        islands' total `num_devices` (or, with `island`, that island's) must
+        not exceed it.
+      island: the island this process runs, when it runs only one; it must be
+        a key of `config.islands`.
 
     Raises:
       ConfigError: naming the first invalid field and what to do about it.
@@ -166,6 +190,19 @@ def validate(config: ml_collections.ConfigDict, num_available_devices: int | Non
         f"outer.enabled is False but there are {len(config.islands)} islands; "
         "without the outer loop only one island can train",
     )
+    _require(
+        1024 <= config.comm.chunk_bytes <= MAX_CHUNK_BYTES,
+        f"comm.chunk_bytes is {config.comm.chunk_bytes}; use 1024..{MAX_CHUNK_BYTES} bytes (64 MiB), far below "
+        "protobuf's 2 GiB message ceiling (default 1 MiB)",
+    )
+    for name in ("join_timeout_seconds", "round_timeout_seconds"):
+        _require(config.comm[name] > 0, f"comm.{name} is {config.comm[name]}; it must be a positive number of seconds")
+    _require(
+        config.checkpoint.every_rounds > 0,
+        f"checkpoint.every_rounds is {config.checkpoint.every_rounds}; it must be at least 1 (checkpoints are also "
+        "written after the last round)",
+    )
+    _require(config.checkpoint.max_to_keep > 0, f"checkpoint.max_to_keep is {config.checkpoint.max_to_keep}; keep at least 1")
     _require(config.eval.every_rounds > 0, f"eval.every_rounds is {config.eval.every_rounds}; it must be at least 1")
     _require(0.0 < config.data.eval_fraction < 1.0, f"data.eval_fraction is {config.data.eval_fraction}; use a value in (0, 1)")
 
@@ -193,12 +230,19 @@ def validate(config: ml_collections.ConfigDict, num_available_devices: int | Non
             "use a positive multiple of the island's device count",
         )
         _require(isl.inner_steps > 0, f"{p}.inner_steps is {isl.inner_steps}; it must be at least 1")
+        _require(isl.crash_at_round >= 0, f"{p}.crash_at_round is {isl.crash_at_round}; use 0 (never) or a round")
         _require(
             config.eval.batch_size % mesh_devices == 0,
             f"eval.batch_size={config.eval.batch_size} is not divisible by {p}'s {mesh_devices} devices; "
             "use a multiple of every island's device count",
         )
         total += isl.num_devices
+    if island is not None:
+        _require(
+            island in config.islands,
+            f"--island={island} is not an island of this config; choose one of {list(config.islands.keys())}",
+        )
+        total = config.islands[island].num_devices
     if num_available_devices is not None:
         _require(
             total <= num_available_devices,
@@ -212,19 +256,28 @@ def total_devices(config: ml_collections.ConfigDict) -> int:
     return sum(isl.num_devices for isl in config.islands.values())
 
 
-def fingerprint(config: ml_collections.ConfigDict) -> str:
-    """SHA-256 (16 hex digits) of what islands and coordinator must share.
+def fingerprint_fields(config: ml_collections.ConfigDict) -> dict:
+    """What islands and coordinator must share, as {dotted field name: value}.
 
     Covers the model and MoE shapes, the codec kind and block size, and the seed;
     not island sizes, batch sizes or learning rates, which may differ per island.
     """
+    fields = {f"model.{k}": v for k, v in config.model.items()}
+    fields.update({f"moe.{k}": config.moe[k] for k in ("num_experts", "num_experts_per_token", "expert_hidden_dim")})
+    fields.update({f"codec.{k}": v for k, v in config.codec.items()})
+    fields["seed"] = config.seed
+    return fields
+
+
+def fingerprint_differences(mine: dict, theirs: dict) -> list[str]:
+    """Fields in which two `fingerprint_fields` differ, as "field (theirs X, here Y)"."""
+    keys = sorted(set(mine) | set(theirs))
+    return [f"{k} (theirs {theirs.get(k)!r}, here {mine.get(k)!r})" for k in keys if mine.get(k) != theirs.get(k)]
+
+
+def fingerprint(config: ml_collections.ConfigDict) -> str:
+    """SHA-256 (16 hex digits) of `fingerprint_fields(config)`."""
     import hashlib
     import json
 
-    shared = dict(
-        model=config.model.to_dict(),
-        moe={k: config.moe[k] for k in ("num_experts", "num_experts_per_token", "expert_hidden_dim")},
-        codec=config.codec.to_dict(),
-        seed=config.seed,
-    )
-    return hashlib.sha256(json.dumps(shared, sort_keys=True).encode()).hexdigest()[:16]
+    return hashlib.sha256(json.dumps(fingerprint_fields(config), sort_keys=True).encode()).hexdigest()[:16]

@@ -22,7 +22,7 @@ import jax
 import ml_collections
 import numpy as np
 
-from island_jax.config import fingerprint
+from island_jax.config import fingerprint_differences, fingerprint_fields
 from island_jax.outer import codec
 from island_jax.outer.merge import weighted_mean
 from island_jax.outer.optimizer import outer_optimizer, outer_step
@@ -58,7 +58,9 @@ class RoundRecord:
     tokens: dict[str, int] = field(default_factory=dict)
     weights: dict[str, float] = field(default_factory=dict)
     pseudo_gradient_norm: dict[str, float] = field(default_factory=dict)
+    cosine_similarity: dict[str, float] = field(default_factory=dict)  # "a/b": cos(pg_a, pg_b)
     update_bytes: int = 0
+    checksum: str = ""  # of the island view after the update
 
 
 class Coordinator:
@@ -76,7 +78,7 @@ class Coordinator:
         self.config = config
         self.kind, self.block_size = config.codec.kind, config.codec.block_size
         self.islands = list(islands)
-        self.fingerprint = fingerprint(config)
+        self.fingerprint_fields = fingerprint_fields(config)
         self.view = jax.tree.map(np.asarray, params)
         self.checksum = checksum(self.view)
         self.master = jax.tree.map(lambda x: np.asarray(x, np.float32), params)
@@ -89,31 +91,56 @@ class Coordinator:
         self._updates: dict[int, bytes] = {}
         self.history: list[RoundRecord] = []
 
-    def join(self, island: str, config_fingerprint: str, initial_checksum: str) -> dict:
-        """Admits an island whose model, codec and initial parameters match.
+    def state(self) -> dict:
+        """What a checkpoint holds: `master` (float32), `opt_state`, `view` and `round` (0-d int64)."""
+        return dict(master=self.master, opt_state=self.opt_state, view=self.view, round=np.asarray(self.round, np.int64))
+
+    def load_state(self, state: dict) -> None:
+        """Continues from a checkpointed `state()`; islands must then join at the same round."""
+        self.master, self.opt_state, self.view = state["master"], state["opt_state"], state["view"]
+        self.round = int(state["round"])
+        self.checksum = checksum(self.view)
+        self._pending, self._updates = {}, {}
+
+    def join(self, island: str, config_fingerprint: dict, params_checksum: str, round: int = 0) -> dict:
+        """Admits an island whose model, codec, seed, round and parameters match.
+
+        Args:
+          island: the island's name in `config.islands`.
+          config_fingerprint: the island's `config.fingerprint_fields(config)`.
+          params_checksum: `params.checksum` of the island's global parameters.
+          round: the round the island will train next (0 on a fresh start; the
+            checkpointed round when it resumes).
 
         Returns:
           {"round": the round to train next, "checksum": the view's checksum}.
 
         Raises:
-          HandshakeError: unknown island, or a fingerprint or checksum that differs.
+          HandshakeError: unknown island, fingerprint fields that differ (named
+            in the message), another round, or another checksum.
         """
         if island not in self.islands:
             raise HandshakeError(f"island {island!r} is not in this run's config (islands: {self.islands})")
-        if config_fingerprint != self.fingerprint:
+        differences = fingerprint_differences(self.fingerprint_fields, dict(config_fingerprint))
+        if differences:
             raise HandshakeError(
-                f"island {island!r} has config fingerprint {config_fingerprint} but the coordinator has "
-                f"{self.fingerprint}; model shapes, codec, block_size and seed must match"
+                f"island {island!r} differs from the coordinator in {', '.join(differences)}; model shapes, "
+                "codec, block_size and seed must match: run every role with the same config and overrides"
             )
-        if self.round == 0 and initial_checksum != self.checksum:
+        if round != self.round:
             raise HandshakeError(
-                f"island {island!r} has initial-parameter checksum {initial_checksum} but the coordinator has "
+                f"island {island!r} joins at round {round} but the coordinator is at round {self.round}; restart "
+                "every role from the same workdir so they resume from checkpoints of the same round"
+            )
+        if params_checksum != self.checksum:
+            raise HandshakeError(
+                f"island {island!r} has parameter checksum {params_checksum} but the coordinator has "
                 f"{self.checksum}; both must initialise from the same config.seed and model on the CPU backend"
             )
         self.joined.add(island)
         return dict(round=self.round, checksum=self.checksum)
 
-    def contribute(self, round: int, island: str, tokens: int, payload: bytes) -> None:
+    def contribute(self, round: int, island: str, tokens: int, payload: bytes, params_checksum: str | None = None) -> None:
         """Accepts one island's encoded pseudo-gradient; merges when every island has sent.
 
         Args:
@@ -121,6 +148,8 @@ class Coordinator:
           island: a joined island's name.
           tokens: tokens the island processed this round (> 0), the merge weight.
           payload: `codec.encode(anchor - params)`.
+          params_checksum: when given, the checksum of the island's anchor, which
+            must equal the view's: proof that every island trained from the same bits.
 
         Raises:
           ContributionError: island not joined, wrong round, duplicate, tokens <= 0,
@@ -135,6 +164,11 @@ class Coordinator:
             raise ContributionError(f"island {island!r} already contributed to round {round}")
         if tokens <= 0:
             raise ContributionError(f"island {island!r} reported {tokens} tokens for round {round}; it must be > 0")
+        if params_checksum is not None and params_checksum != self.checksum:
+            raise ContributionError(
+                f"island {island!r} trained round {round} from parameters with checksum {params_checksum}, not the "
+                f"global {self.checksum}; its contribution was refused (restart the island from the workdir)"
+            )
         try:
             pseudo_gradient = codec.decode(payload, self.master, self.kind, self.block_size)
         except codec.CodecError as e:
@@ -158,15 +192,23 @@ class Coordinator:
             payload = codec.encode(delta, self.kind, self.block_size)
         self.view = codec.decode_and_apply(self.view, payload, self.kind, self.block_size)
         total = sum(tokens)
+        self.checksum = checksum(self.view)
+        flat = {c.island: np.concatenate([np.ravel(x) for x in jax.tree.leaves(c.pseudo_gradient)]) for c in contributions}
+        norms = {k: float(np.linalg.norm(v)) for k, v in flat.items()}
+        names = list(flat)
+        cosine = {
+            f"{p}/{q}": float(np.dot(flat[p], flat[q]) / max(norms[p] * norms[q], 1e-30))
+            for i, p in enumerate(names)
+            for q in names[i + 1 :]
+        }
         record = RoundRecord(
             round=self.round,
             tokens={c.island: c.tokens for c in contributions},
             weights={c.island: c.tokens / total for c in contributions},
-            pseudo_gradient_norm={
-                c.island: float(np.sqrt(sum(np.sum(x * x) for x in jax.tree.leaves(c.pseudo_gradient))))
-                for c in contributions
-            },
+            pseudo_gradient_norm=norms,
+            cosine_similarity=cosine,
             update_bytes=len(payload),
+            checksum=self.checksum,
         )
         self.history.append(record)
         logging.debug("round %d merged: tokens %s weights %s", self.round, record.tokens, record.weights)

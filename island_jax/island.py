@@ -113,7 +113,7 @@ class Island:
         )
         self._batch_sharding = NamedSharding(self.mesh, P(BATCH_AXES))
         self.global_params = params  # host copy of the global view (NumPy): the anchor
-        self.initial_checksum = checksum(params)
+        self.global_checksum = self.initial_checksum = checksum(params)
         self.tx = inner_optimizer(config, cfg.inner_steps * total_rounds)
         self.dataset = data_lib.train_dataset(train_bytes, self.seq_len, cfg.batch_size, config.seed)
         self.step = 0  # inner steps taken: also the data position
@@ -201,9 +201,33 @@ class Island:
         self.global_params = codec.decode_and_apply(
             self.global_params, payload, self.config.codec.kind, self.config.codec.block_size
         )
+        self.global_checksum = checksum(self.global_params)
         with jax.set_mesh(self.mesh):
             self.params = self._place(self.global_params)
             self.anchor = self._place(self.global_params)
+
+    def state(self, round: int) -> dict:
+        """What a checkpoint holds after `round` completed rounds: `params`, `anchor`,
+        `opt_state` (AdamW), `step` (inner steps taken, also the data position) and `round`."""
+        return dict(
+            params=self.params,
+            anchor=self.anchor,
+            opt_state=self.opt_state,
+            step=np.asarray(self.step, np.int64),
+            round=np.asarray(round, np.int64),
+        )
+
+    def load_state(self, state: dict) -> int:
+        """Continues from a checkpointed `state()`; returns its round (completed rounds)."""
+        opt_sharding = jax.tree.map(lambda x: x.sharding, self.opt_state)
+        self.global_params = state["anchor"]
+        self.global_checksum = checksum(self.global_params)
+        with jax.set_mesh(self.mesh):
+            self.params = self._place(state["params"])
+            self.anchor = self._place(state["anchor"])
+            self.opt_state = jax.device_put(state["opt_state"], opt_sharding)
+        self.step = int(state["step"])
+        return int(state["round"])
 
     def params_checksum(self) -> str:
         """Checksum of the parameters on the island's devices (gathered to the host)."""

@@ -1,8 +1,16 @@
-"""JSON-lines metrics in the workdir."""
+"""Metrics in the workdir: JSON lines, and the same numbers as TensorBoard scalars.
+
+Every record is one JSON object per line in `metrics.jsonl`. With `tensorboard`
+on, each numeric field (nested dicts flattened with "/") is also written as a
+TensorBoard scalar (tensorboardX, no TensorFlow needed) named `KIND/FIELD`, for
+example `inner/loss`, `round/pseudo_gradient_norm/a`, at the record's `step`
+(inner steps) or `round`.
+"""
 
 from __future__ import annotations
 
 import json
+import numbers
 import os
 from typing import Any
 
@@ -20,19 +28,62 @@ def _plain(value: Any) -> Any:
     return value
 
 
-class MetricsWriter:
-    """Appends one JSON object per line to `path` (created with its folder), flushed per write."""
+def _scalars(record: dict, prefix: str) -> dict[str, float]:
+    out = {}
+    for key, value in record.items():
+        name = f"{prefix}/{key}"
+        if isinstance(value, dict):
+            out.update(_scalars(value, name))
+        elif isinstance(value, numbers.Real) and not isinstance(value, bool):
+            out[name] = float(value)
+    return out
 
-    def __init__(self, path: str):
-        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-        self._file = open(path, "a", encoding="utf-8")
+
+class MetricsWriter:
+    """Appends records to `folder/metrics.jsonl` (flushed per write) and, optionally, TensorBoard events.
+
+    Args:
+      folder: the role's folder in the workdir (created).
+      tensorboard: also write event files (`events.out.tfevents.*`) to `folder`.
+    """
+
+    def __init__(self, folder: str, tensorboard: bool = False):
+        os.makedirs(folder, exist_ok=True)
+        self.path = os.path.join(folder, "metrics.jsonl")
+        self._file = open(self.path, "a", encoding="utf-8")
+        self._tb = None
+        if tensorboard:
+            from tensorboardX import SummaryWriter
+
+            self._tb = SummaryWriter(logdir=folder, flush_secs=10)
 
     def write(self, record: dict) -> None:
-        self._file.write(json.dumps(_plain(record)) + "\n")
+        """Writes one record; it needs a `kind`, and `step` or `round` for TensorBoard's x axis."""
+        record = _plain(record)
+        self._file.write(json.dumps(record) + "\n")
         self._file.flush()
+        if self._tb is not None:
+            step = record.get("step", record.get("round", 0))
+            fields = {k: v for k, v in record.items() if k not in ("kind", "step", "round")}
+            for tag, value in _scalars(fields, record["kind"]).items():
+                self._tb.add_scalar(tag, value, global_step=step)
 
     def close(self) -> None:
         self._file.close()
+        if self._tb is not None:
+            self._tb.close()
+
+
+def read_jsonl(path: str) -> list[dict]:
+    """All records of a `metrics.jsonl` file; a torn last line (a crash mid-write) is skipped."""
+    records = []
+    with open(path, encoding="utf-8") as f:
+        for line in f:
+            try:
+                records.append(json.loads(line))
+            except ValueError:
+                continue
+    return records
 
 
 def write_json(path: str, obj: dict) -> None:

@@ -73,7 +73,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
     os.makedirs(workdir, exist_ok=True)
     with open(os.path.join(workdir, "config.json"), "w", encoding="utf-8") as f:
         f.write(config.to_json_best_effort(indent=2, sort_keys=True))
-    metrics = MetricsWriter(os.path.join(workdir, "metrics.jsonl"))
+    metrics = MetricsWriter(workdir)
 
     names = list(config.islands.keys())
     corpus = data_lib.load_corpus(config.data.files, config.data.eval_fraction, names)
@@ -88,7 +88,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
     if config.outer.enabled:
         transport = InProcessTransport(Coordinator(config, params, names))
         for isl in islands:
-            transport.join(isl.name, config_lib.fingerprint(config), isl.initial_checksum)
+            transport.join(isl.name, config_lib.fingerprint_fields(config), isl.initial_checksum)
     wire_bytes = codec.payload_bytes(params, config.codec.kind, config.codec.block_size)
     logging.info(
         "%d parameters; islands %s; %s",
@@ -146,7 +146,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
         if transport is not None:
             rec = transport.coordinator.history[-1]
             record.update(tokens=rec.tokens, weights=rec.weights, pseudo_gradient_norm=rec.pseudo_gradient_norm,
-                          update_bytes=rec.update_bytes)
+                          cosine_similarity=rec.cosine_similarity, update_bytes=rec.update_bytes)
         if (r + 1) % config.eval.every_rounds == 0 or r + 1 == rounds:
             eval_loss, eval_round = evaluator.evaluate(eval_batches), r + 1
             metrics.write(dict(kind="eval", round=r + 1, eval_loss=eval_loss))

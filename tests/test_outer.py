@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from island_jax.config import default_config, fingerprint, island
+from island_jax.config import default_config, fingerprint_fields, island
 from island_jax.coordinator import ContributionError, Coordinator, HandshakeError, UpdateNotReady
 from island_jax.outer import codec
 from island_jax.outer.merge import weighted_mean
@@ -22,7 +22,7 @@ def _config(lr, momentum, nesterov, kind="none"):
 def _coordinator(config, start):
     coord = Coordinator(config, {"w": np.asarray(start, np.float32)}, ["a", "b"])
     for name in ("a", "b"):
-        coord.join(name, fingerprint(config), coord.checksum)
+        coord.join(name, fingerprint_fields(config), coord.checksum)
     return coord
 
 
@@ -95,9 +95,9 @@ def test_different_seed_is_refused_with_reason():
     config = _config(1.0, 0.0, False)
     coord = Coordinator(config, {"w": np.ones(2, np.float32)}, ["a", "b"])
     other = checksum({"w": np.full(2, 2.0, np.float32)})
-    with pytest.raises(HandshakeError, match="initial-parameter checksum .* same config.seed"):
-        coord.join("a", fingerprint(config), other)
+    with pytest.raises(HandshakeError, match="parameter checksum .* same config.seed"):
+        coord.join("a", fingerprint_fields(config), other)
     config_b = _config(1.0, 0.0, False)
     config_b.seed = 1
-    with pytest.raises(HandshakeError, match="config fingerprint"):
-        coord.join("b", fingerprint(config_b), coord.checksum)
+    with pytest.raises(HandshakeError, match=r"differs from the coordinator in seed \(theirs 1, here 0\)"):
+        coord.join("b", fingerprint_fields(config_b), coord.checksum)

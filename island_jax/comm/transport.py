@@ -2,9 +2,13 @@
 
 An island sees three calls (the gRPC client implements the same ones):
 
-  join(island, config_fingerprint, initial_checksum) -> {"round", "checksum"}
-  contribute(round, island, tokens, payload)         -> None
+  join(island, config_fingerprint, params_checksum, round) -> {"round", "checksum"}
+  contribute(round, island, tokens, payload, params_checksum) -> None
   fetch_update(round, island)                        -> payload bytes
+
+`config_fingerprint` is `config.fingerprint_fields(config)`, so a mismatch can be
+named field by field; `params_checksum` is `params.checksum` of the island's
+global parameters (at the start of the round, for `contribute`).
 
 The in-process transport calls the coordinator directly, so notebooks and tests
 run the same island, codec, merge and outer step as a multi-process launch.
@@ -20,9 +24,11 @@ from island_jax.coordinator import Coordinator
 class Transport(Protocol):
     """What an island needs from the path to the coordinator."""
 
-    def join(self, island: str, config_fingerprint: str, initial_checksum: str) -> dict: ...
+    def join(self, island: str, config_fingerprint: dict, params_checksum: str, round: int = 0) -> dict: ...
 
-    def contribute(self, round: int, island: str, tokens: int, payload: bytes) -> None: ...
+    def contribute(
+        self, round: int, island: str, tokens: int, payload: bytes, params_checksum: str | None = None
+    ) -> None: ...
 
     def fetch_update(self, round: int, island: str) -> bytes: ...
 
@@ -37,11 +43,13 @@ class InProcessTransport:
     def __init__(self, coordinator: Coordinator):
         self.coordinator = coordinator
 
-    def join(self, island: str, config_fingerprint: str, initial_checksum: str) -> dict:
-        return self.coordinator.join(island, config_fingerprint, initial_checksum)
+    def join(self, island: str, config_fingerprint: dict, params_checksum: str, round: int = 0) -> dict:
+        return self.coordinator.join(island, dict(config_fingerprint), params_checksum, round)
 
-    def contribute(self, round: int, island: str, tokens: int, payload: bytes) -> None:
-        self.coordinator.contribute(round, island, tokens, bytes(payload))
+    def contribute(
+        self, round: int, island: str, tokens: int, payload: bytes, params_checksum: str | None = None
+    ) -> None:
+        self.coordinator.contribute(round, island, tokens, bytes(payload), params_checksum)
 
     def fetch_update(self, round: int, island: str) -> bytes:
         return bytes(self.coordinator.fetch_update(round, island))

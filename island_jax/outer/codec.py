@@ -59,6 +59,19 @@ def payload_bytes(like: Any, kind: str, block_size: int) -> int:
     return sum(leaf_bytes(int(np.prod(x.shape)), kind, block_size) for x in jax.tree.leaves(like))
 
 
+def layout(like: Any, kind: str, block_size: int) -> str:
+    """SHA-256 prefix (16 hex digits) of a payload's layout: leaf paths, shapes, kind, block size.
+
+    Two ends whose layouts agree read each other's payloads element for element;
+    the gRPC exchange refuses a payload whose layout differs from the round's.
+    """
+    import hashlib
+
+    leaves = jax.tree_util.tree_flatten_with_path(like)[0]
+    text = repr([(jax.tree_util.keystr(path), tuple(x.shape)) for path, x in leaves]) + f"|{kind}|{block_size}"
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
 @functools.partial(jax.jit, static_argnames=("block_size",))
 def _int8_leaf(x: jax.Array, block_size: int) -> tuple[jax.Array, jax.Array]:
     flat = x.astype(jnp.float32).reshape(-1)

@@ -1,0 +1,95 @@
+"""Orbax checkpoints of a role's state (coordinator or island), one folder per role.
+
+A state is a pytree of NumPy arrays (parameters, optimizer states, scalars as
+0-d arrays), saved under `directory/<round>` with orbax's `CheckpointManager`,
+where `<round>` counts completed rounds. Restoring needs a pytree of the same
+structure (for example the freshly initialised state), so optax's state
+classes come back as themselves, bit for bit.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import jax
+import numpy as np
+import orbax.checkpoint as ocp
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint cannot be restored into this run (other structure or shapes)."""
+
+
+def _host(tree: Any) -> Any:
+    return jax.tree.map(lambda x: np.asarray(jax.device_get(x)), tree)
+
+
+class Checkpointer:
+    """Saves and restores one role's state every `every_rounds` rounds.
+
+    Args:
+      directory: folder of this role's checkpoints (created).
+      every_rounds: save when the completed rounds are a multiple of this
+        (`config.checkpoint.every_rounds`), and whenever `save(force=True)`.
+      max_to_keep: newest checkpoints kept; older ones are deleted.
+    """
+
+    def __init__(self, directory: str, every_rounds: int, max_to_keep: int):
+        self.directory = os.path.abspath(directory)
+        self.every_rounds = every_rounds
+        self._manager = ocp.CheckpointManager(
+            self.directory, options=ocp.CheckpointManagerOptions(max_to_keep=max_to_keep, create=True)
+        )
+
+    def latest_round(self) -> int | None:
+        """Completed rounds of the newest checkpoint, or None when there is none."""
+        return self._manager.latest_step()
+
+    def save(self, round: int, state: Any, force: bool = False) -> bool:
+        """Saves `state` (arrays on any device; gathered to the host) as of `round` completed rounds.
+
+        Returns:
+          Whether a checkpoint was written (every `every_rounds`, or forced).
+        """
+        if not force and round % self.every_rounds:
+            return False
+        if self._manager.latest_step() == round:
+            return False
+        self._manager.save(round, args=ocp.args.StandardSave(_host(state)))
+        self._manager.wait_until_finished()
+        return True
+
+    def restore(self, like: Any, round: int | None = None) -> Any:
+        """The state saved at `round` (default: the newest), shaped like `like`, as NumPy arrays.
+
+        Raises:
+          CheckpointError: no checkpoint, or one whose structure or shapes differ
+            from `like` (a checkpoint of another model or optimizer).
+        """
+        round = self._manager.latest_step() if round is None else round
+        if round is None:
+            raise CheckpointError(f"no checkpoint in {self.directory}")
+        like = _host(like)
+        try:
+            restored = self._manager.restore(round, args=ocp.args.StandardRestore(like))
+        except Exception as e:  # orbax raises several types for a mismatched tree
+            raise CheckpointError(
+                f"the checkpoint of round {round} in {self.directory} does not fit this run's model and optimizer "
+                f"({type(e).__name__}: {e}); resume with the config that wrote it, or pass a new --workdir"
+            ) from e
+        for path, (a, b) in zip(
+            jax.tree_util.tree_flatten_with_path(like)[0],
+            zip(jax.tree.leaves(like), jax.tree.leaves(restored)),
+        ):
+            if a.shape != np.shape(b) or a.dtype != np.asarray(b).dtype:
+                raise CheckpointError(
+                    f"the checkpoint of round {round} in {self.directory} holds {jax.tree_util.keystr(path[0])} "
+                    f"as {np.asarray(b).dtype}{list(np.shape(b))} but this run has {a.dtype}{list(a.shape)}; resume "
+                    "with the config that wrote it, or pass a new --workdir"
+                )
+        return jax.tree.map(np.asarray, restored)
+
+    def close(self) -> None:
+        self._manager.wait_until_finished()
+        self._manager.close()

@@ -1,0 +1,84 @@
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class JoinRequest(_message.Message):
+    __slots__ = ("island", "fingerprint_json", "params_checksum", "round")
+    ISLAND_FIELD_NUMBER: _ClassVar[int]
+    FINGERPRINT_JSON_FIELD_NUMBER: _ClassVar[int]
+    PARAMS_CHECKSUM_FIELD_NUMBER: _ClassVar[int]
+    ROUND_FIELD_NUMBER: _ClassVar[int]
+    island: str
+    fingerprint_json: str
+    params_checksum: str
+    round: int
+    def __init__(self, island: _Optional[str] = ..., fingerprint_json: _Optional[str] = ..., params_checksum: _Optional[str] = ..., round: _Optional[int] = ...) -> None: ...
+
+class JoinReply(_message.Message):
+    __slots__ = ("round", "params_checksum", "payload_bytes", "layout")
+    ROUND_FIELD_NUMBER: _ClassVar[int]
+    PARAMS_CHECKSUM_FIELD_NUMBER: _ClassVar[int]
+    PAYLOAD_BYTES_FIELD_NUMBER: _ClassVar[int]
+    LAYOUT_FIELD_NUMBER: _ClassVar[int]
+    round: int
+    params_checksum: str
+    payload_bytes: int
+    layout: str
+    def __init__(self, round: _Optional[int] = ..., params_checksum: _Optional[str] = ..., payload_bytes: _Optional[int] = ..., layout: _Optional[str] = ...) -> None: ...
+
+class PayloadHeader(_message.Message):
+    __slots__ = ("round", "island", "tokens", "total_bytes", "crc32", "layout", "params_checksum")
+    ROUND_FIELD_NUMBER: _ClassVar[int]
+    ISLAND_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_BYTES_FIELD_NUMBER: _ClassVar[int]
+    CRC32_FIELD_NUMBER: _ClassVar[int]
+    LAYOUT_FIELD_NUMBER: _ClassVar[int]
+    PARAMS_CHECKSUM_FIELD_NUMBER: _ClassVar[int]
+    round: int
+    island: str
+    tokens: int
+    total_bytes: int
+    crc32: int
+    layout: str
+    params_checksum: str
+    def __init__(self, round: _Optional[int] = ..., island: _Optional[str] = ..., tokens: _Optional[int] = ..., total_bytes: _Optional[int] = ..., crc32: _Optional[int] = ..., layout: _Optional[str] = ..., params_checksum: _Optional[str] = ...) -> None: ...
+
+class Chunk(_message.Message):
+    __slots__ = ("offset", "data", "crc32")
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    CRC32_FIELD_NUMBER: _ClassVar[int]
+    offset: int
+    data: bytes
+    crc32: int
+    def __init__(self, offset: _Optional[int] = ..., data: _Optional[bytes] = ..., crc32: _Optional[int] = ...) -> None: ...
+
+class PayloadPart(_message.Message):
+    __slots__ = ("header", "chunk")
+    HEADER_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_FIELD_NUMBER: _ClassVar[int]
+    header: PayloadHeader
+    chunk: Chunk
+    def __init__(self, header: _Optional[_Union[PayloadHeader, _Mapping]] = ..., chunk: _Optional[_Union[Chunk, _Mapping]] = ...) -> None: ...
+
+class ContributeReply(_message.Message):
+    __slots__ = ("round", "bytes_received", "crc32")
+    ROUND_FIELD_NUMBER: _ClassVar[int]
+    BYTES_RECEIVED_FIELD_NUMBER: _ClassVar[int]
+    CRC32_FIELD_NUMBER: _ClassVar[int]
+    round: int
+    bytes_received: int
+    crc32: int
+    def __init__(self, round: _Optional[int] = ..., bytes_received: _Optional[int] = ..., crc32: _Optional[int] = ...) -> None: ...
+
+class FetchRequest(_message.Message):
+    __slots__ = ("round", "island")
+    ROUND_FIELD_NUMBER: _ClassVar[int]
+    ISLAND_FIELD_NUMBER: _ClassVar[int]
+    round: int
+    island: str
+    def __init__(self, round: _Optional[int] = ..., island: _Optional[str] = ...) -> None: ...
