@@ -36,13 +36,8 @@ from island_jax.comm.client import GrpcTransport
 from island_jax.comm.server import serve
 from island_jax.coordinator import Coordinator
 from island_jax.island import STEP_METRICS, Island
-from island_jax.metrics import MetricsWriter, read_jsonl, write_json
-from island_jax.params import count, init_params
-
-
-def _eta(seconds: float) -> str:
-    m, s = divmod(int(round(seconds)), 60)
-    return f"{m}m{s:02d}s"
+from island_jax.metrics import MetricsWriter, format_eta, read_jsonl, write_json
+from island_jax.params import checksum, count, init_params
 
 
 def coordinator_dir(workdir: str) -> str:
@@ -134,7 +129,9 @@ def run_coordinator(config: ml_collections.ConfigDict, workdir: str, address: st
                 )
             )
             last = now
-            checkpoints.save(r + 1, state, force=r + 1 == rounds)
+            if checkpoints.save(r + 1, state, force=r + 1 == rounds):
+                # What the checkpoint holds, so a restore can be checked bit for bit.
+                metrics.write(dict(kind="checkpoint", round=r + 1, checksums={k: checksum(v) for k, v in state.items()}))
             logging.info(
                 "round %d/%d merged | weights %s | pseudo-gradient norms %s | cosine %s",
                 r + 1, rounds,
@@ -261,10 +258,14 @@ def run_island(config: ml_collections.ConfigDict, workdir: str, name: str, addre
                 metrics.write(dict(kind="eval", round=r + 1, eval_loss=eval_loss))
                 record["eval_loss"] = eval_loss
             metrics.write(record)
-            checkpoints.save(r + 1, island.state(r + 1), force=r + 1 == rounds)
+            state = island.state(r + 1)
+            if checkpoints.save(r + 1, state, force=r + 1 == rounds):
+                metrics.write(
+                    dict(kind="checkpoint", round=r + 1, checksums={k: checksum(jax.device_get(v)) for k, v in state.items()})
+                )
             eta = "after round 2"
             if timed_start is not None:
-                eta = _eta((time.perf_counter() - timed_start) / (r - first) * (rounds - r - 1))
+                eta = format_eta((time.perf_counter() - timed_start) / (r - first) * (rounds - r - 1))
             logging.info(
                 "round %d/%d | loss %.4f | eval %s | sent/received %.2f/%.2f MB | compute %.1f s, exchange %.1f s | ETA %s",
                 r + 1, rounds, record["train_loss"], f"{eval_loss:.4f}" if eval_loss is not None else "-",

@@ -22,14 +22,9 @@ from island_jax import data as data_lib
 from island_jax.comm.transport import InProcessTransport
 from island_jax.coordinator import Coordinator
 from island_jax.island import STEP_METRICS, Island
-from island_jax.metrics import MetricsWriter, write_json
+from island_jax.metrics import MetricsWriter, format_eta, write_json
 from island_jax.outer import codec
 from island_jax.params import checksum, count, init_params
-
-
-def _eta(seconds: float) -> str:
-    m, s = divmod(int(round(seconds)), 60)
-    return f"{m}m{s:02d}s"
 
 
 def build_islands(config: ml_collections.ConfigDict, corpus: data_lib.Corpus, graphdef, params, specs) -> list[Island]:
@@ -154,7 +149,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
         record["seconds"] = time.perf_counter() - round_start  # training, exchange and evaluation
         metrics.write(record)
         # ETA from the rounds after the first, which also compiled the steps.
-        eta = _eta((time.perf_counter() - second_round_start) / r * (rounds - r - 1)) if r else "after round 2"
+        eta = format_eta((time.perf_counter() - second_round_start) / r * (rounds - r - 1)) if r else "after round 2"
         logging.info(
             "round %d/%d | loss %s | eval %.4f (round %d) | sent/received per island %.2f/%.2f MB | %.1f s | ETA %s",
             r + 1,

@@ -105,9 +105,10 @@ class Progress:
         if self.timed_from is None:
             self.timed_from = (r, now)
         elif r > self.timed_from[0]:
+            from island_jax.metrics import format_eta
+
             done, since = r - self.timed_from[0], now - self.timed_from[1]
-            m, s = divmod(int(since / done * (self.rounds - r)), 60)
-            eta = f"{m}m{s:02d}s"
+            eta = format_eta(since / done * (self.rounds - r))
         for rec in recs.values():
             self.eval_loss = rec.get("eval_loss", self.eval_loss)
         first = recs[self.names[0]]
@@ -143,27 +144,28 @@ def main(argv):
     lock = threading.Lock()
     procs, threads = {}, []
     env = dict(os.environ, PYTHONUNBUFFERED="1")
-    for role, cmd in roles:
-        p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
-                             preexec_fn=_die_with_parent)
-        procs[role] = p
-        t = threading.Thread(target=_forward, args=(role, p.stdout, lock), daemon=True)
-        t.start()
-        threads.append(t)
-        print(f"[launch] started {role} (pid {p.pid})", flush=True)
+    for role, cmd in roles:  # every process first: preexec_fn is only safe before threads start
+        procs[role] = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+                                       preexec_fn=_die_with_parent)
+        print(f"[launch] started {role} (pid {procs[role].pid})", flush=True)
+    for role, p in procs.items():
+        threads.append(threading.Thread(target=_forward, args=(role, p.stdout, lock), daemon=True))
+        threads[-1].start()
     progress = Progress(workdir, list(config.islands.keys()), config.outer.rounds)
-    failed = None
+    failed, failures = None, []
     try:
         while failed is None and any(p.poll() is None for p in procs.values()):
             time.sleep(0.5)
             for line in progress.poll():
                 with lock:
                     print(f"[launch] {line}", flush=True)
-            failed = next(((r, p.returncode) for r, p in procs.items() if p.poll() not in (None, 0)), None)
+            failures = [(r, p.returncode) for r, p in procs.items() if p.poll() not in (None, 0)]
+            failed = failures[0] if failures else None
     except KeyboardInterrupt:
         failed = ("launch", 130)
     if failed is not None:
-        print(f"[launch] {failed[0]} exited with status {failed[1]}; stopping the other processes", flush=True)
+        for role, code in failures if failed[0] != "launch" else [failed]:
+            print(f"[launch] {role} exited with status {code}; stopping the other processes", flush=True)
         for p in procs.values():
             if p.poll() is None:
                 p.terminate()

@@ -5,29 +5,17 @@ import json
 import numpy as np
 import pytest
 
-from island_jax.config import default_config, island
+from island_jax.config import island
 from island_jax.outer import codec
 from island_jax.params import count, init_params
 from island_jax.train import train_and_evaluate
+from tiny_config import get_config, write_corpus
 
 
 def tiny_config(tmp_path):
-    """A model small enough to train three rounds in seconds on 6 virtual devices."""
-    text = tmp_path / "corpus"
-    text.mkdir()
-    rng = np.random.default_rng(0)
-    words = ["def", "return", "self", "import", "class", "if", "else", "for", "in", "(", ")", ":", "\n    "]
-    for i in range(30):
-        (text / f"m{i}.py").write_text(" ".join(rng.choice(words, size=400)))
-    c = default_config()
-    c.model.update(seq_len=32, num_layers=1, d_model=32, num_heads=2)
-    c.moe.update(num_experts=4, expert_hidden_dim=32)
-    c.islands.a = island(4, 2, 2, 8, 2)
-    c.islands.b = island(2, 1, 2, 4, 2)
-    c.outer.rounds = 3
-    c.eval.update(every_rounds=3, batch_size=4, num_batches=2)
-    c.data.files = str(text / "*.py")
-    c.data.eval_fraction = 0.2
+    """The tests' tiny two-island config, on a corpus written to `tmp_path`."""
+    c = get_config()
+    c.data.files = write_corpus(tmp_path / "corpus")
     return c
 
 

@@ -1,0 +1,145 @@
+"""The multi-process run: launcher, roles over gRPC, checkpoints, TensorBoard events, crash and resume."""
+
+import json
+import os
+import re
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from island_jax.metrics import read_jsonl
+from island_jax.params import count, init_params
+from tiny_config import get_config, write_corpus
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+CONFIG = os.path.join(ROOT, "tests", "tiny_config.py")
+
+
+def launch(workdir, files, *overrides):
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # each role sets its own devices
+    cmd = [sys.executable, os.path.join(ROOT, "launch", "local.py"), f"--config={CONFIG}", f"--workdir={workdir}",
+           f"--config.data.files={files}", *overrides]
+    return subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    return write_corpus(tmp_path_factory.mktemp("corpus"))
+
+
+@pytest.fixture(scope="module")
+def straight(tmp_path_factory, corpus):
+    """Three rounds, start to end, with the launcher."""
+    workdir = tmp_path_factory.mktemp("straight")
+    result = launch(workdir, corpus)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    return workdir, result.stdout
+
+
+def test_launcher_summary_bytes_and_agreement(straight, corpus):
+    workdir, stdout = straight
+    summary = json.load(open(workdir / "summary.json"))
+    config = get_config()
+    config.data.files = corpus
+    _, params, _ = init_params(config)
+    target = count(params) * (1 + 4 / 256)
+    assert summary["rounds"] == 3 and summary["params"] == count(params) and summary["codec"] == "int8"
+    assert summary["checksums_agree"] is True
+    assert abs(summary["eval_loss_initial"] - np.log(256)) < 0.15
+    assert summary["eval_loss_final"] < summary["eval_loss_initial"]
+    for name, batch in (("a", 8), ("b", 4)):
+        isl = summary["islands"][name]
+        assert isl["inner_steps"] == 6 and isl["tokens"] == 6 * batch * 32
+        for rec in [r for r in read_jsonl(workdir / "islands" / name / "metrics.jsonl") if r["kind"] == "round"]:
+            assert abs(rec["bytes_sent"] / target - 1) < 0.02
+            assert abs(rec["bytes_received"] / target - 1) < 0.02
+    coordinator = [r for r in read_jsonl(workdir / "coordinator" / "metrics.jsonl") if r["kind"] == "round"]
+    assert [r["round"] for r in coordinator] == [1, 2, 3]
+    assert coordinator[0]["weights"] == {"a": 2 / 3, "b": 1 / 3}
+    assert set(coordinator[0]["pseudo_gradient_norm"]) == {"a", "b"} and set(coordinator[0]["cosine_similarity"]) == {"a/b"}
+    assert len(re.findall(r"\[launch\] round \d/3 \| loss a=", stdout)) == 3
+    assert re.search(r"^\[island b\] .*round 3/3", stdout, re.M)
+
+
+def test_multi_process_run_equals_the_in_process_run(straight, corpus, tmp_path):
+    from island_jax.train import train_and_evaluate
+
+    workdir, _ = straight
+    config = get_config()
+    config.data.files = corpus
+    train_and_evaluate(config, str(tmp_path / "in_process"))
+    in_process = [r for r in read_jsonl(tmp_path / "in_process" / "metrics.jsonl") if r["kind"] == "round"]
+    coordinator = [r for r in read_jsonl(workdir / "coordinator" / "metrics.jsonl") if r["kind"] == "round"]
+    assert [r["checksums"]["coordinator"] for r in in_process] == [r["checksum"] for r in coordinator]
+
+
+def test_tensorboard_reads_back_the_logged_losses(straight):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    workdir, _ = straight
+    for role in ("islands/a", "islands/b"):
+        events = EventAccumulator(str(workdir / role))
+        events.Reload()
+        logged = [r for r in read_jsonl(workdir / role / "metrics.jsonl") if r["kind"] == "inner"]
+        scalars = events.Scalars("inner/loss")
+        assert [s.step for s in scalars] == [1, 2, 3, 4, 5, 6]
+        assert [s.value for s in scalars] == [float(np.float32(r["loss"])) for r in logged]
+    events = EventAccumulator(str(workdir / "coordinator"))
+    events.Reload()
+    norms = [r["pseudo_gradient_norm"]["a"] for r in read_jsonl(workdir / "coordinator" / "metrics.jsonl")
+             if r["kind"] == "round"]
+    assert [s.value for s in events.Scalars("round/pseudo_gradient_norm/a")] == [float(np.float32(v)) for v in norms]
+
+
+RESTORE = """
+import sys, json
+import jax
+jax.config.update("jax_num_cpu_devices", 1)
+sys.path.insert(0, {tests!r})
+from tiny_config import get_config
+from island_jax.checkpoint import Checkpointer
+from island_jax.coordinator import Coordinator
+from island_jax.params import checksum, init_params
+config = get_config()
+_, params, _ = init_params(config)
+like = Coordinator(config, params, list(config.islands.keys())).state()
+state = Checkpointer({folder!r}, 1, 2).restore(like)
+print(json.dumps({{k: checksum(v) for k, v in state.items()}} | {{"round_value": int(state["round"])}}))
+"""
+
+
+def test_coordinator_checkpoint_restores_in_a_new_process_to_the_same_bits(straight):
+    workdir, _ = straight
+    folder = str(workdir / "coordinator" / "checkpoints")
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    out = subprocess.run([sys.executable, "-c", RESTORE.format(tests=os.path.join(ROOT, "tests"), folder=folder)],
+                         capture_output=True, text=True, env=env, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    restored = json.loads(out.stdout.strip().splitlines()[-1])
+    saved = [r for r in read_jsonl(workdir / "coordinator" / "metrics.jsonl") if r["kind"] == "checkpoint"]
+    assert [r["round"] for r in saved] == [1, 2, 3]
+    assert restored["round_value"] == 3
+    assert {k: restored[k] for k in ("master", "opt_state", "view", "round")} == {
+        k: saved[-1]["checksums"][k] for k in ("master", "opt_state", "view", "round")
+    }
+
+
+def test_crash_stops_every_process_and_the_rerun_resumes_to_the_same_bits(straight, corpus, tmp_path):
+    workdir = tmp_path / "crash"
+    crashed = launch(workdir, corpus, "--config.islands.b.crash_at_round=3")
+    assert crashed.returncode != 0
+    assert "island b crashes at round 3 on purpose" in crashed.stdout
+    assert re.search(r"\[launch\] island b exited with status 1; stopping the other processes", crashed.stdout)
+    pids = [int(p) for p in re.findall(r"\[launch\] started .* \(pid (\d+)\)", crashed.stdout)]
+    assert len(pids) == 3
+    for pid in pids:
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
+    resumed = launch(workdir, corpus)
+    assert resumed.returncode == 0, resumed.stdout[-3000:]
+    assert "resumed from the checkpoint of round 2" in resumed.stdout
+    final = json.load(open(workdir / "coordinator" / "summary.json"))["checksum"]
+    assert final == json.load(open(straight[0] / "coordinator" / "summary.json"))["checksum"]
+    assert json.load(open(workdir / "summary.json"))["islands"]["b"]["inner_steps"] == 6
