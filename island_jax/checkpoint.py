@@ -78,15 +78,14 @@ class Checkpointer:
                 f"the checkpoint of round {round} in {self.directory} does not fit this run's model and optimizer "
                 f"({type(e).__name__}: {e}); resume with the config that wrote it, or pass a new --workdir"
             ) from e
-        for path, (a, b) in zip(
-            jax.tree_util.tree_flatten_with_path(like)[0],
-            zip(jax.tree.leaves(like), jax.tree.leaves(restored)),
-        ):
-            if a.shape != np.shape(b) or a.dtype != np.asarray(b).dtype:
+        restored_leaves = jax.tree.leaves(restored)
+        for (path, a), b in zip(jax.tree_util.tree_flatten_with_path(like)[0], restored_leaves, strict=True):
+            b = np.asarray(b)
+            if a.shape != b.shape or a.dtype != b.dtype:
                 raise CheckpointError(
-                    f"the checkpoint of round {round} in {self.directory} holds {jax.tree_util.keystr(path[0])} "
-                    f"as {np.asarray(b).dtype}{list(np.shape(b))} but this run has {a.dtype}{list(a.shape)}; resume "
-                    "with the config that wrote it, or pass a new --workdir"
+                    f"the checkpoint of round {round} in {self.directory} holds {jax.tree_util.keystr(path)} as "
+                    f"{b.dtype}{list(b.shape)} but this run has {a.dtype}{list(a.shape)}; resume with the config that "
+                    "wrote it, or pass a new --workdir"
                 )
         return jax.tree.map(np.asarray, restored)
 

@@ -30,7 +30,6 @@ from island_jax.models.moe import BATCH_AXES
 from island_jax.outer import codec
 from island_jax.params import checksum
 
-
 # Scalars each inner step reports (see `Island.train_round`).
 STEP_METRICS = ("loss", "cross_entropy", "load_balancing_loss", "router_z_loss", "dropped_fraction", "grad_norm")
 

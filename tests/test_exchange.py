@@ -4,12 +4,12 @@ import os
 import subprocess
 import sys
 
+import exchange_server
 import grpc
 import numpy as np
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-import exchange_server
 from island_jax.comm import exchange_pb2 as pb
 from island_jax.comm import exchange_pb2_grpc as pb_grpc
 from island_jax.comm import wire

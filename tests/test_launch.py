@@ -8,10 +8,10 @@ import sys
 
 import numpy as np
 import pytest
+from tiny_config import get_config, write_corpus
 
 from island_jax.metrics import read_jsonl
 from island_jax.params import count, init_params
-from tiny_config import get_config, write_corpus
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIG = os.path.join(ROOT, "tests", "tiny_config.py")

@@ -4,7 +4,12 @@ import numpy as np
 import pytest
 
 from island_jax.config import default_config, fingerprint_fields, island
-from island_jax.coordinator import ContributionError, Coordinator, HandshakeError, UpdateNotReady
+from island_jax.coordinator import (
+    ContributionError,
+    Coordinator,
+    HandshakeError,
+    UpdateNotReady,
+)
 from island_jax.outer import codec
 from island_jax.outer.merge import weighted_mean
 from island_jax.params import checksum

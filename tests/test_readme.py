@@ -14,6 +14,6 @@ def _quickstart_commands():
 
 def test_two_commands_and_ci_runs_the_test_command():
     install_and_train, install_and_test = _quickstart_commands()
-    assert "experiments/train.py --config=experiments/configs/two_islands.py" in install_and_train
+    assert "python launch/local.py --config=experiments/configs/two_islands.py" in install_and_train
     ci = open(os.path.join(ROOT, ".ci", "run"), encoding="utf-8").read().splitlines()
     assert install_and_test in ci

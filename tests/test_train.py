@@ -4,12 +4,12 @@ import json
 
 import numpy as np
 import pytest
+from tiny_config import get_config, write_corpus
 
 from island_jax.config import island
 from island_jax.outer import codec
 from island_jax.params import count, init_params
 from island_jax.train import train_and_evaluate
-from tiny_config import get_config, write_corpus
 
 
 def tiny_config(tmp_path):

@@ -26,7 +26,12 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from island_jax.comm import exchange_pb2 as pb
 from island_jax.comm import exchange_pb2_grpc as pb_grpc
 from island_jax.comm import wire
-from island_jax.coordinator import ContributionError, Coordinator, HandshakeError, UpdateNotReady
+from island_jax.coordinator import (
+    ContributionError,
+    Coordinator,
+    HandshakeError,
+    UpdateNotReady,
+)
 from island_jax.outer import codec
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Exchange"].full_name
