@@ -58,8 +58,10 @@ def _open_role(config: ml_collections.ConfigDict, folder: str) -> tuple[Checkpoi
             f"{folder} holds metrics of a run but no checkpoint to resume from; pass a new --workdir, or move that "
             "one away first, so that nothing it holds is overwritten"
         )
-    with open(os.path.join(folder, "config.json"), "w", encoding="utf-8") as f:
-        f.write(config.to_json_best_effort(indent=2, sort_keys=True))
+    path = os.path.join(folder, "config.json")
+    if not os.path.exists(path):  # a resumed role keeps the config it started with
+        with open(path, "w", encoding="utf-8") as f:
+            f.write(config.to_json_best_effort(indent=2, sort_keys=True))
     return checkpoints, MetricsWriter(folder, tensorboard=True)
 
 

@@ -132,6 +132,9 @@ def main(argv):
     if not config.outer.enabled:
         sys.exit("outer.enabled is False: a run without the outer loop has no coordinator; "
                  "run it in one process with experiments/train.py")
+    if os.path.exists(os.path.join(workdir, "summary.json")):
+        sys.exit(f"{workdir} holds a finished run (summary.json); pass a new --workdir, or move that one away "
+                 "first, so that nothing it holds is overwritten")
     os.makedirs(workdir, exist_ok=True)
     start = time.perf_counter()
     address = f"{_HOST.value}:{_PORT.value or _free_port(_HOST.value)}"

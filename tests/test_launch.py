@@ -142,4 +142,8 @@ def test_crash_stops_every_process_and_the_rerun_resumes_to_the_same_bits(straig
     assert "resumed from the checkpoint of round 2" in resumed.stdout
     final = json.load(open(workdir / "coordinator" / "summary.json"))["checksum"]
     assert final == json.load(open(straight[0] / "coordinator" / "summary.json"))["checksum"]
-    assert json.load(open(workdir / "summary.json"))["islands"]["b"]["inner_steps"] == 6
+    summary = (workdir / "summary.json").read_text()
+    assert json.loads(summary)["islands"]["b"]["inner_steps"] == 6
+    again = launch(workdir, corpus)
+    assert again.returncode == 1 and "holds a finished run (summary.json); pass a new --workdir" in again.stderr
+    assert (workdir / "summary.json").read_text() == summary
