@@ -122,7 +122,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
             totals[isl.name]["tokens"] += result["tokens"]
             if transport is not None:
                 payload = isl.encode_pseudo_gradient()
-                transport.contribute(r, isl.name, result["tokens"], payload)
+                transport.contribute(r, isl.name, result["tokens"], payload, isl.global_checksum)
                 totals[isl.name]["bytes_sent"] += len(payload)
             metrics.write(
                 dict(kind="island_round", island=isl.name, round=r + 1, seconds=result["seconds"], tokens=result["tokens"],

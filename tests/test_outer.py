@@ -106,3 +106,22 @@ def test_different_seed_is_refused_with_reason():
     config_b.seed = 1
     with pytest.raises(HandshakeError, match=r"differs from the coordinator in seed \(theirs 1, here 0\)"):
         coord.join("b", fingerprint_fields(config_b), coord.checksum)
+
+
+def test_round_record_has_pseudo_gradient_norms_and_cosine_similarity():
+    config = _config(1.0, 0.0, False)
+    coord = _coordinator(config, [0.0, 0.0])
+    _round(coord, config, ([-1.0, 0.0], [-1.0, -1.0]))  # pseudo-gradients [1, 0] and [1, 1]
+    rec = coord.history[-1]
+    assert rec.pseudo_gradient_norm == {"a": 1.0, "b": pytest.approx(np.sqrt(2.0), rel=1e-7)}
+    assert rec.cosine_similarity == {"a/b": pytest.approx(1 / np.sqrt(2.0), rel=1e-7)}
+    assert rec.checksum == coord.checksum == checksum(coord.view)
+
+
+def test_contribution_from_other_parameters_is_refused():
+    config = _config(1.0, 0.0, False)
+    coord = _coordinator(config, [0.0, 0.0])
+    payload = codec.encode({"w": np.ones(2, np.float32)}, "none", 256)
+    with pytest.raises(ContributionError, match="trained round 0 from parameters with checksum 0123456789abcdef"):
+        coord.contribute(0, "a", 10, payload, "0123456789abcdef")
+    assert coord._pending == {}
