@@ -31,8 +31,9 @@ setup(
         "protobuf>=7.35.1,<8",
     ],
     extras_require={
-        # tensorboard: its own event reader checks the event files the runs write.
-        "test": ["pytest>=8,<10", "tensorboard>=2.20,<3"],
+        # tensorboard: its own event reader checks the event files the runs write;
+        # grpcio-tools: a test regenerates the gRPC stubs and compares them with the committed ones.
+        "test": ["pytest>=8,<10", "tensorboard>=2.20,<3", "grpcio-tools==1.85.1"],
         # Regenerates the gRPC stubs: python island_jax/comm/generate_stubs.py
         "dev": ["grpcio-tools==1.85.1"],
     },

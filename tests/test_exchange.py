@@ -154,3 +154,12 @@ def test_reassembler_refuses_out_of_order_and_short_streams():
         wire.Reassembler(len(payload), 512).extend(parts[:2])
     header, again = wire.Reassembler(len(payload), 1024).extend(parts).finish()
     assert again == payload and header.total_bytes == 10240 and header.crc32 == wire.crc32(payload)
+
+
+def test_committed_stubs_are_what_the_proto_generates(tmp_path):
+    from island_jax.comm import generate_stubs
+
+    assert generate_stubs.generate(str(tmp_path)) == 0
+    for name in ("exchange_pb2.py", "exchange_pb2.pyi", "exchange_pb2_grpc.py"):
+        generated = (tmp_path / "island_jax" / "comm" / name).read_text()
+        assert generated == open(os.path.join(HERE, "..", "island_jax", "comm", name)).read(), name

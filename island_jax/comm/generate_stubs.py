@@ -15,13 +15,24 @@ import sys
 from grpc_tools import protoc
 
 
-def main() -> int:
+def generate(out_dir: str) -> int:
+    """Writes the generated modules under `out_dir/island_jax/comm/`; returns protoc's exit status."""
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     proto = os.path.join("island_jax", "comm", "exchange.proto")
     # The include path is the repository root, so the generated gRPC module
     # imports `island_jax.comm.exchange_pb2` as a package module.
+    cwd = os.getcwd()
     os.chdir(root)
-    return protoc.main(["grpc_tools.protoc", "-I.", "--python_out=.", "--pyi_out=.", "--grpc_python_out=.", proto])
+    try:
+        args = ["grpc_tools.protoc", "-I.", f"--python_out={out_dir}", f"--pyi_out={out_dir}", f"--grpc_python_out={out_dir}"]
+        return protoc.main([*args, proto])
+    finally:
+        os.chdir(cwd)
+
+
+def main() -> int:
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    return generate(root)
 
 
 if __name__ == "__main__":
