@@ -34,6 +34,7 @@ from __future__ import annotations
 import ml_collections
 
 CODECS = ("int8", "bf16", "none")
+DISPATCH = ("capacity", "dropless")
 MIB = 1 << 20
 MAX_CHUNK_BYTES = 64 * MIB  # far below protobuf's 2 GiB message ceiling
 DTYPES = ("float32", "bfloat16")
@@ -92,6 +93,7 @@ def default_config() -> ml_collections.ConfigDict:
         num_heads=4,
         param_dtype="float32",
         compute_dtype="float32",
+        mlp_hidden_dim=512,  # SwiGLU width of the dense feed-forward layers between MoE layers
     )
     c.moe = dict(
         num_experts=4,
@@ -101,6 +103,11 @@ def default_config() -> ml_collections.ConfigDict:
         renormalize=True,  # rescale the top-k router weights to sum to 1
         load_balancing_loss_coef=0.01,
         router_z_loss_coef=1e-3,
+        dispatch="capacity",  # capacity buckets + all_to_all; "dropless": ragged_dot (+ ragged_all_to_all off CPU)
+        jitter_noise=0.0,  # eps of U(1 - eps, 1 + eps) on the router input while training (Switch: 0.01)
+        num_shared_experts=0,  # experts every token passes through (DeepSeekMoE)
+        routing_bias_update_rate=0.0,  # gamma of auxiliary-loss-free balancing (DeepSeek-V3: 0.001); 0 = off
+        every_n_layers=1,  # an MoE layer in every n-th block, dense SwiGLU in the others
     )
     c.islands = ml_collections.ConfigDict()
     c.inner = dict(
@@ -176,6 +183,19 @@ def validate(
         f"{moe.num_experts}; top-k must lie in 1..num_experts",
     )
     _require(moe.expert_hidden_dim > 0, f"moe.expert_hidden_dim is {moe.expert_hidden_dim}; it must be positive")
+    _require(moe.dispatch in DISPATCH, f"moe.dispatch is {moe.dispatch!r}; choose one of {DISPATCH}")
+    _require(0.0 <= moe.jitter_noise < 1.0, f"moe.jitter_noise is {moe.jitter_noise}; use 0 (off) or a value in (0, 1)")
+    _require(moe.num_shared_experts >= 0, f"moe.num_shared_experts is {moe.num_shared_experts}; use 0 or more")
+    _require(
+        moe.routing_bias_update_rate >= 0,
+        f"moe.routing_bias_update_rate is {moe.routing_bias_update_rate}; use 0 (off) or a positive rate such as 0.001",
+    )
+    _require(
+        1 <= moe.every_n_layers <= m.num_layers,
+        f"moe.every_n_layers is {moe.every_n_layers} but model.num_layers is {m.num_layers}; use 1..num_layers "
+        "so that at least one block has an MoE layer",
+    )
+    _require(m.mlp_hidden_dim > 0, f"model.mlp_hidden_dim is {m.mlp_hidden_dim}; it must be positive")
     _require(
         config.codec.kind in CODECS,
         f"codec.kind is {config.codec.kind!r}, an unknown codec; choose one of {CODECS}",
@@ -263,7 +283,9 @@ def fingerprint_fields(config: ml_collections.ConfigDict) -> dict:
     not island sizes, batch sizes or learning rates, which may differ per island.
     """
     fields = {f"model.{k}": v for k, v in config.model.items()}
-    fields.update({f"moe.{k}": config.moe[k] for k in ("num_experts", "num_experts_per_token", "expert_hidden_dim")})
+    shapes = ("num_experts", "num_experts_per_token", "expert_hidden_dim", "num_shared_experts", "every_n_layers")
+    fields.update({f"moe.{k}": config.moe[k] for k in shapes})
+    fields["moe.routing_bias"] = config.moe.routing_bias_update_rate > 0
     fields.update({f"codec.{k}": v for k, v in config.codec.items()})
     fields["seed"] = config.seed
     return fields

@@ -26,12 +26,17 @@ from jax.sharding import PartitionSpec as P
 
 from island_jax import data as data_lib
 from island_jax.mesh import island_mesh
-from island_jax.models.moe import BATCH_AXES
+from island_jax.models.moe import BATCH_AXES, check_dispatch
+from island_jax.models.transformer import aggregate_stats, update_routing_biases
 from island_jax.outer import codec
 from island_jax.params import checksum
 
-# Scalars each inner step reports (see `Island.train_round`).
-STEP_METRICS = ("loss", "cross_entropy", "load_balancing_loss", "router_z_loss", "dropped_fraction", "grad_norm")
+# Scalars each inner step reports (see `Island.train_round`); the MoE ones are means over MoE layers.
+STEP_METRICS = (
+    "loss", "cross_entropy", "load_balancing_loss", "router_z_loss", "router_entropy", "dropped_fraction", "grad_norm"
+)
+# Per-MoE-layer arrays each inner step reports: [L] each, expert_load [L, E].
+LAYER_METRICS = ("load_balancing_loss", "router_z_loss", "router_entropy", "dropped_fraction", "capacity", "expert_load")
 
 
 def inner_optimizer(config: ml_collections.ConfigDict, total_steps: int) -> optax.GradientTransformation:
@@ -60,21 +65,37 @@ def inner_optimizer(config: ml_collections.ConfigDict, total_steps: int) -> opta
     )
 
 
-def cross_entropy(logits: jax.Array, targets: jax.Array) -> jax.Array:
-    """Mean next-byte cross-entropy in nats. logits [B, S, V] float32, targets [B, S] int."""
-    return jnp.mean(optax.softmax_cross_entropy_with_integer_labels(logits, targets))
+def cross_entropy(logits: jax.Array, targets: jax.Array, mask: jax.Array | None = None) -> jax.Array:
+    """Mean next-byte cross-entropy in nats over real tokens. logits [B, S, V] float32, targets and mask [B, S]."""
+    losses = optax.softmax_cross_entropy_with_integer_labels(logits, targets)
+    if mask is None:
+        return jnp.mean(losses)
+    return jnp.sum(losses * mask) / jnp.maximum(jnp.sum(mask), 1)
 
 
-def loss_fn(graphdef, params, inputs, targets, moe_config):
-    """Training loss: cross-entropy + load-balancing and router z-loss terms, with metrics."""
-    logits, stats = nnx.merge(graphdef, nnx.State(params))(inputs)
-    ce = cross_entropy(logits, targets)
+def loss_fn(graphdef, params, inputs, targets, moe_config, mask=None, key=None, cross_entropy_coef=1.0):
+    """Training loss: cross-entropy + load-balancing and router z-loss terms (means over MoE layers).
+
+    Args:
+      graphdef, params: the model (`nnx.split`) and its parameters (pure dict).
+      inputs, targets: int32 [B, S]; mask: optional [B, S] (1 real, 0 padded).
+      moe_config: `config.moe` (the two loss coefficients).
+      key: PRNG key for router jitter (training), or None.
+      cross_entropy_coef: weight of the language-model loss (1; 0 isolates the auxiliary losses).
+
+    Returns:
+      (loss [], metrics): the STEP_METRICS scalars (but grad_norm) and, per MoE
+      layer, `layers`: the LAYER_METRICS arrays.
+    """
+    logits, per_layer = nnx.merge(graphdef, nnx.State(params))(inputs, mask, key)
+    stats = aggregate_stats(per_layer)
+    ce = cross_entropy(logits, targets, mask)
     loss = (
-        ce
+        cross_entropy_coef * ce
         + moe_config.load_balancing_loss_coef * stats["load_balancing_loss"]
         + moe_config.router_z_loss_coef * stats["router_z_loss"]
     )
-    return loss, dict(stats, cross_entropy=ce, loss=loss)
+    return loss, dict(stats, cross_entropy=ce, loss=loss, layers=per_layer)
 
 
 class Island:
@@ -106,6 +127,7 @@ class Island:
         self.inner_steps = cfg.inner_steps
         self.batch_size = cfg.batch_size
         self.seq_len = config.model.seq_len
+        check_dispatch(config.moe.dispatch, cfg.mesh.expert, devices[0].platform)
         self.mesh = island_mesh(cfg.mesh.data, cfg.mesh.expert, devices)
         self._param_sharding = jax.tree.map(
             lambda s: NamedSharding(self.mesh, s), specs, is_leaf=lambda x: isinstance(x, P)
@@ -121,15 +143,22 @@ class Island:
         moe_config = config.moe
         tx = self.tx
 
-        def train_step(params, opt_state, inputs, targets):
+        seed = config.seed
+
+        def train_step(params, opt_state, inputs, targets, step):
+            key = jax.random.fold_in(jax.random.PRNGKey(seed), step) if moe_config.jitter_noise > 0 else None
             grad_fn = jax.value_and_grad(functools.partial(loss_fn, graphdef), has_aux=True)
-            (_, metrics), grads = grad_fn(params, inputs, targets, moe_config)
+            (_, metrics), grads = grad_fn(params, inputs, targets, moe_config, None, key)
             updates, opt_state = tx.update(grads, opt_state, params)
             params = optax.apply_updates(params, updates)
+            if moe_config.routing_bias_update_rate > 0:  # outside the optimizer (DeepSeek-V3)
+                params = update_routing_biases(
+                    params, metrics["layers"]["expert_load"], moe_config.routing_bias_update_rate
+                )
             return params, opt_state, dict(metrics, grad_norm=optax.tree.norm(grads))
 
         def eval_step(params, inputs, targets):
-            logits, _ = nnx.merge(graphdef, nnx.State(params))(inputs)
+            logits, _ = nnx.merge(graphdef, nnx.State(params))(inputs)  # no jitter
             return cross_entropy(logits, targets)
 
         def pseudo_gradient(anchor, params):
@@ -158,9 +187,9 @@ class Island:
 
         Returns:
           dict with `steps`, `tokens` (processed this round), `seconds` (wall),
-          and per-step lists `loss`, `cross_entropy`, `load_balancing_loss`,
-          `router_z_loss`, `dropped_fraction`, `grad_norm`, plus
-          `expert_load` of the last step [num_layers, E].
+          per-step lists of the STEP_METRICS scalars, `layers` (per step, the
+          LAYER_METRICS arrays per MoE layer), and `expert_load` of the last
+          step [num_moe_layers, E].
         """
         num_steps = self.inner_steps if num_steps is None else num_steps
         start = time.perf_counter()
@@ -168,7 +197,9 @@ class Island:
         with jax.set_mesh(self.mesh):
             for _ in range(num_steps):
                 inputs, targets = self._batch(self.dataset[self.step])
-                self.params, self.opt_state, metrics = self._train_step(self.params, self.opt_state, inputs, targets)
+                self.params, self.opt_state, metrics = self._train_step(
+                    self.params, self.opt_state, inputs, targets, self.step
+                )
                 # One step in flight at a time: XLA:CPU's in-process collectives can
                 # deadlock when consecutive steps' all-to-alls interleave across devices.
                 jax.block_until_ready(metrics)
@@ -177,11 +208,12 @@ class Island:
             history = jax.device_get(history)
         seconds = time.perf_counter() - start
         out = {k: [float(m[k]) for m in history] for k in STEP_METRICS}
+        out["layers"] = [{k: np.asarray(m["layers"][k]) for k in LAYER_METRICS} for m in history]
         out.update(
             steps=num_steps,
             tokens=num_steps * self.tokens_per_step,
             seconds=seconds,
-            expert_load=np.asarray(history[-1]["expert_load"]) if history else None,
+            expert_load=out["layers"][-1]["expert_load"] if history else None,
         )
         return out
 

@@ -3,8 +3,9 @@
 Every record is one JSON object per line in `metrics.jsonl`. With `tensorboard`
 on, each numeric field (nested dicts flattened with "/") is also written as a
 TensorBoard scalar (tensorboardX, no TensorFlow needed) named `KIND/FIELD`, for
-example `inner/loss`, `round/pseudo_gradient_norm/a`, at the record's `step`
-(inner steps) or `round`.
+example `inner/loss`, `round/pseudo_gradient_norm/a`, `inner/moe/expert_load/0/3`
+(lists are indexed: MoE layer 0, expert 3), at the record's `step` (inner
+steps) or `round`.
 """
 
 from __future__ import annotations
@@ -34,6 +35,8 @@ def _scalars(record: dict, prefix: str) -> dict[str, float]:
         name = f"{prefix}/{key}"
         if isinstance(value, dict):
             out.update(_scalars(value, name))
+        elif isinstance(value, list):  # per layer, per expert: NAME/0, NAME/0/1, ...
+            out.update(_scalars({str(i): v for i, v in enumerate(value)}, name))
         elif isinstance(value, numbers.Real) and not isinstance(value, bool):
             out[name] = float(value)
     return out

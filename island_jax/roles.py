@@ -232,6 +232,7 @@ def run_island(config: ml_collections.ConfigDict, workdir: str, name: str, addre
                         round=r + 1,
                         step=step0 + j + 1,
                         **{k: result[k][j] for k in STEP_METRICS},
+                        moe=result["layers"][j],
                         tokens_per_second=result["tokens"] / result["seconds"],
                     )
                 )

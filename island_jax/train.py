@@ -114,6 +114,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
                         round=r + 1,
                         step=step0 + j + 1,
                         **{k: result[k][j] for k in STEP_METRICS},
+                        moe=result["layers"][j],
                         tokens_per_second=result["tokens"] / result["seconds"],
                     )
                 )

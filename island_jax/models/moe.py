@@ -1,21 +1,41 @@
 """Expert-parallel Mixture-of-Experts feed-forward layer under `jax.shard_map`.
 
-Routing follows Switch Transformer (arXiv 2101.03961) generalised to top-k:
-a float32 router gives softmax probabilities over E experts, each token goes to
-its k most probable experts. Inside each shard, assignments are sorted by expert
-(stably, so earlier tokens win) into fixed-capacity buckets of C slots;
-assignments past capacity are dropped (the token keeps its residual). Buckets
-travel to the devices that own their experts with `jax.lax.all_to_all` over the
-`expert` mesh axis, the local experts (SwiGLU) run as one batched einsum over
-the buckets, and a second `all_to_all` brings the outputs home for the
-probability-weighted combine.
+Router. A float32 linear router gives softmax probabilities over E experts and
+each token goes to its k most probable ones (Switch Transformer, arXiv
+2101.03961, generalised to top-k). Options: renormalising the k weights to sum
+to 1; multiplicative jitter noise U(1 - eps, 1 + eps) on the router input in
+training (Switch Transformer sec. 2.4); shared experts that every token passes
+through beside the routed ones (DeepSeekMoE, arXiv 2401.06066); and
+auxiliary-loss-free balancing (DeepSeek-V3, arXiv 2412.19437, sec. 2.1.2): a
+per-expert bias added to the probabilities for the top-k choice only (the
+weights stay the probabilities), updated outside the optimizer by
+`routing_bias_update`.
 
-Auxiliary losses, with statistics summed over the whole island batch (every
-device of the mesh) before the product:
+Dispatch (`dispatch="capacity"`, every backend). Each shard of the batch gives
+every expert C = capacity(...) slots, from static shapes. Slots go to the
+shard's assignments in token order; later ones are dropped (zero expert
+output; the token keeps its residual). Padded tokens (mask 0) take no slot. The
+buckets [E, C, D] travel to the experts' owners with `jax.lax.all_to_all` over
+the `expert` mesh axis, the local experts run as one batched einsum over the
+buckets (on XLA:CPU about 4x faster than `jax.lax.ragged_dot` for the same
+work), and a second all_to_all brings the outputs home for the weighted
+combine.
+
+Dispatch (`dispatch="dropless"`): assignments are sorted by expert and the
+experts run as `jax.lax.ragged_dot` over ragged groups (a grouped GEMM on
+GPU/TPU), nothing dropped. With an expert axis above 1 the ragged groups move
+with `jax.lax.ragged_all_to_all`, which XLA:CPU does not implement
+(`check_dispatch` refuses that combination).
+
+Statistics, summed over the whole island batch (every shard) and over real
+tokens only, before any product:
   load_balancing_loss = E * sum_i f_i * P_i   (Switch Transformer eq. 4)
      f_i: share of the top-k assignments routed to expert i (before drops),
-     P_i: mean router probability of expert i.
-  router_z_loss = mean over tokens of logsumexp(router logits)^2   (ST-MoE eq. 5)
+     P_i: mean router probability of expert i; it reaches only the router.
+  router_z_loss = mean over tokens of logsumexp(router logits)^2   (ST-MoE, arXiv 2202.08906, eq. 5)
+  router_entropy = mean over tokens of -sum_i p_i log p_i (nats)
+  dropped_fraction = dropped assignments / assignments
+  capacity = C, the slots per expert and shard in use
 """
 
 from __future__ import annotations
@@ -29,15 +49,21 @@ from jax.sharding import PartitionSpec as P
 
 BATCH_AXES = ("data", "expert")  # the batch is split over both mesh axes
 EXPERT_AXIS = "expert"
+DISPATCH = ("capacity", "dropless")
+STATS = ("load_balancing_loss", "router_z_loss", "router_entropy", "dropped_fraction", "capacity", "expert_load")
+
+
+class DispatchError(ValueError):
+    """The configured dispatch cannot run on this backend and mesh; the message names the config field."""
 
 
 def capacity(tokens_per_shard: int, num_experts: int, k: int, capacity_factor: float) -> int:
     """Slots per expert in each shard's buckets.
 
     C = ceil(capacity_factor * tokens_per_shard * k / num_experts), from static
-    shapes only, clamped to tokens_per_shard (an expert can receive each token at
-    most once, so more slots could never be filled). capacity_factor <= 0 means
-    dropless: C = tokens_per_shard.
+    shapes only, clamped to tokens_per_shard: an expert receives each token at
+    most once, so more slots could never be filled. capacity_factor <= 0 means
+    nothing is ever dropped: worst-case buckets, C = tokens_per_shard.
     """
     if capacity_factor <= 0:
         return tokens_per_shard
@@ -45,67 +71,174 @@ def capacity(tokens_per_shard: int, num_experts: int, k: int, capacity_factor: f
     return max(1, min(c, tokens_per_shard))
 
 
-def _moe_shard(x, router, w_gate, w_up, w_down, *, k, capacity_factor, renormalize, compute_dtype):
-    """Per-device body. x: [b, s, d] local batch; w_*: [E_local, ...] local experts."""
+def check_dispatch(dispatch: str, expert_axis_size: int, platform: str) -> None:
+    """Refuses a dispatch the backend cannot run.
+
+    Raises:
+      DispatchError: `dropless` with an expert axis above 1 on CPU (XLA:CPU has
+        no ragged_all_to_all), or an unknown dispatch.
+    """
+    if dispatch not in DISPATCH:
+        raise DispatchError(f"moe.dispatch is {dispatch!r}; choose one of {DISPATCH}")
+    if dispatch == "dropless" and expert_axis_size > 1 and platform == "cpu":
+        raise DispatchError(
+            f"moe.dispatch='dropless' with an expert axis of {expert_axis_size} moves tokens with "
+            "jax.lax.ragged_all_to_all, which XLA:CPU does not implement; on CPU set moe.dispatch='capacity' "
+            "(moe.capacity_factor <= 0 drops nothing) or make the island's mesh.expert 1"
+        )
+
+
+def swiglu(x: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array) -> jax.Array:
+    """SwiGLU feed-forward (Shazeer, arXiv 2002.05202): (silu(x W_gate) * x W_up) W_down. x [..., D]."""
+    return (jax.nn.silu(x @ w_gate) * (x @ w_up)) @ w_down
+
+
+def _psum(x):
+    return jax.lax.psum(x, BATCH_AXES)
+
+
+def _ragged_swiglu(x, w_gate, w_up, w_down, group_sizes):
+    """SwiGLU over rows grouped by expert: x [M, D] sorted by expert, w_* [E, ...], group_sizes [E]."""
+    h = jax.nn.silu(jax.lax.ragged_dot(x, w_gate, group_sizes)) * jax.lax.ragged_dot(x, w_up, group_sizes)
+    return jax.lax.ragged_dot(h, w_down, group_sizes)
+
+
+def _capacity_experts(xc, flat_e, real_a, tokens, k, cap, w_gate, w_up, w_down):
+    """Fixed-capacity buckets, all_to_all over the expert axis, batched einsum. Returns ([A, D], kept [A])."""
+    num_experts = w_gate.shape[0] * jax.lax.axis_size(EXPERT_AXIS)
+    ep = jax.lax.axis_size(EXPERT_AXIS)
+    d = xc.shape[-1]
+    # Position of each assignment in its expert's bucket: real assignments to
+    # the same expert, counted in token order.
+    onehot = jax.nn.one_hot(flat_e, num_experts, dtype=jnp.int32) * real_a[:, None]
+    position = jnp.take_along_axis(jnp.cumsum(onehot, axis=0), flat_e[:, None], axis=1)[:, 0] - 1
+    kept = real_a & (position < cap)
+    dump = num_experts * cap  # an all-zero row for empty slots and dropped assignments
+    slot = jnp.where(kept, flat_e * cap + position, dump)
+    slot_token = jnp.full((dump + 1,), tokens, jnp.int32).at[slot].set(jnp.arange(tokens * k) // k)
+    x_pad = jnp.concatenate([xc, jnp.zeros((1, d), xc.dtype)])
+    buckets = x_pad[slot_token[:dump]].reshape(num_experts, cap, d)
+    # To the experts' owners: [E, C, D] -> [ep (source shard) * E_local, C, D].
+    received = jax.lax.all_to_all(buckets, EXPERT_AXIS, 0, 0, tiled=True).reshape(ep, num_experts // ep, cap, d)
+    gate = jnp.einsum("secd,edf->secf", received, w_gate)
+    up = jnp.einsum("secd,edf->secf", received, w_up)
+    y = jnp.einsum("secf,efd->secd", jax.nn.silu(gate) * up, w_down)
+    # Back home, in global expert order.
+    y = jax.lax.all_to_all(y.reshape(num_experts, cap, d), EXPERT_AXIS, 0, 0, tiled=True)
+    y_pad = jnp.concatenate([y.reshape(dump, d), jnp.zeros((1, d), y.dtype)])
+    return y_pad[slot], kept
+
+
+def _dropless_experts(xc, flat_e, real_a, counts, k, w_gate, w_up, w_down):
+    """Sorted by expert, ragged_dot; ragged_all_to_all when the expert axis is above 1. Returns [A, D]."""
+    ep = jax.lax.axis_size(EXPERT_AXIS)
+    e_local = w_gate.shape[0]
+    num_experts = e_local * ep
+    a, d = flat_e.shape[0], xc.shape[-1]
+    order = jnp.argsort(jnp.where(real_a, flat_e, num_experts), stable=True)  # padded assignments last
+    sorted_x = xc[order // k]
+    if ep == 1:
+        y_sorted = _ragged_swiglu(sorted_x, w_gate, w_up, w_down, counts)
+    else:
+        me = jax.lax.axis_index(EXPERT_AXIS)
+        all_counts = jax.lax.all_gather(counts, EXPERT_AXIS)  # [ep sender, E]
+        per_pair = all_counts.reshape(ep, ep, e_local).sum(-1)  # [sender, receiver] assignments
+        send_sizes = per_pair[me]
+        input_offsets = jnp.cumsum(send_sizes) - send_sizes
+        output_offsets = (jnp.cumsum(per_pair, axis=0) - per_pair)[me]  # where my chunk lands at each receiver
+        recv_sizes = per_pair[:, me]
+        recv_offsets = jnp.cumsum(recv_sizes) - recv_sizes
+        received = jax.lax.ragged_all_to_all(
+            sorted_x, jnp.zeros((ep * a, d), xc.dtype), input_offsets, send_sizes, output_offsets, recv_sizes,
+            axis_name=EXPERT_AXIS,
+        )
+        # Rows arrive by sender, each sender's rows by expert: regroup by local expert.
+        mine = jax.lax.dynamic_slice_in_dim(all_counts, me * e_local, e_local, axis=1)  # [sender, E_local]
+        local_e = jnp.repeat(jnp.tile(jnp.arange(e_local), ep), mine.reshape(-1), total_repeat_length=ep * a)
+        local_e = jnp.where(jnp.arange(ep * a) < recv_sizes.sum(), local_e, e_local)
+        regroup = jnp.argsort(local_e, stable=True)
+        y_grouped = _ragged_swiglu(received[regroup], w_gate, w_up, w_down, mine.sum(0))
+        y_received = jnp.zeros_like(y_grouped).at[regroup].set(y_grouped)
+        back_offsets = (jnp.cumsum(per_pair, axis=1) - per_pair)[:, me]  # where each sender sorted its chunk for me
+        y_sorted = jax.lax.ragged_all_to_all(
+            y_received, jnp.zeros((a, d), y_grouped.dtype), recv_offsets, recv_sizes, back_offsets, send_sizes,
+            axis_name=EXPERT_AXIS,
+        )
+    y_sorted = jnp.where((jnp.arange(a) < counts.sum())[:, None], y_sorted, 0)
+    return jnp.zeros_like(y_sorted).at[order].set(y_sorted)
+
+
+def _moe_shard(x, mask, key, router, bias, w_gate, w_up, w_down, *, k, capacity_factor, renormalize, jitter,
+               dispatch, compute_dtype):
+    """Per-device body. x [b, s, D] and mask [b, s] local; w_* [E_local, ...] local experts."""
     b, s, d = x.shape
     num_experts = router.shape[1]
-    num_shards = jax.lax.axis_size(BATCH_AXES)
-    ep = jax.lax.axis_size(EXPERT_AXIS)
     tokens = b * s
     cap = capacity(tokens, num_experts, k, capacity_factor)
 
     xt = x.reshape(tokens, d)
-    logits = jnp.dot(xt.astype(jnp.float32), router.astype(jnp.float32))  # [T, E]
+    real = mask.reshape(tokens) > 0
+    realf = real.astype(jnp.float32)
+    router_in = xt.astype(jnp.float32)
+    if jitter > 0:
+        shard_key = jax.random.fold_in(key, jax.lax.axis_index(BATCH_AXES))
+        router_in = router_in * jax.random.uniform(shard_key, router_in.shape, jnp.float32, 1 - jitter, 1 + jitter)
+    logits = router_in @ router.astype(jnp.float32)  # [T, E]
     probs = jax.nn.softmax(logits, axis=-1)
-    top_w, top_e = jax.lax.top_k(probs, k)  # [T, k]
+    if bias is None:
+        top_w, top_e = jax.lax.top_k(probs, k)  # [T, k]
+    else:  # the bias steers the choice, never the weights
+        _, top_e = jax.lax.top_k(probs + jax.lax.stop_gradient(bias), k)
+        top_w = jnp.take_along_axis(probs, top_e, axis=1)
     if renormalize:
         top_w = top_w / jnp.sum(top_w, axis=-1, keepdims=True)
 
-    # Island-wide routing statistics (sums over every shard of the batch).
-    island_tokens = tokens * num_shards
-    local_counts = jnp.sum(jax.nn.one_hot(top_e, num_experts, dtype=jnp.int32), axis=(0, 1))  # [E]
-    load = jax.lax.psum(local_counts, BATCH_AXES).astype(jnp.float32) / (island_tokens * k)
-    mean_prob = jax.lax.psum(jnp.sum(probs, axis=0), BATCH_AXES) / island_tokens
-    load_balancing_loss = num_experts * jnp.sum(load * mean_prob)
+    # Island-wide statistics over real tokens (sums over every shard of the batch).
+    n_real = jnp.maximum(_psum(jnp.sum(realf)), 1.0)
+    flat_e = top_e.reshape(-1)  # [A = T*k], token-major: earlier tokens first
+    real_a = jnp.repeat(real, k)
+    counts = jnp.sum(jax.nn.one_hot(flat_e, num_experts, dtype=jnp.int32) * real_a[:, None], axis=0)  # [E]
+    load = _psum(counts).astype(jnp.float32) / (n_real * k)
+    mean_prob = _psum(jnp.sum(probs * realf[:, None], axis=0)) / n_real
     z = jax.nn.logsumexp(logits, axis=-1)
-    router_z_loss = jax.lax.psum(jnp.sum(z * z), BATCH_AXES) / island_tokens
+    entropy = -jnp.sum(jax.scipy.special.xlogy(probs, probs), axis=-1)
 
-    # Sort assignments (token-major, so earlier tokens come first) by expert and
-    # give each its position inside the expert's bucket.
-    flat_e = top_e.reshape(-1)  # [T*k]
-    order = jnp.argsort(flat_e, stable=True)
-    starts = jnp.cumsum(local_counts) - local_counts  # first sorted index of each expert
-    rank_sorted = jnp.arange(tokens * k) - starts[flat_e[order]]
-    position = jnp.zeros_like(flat_e).at[order].set(rank_sorted)
-    kept = position < cap
-    dump = num_experts * cap  # index of an all-zero row for dropped assignments
-    slot = jnp.where(kept, flat_e * cap + position, dump)  # [T*k]
-    dropped = jax.lax.psum(jnp.sum(~kept), BATCH_AXES).astype(jnp.float32) / (island_tokens * k)
-
-    # Gather tokens into buckets [E, C, d]; empty slots read the zero row.
-    slot_token = jnp.full((dump + 1,), tokens, jnp.int32).at[slot].set(jnp.arange(tokens * k) // k)
-    x_pad = jnp.concatenate([xt, jnp.zeros((1, d), xt.dtype)]).astype(compute_dtype)
-    buckets = x_pad[slot_token[:dump]].reshape(num_experts, cap, d)
-
-    # To the experts' owners: [E, C, d] -> [ep (source shard) * E_local, C, d].
-    received = jax.lax.all_to_all(buckets, EXPERT_AXIS, 0, 0, tiled=True)
-    received = received.reshape(ep, num_experts // ep, cap, d)
-    gate = jnp.einsum("secd,edf->secf", received, w_gate.astype(compute_dtype))
-    up = jnp.einsum("secd,edf->secf", received, w_up.astype(compute_dtype))
-    y = jnp.einsum("secf,efd->secd", jax.nn.silu(gate) * up, w_down.astype(compute_dtype))
-    # Back home: [ep * E_local, C, d] -> [E, C, d] in global expert order.
-    y = jax.lax.all_to_all(y.reshape(num_experts, cap, d), EXPERT_AXIS, 0, 0, tiled=True)
-
-    y_pad = jnp.concatenate([y.reshape(dump, d), jnp.zeros((1, d), y.dtype)])
-    per_assignment = y_pad[slot].reshape(tokens, k, d).astype(jnp.float32)
-    out = jnp.einsum("tkd,tk->td", per_assignment, top_w).astype(x.dtype)
+    xc = xt.astype(compute_dtype)
+    w = [w.astype(compute_dtype) for w in (w_gate, w_up, w_down)]
+    if dispatch == "capacity":
+        per_assignment, kept = _capacity_experts(xc, flat_e, real_a, tokens, k, cap, *w)
+    else:
+        per_assignment, kept, cap = _dropless_experts(xc, flat_e, real_a, counts, k, *w), real_a, tokens
+    combine = top_w * realf[:, None]
+    out = jnp.einsum("tkd,tk->td", per_assignment.reshape(tokens, k, d).astype(jnp.float32), combine)
     stats = dict(
-        load_balancing_loss=load_balancing_loss,
-        router_z_loss=router_z_loss,
+        load_balancing_loss=num_experts * jnp.sum(load * mean_prob),
+        router_z_loss=_psum(jnp.sum(z * z * realf)) / n_real,
+        router_entropy=jax.lax.stop_gradient(_psum(jnp.sum(entropy * realf)) / n_real),
+        dropped_fraction=_psum(jnp.sum(real_a & ~kept)).astype(jnp.float32) / (n_real * k),
+        capacity=jnp.asarray(cap, jnp.int32),
         expert_load=load,
-        dropped_fraction=dropped,
     )
-    return out.reshape(b, s, d), stats
+    return out.astype(x.dtype).reshape(b, s, d), stats
+
+
+class SharedExperts(nnx.Module):
+    """A dense SwiGLU feed-forward layer (replicated weights). x [..., D] -> [..., D].
+
+    Serves both as the shared experts of an MoE layer and as the dense layer
+    between MoE layers.
+    """
+
+    def __init__(self, d_model: int, hidden_dim: int, param_dtype, compute_dtype, rngs: nnx.Rngs):
+        init = nnx.initializers.variance_scaling(1.0, "fan_in", "truncated_normal", in_axis=-2, out_axis=-1)
+        self.w_gate = nnx.Param(init(rngs.params(), (d_model, hidden_dim), param_dtype))
+        self.w_up = nnx.Param(init(rngs.params(), (d_model, hidden_dim), param_dtype))
+        self.w_down = nnx.Param(init(rngs.params(), (hidden_dim, d_model), param_dtype))
+        self.compute_dtype = compute_dtype
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        cd = self.compute_dtype
+        return swiglu(x.astype(cd), self.w_gate[...].astype(cd), self.w_up[...].astype(cd), self.w_down[...].astype(cd))
 
 
 class MoE(nnx.Module):
@@ -121,12 +254,18 @@ class MoE(nnx.Module):
       expert_hidden_dim: F, SwiGLU hidden width of each expert.
       capacity_factor: see `capacity`.
       renormalize: rescale the k router weights of a token to sum to 1.
+      dispatch: "capacity" or "dropless" (see the module docstring).
+      jitter_noise: eps of the multiplicative router-input noise in training (0: off).
+      num_shared_experts: experts of width F every token passes through (0: none).
+      routing_bias: keep a per-expert routing bias for auxiliary-loss-free balancing.
       param_dtype, compute_dtype: dtypes of the expert weights and matmuls
         (the router always computes in float32).
 
-    Call: x [B, S, D] (B divisible by data x expert) -> (y [B, S, D],
-      stats dict: load_balancing_loss [], router_z_loss [], expert_load [E]
-      (fraction of assignments per expert), dropped_fraction []).
+    Call: x [B, S, D] (B divisible by data x expert), optional mask [B, S]
+      (1 real, 0 padded), optional PRNG key (jitter; training only) ->
+      (y [B, S, D], stats: load_balancing_loss [], router_z_loss [],
+      router_entropy [] (nats), dropped_fraction [], capacity [] int32,
+      expert_load [E] (fraction of assignments per expert, before drops)).
     """
 
     def __init__(
@@ -138,6 +277,10 @@ class MoE(nnx.Module):
         capacity_factor: float,
         renormalize: bool,
         *,
+        dispatch: str = "capacity",
+        jitter_noise: float = 0.0,
+        num_shared_experts: int = 0,
+        routing_bias: bool = False,
         param_dtype=jnp.float32,
         compute_dtype=jnp.float32,
         rngs: nnx.Rngs,
@@ -148,22 +291,47 @@ class MoE(nnx.Module):
         self.w_gate = nnx.Param(init(rngs.params(), (e, d, f), param_dtype), mesh_axes=(EXPERT_AXIS, None, None))
         self.w_up = nnx.Param(init(rngs.params(), (e, d, f), param_dtype), mesh_axes=(EXPERT_AXIS, None, None))
         self.w_down = nnx.Param(init(rngs.params(), (e, f, d), param_dtype), mesh_axes=(EXPERT_AXIS, None, None))
+        self.shared_experts = None  # DeepSeek-style: one SwiGLU of width num_shared_experts * F
+        if num_shared_experts:
+            self.shared_experts = SharedExperts(d, num_shared_experts * f, param_dtype, compute_dtype, rngs)
+        # A parameter the optimizer never moves: it gets no gradient (it only
+        # steers top_k) and no weight decay (rank 1); `routing_bias_update` moves it.
+        self.routing_bias = nnx.Param(jnp.zeros((e,), jnp.float32)) if routing_bias else None
         self.k = num_experts_per_token
         self.capacity_factor = capacity_factor
         self.renormalize = renormalize
+        self.dispatch = dispatch
+        self.jitter = jitter_noise
         self.compute_dtype = compute_dtype
 
-    def __call__(self, x: jax.Array) -> tuple[jax.Array, dict]:
-        body = lambda *args: _moe_shard(
-            *args,
-            k=self.k,
-            capacity_factor=self.capacity_factor,
-            renormalize=self.renormalize,
-            compute_dtype=self.compute_dtype,
+    def __call__(self, x: jax.Array, mask: jax.Array | None = None, key: jax.Array | None = None):
+        if mask is None:
+            mask = jax.reshard(jnp.ones(x.shape[:2], jnp.float32), P(BATCH_AXES))
+        jitter = self.jitter if key is not None else 0.0
+        if key is None:
+            key = jax.random.PRNGKey(0)
+        bias = None if self.routing_bias is None else self.routing_bias[...]
+        body = lambda x, mask, key, router, bias, *w: _moe_shard(  # noqa: E731
+            x, mask, key, router, bias, *w,
+            k=self.k, capacity_factor=self.capacity_factor, renormalize=self.renormalize, jitter=jitter,
+            dispatch=self.dispatch, compute_dtype=self.compute_dtype,
         )
-        stats_spec = dict(load_balancing_loss=P(), router_z_loss=P(), expert_load=P(), dropped_fraction=P())
-        return jax.shard_map(
+        y, stats = jax.shard_map(
             body,
-            in_specs=(P(BATCH_AXES), P(), P(EXPERT_AXIS), P(EXPERT_AXIS), P(EXPERT_AXIS)),
-            out_specs=(P(BATCH_AXES), stats_spec),
-        )(x, self.router[...], self.w_gate[...], self.w_up[...], self.w_down[...])
+            in_specs=(P(BATCH_AXES), P(BATCH_AXES), P(), P(), P(), P(EXPERT_AXIS), P(EXPERT_AXIS), P(EXPERT_AXIS)),
+            out_specs=(P(BATCH_AXES), {name: P() for name in STATS}),
+        )(x, mask, key, self.router[...], bias, self.w_gate[...], self.w_up[...], self.w_down[...])
+        if self.shared_experts is not None:
+            y = y + self.shared_experts(x).astype(y.dtype)
+        return y, stats
+
+
+def routing_bias_update(bias: jax.Array, expert_load: jax.Array, rate: float) -> jax.Array:
+    """DeepSeek-V3's auxiliary-loss-free update: b_i += rate * sign(mean load - load_i).
+
+    Args:
+      bias: [E] float32 routing bias of one layer.
+      expert_load: [E] fraction of that layer's assignments per expert this step.
+      rate: gamma, the bias update speed (`moe.routing_bias_update_rate`).
+    """
+    return bias + rate * jnp.sign(jnp.mean(expert_load) - expert_load)

@@ -1,9 +1,11 @@
 """Decoder-only byte-level transformer with MoE feed-forward layers.
 
 Pre-norm blocks (RMSNorm -> causal self-attention -> residual, RMSNorm -> MoE
--> residual), learned positions, untied output head. The model knows nothing of
-rounds or islands: it only expects to run under a mesh with axes
-("data", "expert"), batch split over both.
+or dense SwiGLU -> residual), learned positions, untied output head. Every
+`moe.every_n_layers`-th block has an MoE layer (blocks n-1, 2n-1, ...; n = 1:
+all), the others a dense SwiGLU of width `model.mlp_hidden_dim`. The model
+knows nothing of rounds or islands: it only expects to run under a mesh with
+axes ("data", "expert"), batch split over both.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ import jax.numpy as jnp
 import ml_collections
 from flax import nnx
 
-from island_jax.models.moe import MoE
+from island_jax.models.moe import MoE, SharedExperts, routing_bias_update
 
 
 def _dtype(name: str):
@@ -36,39 +38,59 @@ class Attention(nnx.Module):
         return self.out(y.reshape(b, s, d))
 
 
-class Block(nnx.Module):
-    """Pre-norm transformer block with an MoE feed-forward layer."""
+def is_moe_layer(layer: int, every_n_layers: int) -> bool:
+    """Whether block `layer` (0-based) has an MoE layer: every n-th block, the last of each n."""
+    return (layer + 1) % every_n_layers == 0
 
-    def __init__(self, config: ml_collections.ConfigDict, *, rngs: nnx.Rngs):
+
+class Block(nnx.Module):
+    """Pre-norm transformer block with an MoE (or, between MoE layers, dense SwiGLU) feed-forward layer."""
+
+    def __init__(self, config: ml_collections.ConfigDict, layer: int, *, rngs: nnx.Rngs):
         m, moe = config.model, config.moe
         pd, cd = _dtype(m.param_dtype), _dtype(m.compute_dtype)
         self.attn_norm = nnx.RMSNorm(m.d_model, param_dtype=pd, dtype=cd, rngs=rngs)
         self.attn = Attention(m.d_model, m.num_heads, param_dtype=pd, compute_dtype=cd, rngs=rngs)
-        self.moe_norm = nnx.RMSNorm(m.d_model, param_dtype=pd, dtype=cd, rngs=rngs)
-        self.moe = MoE(
-            m.d_model,
-            moe.num_experts,
-            moe.num_experts_per_token,
-            moe.expert_hidden_dim,
-            moe.capacity_factor,
-            moe.renormalize,
-            param_dtype=pd,
-            compute_dtype=cd,
-            rngs=rngs,
-        )
+        self.ffn_norm = nnx.RMSNorm(m.d_model, param_dtype=pd, dtype=cd, rngs=rngs)
+        if is_moe_layer(layer, moe.every_n_layers):
+            self.moe = MoE(
+                m.d_model,
+                moe.num_experts,
+                moe.num_experts_per_token,
+                moe.expert_hidden_dim,
+                moe.capacity_factor,
+                moe.renormalize,
+                dispatch=moe.dispatch,
+                jitter_noise=moe.jitter_noise,
+                num_shared_experts=moe.num_shared_experts,
+                routing_bias=moe.routing_bias_update_rate > 0,
+                param_dtype=pd,
+                compute_dtype=cd,
+                rngs=rngs,
+            )
+            self.mlp = None
+        else:
+            self.moe = None
+            self.mlp = SharedExperts(m.d_model, m.mlp_hidden_dim, pd, cd, rngs)
 
-    def __call__(self, x: jax.Array) -> tuple[jax.Array, dict]:
+    def __call__(self, x: jax.Array, mask: jax.Array | None, key: jax.Array | None) -> tuple[jax.Array, dict | None]:
         x = x + self.attn(self.attn_norm(x))
-        y, stats = self.moe(self.moe_norm(x))
+        if self.moe is None:
+            return x + self.mlp(self.ffn_norm(x)).astype(x.dtype), None
+        y, stats = self.moe(self.ffn_norm(x), mask, key)
         return x + y, stats
 
 
 class Transformer(nnx.Module):
     """Byte-level MoE language model.
 
-    Call: tokens [B, S] int32 (bytes 0..255) -> (logits [B, S, vocab] float32,
-    stats: load_balancing_loss [] and router_z_loss [] averaged over layers,
-    expert_load [num_layers, E], dropped_fraction [] averaged over layers).
+    Call: tokens [B, S] int32 (bytes 0..255), optional mask [B, S] (1 real, 0
+    padded), optional PRNG key (router jitter, training only) -> (logits
+    [B, S, vocab] float32, stats). With L the number of MoE layers, stats hold
+    per layer `load_balancing_loss`, `router_z_loss`, `router_entropy` (nats),
+    `dropped_fraction` [L] float32, `capacity` [L] int32 and `expert_load`
+    [L, E]; the losses the optimizer sees are their means over layers
+    (`aggregate_stats`).
     """
 
     def __init__(self, config: ml_collections.ConfigDict, *, rngs: nnx.Rngs):
@@ -77,7 +99,7 @@ class Transformer(nnx.Module):
         self.embedding = nnx.Param(0.02 * jax.random.normal(rngs.params(), (m.vocab_size, m.d_model), pd))
         self.compute_dtype = cd
         self.position = nnx.Param(0.02 * jax.random.normal(rngs.params(), (m.seq_len, m.d_model), pd))
-        self.blocks = nnx.List([Block(config, rngs=rngs) for _ in range(m.num_layers)])
+        self.blocks = nnx.List([Block(config, layer, rngs=rngs) for layer in range(m.num_layers)])
         self.final_norm = nnx.RMSNorm(m.d_model, param_dtype=pd, dtype=cd, rngs=rngs)
         # A zero output head makes the first prediction uniform: loss ln(vocab_size).
         self.head = nnx.Linear(
@@ -85,24 +107,46 @@ class Transformer(nnx.Module):
             param_dtype=pd, dtype=cd, rngs=rngs,
         )
 
-    def __call__(self, tokens: jax.Array) -> tuple[jax.Array, dict]:
+    def __call__(self, tokens: jax.Array, mask: jax.Array | None = None, key: jax.Array | None = None):
         # A one-hot matmul rather than a gather: it keeps the batch sharding under
         # explicit mesh axes and costs little at a byte-level vocabulary.
         one_hot = jax.nn.one_hot(tokens, self.embedding.shape[0], dtype=self.compute_dtype)
         x = one_hot @ self.embedding[...].astype(self.compute_dtype)
         x = x + self.position[...][: tokens.shape[1]].astype(self.compute_dtype)
         layer_stats = []
-        for block in self.blocks:
-            x, stats = block(x)
-            layer_stats.append(stats)
+        for i, block in enumerate(self.blocks):
+            x, stats = block(x, mask, None if key is None else jax.random.fold_in(key, i))
+            if stats is not None:
+                layer_stats.append(stats)
         logits = self.head(self.final_norm(x)).astype(jnp.float32)
-        stacked = jax.tree.map(lambda *xs: jnp.stack(xs), *layer_stats)
-        return logits, dict(
-            load_balancing_loss=jnp.mean(stacked["load_balancing_loss"]),
-            router_z_loss=jnp.mean(stacked["router_z_loss"]),
-            expert_load=stacked["expert_load"],
-            dropped_fraction=jnp.mean(stacked["dropped_fraction"]),
-        )
+        return logits, jax.tree.map(lambda *xs: jnp.stack(xs), *layer_stats)
+
+
+def aggregate_stats(per_layer: dict) -> dict:
+    """Scalars over MoE layers: the means of the per-layer losses, entropy and dropped fraction.
+
+    The load-balancing loss is computed per layer first and then averaged:
+    pooling the layers' statistics before the product would hide imbalance
+    (two layers routing everything to different experts pool to a balanced 1.0).
+    """
+    return {k: jnp.mean(per_layer[k]) for k in ("load_balancing_loss", "router_z_loss", "router_entropy", "dropped_fraction")}
+
+
+def update_routing_biases(params: dict, expert_load: jax.Array, rate: float) -> dict:
+    """Applies `routing_bias_update` to every MoE layer's bias in a pure-dict `params`.
+
+    Args:
+      params: `nnx.to_pure_dict` of the model's parameters.
+      expert_load: [L, E] per-MoE-layer expert load of the step.
+      rate: `moe.routing_bias_update_rate`.
+    """
+    params = dict(params, blocks=dict(params["blocks"]))
+    moe_blocks = [i for i in sorted(params["blocks"]) if "moe" in params["blocks"][i]]
+    for layer, i in enumerate(moe_blocks):
+        block = dict(params["blocks"][i])
+        block["moe"] = dict(block["moe"], routing_bias=routing_bias_update(block["moe"]["routing_bias"], expert_load[layer], rate))
+        params["blocks"][i] = block
+    return params
 
 
 def partition_specs(params: nnx.State) -> dict:
