@@ -1,4 +1,4 @@
-"""The expert-parallel MoE layer equals a single-device dense computation of the same routing."""
+"""The expert-parallel MoE layer: equal to a dense reference on every mesh, exact routing cases, wiring."""
 
 import jax
 import jax.numpy as jnp
@@ -8,93 +8,265 @@ from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from island_jax.config import default_config
+from island_jax.island import loss_fn
 from island_jax.mesh import island_mesh
-from island_jax.models.moe import MoE, capacity
+from island_jax.models import moe as moe_lib
+from island_jax.models.moe import MoE, capacity, routing_bias_update
+from island_jax.models.transformer import Transformer, aggregate_stats
 
-E, K, D, F = 4, 2, 32, 64
-SPECS = {"router": P(), "w_gate": P("expert"), "w_up": P("expert"), "w_down": P("expert")}
+D, F = 32, 64
+BATCH = P(("data", "expert"))
 
 
-def _dense_reference(x, router, w_gate, w_up, w_down):
-    """Every expert on every token, combined with the top-k (renormalised) router weights."""
-    xt = x.reshape(-1, D)
-    logits = xt @ router
+def _specs(weights):
+    return {k: P("expert") if k.startswith("w_") else P() for k in weights}
+
+
+def run(layer, mesh_shape, x, mask=None, cotangent=None, key=None):
+    """Calls `layer` on a (data, expert) mesh; returns (out, stats, grads wrt x and every weight)."""
+    data, expert = mesh_shape
+    mesh = island_mesh(data, expert, jax.devices()[: data * expert])
+    graphdef, state = nnx.split(layer, nnx.Param)
+    weights = nnx.to_pure_dict(state)
+    placed = {
+        k: jax.device_put(v, NamedSharding(mesh, _specs(weights)[k])) if not isinstance(v, dict) else
+        jax.device_put(v, NamedSharding(mesh, P()))
+        for k, v in weights.items()
+    }
+    cotangent = np.ones_like(x) if cotangent is None else cotangent
+    mask = np.ones(x.shape[:2], np.float32) if mask is None else mask
+
+    def objective(w, x, mask, ct):
+        out, stats = nnx.merge(graphdef, nnx.State(w))(x, mask, key)
+        return jnp.sum(out * ct) + 0.3 * stats["load_balancing_loss"] + 0.2 * stats["router_z_loss"], (out, stats)
+
+    put = lambda a: jax.device_put(a, NamedSharding(mesh, BATCH))  # noqa: E731
+    with jax.set_mesh(mesh):
+        (_, (out, stats)), grads = jax.jit(jax.value_and_grad(objective, argnums=(0, 1), has_aux=True))(
+            placed, put(x), put(mask), put(cotangent)
+        )
+    return np.asarray(out), jax.device_get(stats), jax.device_get(grads)
+
+
+def dense_reference(x, w, k, mask=None):
+    """Every expert on every real token, combined with the top-k (renormalised) router weights."""
+    e = w["router"].shape[1]
+    xt = x.reshape(-1, x.shape[-1])
+    real = jnp.ones(xt.shape[0]) if mask is None else mask.reshape(-1)
+    logits = xt @ w["router"]
     probs = jax.nn.softmax(logits, axis=-1)
-    top_w, top_e = jax.lax.top_k(probs, K)
+    top_w, top_e = jax.lax.top_k(probs, k)
     top_w = top_w / top_w.sum(-1, keepdims=True)
-    gate = jnp.einsum("td,edf->tef", xt, w_gate)
-    up = jnp.einsum("td,edf->tef", xt, w_up)
-    all_out = jnp.einsum("tef,efd->ted", jax.nn.silu(gate) * up, w_down)  # [T, E, D]
-    combine = jnp.sum(jax.nn.one_hot(top_e, E) * top_w[..., None], axis=1)  # [T, E]
+    all_out = jnp.einsum("tef,efd->ted", jax.nn.silu(jnp.einsum("td,edf->tef", xt, w["w_gate"]))
+                         * jnp.einsum("td,edf->tef", xt, w["w_up"]), w["w_down"])
+    combine = jnp.sum(jax.nn.one_hot(top_e, e) * top_w[..., None], axis=1) * real[:, None]
     out = jnp.einsum("ted,te->td", all_out, combine).reshape(x.shape)
-    f = jnp.mean(jnp.sum(jax.nn.one_hot(top_e, E), axis=1), axis=0) / K
-    lb = E * jnp.sum(f * jnp.mean(probs, axis=0))
-    z = jnp.mean(jax.nn.logsumexp(logits, axis=-1) ** 2)
+    n = jnp.sum(real)
+    f = jnp.sum(jnp.sum(jax.nn.one_hot(top_e, e), axis=1) * real[:, None], axis=0) / (n * k)
+    lb = e * jnp.sum(f * jnp.sum(probs * real[:, None], axis=0) / n)
+    z = jnp.sum(jax.nn.logsumexp(logits, axis=-1) ** 2 * real) / n
     return out, lb, z
 
 
-def _objective(out, lb, z, cotangent):
-    return jnp.sum(out * cotangent) + 0.3 * lb + 0.2 * z
+def _inputs(shape=(8, 16, D), seed=0):
+    rng = np.random.default_rng(seed)
+    return rng.normal(size=shape).astype(np.float32), rng.normal(size=shape).astype(np.float32)
+
+
+@pytest.mark.parametrize(
+    "mesh_shape,dispatch",
+    [((1, 1), "capacity"), ((2, 2), "capacity"), ((1, 4), "capacity"), ((2, 4), "capacity"), ((1, 8), "capacity"),
+     ((1, 1), "dropless"), ((4, 1), "dropless")],
+)
+def test_expert_parallel_equals_dense(mesh_shape, dispatch):
+    layer = MoE(D, 8, 2, F, capacity_factor=0.0, renormalize=True, dispatch=dispatch, rngs=nnx.Rngs(0))
+    x, cotangent = _inputs()
+    out, stats, (grads, grad_x) = run(layer, mesh_shape, x, cotangent=cotangent)
+    weights = nnx.to_pure_dict(nnx.state(layer, nnx.Param))
+
+    def objective(w, x):
+        o, lb, z = dense_reference(x, w, 2)
+        return jnp.sum(o * cotangent) + 0.3 * lb + 0.2 * z, (o, lb, z)
+
+    (_, (ref_out, ref_lb, ref_z)), (ref_grads, ref_grad_x) = jax.value_and_grad(objective, (0, 1), has_aux=True)(
+        weights, x
+    )
+    tol = dict(rtol=1e-5, atol=1e-6)
+    assert float(stats["dropped_fraction"]) == 0.0
+    np.testing.assert_allclose(out, ref_out, **tol)
+    np.testing.assert_allclose(stats["load_balancing_loss"], ref_lb, **tol)
+    np.testing.assert_allclose(stats["router_z_loss"], ref_z, **tol)
+    np.testing.assert_allclose(grad_x, ref_grad_x, **tol)
+    for name in ("router", "w_gate", "w_up", "w_down"):
+        np.testing.assert_allclose(grads[name], ref_grads[name], **tol, err_msg=name)
 
 
 def test_capacity_from_static_shapes():
     assert capacity(64, 4, 2, 1.25) == 40  # ceil(1.25 * 64 * 2 / 4)
-    assert capacity(64, 4, 2, 10.0) == 64  # clamped: an expert sees a token at most once
-    assert capacity(64, 4, 2, 0.0) == 64  # dropless
+    assert capacity(8, 8, 2, 4.0) == 8  # ceil(4 * 8 * 2 / 8)
+    assert capacity(8, 8, 2, 16.0) == 8  # 32, clamped: an expert sees a token at most once
+    assert capacity(64, 4, 2, 0.0) == 64  # no drops: worst-case buckets
 
 
-def test_matches_dense_reference_on_2x2_mesh():
-    layer = MoE(D, E, K, F, capacity_factor=0.0, renormalize=True, rngs=nnx.Rngs(0))
-    graphdef, state = nnx.split(layer, nnx.Param)
-    weights = nnx.to_pure_dict(state)
-    rng = np.random.default_rng(0)
-    x = rng.normal(size=(8, 16, D)).astype(np.float32)
-    cotangent = rng.normal(size=(8, 16, D)).astype(np.float32)
-
-    mesh = island_mesh(2, 2, jax.devices()[:4])
-    placed = {k: jax.device_put(v, NamedSharding(mesh, SPECS[k])) for k, v in weights.items()}
-    batch = NamedSharding(mesh, P(("data", "expert")))
-
-    def sharded(w, x, ct):
-        out, stats = nnx.merge(graphdef, nnx.State(w))(x)
-        return _objective(out, stats["load_balancing_loss"], stats["router_z_loss"], ct), (out, stats)
-
-    with jax.set_mesh(mesh):
-        (_, (out, stats)), grads = jax.jit(jax.value_and_grad(sharded, has_aux=True))(
-            placed, jax.device_put(x, batch), jax.device_put(cotangent, batch)
-        )
-
-    def dense(w, x, ct):
-        out, lb, z = _dense_reference(x, w["router"], w["w_gate"], w["w_up"], w["w_down"])
-        return _objective(out, lb, z, ct), (out, lb, z)
-
-    (_, (ref_out, ref_lb, ref_z)), ref_grads = jax.value_and_grad(dense, has_aux=True)(weights, x, cotangent)
-
-    assert float(stats["dropped_fraction"]) == 0.0
-    tol = dict(rtol=1e-5, atol=1e-6)
-    np.testing.assert_allclose(np.asarray(out), ref_out, **tol)
-    np.testing.assert_allclose(float(stats["load_balancing_loss"]), ref_lb, **tol)
-    np.testing.assert_allclose(float(stats["router_z_loss"]), ref_z, **tol)
-    for name in ("router", "w_gate", "w_up", "w_down"):
-        np.testing.assert_allclose(np.asarray(grads[name]), ref_grads[name], **tol, err_msg=name)
-    np.testing.assert_allclose(float(np.sum(stats["expert_load"])), 1.0, rtol=1e-6)
+def test_capacity_clamp_is_reported_and_changes_nothing():
+    x, cotangent = _inputs((2, 8, D), seed=3)  # 8 tokens on each of 2 devices
+    runs = []
+    for factor in (4.0, 16.0):
+        layer = MoE(D, 8, 2, F, capacity_factor=factor, renormalize=True, rngs=nnx.Rngs(0))
+        runs.append(run(layer, (1, 2), x, cotangent=cotangent))
+    (out4, stats4, grads4), (out16, stats16, grads16) = runs
+    assert int(stats4["capacity"]) == 8 and int(stats16["capacity"]) == 8
+    np.testing.assert_array_equal(out4, out16)
+    for a, b in zip(jax.tree.leaves(grads4), jax.tree.leaves(grads16), strict=True):
+        np.testing.assert_array_equal(a, b)
 
 
-def test_drops_past_capacity_in_token_order():
-    """Capacity 1 per expert and shard: only the first assignment to each expert survives."""
-    layer = MoE(D, E, 1, F, capacity_factor=1.0 / 16, renormalize=True, rngs=nnx.Rngs(1))
+def _forced_layer(num_experts, k, to_expert, capacity_factor=0.0, **kw):
+    """A layer whose router sends every token with positive features to `to_expert`."""
+    layer = MoE(D, num_experts, k, F, capacity_factor=capacity_factor, renormalize=True, rngs=nnx.Rngs(0), **kw)
+    router = np.full((D, num_experts), -10.0, np.float32)
+    router[:, to_expert] = 10.0
+    layer.router[...] = jnp.asarray(router)
+    return layer
+
+
+def test_uneven_batch_drops_in_token_order_and_padding_takes_no_slot():
+    x = np.abs(np.random.default_rng(4).normal(size=(2, 16, D))).astype(np.float32) + 0.5
+    mask = np.ones((2, 16), np.float32)
+    padded = [2, 5, 9, 14]
+    mask[1, padded] = 0.0  # device 1: 12 real tokens, 4 padded
+    layer = _forced_layer(2, 1, to_expert=0, capacity_factor=1.25)
+    out, stats, _ = run(layer, (1, 2), x, mask=mask)
+    assert int(stats["capacity"]) == 10  # ceil(1.25 * 16 * 1 / 2)
+    served = np.abs(out).sum(-1) > 0
+    np.testing.assert_array_equal(served[0], np.arange(16) < 10)  # tokens 0-9 kept, 6 dropped
+    real = [t for t in range(16) if t not in padded]
+    expected = np.zeros(16, bool)
+    expected[real[:10]] = True  # the first 10 real tokens; 2 dropped; padded ones take no slot
+    np.testing.assert_array_equal(served[1], expected)
+    assert float(stats["dropped_fraction"]) == np.float32(8) / np.float32(28)
+    np.testing.assert_array_equal(stats["expert_load"], [1.0, 0.0])  # before drops
+
+
+def test_load_balancing_loss_per_layer_then_mean():
+    x = np.abs(np.random.default_rng(5).normal(size=(1, 8, D))).astype(np.float32) + 0.5
+    per_layer = [run(_forced_layer(2, 1, to_expert=e), (1, 1), x)[1] for e in (0, 1)]
+    stacked = jax.tree.map(lambda *v: jnp.stack(v), *per_layer)
+    assert float(aggregate_stats(stacked)["load_balancing_loss"]) == 2.0  # pooled statistics would give 1.0
+    for k in (1, 2):
+        uniform = MoE(D, 2, k, F, capacity_factor=0.0, renormalize=True, rngs=nnx.Rngs(0))
+        uniform.router[...] = jnp.zeros((D, 2))
+        stats = run(uniform, (1, 1), x)[1]
+        assert float(stats["load_balancing_loss"]) == 1.0
+        assert float(stats["router_entropy"]) == pytest.approx(np.log(2.0), rel=1e-6)
+
+
+def _tiny_model_config():
+    c = default_config()
+    c.model.update(seq_len=16, num_layers=2, d_model=D, num_heads=2, mlp_hidden_dim=64)
+    c.moe.update(num_experts=4, expert_hidden_dim=F, router_z_loss_coef=0.0)
+    return c
+
+
+def test_load_balancing_coefficient_reaches_only_the_router():
+    c = _tiny_model_config()
+    c.model.num_layers = 1  # one MoE layer: its experts sit after its router
+    graphdef, state = nnx.split(Transformer(c, rngs=nnx.Rngs(0)), nnx.Param)
+    params = nnx.to_pure_dict(state)
     mesh = island_mesh(1, 1, jax.devices()[:1])
-    x = np.random.default_rng(2).normal(size=(1, 16, D)).astype(np.float32)
-    graphdef, state = nnx.split(layer, nnx.Param)
-    weights = {k: jax.device_put(v, NamedSharding(mesh, SPECS[k])) for k, v in nnx.to_pure_dict(state).items()}
+    tokens = jax.device_put(np.random.default_rng(6).integers(0, 256, size=(2, 17)).astype(np.int32),
+                            NamedSharding(mesh, BATCH))
+    grads = {}
+    for coef in (0.0, 0.01, 0.02):
+        c.moe.load_balancing_loss_coef = coef
+        with jax.set_mesh(mesh):
+            grads[coef] = jax.device_get(jax.grad(
+                lambda p, c=c: loss_fn(graphdef, p, tokens[:, :-1], tokens[:, 1:], c.moe, cross_entropy_coef=0.0)[0]
+            )(params))
+    for layer in (0,):
+        g = {coef: grads[coef]["blocks"][layer]["moe"] for coef in grads}
+        assert np.all(g[0.0]["router"] == 0.0)
+        assert np.any(g[0.01]["router"] != 0.0)
+        np.testing.assert_array_equal(g[0.02]["router"], 2 * g[0.01]["router"])
+        for coef in grads:
+            for name in ("w_gate", "w_up", "w_down"):
+                assert np.all(g[coef][name] == 0.0), (coef, name)
+
+
+def test_dropless_with_expert_axis_above_one_on_cpu_names_the_field():
+    layer = MoE(D, 4, 2, F, capacity_factor=0.0, renormalize=True, dispatch="dropless", rngs=nnx.Rngs(0))
+    with pytest.raises(moe_lib.DispatchError, match=r"moe.dispatch='dropless' with an expert axis of 2"):
+        run(layer, (1, 2), _inputs((2, 8, D))[0])
+
+
+def test_dropless_exchange_traces_with_gradients():
+    """XLA:CPU cannot run ragged_all_to_all, but the exchange and its transpose lower (for GPU/TPU)."""
+    mesh = island_mesh(1, 2, jax.devices()[:2])
+    layer = MoE(D, 4, 2, F, capacity_factor=0.0, renormalize=True, rngs=nnx.Rngs(0))
+    w = {k: v for k, v in nnx.to_pure_dict(nnx.state(layer, nnx.Param)).items()}
+    body = lambda x, m, key, r, *ws: moe_lib._moe_shard(  # noqa: E731
+        x, m, key, r, None, *ws, k=2, capacity_factor=0.0, renormalize=True, jitter=0.0, dispatch="dropless",
+        compute_dtype=jnp.float32,
+    )
+    fn = jax.shard_map(body, mesh=mesh, in_specs=(BATCH, BATCH, P(), P(), P("expert"), P("expert"), P("expert")),
+                       out_specs=(BATCH, {n: P() for n in moe_lib.STATS}))
+    loss = lambda x, ws: jnp.sum(  # noqa: E731
+        fn(x, jax.reshard(jnp.ones(x.shape[:2]), BATCH), jax.random.PRNGKey(0), *ws)[0]
+    )
+    weights = (w["router"], w["w_gate"], w["w_up"], w["w_down"])
+    specs = (P(), P("expert"), P("expert"), P("expert"))
     with jax.set_mesh(mesh):
-        out, stats = jax.jit(lambda w, x: nnx.merge(graphdef, nnx.State(w))(x))(
-            weights, jax.device_put(x, NamedSharding(mesh, P(("data", "expert"))))
-        )
-    probs = jax.nn.softmax(x.reshape(16, D) @ np.asarray(layer.router[...]), axis=-1)
-    experts = np.asarray(jnp.argmax(probs, axis=-1))
-    first = {int(e): t for t, e in reversed(list(enumerate(experts)))}
-    kept = np.zeros(16, bool)
-    kept[list(first.values())] = True
-    assert float(stats["dropped_fraction"]) == pytest.approx(1 - kept.sum() / 16, abs=1e-7)
-    np.testing.assert_array_equal(np.abs(np.asarray(out)[0]).sum(-1) > 0, kept)
+        text = jax.jit(jax.grad(loss, argnums=(0, 1))).lower(
+            jax.ShapeDtypeStruct((2, 8, D), jnp.float32, sharding=NamedSharding(mesh, BATCH)),
+            tuple(jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=NamedSharding(mesh, s)) for a, s in zip(weights, specs)),
+        ).as_text()
+    assert text.count("ragged_all_to_all") >= 4  # two forward, two in the transpose
+
+
+def test_routing_bias_update_and_choice():
+    bias = routing_bias_update(jnp.zeros(4), jnp.asarray([0.5, 0.25, 0.25, 0.0]), 0.001)
+    np.testing.assert_array_equal(bias, np.asarray([-0.001, 0.0, 0.0, 0.001], np.float32))
+    layer = MoE(D, 4, 1, F, capacity_factor=0.0, renormalize=False, routing_bias=True, rngs=nnx.Rngs(0))
+    layer.routing_bias[...] = jnp.asarray([0.0, 0.0, 0.0, 10.0])  # steers every token to expert 3
+    x = _inputs((1, 8, D), seed=7)[0]
+    out, stats, _ = run(layer, (1, 1), x)
+    np.testing.assert_array_equal(stats["expert_load"], [0.0, 0.0, 0.0, 1.0])
+    w = nnx.to_pure_dict(nnx.state(layer, nnx.Param))
+    xt = x.reshape(8, D)
+    p3 = jax.nn.softmax(xt @ w["router"], axis=-1)[:, 3:4]  # the weight is the probability, not prob + bias
+    expected = moe_lib.swiglu(xt, w["w_gate"][3], w["w_up"][3], w["w_down"][3]) * p3
+    np.testing.assert_allclose(out.reshape(8, D), expected, rtol=1e-5, atol=1e-6)
+
+
+def test_shared_experts_add_a_dense_swiglu():
+    x = _inputs((2, 8, D), seed=8)[0]
+    plain = MoE(D, 4, 2, F, capacity_factor=0.0, renormalize=True, rngs=nnx.Rngs(0))
+    shared = MoE(D, 4, 2, F, capacity_factor=0.0, renormalize=True, num_shared_experts=2, rngs=nnx.Rngs(0))
+    for name in ("router", "w_gate", "w_up", "w_down"):
+        getattr(shared, name)[...] = getattr(plain, name)[...]
+    s = shared.shared_experts
+    assert s.w_gate.shape == (D, 2 * F)
+    expected = run(plain, (1, 2), x)[0] + np.asarray(moe_lib.swiglu(x, s.w_gate[...], s.w_up[...], s.w_down[...]))
+    np.testing.assert_allclose(run(shared, (1, 2), x)[0], expected, rtol=1e-5, atol=1e-6)
+
+
+def test_jitter_only_in_training():
+    x = _inputs((2, 8, D), seed=9)[0]
+    jittery = MoE(D, 4, 2, F, capacity_factor=0.0, renormalize=True, jitter_noise=0.1, rngs=nnx.Rngs(0))
+    steady = MoE(D, 4, 2, F, capacity_factor=0.0, renormalize=True, rngs=nnx.Rngs(0))
+    np.testing.assert_array_equal(run(jittery, (1, 2), x)[0], run(steady, (1, 2), x)[0])  # no key: evaluation
+    trained = run(jittery, (1, 2), x, key=jax.random.PRNGKey(1))[0]
+    assert not np.array_equal(trained, run(steady, (1, 2), x)[0])
+
+
+def test_moe_every_n_layers_with_dense_layers_between():
+    c = _tiny_model_config()
+    c.model.num_layers, c.moe.every_n_layers = 4, 2
+    model = Transformer(c, rngs=nnx.Rngs(0))
+    kinds = ["moe" if b.moe is not None else "dense" for b in model.blocks]
+    assert kinds == ["dense", "moe", "dense", "moe"]
+    mesh = island_mesh(1, 1, jax.devices()[:1])
+    with jax.set_mesh(mesh):
+        _, stats = model(jax.device_put(np.zeros((1, 16), np.int32), NamedSharding(mesh, BATCH)))
+    assert stats["expert_load"].shape == (2, 4) and stats["capacity"].shape == (2,)

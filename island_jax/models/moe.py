@@ -31,7 +31,9 @@ Statistics, summed over the whole island batch (every shard) and over real
 tokens only, before any product:
   load_balancing_loss = E * sum_i f_i * P_i   (Switch Transformer eq. 4)
      f_i: share of the top-k assignments routed to expert i (before drops),
-     P_i: mean router probability of expert i; it reaches only the router.
+     P_i: mean router probability of expert i. Its gradient reaches the
+     router (and, through the router's input, earlier layers), never this
+     layer's experts.
   router_z_loss = mean over tokens of logsumexp(router logits)^2   (ST-MoE, arXiv 2202.08906, eq. 5)
   router_entropy = mean over tokens of -sum_i p_i log p_i (nats)
   dropped_fraction = dropped assignments / assignments
@@ -291,9 +293,10 @@ class MoE(nnx.Module):
         self.w_gate = nnx.Param(init(rngs.params(), (e, d, f), param_dtype), mesh_axes=(EXPERT_AXIS, None, None))
         self.w_up = nnx.Param(init(rngs.params(), (e, d, f), param_dtype), mesh_axes=(EXPERT_AXIS, None, None))
         self.w_down = nnx.Param(init(rngs.params(), (e, f, d), param_dtype), mesh_axes=(EXPERT_AXIS, None, None))
-        self.shared_experts = None  # DeepSeek-style: one SwiGLU of width num_shared_experts * F
-        if num_shared_experts:
-            self.shared_experts = SharedExperts(d, num_shared_experts * f, param_dtype, compute_dtype, rngs)
+        # DeepSeek-style shared experts: one dense SwiGLU of width num_shared_experts * F.
+        self.shared_experts = (
+            SharedExperts(d, num_shared_experts * f, param_dtype, compute_dtype, rngs) if num_shared_experts else None
+        )
         # A parameter the optimizer never moves: it gets no gradient (it only
         # steers top_k) and no weight decay (rank 1); `routing_bias_update` moves it.
         self.routing_bias = nnx.Param(jnp.zeros((e,), jnp.float32)) if routing_bias else None
@@ -305,8 +308,9 @@ class MoE(nnx.Module):
         self.compute_dtype = compute_dtype
 
     def __call__(self, x: jax.Array, mask: jax.Array | None = None, key: jax.Array | None = None):
+        check_dispatch(self.dispatch, jax.sharding.get_abstract_mesh().shape[EXPERT_AXIS], jax.default_backend())
         if mask is None:
-            mask = jax.reshard(jnp.ones(x.shape[:2], jnp.float32), P(BATCH_AXES))
+            mask = jnp.ones(x.shape[:2], jnp.float32)
         jitter = self.jitter if key is not None else 0.0
         if key is None:
             key = jax.random.PRNGKey(0)
@@ -320,10 +324,23 @@ class MoE(nnx.Module):
             body,
             in_specs=(P(BATCH_AXES), P(BATCH_AXES), P(), P(), P(), P(EXPERT_AXIS), P(EXPERT_AXIS), P(EXPERT_AXIS)),
             out_specs=(P(BATCH_AXES), {name: P() for name in STATS}),
-        )(x, mask, key, self.router[...], bias, self.w_gate[...], self.w_up[...], self.w_down[...])
+        )(*self._placed(x, mask, key, bias))
         if self.shared_experts is not None:
             y = y + self.shared_experts(x).astype(y.dtype)
         return y, stats
+
+    def _placed(self, x, mask, key, bias):
+        """The shard_map's inputs with the shardings its in_specs name (a no-op when they already have them)."""
+        batch, replicated, experts = P(BATCH_AXES), P(), P(EXPERT_AXIS)
+        weights = (self.w_gate[...], self.w_up[...], self.w_down[...])
+        return (
+            _reshard(x, batch), _reshard(mask, batch), key, _reshard(self.router[...], replicated),
+            _reshard(bias, replicated), *(_reshard(w, experts) for w in weights),
+        )
+
+
+def _reshard(x, spec):
+    return None if x is None else jax.reshard(x, spec)
 
 
 def routing_bias_update(bias: jax.Array, expert_load: jax.Array, rate: float) -> jax.Array:
