@@ -181,9 +181,10 @@ def test_load_balancing_coefficient_reaches_only_the_router():
     for coef in (0.0, 0.01, 0.02):
         c.moe.load_balancing_loss_coef = coef
         with jax.set_mesh(mesh):
-            grads[coef] = jax.device_get(jax.grad(
-                lambda p, c=c: loss_fn(graphdef, p, tokens[:, :-1], tokens[:, 1:], c.moe, cross_entropy_coef=0.0)[0]
-            )(params))
+            moe_config = c.moe.copy_and_resolve_references()
+            grads[coef] = jax.device_get(jax.jit(jax.grad(
+                lambda p, t: loss_fn(graphdef, p, t[:, :-1], t[:, 1:], moe_config, cross_entropy_coef=0.0)[0]
+            ))(params, tokens))
     for layer in (0,):
         g = {coef: grads[coef]["blocks"][layer]["moe"] for coef in grads}
         assert np.all(g[0.0]["router"] == 0.0)
@@ -268,5 +269,8 @@ def test_moe_every_n_layers_with_dense_layers_between():
     assert kinds == ["dense", "moe", "dense", "moe"]
     mesh = island_mesh(1, 1, jax.devices()[:1])
     with jax.set_mesh(mesh):
-        _, stats = model(jax.device_put(np.zeros((1, 16), np.int32), NamedSharding(mesh, BATCH)))
+        graphdef, state = nnx.split(model)
+        stats = jax.jit(lambda s, t: nnx.merge(graphdef, s)(t)[1])(
+            state, jax.device_put(np.zeros((1, 16), np.int32), NamedSharding(mesh, BATCH))
+        )
     assert stats["expert_load"].shape == (2, 4) and stats["capacity"].shape == (2,)

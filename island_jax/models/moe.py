@@ -105,30 +105,60 @@ def _ragged_swiglu(x, w_gate, w_up, w_down, group_sizes):
     return jax.lax.ragged_dot(h, w_down, group_sizes)
 
 
+@jax.custom_vjp
+def _gather_rows(x, index, inverse):
+    """x_pad[index] for x [N, D] with a zero row appended (index N reads zeros).
+
+    `index` is injective on the rows it reads (every row of x is read by at
+    most the entries `inverse` names): `inverse` [N, m] lists, for each row of
+    x, the positions of the output that read it (the output's length for none).
+    The gradient is then a gather too, not a scatter-add, which is much faster
+    on CPU.
+    """
+    return jnp.concatenate([x, jnp.zeros((1, x.shape[1]), x.dtype)])[index]
+
+
+def _gather_rows_fwd(x, index, inverse):
+    return _gather_rows(x, index, inverse), (index, inverse)
+
+
+def _gather_rows_bwd(res, g):
+    index, inverse = res
+    g_pad = jnp.concatenate([g, jnp.zeros((1, g.shape[1]), g.dtype)])
+    return jnp.sum(g_pad[inverse], axis=1), None, None
+
+
+_gather_rows.defvjp(_gather_rows_fwd, _gather_rows_bwd)
+
+
 def _capacity_experts(xc, flat_e, real_a, tokens, k, cap, w_gate, w_up, w_down):
     """Fixed-capacity buckets, all_to_all over the expert axis, batched einsum. Returns ([A, D], kept [A])."""
     num_experts = w_gate.shape[0] * jax.lax.axis_size(EXPERT_AXIS)
     ep = jax.lax.axis_size(EXPERT_AXIS)
     d = xc.shape[-1]
+    a = tokens * k
     # Position of each assignment in its expert's bucket: real assignments to
     # the same expert, counted in token order.
     onehot = jax.nn.one_hot(flat_e, num_experts, dtype=jnp.int32) * real_a[:, None]
     position = jnp.take_along_axis(jnp.cumsum(onehot, axis=0), flat_e[:, None], axis=1)[:, 0] - 1
     kept = real_a & (position < cap)
-    dump = num_experts * cap  # an all-zero row for empty slots and dropped assignments
-    slot = jnp.where(kept, flat_e * cap + position, dump)
-    slot_token = jnp.full((dump + 1,), tokens, jnp.int32).at[slot].set(jnp.arange(tokens * k) // k)
-    x_pad = jnp.concatenate([xc, jnp.zeros((1, d), xc.dtype)])
-    buckets = x_pad[slot_token[:dump]].reshape(num_experts, cap, d)
-    # To the experts' owners: [E, C, D] -> [ep (source shard) * E_local, C, D].
-    received = jax.lax.all_to_all(buckets, EXPERT_AXIS, 0, 0, tiled=True).reshape(ep, num_experts // ep, cap, d)
-    gate = jnp.einsum("secd,edf->secf", received, w_gate)
-    up = jnp.einsum("secd,edf->secf", received, w_up)
-    y = jnp.einsum("secf,efd->secd", jax.nn.silu(gate) * up, w_down)
-    # Back home, in global expert order.
-    y = jax.lax.all_to_all(y.reshape(num_experts, cap, d), EXPERT_AXIS, 0, 0, tiled=True)
-    y_pad = jnp.concatenate([y.reshape(dump, d), jnp.zeros((1, d), y.dtype)])
-    return y_pad[slot], kept
+    slots = num_experts * cap
+    slot = jnp.where(kept, flat_e * cap + position, slots)  # [A]; `slots` = dropped
+    # The inverse map: which assignment fills each slot (`a` = empty).
+    assignment = jnp.full((slots + 1,), a, jnp.int32).at[slot].set(jnp.arange(a, dtype=jnp.int32))[:slots]
+    token_of_slot = jnp.where(assignment < a, assignment // k, tokens)
+    buckets = _gather_rows(xc, token_of_slot, slot.reshape(tokens, k))
+    # To the experts' owners: [ep (owner), E_local, C, D] -> [E_local, ep (source shard), C, D],
+    # so each local expert's rows are contiguous for one batched matmul.
+    e_local = num_experts // ep
+    buckets = buckets.reshape(ep, e_local, cap, d)
+    received = jax.lax.all_to_all(buckets, EXPERT_AXIS, 0, 2, tiled=True).reshape(e_local, ep * cap, d)
+    gate = jnp.einsum("ecd,edf->ecf", received, w_gate)
+    up = jnp.einsum("ecd,edf->ecf", received, w_up)
+    y = jnp.einsum("ecf,efd->ecd", jax.nn.silu(gate) * up, w_down)
+    # Back home, in global expert order: [E_local, ep, C, D] -> [ep (owner), E_local, C, D].
+    y = jax.lax.all_to_all(y.reshape(1, e_local, ep * cap, d), EXPERT_AXIS, 2, 0, tiled=True)
+    return _gather_rows(y.reshape(slots, d), slot, assignment[:, None]), kept
 
 
 def _dropless_experts(xc, flat_e, real_a, counts, k, w_gate, w_up, w_down):
