@@ -74,3 +74,19 @@ def test_refuses_a_workdir_that_holds_a_run(run):
     with pytest.raises(FileExistsError, match="already holds a run"):
         train_and_evaluate(config, str(workdir))
     assert open(workdir / "metrics.jsonl").read() == before
+
+
+def test_inner_steps_log_routing_metrics_per_moe_layer(run):
+    _, _, records, _ = run
+    inner = [r for r in records if r["kind"] == "inner"]
+    assert len(inner) == 12  # 2 islands x 3 rounds x 2 steps
+    for r in inner:
+        moe = r["moe"]
+        assert set(moe) == {"expert_load", "dropped_fraction", "router_entropy", "load_balancing_loss",
+                            "router_z_loss", "capacity"}
+        assert len(moe["expert_load"]) == 1 and len(moe["expert_load"][0]) == 4
+        assert abs(sum(moe["expert_load"][0]) - 1.0) < 1e-6
+        assert 0.0 < moe["router_entropy"][0] <= np.log(4) + 1e-6
+        assert r["router_entropy"] == moe["router_entropy"][0]  # the mean over one layer
+    # capacity = ceil(1.0 x tokens_per_shard x 2 / 4): island a has 8 x 32 / 4 = 64 tokens per device, b 64 too
+    assert {r["moe"]["capacity"][0] for r in inner} == {32}
