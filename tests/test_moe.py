@@ -77,6 +77,7 @@ def _inputs(shape=(8, 16, D), seed=0):
 @pytest.mark.parametrize(
     "mesh_shape,dispatch",
     [((1, 1), "capacity"), ((2, 2), "capacity"), ((1, 4), "capacity"), ((2, 4), "capacity"), ((1, 8), "capacity"),
+     ((2, 1), "capacity"), ((1, 2), "capacity"), ((4, 2), "capacity"), ((4, 1), "capacity"),
      ((1, 1), "dropless"), ((4, 1), "dropless")],
 )
 def test_expert_parallel_equals_dense(mesh_shape, dispatch):

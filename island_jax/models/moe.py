@@ -119,11 +119,10 @@ def _gather_rows(x, index, inverse):
 
 
 def _gather_rows_fwd(x, index, inverse):
-    return _gather_rows(x, index, inverse), (index, inverse)
+    return _gather_rows(x, index, inverse), inverse
 
 
-def _gather_rows_bwd(res, g):
-    index, inverse = res
+def _gather_rows_bwd(inverse, g):
     g_pad = jnp.concatenate([g, jnp.zeros((1, g.shape[1]), g.dtype)])
     return jnp.sum(g_pad[inverse], axis=1), None, None
 
