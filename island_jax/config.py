@@ -15,8 +15,9 @@ A run is described by one `ml_collections.ConfigDict`, nested by concern:
   outer     DiLoCo outer loop (arXiv 2311.08105): `rounds`, SGD `learning_rate`,
             `momentum`, `nesterov`; `enabled=False` trains a single island with
             no outer loop (the data-parallel baseline).
-  codec     pseudo-gradient wire format: `kind` in {int8, bf16, none} and the
-            int8 `block_size` (elements per float32 scale).
+  codec     pseudo-gradient wire format: `kind` in {int8, int4, bf16, none},
+            the `block_size` of int8 / int4 (elements per float32 scale) and
+            `error_feedback`.
   data      corpus (`files`, a glob; empty means the interpreter's standard
             library) and the held-out split.
   eval      `every_rounds`, `batch_size`, `num_batches`.
@@ -33,7 +34,7 @@ from __future__ import annotations
 
 import ml_collections
 
-CODECS = ("int8", "bf16", "none")
+CODECS = ("int8", "int4", "bf16", "none")
 DISPATCH = ("capacity", "dropless")
 MIB = 1 << 20
 MAX_CHUNK_BYTES = 64 * MIB  # far below protobuf's 2 GiB message ceiling
@@ -127,7 +128,11 @@ def default_config() -> ml_collections.ConfigDict:
         momentum=0.9,
         nesterov=True,
     )
-    c.codec = dict(kind="int8", block_size=256)
+    c.codec = dict(
+        kind="int8",  # int8 | int4 | bf16 | none
+        block_size=256,  # elements per float32 scale of int8 / int4
+        error_feedback=False,  # islands add what the codec lost last round before encoding
+    )
     c.data = dict(
         files="",  # glob of text files; "" = the running interpreter's stdlib *.py
         eval_fraction=0.02,  # share of files held out for evaluation

@@ -171,6 +171,8 @@ class Island:
             self.params = self._place(params)
             self.anchor = self._place(params)
             self.opt_state = jax.jit(tx.init)(self.params)
+            # Error feedback's memory of what the codec lost (float32, like the parameters).
+            self.residual = self._place(jax.tree.map(lambda x: np.zeros(np.shape(x), np.float32), params))
 
     def _place(self, host_params: dict) -> dict:
         return jax.device_put(host_params, self._param_sharding)
@@ -218,10 +220,18 @@ class Island:
         return out
 
     def encode_pseudo_gradient(self) -> bytes:
-        """anchor - params (float32, on device), encoded with `config.codec`; host bytes."""
+        """anchor - params (float32, on device), encoded with `config.codec`; host bytes.
+
+        With `codec.error_feedback`, what the codec lost in the previous round is
+        added first, and what it loses now is kept for the next round.
+        """
+        c = self.config.codec
         with jax.set_mesh(self.mesh):
             pg = self._pseudo_gradient(self.anchor, self.params)
-            return codec.encode(pg, self.config.codec.kind, self.config.codec.block_size)
+            if not c.error_feedback:
+                return codec.encode(pg, c.kind, c.block_size)
+            payload, self.residual = codec.encode_with_feedback(pg, self.residual, c.kind, c.block_size)
+            return payload
 
     def apply_update(self, payload: bytes) -> None:
         """Applies the coordinator's update to the global view; it becomes anchor and params.
@@ -239,11 +249,13 @@ class Island:
 
     def state(self, round: int) -> dict:
         """What a checkpoint holds after `round` completed rounds: `params`, `anchor`,
-        `opt_state` (AdamW), `step` (inner steps taken, also the data position) and `round`."""
+        `opt_state` (AdamW), `residual` (error feedback), `step` (inner steps taken,
+        also the data position) and `round`."""
         return dict(
             params=self.params,
             anchor=self.anchor,
             opt_state=self.opt_state,
+            residual=self.residual,
             step=np.asarray(self.step, np.int64),
             round=np.asarray(round, np.int64),
         )
@@ -257,6 +269,7 @@ class Island:
             self.params = self._place(state["params"])
             self.anchor = self._place(state["anchor"])
             self.opt_state = jax.device_put(state["opt_state"], opt_sharding)
+            self.residual = self._place(state["residual"])
         self.step = int(state["step"])
         return int(state["round"])
 

@@ -75,5 +75,26 @@ def test_wrong_size_and_kind_are_refused():
     tree = {"w": np.ones(10, np.float32)}
     with pytest.raises(codec.CodecError, match="payload is 3 bytes but a int8 payload for these parameters is 14 bytes"):
         codec.decode(b"abc", tree, "int8", 256)
-    with pytest.raises(codec.CodecError, match="unknown codec kind 'int4'"):
-        codec.encode(tree, "int4", 256)
+    with pytest.raises(codec.CodecError, match="unknown codec kind 'int2'"):
+        codec.encode(tree, "int2", 256)
+
+
+def test_int4_packs_two_codes_a_byte():
+    x = {"w": np.asarray([1.0, -0.5, 0.25, 0.0, -1.0], np.float32)}
+    payload = codec.encode(x, "int4", 4)
+    assert len(payload) == codec.payload_bytes(x, "int4", 4) == 3 + 4 * 2  # ceil(5 / 2) codes + 2 scales
+    decoded = codec.decode(payload, x, "int4", 4)["w"]
+    # block [1, -0.5, 0.25, 0] has scale float32(1/7), a little above 1/7, so -0.5 / scale = -3.4999998:
+    # codes 7, -3, 2, 0; block [-1]: scale 1/7, code -7
+    np.testing.assert_array_equal(decoded, np.asarray([7, -3, 2, 0, -7], np.float32) * np.float32(1 / 7))
+
+
+def test_error_feedback_removes_the_bias_of_int4():
+    x = {"w": np.asarray([1.0, 0.3], np.float32)}  # one block; scale 1/7, 0.3 -> code 2 (2/7)
+    plain = sum(codec.decode(codec.encode(x, "int4", 256), x, "int4", 256)["w"][1] for _ in range(10))
+    assert plain == pytest.approx(10 * 2 / 7, rel=1e-6)  # 2.857: bias -0.143
+    residual, total = {"w": np.zeros(2, np.float32)}, 0.0
+    for _ in range(10):
+        payload, residual = codec.encode_with_feedback(x, residual, "int4", 256)
+        total += codec.decode(payload, x, "int4", 256)["w"][1]
+    assert abs(total - 3.0) <= 1 / 14

@@ -13,6 +13,14 @@ the shapes and dtypes are not sent, since both ends know the model. Kinds:
         A leaf of n elements costs n + 4 * ceil(n / block_size) bytes, so a
         model of P parameters costs about P * (1 + 4 / block_size) bytes. An
         all-zero block has scale 0 and decodes to exact zeros.
+  int4  the same blockwise scheme with codes in [-7, 7] (scale = absmax / 7),
+        two codes a byte (code + 8 in the low nibble for even positions, the
+        high nibble for odd ones): ceil(n / 2) + 4 * ceil(n / block_size) bytes.
+
+`encode_with_feedback` adds error feedback (as in MuLoCo and SparseLoCo): what
+the codec lost last round is added to this round's tree before encoding, and
+what it loses now is kept for the next round, so quantization error is
+delayed, never dropped.
 
 `encode` runs with jax.numpy (on device for an island, on the CPU for the
 coordinator) and returns host bytes; `decode` and `decode_and_apply` run in
@@ -31,8 +39,8 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 
-KINDS = ("none", "bf16", "int8")
-_INT8_MAX = 127
+KINDS = ("none", "bf16", "int8", "int4")
+_MAX_CODE = {"int8": 127, "int4": 7}
 
 
 class CodecError(ValueError):
@@ -51,7 +59,8 @@ def leaf_bytes(size: int, kind: str, block_size: int) -> int:
         return 4 * size
     if kind == "bf16":
         return 2 * size
-    return size + 4 * math.ceil(size / block_size)
+    code_bytes = size if kind == "int8" else (size + 1) // 2
+    return code_bytes + 4 * math.ceil(size / block_size)
 
 
 def payload_bytes(like: Any, kind: str, block_size: int) -> int:
@@ -72,17 +81,53 @@ def layout(like: Any, kind: str, block_size: int) -> str:
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
-@functools.partial(jax.jit, static_argnames=("block_size",))
-def _int8_leaf(x: jax.Array, block_size: int) -> tuple[jax.Array, jax.Array]:
+@functools.partial(jax.jit, static_argnames=("block_size", "max_code"))
+def _quantize_leaf(x: jax.Array, block_size: int, max_code: int) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Blockwise absmax codes (int8 in [-max_code, max_code]) [n], float32 scales [blocks], dequantized [shape]."""
     flat = x.astype(jnp.float32).reshape(-1)
     n = flat.shape[0]
     num_blocks = -(-n // block_size)
     blocks = jnp.pad(flat, (0, num_blocks * block_size - n)).reshape(num_blocks, block_size)
     absmax = jnp.max(jnp.abs(blocks), axis=1)
-    scale = absmax / _INT8_MAX
+    scale = absmax / max_code
     safe = jnp.where(scale > 0, scale, 1.0)
-    codes = jnp.clip(jnp.round(blocks / safe[:, None]), -_INT8_MAX, _INT8_MAX).astype(jnp.int8)
-    return codes.reshape(-1)[:n], scale
+    codes = jnp.clip(jnp.round(blocks / safe[:, None]), -max_code, max_code)
+    dequantized = (codes * scale[:, None]).reshape(-1)[:n].reshape(x.shape)
+    return codes.astype(jnp.int8).reshape(-1)[:n], scale, dequantized
+
+
+def _pack_int4(codes: np.ndarray) -> bytes:
+    nibbles = (codes.astype(np.int16) + 8).astype(np.uint8)
+    if nibbles.size % 2:
+        nibbles = np.append(nibbles, np.uint8(8))
+    return (nibbles[0::2] | (nibbles[1::2] << 4)).tobytes()
+
+
+def _unpack_int4(packed: np.ndarray, n: int) -> np.ndarray:
+    codes = np.empty(2 * packed.size, np.int8)
+    codes[0::2] = (packed & 0x0F).astype(np.int8) - 8
+    codes[1::2] = (packed >> 4).astype(np.int8) - 8
+    return codes[:n]
+
+
+def _encode_leaf(leaf: Any, kind: str, block_size: int) -> tuple[bytes, jax.Array]:
+    """(bytes, the float32 values the receiver will decode)."""
+    x = jnp.asarray(leaf)
+    if kind == "none":
+        sent = x.astype(jnp.float32)
+        return np.asarray(sent).astype("<f4").tobytes(), sent
+    if kind == "bf16":
+        b = x.astype(jnp.bfloat16)
+        return np.asarray(b).tobytes(), b.astype(jnp.float32)
+    codes, scale, dequantized = _quantize_leaf(x, block_size, _MAX_CODE[kind])
+    codes, scale = jax.device_get((codes, scale))
+    code_bytes = np.asarray(codes).tobytes() if kind == "int8" else _pack_int4(np.asarray(codes))
+    return code_bytes + np.asarray(scale).astype("<f4").tobytes(), dequantized
+
+
+def _check_block_size(block_size: int) -> None:
+    if block_size <= 0:
+        raise CodecError(f"block_size is {block_size}; it must be a positive number of elements")
 
 
 def encode(tree: Any, kind: str, block_size: int) -> bytes:
@@ -91,8 +136,8 @@ def encode(tree: Any, kind: str, block_size: int) -> bytes:
     Args:
       tree: pytree of float arrays of any rank and size (scalars, bfloat16
         included); values must be finite.
-      kind: "none", "bf16" or "int8".
-      block_size: elements per int8 scale (ignored by the other kinds).
+      kind: "none", "bf16", "int8" or "int4".
+      block_size: elements per scale of int8 / int4 (ignored by the other kinds).
 
     Returns:
       The payload: `payload_bytes(tree, kind, block_size)` bytes.
@@ -101,19 +146,32 @@ def encode(tree: Any, kind: str, block_size: int) -> bytes:
       CodecError: on an unknown kind or a block_size <= 0.
     """
     _check_kind(kind)
-    if block_size <= 0:
-        raise CodecError(f"block_size is {block_size}; it must be a positive number of elements")
-    parts: list[bytes] = []
-    for leaf in jax.tree.leaves(tree):
-        if kind == "none":
-            parts.append(np.asarray(jnp.asarray(leaf, jnp.float32)).astype("<f4").tobytes())
-        elif kind == "bf16":
-            parts.append(np.asarray(jnp.asarray(leaf).astype(jnp.bfloat16)).tobytes())
-        else:
-            codes, scale = jax.device_get(_int8_leaf(jnp.asarray(leaf), block_size))
-            parts.append(np.asarray(codes).tobytes())
-            parts.append(np.asarray(scale).astype("<f4").tobytes())
-    return b"".join(parts)
+    _check_block_size(block_size)
+    return b"".join(_encode_leaf(leaf, kind, block_size)[0] for leaf in jax.tree.leaves(tree))
+
+
+def encode_with_feedback(tree: Any, residual: Any, kind: str, block_size: int) -> tuple[bytes, Any]:
+    """Error-feedback encoding: sends tree + residual, keeps what the codec lost.
+
+    Args:
+      tree: pytree of float arrays (this round's pseudo-gradient).
+      residual: float32 pytree like `tree` (zeros in the first round).
+      kind, block_size: as for `encode`.
+
+    Returns:
+      (payload of `encode(tree + residual)`, new residual = tree + residual -
+      decode(payload)) with the residual as float32 jax arrays.
+    """
+    _check_kind(kind)
+    _check_block_size(block_size)
+    corrected = jax.tree.map(lambda x, r: jnp.asarray(x, jnp.float32) + r, tree, residual)
+    leaves, treedef = jax.tree.flatten(corrected)
+    parts, residuals = [], []
+    for leaf in leaves:
+        payload, sent = _encode_leaf(leaf, kind, block_size)
+        parts.append(payload)
+        residuals.append(leaf - sent)
+    return b"".join(parts), jax.tree.unflatten(treedef, residuals)
 
 
 def decode(payload: bytes, like: Any, kind: str, block_size: int) -> Any:
@@ -151,9 +209,13 @@ def decode(payload: bytes, like: Any, kind: str, block_size: int) -> Any:
             offset += 2 * n
         else:
             num_blocks = math.ceil(n / block_size)
-            codes = np.frombuffer(buf, np.int8, n, offset)
-            scale = np.frombuffer(buf, "<f4", num_blocks, offset + n).astype(np.float32)
-            offset += n + 4 * num_blocks
+            code_bytes = n if kind == "int8" else (n + 1) // 2
+            if kind == "int8":
+                codes = np.frombuffer(buf, np.int8, n, offset)
+            else:
+                codes = _unpack_int4(np.frombuffer(buf, np.uint8, code_bytes, offset), n)
+            scale = np.frombuffer(buf, "<f4", num_blocks, offset + code_bytes).astype(np.float32)
+            offset += code_bytes + 4 * num_blocks
             padded = np.zeros(num_blocks * block_size, np.float32)
             padded[:n] = codes
             values = (padded.reshape(num_blocks, block_size) * scale[:, None]).reshape(-1)[:n]
