@@ -39,7 +39,8 @@ def _quiet_libraries() -> None:
 
     from absl import logging as absl_logging
 
-    ours = (os.path.dirname(os.path.dirname(os.path.abspath(__file__))), os.path.dirname(__import__("island_jax").__file__))
+    # This folder and the library's (a virtual environment may sit inside the repository).
+    ours = (os.path.dirname(os.path.abspath(__file__)) + os.sep, os.path.dirname(__import__("island_jax").__file__) + os.sep)
     absl_logging.get_absl_handler().addFilter(
         lambda record: record.levelno >= logging.WARNING or record.pathname.startswith(ours)
     )
