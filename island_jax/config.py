@@ -13,8 +13,9 @@ A run is described by one `ml_collections.ConfigDict`, nested by concern:
   inner     AdamW inner optimizer, warm-up + cosine schedule over all inner steps,
             gradient clipping.
   outer     DiLoCo outer loop (arXiv 2311.08105): `rounds`, SGD `learning_rate`,
-            `momentum`, `nesterov`; `enabled=False` trains a single island with
-            no outer loop (the data-parallel baseline).
+            `momentum`, `nesterov`; `sync` and `reference_island` plan each
+            island's inner steps (island_jax/planning.py); `enabled=False`
+            trains a single island with no outer loop (the data-parallel baseline).
   codec     pseudo-gradient wire format: `kind` in {int8, int4, bf16, none},
             the `block_size` of int8 / int4 (elements per float32 scale) and
             `error_feedback`.
@@ -34,8 +35,11 @@ from __future__ import annotations
 
 import ml_collections
 
+from island_jax.hardware import CATALOG
+
 CODECS = ("int8", "int4", "bf16", "none")
 DISPATCH = ("capacity", "dropless")
+SYNC = ("steps", "auto")
 MIB = 1 << 20
 MAX_CHUNK_BYTES = 64 * MIB  # far below protobuf's 2 GiB message ceiling
 DTYPES = ("float32", "bfloat16")
@@ -127,6 +131,8 @@ def default_config() -> ml_collections.ConfigDict:
         learning_rate=0.7,  # DiLoCo default
         momentum=0.9,
         nesterov=True,
+        sync="steps",  # steps: each island's inner_steps; auto: scaled by devices x catalog peak (planning.py)
+        reference_island="",  # with sync=auto, the island whose inner_steps is kept ("" = the first)
     )
     c.codec = dict(
         kind="int8",  # int8 | int4 | bf16 | none
@@ -210,6 +216,13 @@ def validate(
         f"codec.block_size is {config.codec.block_size}; it must be a positive number of elements (e.g. 256)",
     )
     _require(config.outer.rounds > 0, f"outer.rounds is {config.outer.rounds}; it must be at least 1")
+    _require(config.outer.sync in SYNC, f"outer.sync is {config.outer.sync!r}; choose one of {SYNC}")
+    ref = config.outer.reference_island
+    _require(
+        ref == "" or ref in config.islands,
+        f"outer.reference_island is {ref!r}, not an island of this config; choose one of "
+        f"{list(config.islands.keys())} or leave it empty for the first",
+    )
     _require(
         config.outer.enabled or len(config.islands) == 1,
         f"outer.enabled is False but there are {len(config.islands)} islands; "
@@ -255,6 +268,18 @@ def validate(
             "use a positive multiple of the island's device count",
         )
         _require(isl.inner_steps > 0, f"{p}.inner_steps is {isl.inner_steps}; it must be at least 1")
+        _require(
+            isl.hardware in CATALOG,
+            f"{p}.hardware is {isl.hardware!r}, not in the hardware catalog; choose one of {sorted(CATALOG)}",
+        )
+        if config.outer.sync == "auto":
+            ref_isl = config.islands[ref or next(iter(config.islands.keys()))]
+            _require(
+                isl.batch_size * ref_isl.num_devices == ref_isl.batch_size * isl.num_devices,
+                f"outer.sync='auto' plans inner steps for equal per-device batch, but {p} has "
+                f"{isl.batch_size}/{isl.num_devices} sequences per device and the reference island "
+                f"{ref_isl.batch_size}/{ref_isl.num_devices}; make them equal or use outer.sync='steps'",
+            )
         _require(isl.crash_at_round >= 0, f"{p}.crash_at_round is {isl.crash_at_round}; use 0 (never) or a round")
         _require(
             config.eval.batch_size % mesh_devices == 0,

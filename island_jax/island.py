@@ -30,6 +30,7 @@ from island_jax.models.moe import BATCH_AXES, check_dispatch
 from island_jax.models.transformer import aggregate_stats, update_routing_biases
 from island_jax.outer import codec
 from island_jax.params import checksum
+from island_jax.planning import plan_inner_steps
 
 # Scalars each inner step reports (see `Island.train_round`); the MoE ones are means over MoE layers.
 STEP_METRICS = (
@@ -124,7 +125,7 @@ class Island:
     ):
         cfg = config.islands[name]
         self.name, self.config = name, config
-        self.inner_steps = cfg.inner_steps
+        self.inner_steps = plan_inner_steps(config)[name]
         self.batch_size = cfg.batch_size
         self.seq_len = config.model.seq_len
         check_dispatch(config.moe.dispatch, cfg.mesh.expert, devices[0].platform)

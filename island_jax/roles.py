@@ -206,7 +206,7 @@ def run_island(config: ml_collections.ConfigDict, workdir: str, name: str, addre
     transport.join(name, config_lib.fingerprint_fields(config), island.global_checksum, first)
     logging.info(
         "island %s joined the coordinator at %s at round %d: %d devices (data=%d x expert=%d), batch %d, H=%d",
-        name, address, first, cfg.num_devices, cfg.mesh.data, cfg.mesh.expert, cfg.batch_size, cfg.inner_steps,
+        name, address, first, cfg.num_devices, cfg.mesh.data, cfg.mesh.expert, cfg.batch_size, island.inner_steps,
     )
     evaluator = name == names[0]
     eval_batches = eval_loss = None

@@ -1,0 +1,58 @@
+"""Catalog of accelerator kinds an island can name in `islands.NAME.hardware`.
+
+Each entry gives the dense (no structured sparsity) bfloat16 peak per device in
+TFLOP/s and the memory per device in GB, from the vendor's public figures.
+Round planning (`outer.sync = "auto"`) uses only the ratio of peaks, so the
+figures need to be right relative to each other, not attainable.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Hardware:
+    """One accelerator kind: `peak_tflops` (dense bf16, TFLOP/s per device), `memory_gb` (per device)."""
+
+    name: str
+    peak_tflops: float
+    memory_gb: float
+
+
+CATALOG = {
+    h.name: h
+    for h in (
+        # Not a measurement: emulated islands on one machine share its cores, so
+        # every virtual CPU device counts the same; islands.NAME.simulated_speed
+        # is how an emulated island is made slower.
+        Hardware("cpu", 1.0, 0.0),
+        # NVIDIA A100 Tensor Core GPU datasheet: BF16 312 TFLOPS (624 with sparsity), 80 GB HBM2e.
+        Hardware("a100", 312.0, 80.0),
+        # NVIDIA H100 datasheet, SXM: BF16 1,979 TFLOPS with sparsity, so 989 dense; 80 GB HBM3.
+        Hardware("h100", 989.0, 80.0),
+        # NVIDIA H200 datasheet, SXM: the H100's compute (BF16 1,979 sparse, 989 dense); 141 GB HBM3e.
+        Hardware("h200", 989.0, 141.0),
+        # NVIDIA DGX B200 datasheet: 72 PFLOPS FP8 training for 8 GPUs; BF16 4.5 PFLOPS sparse per
+        # GPU (HGX B200), so 2,250 dense; 1,440 GB for 8 GPUs, 180 GB each.
+        Hardware("b200", 2250.0, 180.0),
+        # Google Cloud TPU v4 documentation: 275 TFLOPS bf16 per chip, 32 GiB HBM.
+        Hardware("tpu-v4", 275.0, 32.0),
+        # Google Cloud TPU v5p documentation: 459 TFLOPS bf16 per chip, 95 GB HBM.
+        Hardware("tpu-v5p", 459.0, 95.0),
+        # Google Cloud TPU v6e (Trillium) documentation: 918 TFLOPS bf16 per chip, 32 GB HBM.
+        Hardware("tpu-v6e", 918.0, 32.0),
+    )
+}
+
+
+def lookup(name: str) -> Hardware:
+    """The catalog entry for `name`.
+
+    Raises:
+      KeyError: with the known names, for a kind not in the catalog.
+    """
+    try:
+        return CATALOG[name]
+    except KeyError:
+        raise KeyError(f"hardware {name!r} is not in the catalog; choose one of {sorted(CATALOG)}") from None

@@ -1,0 +1,37 @@
+"""How many inner steps each island takes per round.
+
+`outer.sync`:
+  steps  every island takes its own `islands.NAME.inner_steps` (H).
+  auto   the island named by `outer.reference_island` keeps its H; every other
+         island gets round(H_ref x (devices x peak) / (devices_ref x peak_ref)),
+         peaks from the hardware catalog, so that islands with equal per-device
+         batch finish a round together (Async Local-SGD, arXiv 2401.09135, sets
+         local step counts by worker speed the same way).
+
+Whatever the plan, the coordinator weights each contribution by the tokens the
+island actually processed (Decoupled DiLoCo, arXiv 2604.21428).
+"""
+
+from __future__ import annotations
+
+import ml_collections
+
+from island_jax.hardware import lookup
+
+
+def plan_inner_steps(config: ml_collections.ConfigDict) -> dict[str, int]:
+    """{island name: inner steps per round} for `config.outer.sync` ("steps" or "auto").
+
+    Raises:
+      KeyError: an island names hardware outside the catalog.
+    """
+    islands = config.islands
+    if config.outer.sync == "steps":
+        return {name: isl.inner_steps for name, isl in islands.items()}
+    ref_name = config.outer.reference_island or next(iter(islands.keys()))
+    ref = islands[ref_name]
+    ref_speed = ref.num_devices * lookup(ref.hardware).peak_tflops
+    return {
+        name: max(1, round(ref.inner_steps * isl.num_devices * lookup(isl.hardware).peak_tflops / ref_speed))
+        for name, isl in islands.items()
+    }

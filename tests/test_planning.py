@@ -1,0 +1,56 @@
+"""Round planning from the hardware catalog, and token-weighted merging of unequal rounds."""
+
+import numpy as np
+import pytest
+
+from island_jax import config as config_lib
+from island_jax.config import default_config, fingerprint_fields, island
+from island_jax.coordinator import Coordinator
+from island_jax.hardware import CATALOG, lookup
+from island_jax.outer import codec
+from island_jax.planning import plan_inner_steps
+
+
+def _h100_and_a100():
+    c = default_config()
+    c.islands.fast = island(8, 2, 4, 64, 50, hardware="h100")
+    c.islands.slow = island(8, 2, 4, 64, 100, hardware="a100")
+    c.outer.update(sync="auto", reference_island="slow", learning_rate=1.0, momentum=0.0, nesterov=False)
+    c.codec.kind = "none"
+    return c
+
+
+def test_catalog_figures():
+    assert lookup("a100").peak_tflops == 312.0 and lookup("h100").peak_tflops == 989.0
+    assert set(CATALOG) >= {"cpu", "a100", "h100", "h200", "b200", "tpu-v4", "tpu-v5p", "tpu-v6e"}
+    with pytest.raises(KeyError, match="'v100' is not in the catalog"):
+        lookup("v100")
+
+
+def test_auto_steps_scale_with_devices_times_peak_and_merge_by_tokens():
+    c = _h100_and_a100()
+    config_lib.validate(c)
+    plan = plan_inner_steps(c)
+    assert plan == {"fast": 317, "slow": 100}  # round(100 x 8 x 989 / (8 x 312)) = round(316.99)
+    c.outer.sync = "steps"
+    assert plan_inner_steps(c) == {"fast": 50, "slow": 100}
+    c.outer.sync = "auto"
+    coordinator = Coordinator(c, {"w": np.zeros(2, np.float32)}, ["fast", "slow"])
+    for name in ("fast", "slow"):
+        coordinator.join(name, fingerprint_fields(c), coordinator.checksum)
+    for name, pg in (("fast", [1.0, 0.0]), ("slow", [0.0, 1.0])):
+        tokens = plan[name] * c.islands[name].batch_size * c.model.seq_len
+        coordinator.contribute(0, name, tokens, codec.encode({"w": np.asarray(pg, np.float32)}, "none", 256))
+    rec = coordinator.history[-1]
+    assert rec.weights == {"fast": 317 / 417, "slow": 100 / 417}
+
+
+def test_auto_needs_equal_per_device_batch_and_known_hardware():
+    c = _h100_and_a100()
+    c.islands.fast.batch_size = 128
+    with pytest.raises(config_lib.ConfigError, match="equal per-device batch"):
+        config_lib.validate(c)
+    c = _h100_and_a100()
+    c.islands.fast.hardware = "v100"
+    with pytest.raises(config_lib.ConfigError, match="islands.fast.hardware is 'v100', not in the hardware catalog"):
+        config_lib.validate(c)
