@@ -133,6 +133,8 @@ def default_config() -> ml_collections.ConfigDict:
         nesterov=True,
         sync="steps",  # steps: each island's inner_steps; auto: scaled by devices x catalog peak (planning.py)
         reference_island="",  # with sync=auto, the island whose inner_steps is kept ("" = the first)
+        min_islands=0,  # quorum: merge once this many islands contributed and grace_seconds passed (0 = all)
+        grace_seconds=60.0,  # how long a reached quorum waits for the remaining islands
     )
     c.codec = dict(
         kind="int8",  # int8 | int4 | bf16 | none
@@ -216,6 +218,12 @@ def validate(
         f"codec.block_size is {config.codec.block_size}; it must be a positive number of elements (e.g. 256)",
     )
     _require(config.outer.rounds > 0, f"outer.rounds is {config.outer.rounds}; it must be at least 1")
+    _require(
+        0 <= config.outer.min_islands <= len(config.islands),
+        f"outer.min_islands is {config.outer.min_islands} but there are {len(config.islands)} islands; use 0 (all) "
+        f"or 1..{len(config.islands)}",
+    )
+    _require(config.outer.grace_seconds >= 0, f"outer.grace_seconds is {config.outer.grace_seconds}; use 0 or more")
     _require(config.outer.sync in SYNC, f"outer.sync is {config.outer.sync!r}; choose one of {SYNC}")
     ref = config.outer.reference_island
     _require(

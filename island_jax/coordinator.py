@@ -15,8 +15,9 @@ plain methods. Per round (DiLoCo, arXiv 2311.08105, Algorithm 1):
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import jax
 import ml_collections
@@ -55,6 +56,7 @@ class RoundRecord:
     """What the coordinator logs for a merged round."""
 
     round: int
+    contributors: list[str] = field(default_factory=list)
     tokens: dict[str, int] = field(default_factory=dict)
     weights: dict[str, float] = field(default_factory=dict)
     pseudo_gradient_norm: dict[str, float] = field(default_factory=dict)
@@ -74,7 +76,13 @@ class Coordinator:
       islands: names of the islands expected to contribute every round.
     """
 
-    def __init__(self, config: ml_collections.ConfigDict, params: Any, islands: Sequence[str]):
+    def __init__(
+        self,
+        config: ml_collections.ConfigDict,
+        params: Any,
+        islands: Sequence[str],
+        clock: Callable[[], float] = time.monotonic,
+    ):
         self.config = config
         self.kind, self.block_size = config.codec.kind, config.codec.block_size
         self.islands = list(islands)
@@ -88,6 +96,12 @@ class Coordinator:
         self.round = 0
         self.joined: set[str] = set()
         self._pending: dict[str, Contribution] = {}
+        self._refused: set[str] = set()  # islands whose contribution to this round was refused (NaN, ...)
+        self._quorum_since: float | None = None  # when min_islands had contributed to this round
+        self.clock = clock
+        self.min_islands = config.outer.min_islands or len(self.islands)
+        self.grace_seconds = config.outer.grace_seconds
+        self.discarded: list[tuple[int, str]] = []  # (round, island) of contributions that came too late
         self._updates: dict[int, bytes] = {}
         self.history: list[RoundRecord] = []
 
@@ -100,7 +114,7 @@ class Coordinator:
         self.master, self.opt_state, self.view = state["master"], state["opt_state"], state["view"]
         self.round = int(state["round"])
         self.checksum = checksum(self.view)
-        self._pending, self._updates = {}, {}
+        self._pending, self._updates, self._refused, self._quorum_since = {}, {}, set(), None
 
     def join(self, island: str, config_fingerprint: dict, params_checksum: str, round: int = 0) -> dict:
         """Admits an island whose model, codec, seed, round and parameters match.
@@ -140,8 +154,18 @@ class Coordinator:
         self.joined.add(island)
         return dict(round=self.round, checksum=self.checksum)
 
-    def contribute(self, round: int, island: str, tokens: int, payload: bytes, params_checksum: str | None = None) -> None:
-        """Accepts one island's encoded pseudo-gradient; merges when every island has sent.
+    def contribute(
+        self, round: int, island: str, tokens: int, payload: bytes, params_checksum: str | None = None
+    ) -> str:
+        """Accepts one island's encoded pseudo-gradient; merges when the round can close.
+
+        A round closes when every island has contributed (or been refused), or
+        when `outer.min_islands` have contributed and `outer.grace_seconds` have
+        passed since they did (see `poll`), whichever comes first (Decoupled
+        DiLoCo's quorum, arXiv 2604.21428). A contribution for a round that has
+        already closed is discarded and logged: the island then fetches that
+        round's update, which brings it to the same global parameters as
+        everyone else.
 
         Args:
           round: the round the pseudo-gradient belongs to.
@@ -151,13 +175,24 @@ class Coordinator:
           params_checksum: when given, the checksum of the island's anchor, which
             must equal the view's: proof that every island trained from the same bits.
 
+        Returns:
+          "accepted", or "discarded" for a round that has already closed.
+
         Raises:
-          ContributionError: island not joined, wrong round, duplicate, tokens <= 0,
-            payload of the wrong size, or NaN/Inf in the decoded values. Nothing
-            of a refused contribution reaches the merge.
+          ContributionError: island not joined, a future round, duplicate,
+            tokens <= 0, payload of the wrong size, or NaN/Inf in the decoded
+            values (logged with the island's name; the round closes without
+            it). Nothing of a refused contribution reaches the merge.
         """
         if island not in self.joined:
             raise ContributionError(f"island {island!r} contributed before joining; call join first")
+        if round < self.round:
+            self.discarded.append((round, island))
+            logging.warning(
+                "island %s's contribution to round %d arrived after the round closed (at %d); discarded",
+                island, round, self.round,
+            )
+            return "discarded"
         if round != self.round:
             raise ContributionError(f"island {island!r} sent round {round} but the coordinator is at round {self.round}")
         if island in self._pending:
@@ -174,13 +209,36 @@ class Coordinator:
         except codec.CodecError as e:
             raise ContributionError(f"island {island!r}, round {round}: {e}") from e
         if not codec.all_finite(pseudo_gradient):
+            self._refused.add(island)
+            logging.warning("island %s: round %d's pseudo-gradient holds NaN or Inf; refused", island, round)
+            self.poll()
             raise ContributionError(
                 f"island {island!r}, round {round}: the pseudo-gradient holds NaN or Inf; the island diverged "
                 "(lower inner.learning_rate or check its data) and its contribution was refused"
             )
         self._pending[island] = Contribution(island, int(tokens), pseudo_gradient)
-        if len(self._pending) == len(self.islands):
+        self.poll()
+        return "accepted"
+
+    def poll(self) -> bool:
+        """Closes the round if it can (see `contribute`); call it periodically while islands are missing.
+
+        Returns:
+          Whether a round was merged.
+        """
+        if not self._pending:
+            return False
+        if len(self._pending) + len(self._refused) >= len(self.islands):
             self._merge()
+            return True
+        if len(self._pending) >= self.min_islands:
+            now = self.clock()
+            if self._quorum_since is None:
+                self._quorum_since = now
+            if now - self._quorum_since >= self.grace_seconds:
+                self._merge()
+                return True
+        return False
 
     def _merge(self) -> None:
         contributions = [self._pending[name] for name in self.islands if name in self._pending]
@@ -203,6 +261,7 @@ class Coordinator:
         }
         record = RoundRecord(
             round=self.round,
+            contributors=[c.island for c in contributions],
             tokens={c.island: c.tokens for c in contributions},
             weights={c.island: c.tokens / total for c in contributions},
             pseudo_gradient_norm=norms,
@@ -211,9 +270,12 @@ class Coordinator:
             checksum=self.checksum,
         )
         self.history.append(record)
-        logging.debug("round %d merged: tokens %s weights %s", self.round, record.tokens, record.weights)
+        logging.info(
+            "round %d merged from %s (weights %s)%s", self.round, record.contributors, record.weights,
+            f"; without {sorted(set(self.islands) - set(record.contributors))}" if len(record.contributors) < len(self.islands) else "",
+        )
         self._updates = {self.round: payload}  # only the latest round's update is kept
-        self._pending = {}
+        self._pending, self._refused, self._quorum_since = {}, set(), None
         self.round += 1
 
     def fetch_update(self, round: int, island: str) -> bytes:

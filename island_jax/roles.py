@@ -107,7 +107,13 @@ def run_coordinator(config: ml_collections.ConfigDict, workdir: str, address: st
     try:
         for r in range(first, rounds):
             with service.lock:
-                if not service.lock.wait_for(lambda: coordinator.round > r, timeout=config.comm.round_timeout_seconds):
+                deadline = time.monotonic() + config.comm.round_timeout_seconds
+                while coordinator.round <= r and time.monotonic() < deadline:
+                    if coordinator.poll():  # closes the round once a quorum's grace window has passed
+                        service.lock.notify_all()
+                    else:
+                        service.lock.wait(timeout=0.5)
+                if coordinator.round <= r:
                     raise TimeoutError(
                         f"round {r + 1} was not merged within comm.round_timeout_seconds="
                         f"{config.comm.round_timeout_seconds}; contributions came from "
@@ -120,6 +126,7 @@ def run_coordinator(config: ml_collections.ConfigDict, workdir: str, address: st
                 dict(
                     kind="round",
                     round=r + 1,
+                    contributors=rec.contributors,
                     tokens=rec.tokens,
                     weights=rec.weights,
                     pseudo_gradient_norm=rec.pseudo_gradient_norm,
@@ -141,7 +148,9 @@ def run_coordinator(config: ml_collections.ConfigDict, workdir: str, address: st
                 " ".join(f"{k}={v:.4f}" for k, v in rec.pseudo_gradient_norm.items()),
                 " ".join(f"{k}={v:.3f}" for k, v in rec.cosine_similarity.items()) or "-",
             )
-        if not service.wait_until_fetched(rounds - 1, timeout=config.comm.round_timeout_seconds):
+        # Every island that contributed to the last round receives its update (a quorum may have left some out).
+        last = coordinator.history[-1].contributors
+        if not service.wait_until_fetched(rounds - 1, last, timeout=config.comm.round_timeout_seconds):
             raise TimeoutError(f"not every island fetched the update of round {rounds} in time")
     finally:
         server.stop(grace=5.0)
@@ -238,7 +247,7 @@ def run_island(config: ml_collections.ConfigDict, workdir: str, name: str, addre
                 )
             exchange_start = time.perf_counter()
             payload = island.encode_pseudo_gradient()
-            transport.contribute(r, name, result["tokens"], payload, anchor_checksum)
+            contribution = transport.contribute(r, name, result["tokens"], payload, anchor_checksum)
             update = transport.fetch_update(r, name)
             island.apply_update(update)
             exchange_seconds = time.perf_counter() - exchange_start
@@ -246,6 +255,7 @@ def run_island(config: ml_collections.ConfigDict, workdir: str, name: str, addre
                 kind="round",
                 round=r + 1,
                 inner_steps=result["steps"],
+                contribution=contribution,
                 train_loss=float(np.mean(result["cross_entropy"])),
                 tokens=result["tokens"],
                 compute_seconds=result["seconds"],

@@ -16,6 +16,7 @@ Each call's bytes on the wire (serialized messages, handshake excluded) are in
 from __future__ import annotations
 
 import json
+import logging
 
 import grpc
 
@@ -81,8 +82,8 @@ class GrpcTransport:
 
     def contribute(
         self, round: int, island: str, tokens: int, payload: bytes, params_checksum: str | None = None
-    ) -> None:
-        """Streams one encoded pseudo-gradient in CRC32-checked chunks.
+    ) -> str:
+        """Streams one encoded pseudo-gradient in CRC32-checked chunks; returns "accepted" or "discarded".
 
         Raises:
           ContributionError: the coordinator refused it (round, NaN, checksum...).
@@ -110,6 +111,12 @@ class GrpcTransport:
                 f"{len(payload)} sent (CRC32 {wire.crc32(payload):08x})"
             )
         self.last_bytes_sent = sent
+        if reply.discarded:
+            logging.warning(
+                "island %s's contribution to round %d came after the round closed and was discarded; "
+                "fetching that round's update", island, round,
+            )
+        return "discarded" if reply.discarded else "accepted"
 
     def fetch_update(self, round: int, island: str) -> bytes:
         """The round's update bytes; waits up to `round_timeout` seconds for the merge.

@@ -66,14 +66,16 @@ class PayloadPart(_message.Message):
     def __init__(self, header: _Optional[_Union[PayloadHeader, _Mapping]] = ..., chunk: _Optional[_Union[Chunk, _Mapping]] = ...) -> None: ...
 
 class ContributeReply(_message.Message):
-    __slots__ = ("round", "bytes_received", "crc32")
+    __slots__ = ("round", "bytes_received", "crc32", "discarded")
     ROUND_FIELD_NUMBER: _ClassVar[int]
     BYTES_RECEIVED_FIELD_NUMBER: _ClassVar[int]
     CRC32_FIELD_NUMBER: _ClassVar[int]
+    DISCARDED_FIELD_NUMBER: _ClassVar[int]
     round: int
     bytes_received: int
     crc32: int
-    def __init__(self, round: _Optional[int] = ..., bytes_received: _Optional[int] = ..., crc32: _Optional[int] = ...) -> None: ...
+    discarded: bool
+    def __init__(self, round: _Optional[int] = ..., bytes_received: _Optional[int] = ..., crc32: _Optional[int] = ..., discarded: _Optional[bool] = ...) -> None: ...
 
 class FetchRequest(_message.Message):
     __slots__ = ("round", "island")

@@ -90,15 +90,18 @@ class ExchangeService(pb_grpc.ExchangeServicer):
             )
         with self.lock:
             try:
-                self.coordinator.contribute(
+                status = self.coordinator.contribute(
                     header.round, header.island, header.tokens, payload, header.params_checksum or None
                 )
             except ContributionError as e:
+                self.lock.notify_all()  # a refusal can close the round for the others
                 context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"ContributionError: {e}")
             if header.island in self.wire_bytes:
                 self.wire_bytes[header.island]["received"] += receiver.wire_bytes
             self.lock.notify_all()
-        return pb.ContributeReply(round=header.round, bytes_received=len(payload), crc32=wire.crc32(payload))
+        return pb.ContributeReply(
+            round=header.round, bytes_received=len(payload), crc32=wire.crc32(payload), discarded=status == "discarded"
+        )
 
     def FetchUpdate(self, request: pb.FetchRequest, context: grpc.ServicerContext):
         with self.lock:
@@ -111,6 +114,8 @@ class ExchangeService(pb_grpc.ExchangeServicer):
                     if not context.is_active() or (remaining is not None and remaining <= 0):
                         context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, str(e))
                     self.lock.wait(timeout=1.0 if remaining is None else min(remaining, 1.0))
+                    if self.coordinator.poll():  # a quorum's grace window may have ended
+                        self.lock.notify_all()
                 except ContributionError as e:
                     context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"ContributionError: {e}")
             header = pb.PayloadHeader(
@@ -126,12 +131,11 @@ class ExchangeService(pb_grpc.ExchangeServicer):
                 self.wire_bytes[request.island]["sent"] += sent
             self.lock.notify_all()
 
-    def wait_until_fetched(self, round: int, timeout: float | None = None) -> bool:
-        """Blocks until every island has received the whole update of `round`; False on timeout."""
+    def wait_until_fetched(self, round: int, islands=None, timeout: float | None = None) -> bool:
+        """Blocks until `islands` (default: all) have received the whole update of `round`; False on timeout."""
+        islands = set(self.coordinator.islands if islands is None else islands)
         with self.lock:
-            return self.lock.wait_for(
-                lambda: self.fetched.get(round, set()) >= set(self.coordinator.islands), timeout=timeout
-            )
+            return self.lock.wait_for(lambda: self.fetched.get(round, set()) >= islands, timeout=timeout)
 
 
 def serve(coordinator: Coordinator, address: str, chunk_bytes: int) -> tuple[grpc.Server, ExchangeService, int]:

@@ -3,7 +3,7 @@
 An island sees three calls (the gRPC client implements the same ones):
 
   join(island, config_fingerprint, params_checksum, round) -> {"round", "checksum"}
-  contribute(round, island, tokens, payload, params_checksum) -> None
+  contribute(round, island, tokens, payload, params_checksum) -> "accepted" | "discarded"
   fetch_update(round, island)                        -> payload bytes
 
 `config_fingerprint` is `config.fingerprint_fields(config)`, so a mismatch can be
@@ -28,7 +28,7 @@ class Transport(Protocol):
 
     def contribute(
         self, round: int, island: str, tokens: int, payload: bytes, params_checksum: str | None = None
-    ) -> None: ...
+    ) -> str: ...
 
     def fetch_update(self, round: int, island: str) -> bytes: ...
 
@@ -48,8 +48,8 @@ class InProcessTransport:
 
     def contribute(
         self, round: int, island: str, tokens: int, payload: bytes, params_checksum: str | None = None
-    ) -> None:
-        self.coordinator.contribute(round, island, tokens, bytes(payload), params_checksum)
+    ) -> str:
+        return self.coordinator.contribute(round, island, tokens, bytes(payload), params_checksum)
 
     def fetch_update(self, round: int, island: str) -> bytes:
         return bytes(self.coordinator.fetch_update(round, island))
