@@ -39,7 +39,7 @@ from island_jax.hardware import CATALOG
 
 CODECS = ("int8", "int4", "bf16", "none")
 DISPATCH = ("capacity", "dropless")
-SYNC = ("steps", "auto")
+SYNC = ("steps", "auto", "time")
 MIB = 1 << 20
 MAX_CHUNK_BYTES = 64 * MIB  # far below protobuf's 2 GiB message ceiling
 DTYPES = ("float32", "bfloat16")
@@ -60,6 +60,7 @@ def island(
     inner_steps: int,
     hardware: str = "cpu",
     crash_at_round: int = 0,
+    simulated_speed: float = 1.0,
 ) -> ml_collections.ConfigDict:
     """One island's entry for `config.islands`.
 
@@ -73,6 +74,8 @@ def island(
       hardware: hardware kind of the island's devices (e.g. "cpu", "h100").
       crash_at_round: fault injection for tests of launchers and recovery: the
         island's process fails at the start of this round (1-based; 0 = never).
+      simulated_speed: s in (0, 1]; on one machine, makes the island s times as
+        fast by sleeping (1/s - 1) x each step's time after it.
     """
     return ml_collections.ConfigDict(
         dict(
@@ -82,6 +85,7 @@ def island(
             inner_steps=inner_steps,
             hardware=hardware,
             crash_at_round=crash_at_round,
+            simulated_speed=simulated_speed,
         )
     )
 
@@ -131,8 +135,9 @@ def default_config() -> ml_collections.ConfigDict:
         learning_rate=0.7,  # DiLoCo default
         momentum=0.9,
         nesterov=True,
-        sync="steps",  # steps: each island's inner_steps; auto: scaled by devices x catalog peak (planning.py)
+        sync="steps",  # steps: each island's inner_steps; auto: scaled by devices x catalog peak; time: round_seconds
         reference_island="",  # with sync=auto, the island whose inner_steps is kept ("" = the first)
+        round_seconds=10.0,  # with sync=time: wall-clock seconds of training per round
         min_islands=0,  # quorum: merge once this many islands contributed and grace_seconds passed (0 = all)
         grace_seconds=60.0,  # how long a reached quorum waits for the remaining islands
     )
@@ -223,6 +228,7 @@ def validate(
         f"outer.min_islands is {config.outer.min_islands} but there are {len(config.islands)} islands; use 0 (all) "
         f"or 1..{len(config.islands)}",
     )
+    _require(config.outer.round_seconds > 0, f"outer.round_seconds is {config.outer.round_seconds}; it must be positive")
     _require(config.outer.grace_seconds >= 0, f"outer.grace_seconds is {config.outer.grace_seconds}; use 0 or more")
     _require(config.outer.sync in SYNC, f"outer.sync is {config.outer.sync!r}; choose one of {SYNC}")
     ref = config.outer.reference_island
@@ -288,6 +294,10 @@ def validate(
                 f"{isl.batch_size}/{isl.num_devices} sequences per device and the reference island "
                 f"{ref_isl.batch_size}/{ref_isl.num_devices}; make them equal or use outer.sync='steps'",
             )
+        _require(
+            0 < isl.simulated_speed <= 1,
+            f"{p}.simulated_speed is {isl.simulated_speed}; use a value in (0, 1] (0.5: half as fast)",
+        )
         _require(isl.crash_at_round >= 0, f"{p}.crash_at_round is {isl.crash_at_round}; use 0 (never) or a round")
         _require(
             config.eval.batch_size % mesh_devices == 0,

@@ -126,6 +126,7 @@ class Island:
         cfg = config.islands[name]
         self.name, self.config = name, config
         self.inner_steps = plan_inner_steps(config)[name]
+        self.simulated_speed = cfg.simulated_speed
         self.batch_size = cfg.batch_size
         self.seq_len = config.model.seq_len
         check_dispatch(config.moe.dispatch, cfg.mesh.expert, devices[0].platform)
@@ -186,19 +187,33 @@ class Island:
         )
 
     def train_round(self, num_steps: int | None = None) -> dict:
-        """Runs `num_steps` (default H) inner steps from the current parameters.
+        """Runs one round of inner steps from the current parameters.
+
+        The round is `num_steps` steps when given; otherwise the planned H
+        (`outer.sync` "steps" or "auto"), or as many steps as fit in
+        `outer.round_seconds` of wall clock (`outer.sync = "time"`, at least
+        one). With `islands.NAME.simulated_speed` s < 1 the island sleeps
+        (1/s - 1) x each step's time after it, standing for slower hardware;
+        the sleep counts as compute.
 
         Returns:
-          dict with `steps`, `tokens` (processed this round), `seconds` (wall),
-          per-step lists of the STEP_METRICS scalars, `layers` (per step, the
-          LAYER_METRICS arrays per MoE layer), and `expert_load` of the last
-          step [num_moe_layers, E].
+          dict with `steps`, `tokens` (processed this round), `seconds` (wall,
+          sleeps included), `busy_seconds` (steps only), per-step lists of the
+          STEP_METRICS scalars, `layers` (per step, the LAYER_METRICS arrays per
+          MoE layer), and `expert_load` of the last step [num_moe_layers, E].
         """
+        budget = None
+        if num_steps is None and self.config.outer.sync == "time":
+            budget = self.config.outer.round_seconds
         num_steps = self.inner_steps if num_steps is None else num_steps
+        slowdown = 1.0 / self.simulated_speed - 1.0
         start = time.perf_counter()
-        history = []
+        history, busy = [], 0.0
         with jax.set_mesh(self.mesh):
-            for _ in range(num_steps):
+            while (len(history) < num_steps) if budget is None else (
+                not history or time.perf_counter() - start < budget
+            ):
+                step_start = time.perf_counter()
                 inputs, targets = self._batch(self.dataset[self.step])
                 self.params, self.opt_state, metrics = self._train_step(
                     self.params, self.opt_state, inputs, targets, self.step
@@ -206,6 +221,10 @@ class Island:
                 # One step in flight at a time: XLA:CPU's in-process collectives can
                 # deadlock when consecutive steps' all-to-alls interleave across devices.
                 jax.block_until_ready(metrics)
+                step_seconds = time.perf_counter() - step_start
+                busy += step_seconds
+                if slowdown > 0:
+                    time.sleep(step_seconds * slowdown)
                 history.append(metrics)
                 self.step += 1
             history = jax.device_get(history)
@@ -213,9 +232,10 @@ class Island:
         out = {k: [float(m[k]) for m in history] for k in STEP_METRICS}
         out["layers"] = [{k: np.asarray(m["layers"][k]) for k in LAYER_METRICS} for m in history]
         out.update(
-            steps=num_steps,
-            tokens=num_steps * self.tokens_per_step,
+            steps=len(history),
+            tokens=len(history) * self.tokens_per_step,
             seconds=seconds,
+            busy_seconds=busy,
             expert_load=out["layers"][-1]["expert_load"] if history else None,
         )
         return out

@@ -7,6 +7,9 @@
          peaks from the hardware catalog, so that islands with equal per-device
          batch finish a round together (Async Local-SGD, arXiv 2401.09135, sets
          local step counts by worker speed the same way).
+  time   every island trains for `outer.round_seconds` of wall clock, then
+         contributes (`Island.train_round`); `inner_steps` is then only the
+         expected steps per round, which sets the learning-rate schedule's length.
 
 Whatever the plan, the coordinator weights each contribution by the tokens the
 island actually processed (Decoupled DiLoCo, arXiv 2604.21428).
@@ -20,13 +23,13 @@ from island_jax.hardware import lookup
 
 
 def plan_inner_steps(config: ml_collections.ConfigDict) -> dict[str, int]:
-    """{island name: inner steps per round} for `config.outer.sync` ("steps" or "auto").
+    """{island name: inner steps per round} for `config.outer.sync` (with "time": the expected steps).
 
     Raises:
       KeyError: an island names hardware outside the catalog.
     """
     islands = config.islands
-    if config.outer.sync == "steps":
+    if config.outer.sync in ("steps", "time"):
         return {name: isl.inner_steps for name, isl in islands.items()}
     ref_name = config.outer.reference_island or next(iter(islands.keys()))
     ref = islands[ref_name]

@@ -259,6 +259,7 @@ def run_island(config: ml_collections.ConfigDict, workdir: str, name: str, addre
                 train_loss=float(np.mean(result["cross_entropy"])),
                 tokens=result["tokens"],
                 compute_seconds=result["seconds"],
+                busy_seconds=result["busy_seconds"],
                 exchange_seconds=exchange_seconds,
                 bytes_sent=transport.last_bytes_sent,
                 bytes_received=transport.last_bytes_received,
@@ -332,7 +333,8 @@ def combine_summaries(config: ml_collections.ConfigDict, workdir: str, wall_seco
       `wall_seconds` (the caller's), `checksums_agree` (every island's final
       global parameters equal the coordinator's view), and
       `islands.NAME.{inner_steps, tokens, bytes_sent, bytes_received,
-      compute_seconds, exchange_seconds}`.
+      compute_seconds, exchange_seconds, mean_weight (its share of a merge,
+      averaged over rounds), rounds_merged}`.
 
     Raises:
       FileNotFoundError: a role left no summary (it did not finish).
@@ -344,6 +346,10 @@ def combine_summaries(config: ml_collections.ConfigDict, workdir: str, wall_seco
         with open(os.path.join(island_dir(workdir, name), "summary.json"), encoding="utf-8") as f:
             islands[name] = json.load(f)
     evaluator = islands[next(iter(config.islands.keys()))]
+    merged = {}  # round -> the coordinator's record (a resumed run logs some rounds twice)
+    for rec in read_jsonl(os.path.join(coordinator_dir(workdir), "metrics.jsonl")):
+        if rec.get("kind") == "round":
+            merged[rec["round"]] = rec
     summary = dict(
         rounds=coordinator["rounds"],
         params=coordinator["params"],
@@ -354,7 +360,15 @@ def combine_summaries(config: ml_collections.ConfigDict, workdir: str, wall_seco
         eval_loss_final=evaluator.get("eval_loss_final"),
         wall_seconds=wall_seconds,
         checksums_agree=all(s["checksum"] == coordinator["checksum"] for s in islands.values()),
-        islands={name: {k: s[k] for k in _SUMMED} for name, s in islands.items()},
+        islands={
+            name: dict(
+                {k: s[k] for k in _SUMMED},
+                # the share of each round's merge, averaged over rounds (0 for a round it missed)
+                mean_weight=sum(r["weights"].get(name, 0.0) for r in merged.values()) / max(len(merged), 1),
+                rounds_merged=sum(name in r["weights"] for r in merged.values()),
+            )
+            for name, s in islands.items()
+        },
     )
     write_json(os.path.join(workdir, "summary.json"), summary)
     return summary

@@ -126,8 +126,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
                 transport.contribute(r, isl.name, result["tokens"], payload, isl.global_checksum)
                 totals[isl.name]["bytes_sent"] += len(payload)
             metrics.write(
-                dict(kind="island_round", island=isl.name, round=r + 1, seconds=result["seconds"], tokens=result["tokens"],
-                     expert_load=result["expert_load"])
+                dict(kind="island_round", island=isl.name, round=r + 1, steps=result["steps"], seconds=result["seconds"],
+                     busy_seconds=result["busy_seconds"], tokens=result["tokens"], expert_load=result["expert_load"])
             )
         for isl in islands if transport is not None else ():
             update = transport.fetch_update(r, isl.name)

@@ -54,3 +54,24 @@ def test_auto_needs_equal_per_device_batch_and_known_hardware():
     c.islands.fast.hardware = "v100"
     with pytest.raises(config_lib.ConfigError, match="islands.fast.hardware is 'v100', not in the hardware catalog"):
         config_lib.validate(c)
+
+
+def test_time_rounds_give_a_half_speed_island_about_half_its_tokens(tmp_path):
+    """hetero_islands in short form, in one process: b trains at simulated_speed 0.5 for the same wall clock."""
+    from island_jax.metrics import read_jsonl
+    from island_jax.train import train_and_evaluate
+    from tiny_config import get_config, write_corpus
+
+    c = get_config()
+    c.data.files = write_corpus(tmp_path / "corpus")
+    c.islands.b.simulated_speed = 0.5
+    c.outer.update(sync="time", round_seconds=2.0, rounds=3)
+    train_and_evaluate(c, str(tmp_path / "run"))
+    records = read_jsonl(tmp_path / "run" / "metrics.jsonl")
+    b_rounds = [r for r in records if r["kind"] == "island_round" and r["island"] == "b"][1:]  # after compiling
+    for r in b_rounds:
+        full_speed_steps = c.outer.round_seconds / (r["busy_seconds"] / r["steps"])
+        assert 0.35 < r["steps"] / full_speed_steps < 0.65, r
+    for rec in [r for r in records if r["kind"] == "round"]:
+        total = sum(rec["tokens"].values())
+        assert rec["weights"] == {k: v / total for k, v in rec["tokens"].items()}
