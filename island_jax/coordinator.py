@@ -62,6 +62,7 @@ class RoundRecord:
     pseudo_gradient_norm: dict[str, float] = field(default_factory=dict)
     cosine_similarity: dict[str, float] = field(default_factory=dict)  # "a/b": cos(pg_a, pg_b)
     update_bytes: int = 0
+    update_codec_relative_error: float = 0.0  # ||update sent - (master - view)|| / ||master - view||
     checksum: str = ""  # of the island view after the update
 
 
@@ -249,6 +250,9 @@ class Coordinator:
         with jax.default_device(jax.devices("cpu")[0]):
             payload = codec.encode(delta, self.kind, self.block_size)
         self.view = codec.decode_and_apply(self.view, payload, self.kind, self.block_size)
+        lost = np.sqrt(sum(float(np.sum((m - np.asarray(v, np.float32)) ** 2)) for m, v in
+                           zip(jax.tree.leaves(self.master), jax.tree.leaves(self.view), strict=True)))
+        intended = np.sqrt(sum(float(np.sum(d * d)) for d in jax.tree.leaves(delta)))
         total = sum(tokens)
         self.checksum = checksum(self.view)
         flat = {c.island: np.concatenate([np.ravel(x) for x in jax.tree.leaves(c.pseudo_gradient)]) for c in contributions}
@@ -267,6 +271,7 @@ class Coordinator:
             pseudo_gradient_norm=norms,
             cosine_similarity=cosine,
             update_bytes=len(payload),
+            update_codec_relative_error=lost / max(intended, 1e-30),
             checksum=self.checksum,
         )
         self.history.append(record)

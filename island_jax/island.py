@@ -245,13 +245,18 @@ class Island:
 
         With `codec.error_feedback`, what the codec lost in the previous round is
         added first, and what it loses now is kept for the next round.
+        `codec_relative_error` is then ||sent - intended|| / ||intended||.
         """
         c = self.config.codec
         with jax.set_mesh(self.mesh):
             pg = self._pseudo_gradient(self.anchor, self.params)
-            if not c.error_feedback:
-                return codec.encode(pg, c.kind, c.block_size)
-            payload, self.residual = codec.encode_with_feedback(pg, self.residual, c.kind, c.block_size)
+            residual = self.residual if c.error_feedback else jax.tree.map(jnp.zeros_like, pg)
+            intended = optax.tree.norm(jax.tree.map(jnp.add, pg, residual))
+            payload, residual = codec.encode_with_feedback(pg, residual, c.kind, c.block_size)
+            lost = optax.tree.norm(residual)
+            self.codec_relative_error = float(lost / jnp.maximum(intended, 1e-30))
+            if c.error_feedback:
+                self.residual = residual
             return payload
 
     def apply_update(self, payload: bytes) -> None:

@@ -132,6 +132,7 @@ def run_coordinator(config: ml_collections.ConfigDict, workdir: str, address: st
                     pseudo_gradient_norm=rec.pseudo_gradient_norm,
                     cosine_similarity=rec.cosine_similarity,
                     update_bytes=rec.update_bytes,
+                    update_codec_relative_error=rec.update_codec_relative_error,
                     wire_bytes_received=received,
                     checksum=rec.checksum,
                     seconds=now - last,
@@ -264,6 +265,7 @@ def run_island(config: ml_collections.ConfigDict, workdir: str, name: str, addre
                 bytes_sent=transport.last_bytes_sent,
                 bytes_received=transport.last_bytes_received,
                 payload_bytes=len(payload),
+                codec_relative_error=island.codec_relative_error,
                 checksum=island.global_checksum,
                 expert_load=result["expert_load"],
             )

@@ -102,7 +102,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
     second_round_start = start
     for r in range(rounds):
         round_start = time.perf_counter()
-        losses = {}
+        losses, codec_errors = {}, {}
         for isl in islands:
             step0 = isl.step
             result = isl.train_round()
@@ -125,6 +125,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
                 payload = isl.encode_pseudo_gradient()
                 transport.contribute(r, isl.name, result["tokens"], payload, isl.global_checksum)
                 totals[isl.name]["bytes_sent"] += len(payload)
+                codec_errors[isl.name] = isl.codec_relative_error
             metrics.write(
                 dict(kind="island_round", island=isl.name, round=r + 1, steps=result["steps"], seconds=result["seconds"],
                      busy_seconds=result["busy_seconds"], tokens=result["tokens"], expert_load=result["expert_load"])
@@ -141,6 +142,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
         record = dict(kind="round", round=r + 1, checksums=checksums, train_loss=losses)
         if transport is not None:
             rec = transport.coordinator.history[-1]
+            record.update(codec_relative_error=codec_errors, update_codec_relative_error=rec.update_codec_relative_error)
             record.update(tokens=rec.tokens, weights=rec.weights, pseudo_gradient_norm=rec.pseudo_gradient_norm,
                           cosine_similarity=rec.cosine_similarity, update_bytes=rec.update_bytes)
         if (r + 1) % config.eval.every_rounds == 0 or r + 1 == rounds:

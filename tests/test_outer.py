@@ -125,3 +125,18 @@ def test_contribution_from_other_parameters_is_refused():
     with pytest.raises(ContributionError, match="trained round 0 from parameters with checksum 0123456789abcdef"):
         coord.contribute(0, "a", 10, payload, "0123456789abcdef")
     assert coord._pending == {}
+
+
+def test_update_codec_relative_error_is_logged():
+    config = _config(1.0, 0.0, False, kind="int8")
+    coord = _coordinator(config, [0.0, 0.0])
+    # Pseudo-gradients [1, 0.3] and [0.5, 0.3] arrive in int8 as [1, 38/127] and [0.5, 38/127]
+    # (0.3 / (0.5/127) = 76.2 -> 76); their mean [0.75, 38/127] is the update (SGD lr 1). In int8 it
+    # has scale 0.75/127 and 38/127 / (0.75/127) = 50.67 -> code 51: the view misses by 51 x 0.75/127 - 38/127.
+    _round(coord, config, ([-1.0, -0.3], [-0.5, -0.3]))
+    expected = (51 * 0.75 / 127 - 38 / 127) / np.hypot(0.75, 38 / 127)
+    assert coord.history[-1].update_codec_relative_error == pytest.approx(expected, rel=1e-4)
+    config = _config(1.0, 0.0, False, kind="none")
+    coord = _coordinator(config, [0.0, 0.0])
+    _round(coord, config, ([-1.0, -0.3], [-1.0, -0.3]))
+    assert coord.history[-1].update_codec_relative_error == 0.0

@@ -90,3 +90,12 @@ def test_inner_steps_log_routing_metrics_per_moe_layer(run):
         assert r["router_entropy"] == moe["router_entropy"][0]  # the mean over one layer
     # capacity = ceil(1.0 x tokens_per_shard x 2 / 4): island a has 8 x 32 / 4 = 64 tokens per device, b 64 too
     assert {r["moe"]["capacity"][0] for r in inner} == {32}
+
+
+def test_rounds_log_the_codecs_relative_error(run):
+    _, _, records, _ = run
+    for r in [r for r in records if r["kind"] == "round"]:
+        # int8 with 256-element blocks loses well under 1% of a pseudo-gradient's norm, but not nothing
+        assert set(r["codec_relative_error"]) == {"a", "b"}
+        assert all(0.0 < e < 0.01 for e in r["codec_relative_error"].values())
+        assert 0.0 < r["update_codec_relative_error"] < 0.01
