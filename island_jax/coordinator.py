@@ -38,6 +38,10 @@ class ContributionError(ValueError):
     """A contribution cannot be merged (wrong round, unknown island, bad payload, NaN/Inf)."""
 
 
+class StaleRoundError(ContributionError):
+    """An island asked for the update of a round older than the latest merged one; it should fetch the view."""
+
+
 class UpdateNotReady(LookupError):
     """The update for a round is not merged yet (some islands have not contributed)."""
 
@@ -288,10 +292,23 @@ class Coordinator:
 
         Raises:
           UpdateNotReady: the round has not been merged yet.
-          ContributionError: the round is older than the latest merged one.
+          StaleRoundError: the round is older than the latest merged one (use `fetch_view`).
         """
         if round in self._updates:
             return self._updates[round]
         if round >= self.round:
             raise UpdateNotReady(f"round {round} is not merged yet; waiting for {sorted(set(self.islands) - set(self._pending))}")
-        raise ContributionError(f"island {island!r} asked for round {round}, older than the latest merged round {self.round - 1}")
+        raise StaleRoundError(
+            f"island {island!r} asked for round {round}, older than the latest merged round {self.round - 1}; "
+            "it rejoins from the island view (fetch_view)"
+        )
+
+    def fetch_view(self) -> tuple[int, bytes]:
+        """The island view, losslessly, for an island that fell behind by more than a round.
+
+        Returns:
+          (the round the view starts, the view as a float32 "none" payload; every
+          parameter dtype up to float32 survives the round trip bit for bit).
+        """
+        with jax.default_device(jax.devices("cpu")[0]):
+            return self.round, codec.encode(self.view, "none", self.block_size)

@@ -34,7 +34,7 @@ from island_jax import data as data_lib
 from island_jax.checkpoint import Checkpointer
 from island_jax.comm.client import GrpcTransport
 from island_jax.comm.server import serve
-from island_jax.coordinator import Coordinator
+from island_jax.coordinator import Coordinator, StaleRoundError
 from island_jax.island import STEP_METRICS, Island
 from island_jax.metrics import MetricsWriter, format_eta, read_jsonl, write_json
 from island_jax.params import checksum, count, init_params
@@ -230,7 +230,8 @@ def run_island(config: ml_collections.ConfigDict, workdir: str, name: str, addre
         logging.info("round %d: eval loss %.4f nats/byte", first, eval_loss)
     timed_start = None
     try:
-        for r in range(first, rounds):
+        r = first  # the round being trained (0-based)
+        while r < rounds:
             if cfg.crash_at_round == r + 1:
                 raise RuntimeError(f"island {name} crashes at round {r + 1} on purpose (islands.{name}.crash_at_round)")
             step0, anchor_checksum = island.step, island.global_checksum
@@ -249,8 +250,13 @@ def run_island(config: ml_collections.ConfigDict, workdir: str, name: str, addre
             exchange_start = time.perf_counter()
             payload = island.encode_pseudo_gradient()
             contribution = transport.contribute(r, name, result["tokens"], payload, anchor_checksum)
-            update = transport.fetch_update(r, name)
-            island.apply_update(update)
+            try:
+                island.apply_update(transport.fetch_update(r, name))
+            except StaleRoundError:  # more than a round behind: rejoin from the view, sent whole
+                view_round, view = transport.fetch_view(name)
+                island.load_view(view)
+                logging.warning("island %s fell behind to round %d; rejoined from the view at round %d", name, r, view_round)
+                r = view_round - 1  # the rounds completed are now view_round
             exchange_seconds = time.perf_counter() - exchange_start
             record = dict(
                 kind="round",
@@ -281,7 +287,7 @@ def run_island(config: ml_collections.ConfigDict, workdir: str, name: str, addre
                 )
             eta = "after round 2"
             if timed_start is not None:
-                eta = format_eta((time.perf_counter() - timed_start) / (r - first) * (rounds - r - 1))
+                eta = format_eta((time.perf_counter() - timed_start) / max(r - first, 1) * (rounds - r - 1))
             logging.info(
                 "round %d/%d | loss %.4f | eval %s | sent/received %.2f/%.2f MB | compute %.1f s, exchange %.1f s | ETA %s",
                 r + 1, rounds, record["train_loss"], f"{eval_loss:.4f}" if eval_loss is not None else "-",
@@ -289,6 +295,7 @@ def run_island(config: ml_collections.ConfigDict, workdir: str, name: str, addre
             )
             if timed_start is None:
                 timed_start = time.perf_counter()  # rounds after the first carry no compilation
+            r += 1
     finally:
         metrics.close()
         checkpoints.close()

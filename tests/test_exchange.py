@@ -163,3 +163,12 @@ def test_committed_stubs_are_what_the_proto_generates(tmp_path):
     for name in ("exchange_pb2.py", "exchange_pb2.pyi", "exchange_pb2_grpc.py"):
         generated = (tmp_path / "island_jax" / "comm" / name).read_text()
         assert generated == open(os.path.join(HERE, "..", "island_jax", "comm", name)).read(), name
+
+
+def test_view_is_served_whole_over_grpc(local_server):
+    c, coordinator, address = local_server
+    a = GrpcTransport(address, c.comm.chunk_bytes, join_timeout=30, round_timeout=30)
+    a.join("a", fingerprint_fields(c), coordinator.checksum)
+    round, payload = a.fetch_view("a")
+    assert round == 0 and len(payload) == a.view_bytes == 400_000  # 100,000 float32 in 7 chunks of at most 64 KiB
+    assert checksum(codec.decode_view(payload, coordinator.view)) == coordinator.checksum

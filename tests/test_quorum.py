@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 from island_jax.config import default_config, fingerprint_fields, island
-from island_jax.coordinator import ContributionError, Coordinator, UpdateNotReady
+from island_jax.coordinator import ContributionError, Coordinator, StaleRoundError, UpdateNotReady
 from island_jax.outer import codec
 from island_jax.params import checksum
 
@@ -79,3 +79,20 @@ def test_nan_contribution_is_refused_and_the_round_merges_the_others(caplog):
     assert coordinator.round == 1 and coordinator.history[-1].contributors == ["b", "c"]
     assert coordinator.history[-1].weights == {"b": 0.25, "c": 0.75}
     np.testing.assert_allclose(coordinator.master["w"], [-0.4], rtol=1e-6)
+
+
+def test_island_several_rounds_behind_rejoins_from_the_view():
+    coordinator, clock = _three_islands(min_islands=2, grace=0.0)
+    start = coordinator.view
+    for r in range(2):  # a and b close rounds 0 and 1 without c
+        for name in ("a", "b"):
+            coordinator.contribute(r, name, 1000, _pg(0.1 * (r + 1)), coordinator.checksum)
+    assert coordinator.round == 2
+    assert coordinator.contribute(0, "c", 1000, _pg(0.5)) == "discarded"
+    with pytest.raises(StaleRoundError, match="older than the latest merged round 1; it rejoins from the island view"):
+        coordinator.fetch_update(0, "c")
+    round, payload = coordinator.fetch_view()
+    assert round == 2 and len(payload) == 4  # one float32, whole
+    view = codec.decode_view(payload, start)
+    assert checksum(view) == coordinator.checksum
+    coordinator.contribute(2, "c", 1000, _pg(0.0), checksum(view))  # c carries on from the same bits

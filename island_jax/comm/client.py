@@ -6,6 +6,7 @@ become the same exceptions the coordinator raises in process:
 
   FAILED_PRECONDITION at join     -> HandshakeError
   FAILED_PRECONDITION otherwise   -> ContributionError
+  OUT_OF_RANGE                    -> StaleRoundError (fetch the view)
   DATA_LOSS, INVALID_ARGUMENT     -> ExchangeError (corrupt or mis-shaped payload)
   UNAVAILABLE, DEADLINE_EXCEEDED  -> ExchangeError (coordinator unreachable or late)
 
@@ -24,7 +25,7 @@ from island_jax.comm import exchange_pb2 as pb
 from island_jax.comm import exchange_pb2_grpc as pb_grpc
 from island_jax.comm import wire
 from island_jax.comm.server import channel_options
-from island_jax.coordinator import ContributionError, HandshakeError
+from island_jax.coordinator import ContributionError, HandshakeError, StaleRoundError
 
 
 class ExchangeError(RuntimeError):
@@ -36,6 +37,8 @@ def _error(e: grpc.RpcError, what: str, address: str) -> Exception:
     if code == grpc.StatusCode.FAILED_PRECONDITION:
         kind = HandshakeError if what == "join" else ContributionError
         return kind(detail.split(": ", 1)[1] if detail.startswith(kind.__name__) else detail)
+    if code == grpc.StatusCode.OUT_OF_RANGE:
+        return StaleRoundError(detail.split(": ", 1)[1] if detail.startswith("StaleRoundError") else detail)
     if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
         return ExchangeError(
             f"{what}: the coordinator at {address} did not answer in time ({code.name}: {detail}); check that it "
@@ -60,6 +63,7 @@ class GrpcTransport:
         self.channel = grpc.insecure_channel(address, options=channel_options(chunk_bytes))
         self.stub = pb_grpc.ExchangeStub(self.channel)
         self.payload_bytes: int | None = None
+        self.view_bytes: int | None = None
         self.layout = ""
         self.last_bytes_sent = self.last_bytes_received = 0
 
@@ -77,7 +81,7 @@ class GrpcTransport:
             reply = self.stub.Join(request, timeout=self.join_timeout, wait_for_ready=True)
         except grpc.RpcError as e:
             raise _error(e, "join", self.address) from None
-        self.payload_bytes, self.layout = reply.payload_bytes, reply.layout
+        self.payload_bytes, self.layout, self.view_bytes = reply.payload_bytes, reply.layout, reply.view_bytes
         return dict(round=reply.round, checksum=reply.params_checksum)
 
     def contribute(
@@ -123,7 +127,7 @@ class GrpcTransport:
 
         Raises:
           ExchangeError: late, unreachable, or a corrupt stream (CRC32).
-          ContributionError: the round is older than the coordinator's latest.
+          StaleRoundError: the round is older than the coordinator's latest (use `fetch_view`).
         """
         receiver = wire.Reassembler(self.payload_bytes or 0, self.chunk_bytes)
         try:
@@ -135,6 +139,23 @@ class GrpcTransport:
             raise ExchangeError(f"fetch_update: {e}") from None
         self.last_bytes_received = receiver.wire_bytes
         return payload
+
+    def fetch_view(self, island: str) -> tuple[int, bytes]:
+        """(round, the island view as a float32 payload) for an island that fell behind.
+
+        Raises:
+          ExchangeError: unreachable, or a corrupt stream (CRC32).
+        """
+        receiver = wire.Reassembler(self.view_bytes or 0, self.chunk_bytes)
+        try:
+            receiver.extend(self.stub.FetchView(pb.FetchRequest(island=island), timeout=self.round_timeout))
+            header, payload = receiver.finish()
+        except grpc.RpcError as e:
+            raise _error(e, "fetch_view", self.address) from None
+        except wire.WireError as e:
+            raise ExchangeError(f"fetch_view: {e}") from None
+        self.last_bytes_received = receiver.wire_bytes
+        return header.round, payload
 
     def close(self) -> None:
         self.channel.close()

@@ -18,16 +18,18 @@ class JoinRequest(_message.Message):
     def __init__(self, island: _Optional[str] = ..., fingerprint_json: _Optional[str] = ..., params_checksum: _Optional[str] = ..., round: _Optional[int] = ...) -> None: ...
 
 class JoinReply(_message.Message):
-    __slots__ = ("round", "params_checksum", "payload_bytes", "layout")
+    __slots__ = ("round", "params_checksum", "payload_bytes", "layout", "view_bytes")
     ROUND_FIELD_NUMBER: _ClassVar[int]
     PARAMS_CHECKSUM_FIELD_NUMBER: _ClassVar[int]
     PAYLOAD_BYTES_FIELD_NUMBER: _ClassVar[int]
     LAYOUT_FIELD_NUMBER: _ClassVar[int]
+    VIEW_BYTES_FIELD_NUMBER: _ClassVar[int]
     round: int
     params_checksum: str
     payload_bytes: int
     layout: str
-    def __init__(self, round: _Optional[int] = ..., params_checksum: _Optional[str] = ..., payload_bytes: _Optional[int] = ..., layout: _Optional[str] = ...) -> None: ...
+    view_bytes: int
+    def __init__(self, round: _Optional[int] = ..., params_checksum: _Optional[str] = ..., payload_bytes: _Optional[int] = ..., layout: _Optional[str] = ..., view_bytes: _Optional[int] = ...) -> None: ...
 
 class PayloadHeader(_message.Message):
     __slots__ = ("round", "island", "tokens", "total_bytes", "crc32", "layout", "params_checksum")

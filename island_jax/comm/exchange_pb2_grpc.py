@@ -49,6 +49,11 @@ class ExchangeStub:
                 request_serializer=island__jax_dot_comm_dot_exchange__pb2.FetchRequest.SerializeToString,
                 response_deserializer=island__jax_dot_comm_dot_exchange__pb2.PayloadPart.FromString,
                 _registered_method=True)
+        self.FetchView = channel.unary_stream(
+                '/island_jax.exchange.Exchange/FetchView',
+                request_serializer=island__jax_dot_comm_dot_exchange__pb2.FetchRequest.SerializeToString,
+                response_deserializer=island__jax_dot_comm_dot_exchange__pb2.PayloadPart.FromString,
+                _registered_method=True)
 
 
 class ExchangeServicer:
@@ -75,6 +80,14 @@ class ExchangeServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def FetchView(self, request, context):
+        """The island view, whole (float32), for an island that fell behind by more
+        than one round; the header's round is the round it starts.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ExchangeServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -90,6 +103,11 @@ def add_ExchangeServicer_to_server(servicer, server):
             ),
             'FetchUpdate': grpc.unary_stream_rpc_method_handler(
                     servicer.FetchUpdate,
+                    request_deserializer=island__jax_dot_comm_dot_exchange__pb2.FetchRequest.FromString,
+                    response_serializer=island__jax_dot_comm_dot_exchange__pb2.PayloadPart.SerializeToString,
+            ),
+            'FetchView': grpc.unary_stream_rpc_method_handler(
+                    servicer.FetchView,
                     request_deserializer=island__jax_dot_comm_dot_exchange__pb2.FetchRequest.FromString,
                     response_serializer=island__jax_dot_comm_dot_exchange__pb2.PayloadPart.SerializeToString,
             ),
@@ -173,6 +191,33 @@ class Exchange:
             request,
             target,
             '/island_jax.exchange.Exchange/FetchUpdate',
+            island__jax_dot_comm_dot_exchange__pb2.FetchRequest.SerializeToString,
+            island__jax_dot_comm_dot_exchange__pb2.PayloadPart.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def FetchView(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/island_jax.exchange.Exchange/FetchView',
             island__jax_dot_comm_dot_exchange__pb2.FetchRequest.SerializeToString,
             island__jax_dot_comm_dot_exchange__pb2.PayloadPart.FromString,
             options,

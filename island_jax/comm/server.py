@@ -9,6 +9,7 @@ gRPC status codes with the coordinator's message:
   INVALID_ARGUMENT     a payload whose size, layout or framing is wrong
   DATA_LOSS            a chunk or payload whose CRC32 fails, or a short stream
   DEADLINE_EXCEEDED    an update not merged before the caller's deadline
+  OUT_OF_RANGE         an update older than the latest merged round (fetch the view)
 
 `serve` also registers the standard gRPC health service (grpc.health.v1),
 SERVING while the coordinator runs.
@@ -30,6 +31,7 @@ from island_jax.coordinator import (
     ContributionError,
     Coordinator,
     HandshakeError,
+    StaleRoundError,
     UpdateNotReady,
 )
 from island_jax.outer import codec
@@ -58,6 +60,7 @@ class ExchangeService(pb_grpc.ExchangeServicer):
         c = coordinator
         self.payload_bytes = codec.payload_bytes(c.master, c.kind, c.block_size)
         self.layout = codec.layout(c.master, c.kind, c.block_size)
+        self.view_bytes = codec.payload_bytes(c.master, "none", c.block_size)
         self.lock = threading.Condition()  # guards the coordinator; notified after every merge
         self.fetched: dict[int, set[str]] = {}  # round -> islands that received its whole update
         self.wire_bytes = {name: dict(received=0, sent=0) for name in c.islands}
@@ -73,7 +76,8 @@ class ExchangeService(pb_grpc.ExchangeServicer):
             except HandshakeError as e:
                 context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"HandshakeError: {e}")
         return pb.JoinReply(
-            round=reply["round"], params_checksum=reply["checksum"], payload_bytes=self.payload_bytes, layout=self.layout
+            round=reply["round"], params_checksum=reply["checksum"], payload_bytes=self.payload_bytes, layout=self.layout,
+            view_bytes=self.view_bytes,
         )
 
     def Contribute(self, request_iterator, context: grpc.ServicerContext) -> pb.ContributeReply:
@@ -116,6 +120,8 @@ class ExchangeService(pb_grpc.ExchangeServicer):
                     self.lock.wait(timeout=1.0 if remaining is None else min(remaining, 1.0))
                     if self.coordinator.poll():  # a quorum's grace window may have ended
                         self.lock.notify_all()
+                except StaleRoundError as e:
+                    context.abort(grpc.StatusCode.OUT_OF_RANGE, f"StaleRoundError: {e}")
                 except ContributionError as e:
                     context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"ContributionError: {e}")
             header = pb.PayloadHeader(
@@ -130,6 +136,12 @@ class ExchangeService(pb_grpc.ExchangeServicer):
             if request.island in self.wire_bytes:
                 self.wire_bytes[request.island]["sent"] += sent
             self.lock.notify_all()
+
+    def FetchView(self, request: pb.FetchRequest, context: grpc.ServicerContext):
+        with self.lock:
+            round, payload = self.coordinator.fetch_view()
+            header = pb.PayloadHeader(round=round, island=request.island, params_checksum=self.coordinator.checksum)
+        yield from wire.payload_parts(header, payload, self.chunk_bytes)
 
     def wait_until_fetched(self, round: int, islands=None, timeout: float | None = None) -> bool:
         """Blocks until `islands` (default: all) have received the whole update of `round`; False on timeout."""

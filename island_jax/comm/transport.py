@@ -5,6 +5,7 @@ An island sees three calls (the gRPC client implements the same ones):
   join(island, config_fingerprint, params_checksum, round) -> {"round", "checksum"}
   contribute(round, island, tokens, payload, params_checksum) -> "accepted" | "discarded"
   fetch_update(round, island)                        -> payload bytes
+  fetch_view(island)                                 -> (round, the view as a float32 payload)
 
 `config_fingerprint` is `config.fingerprint_fields(config)`, so a mismatch can be
 named field by field; `params_checksum` is `params.checksum` of the island's
@@ -32,6 +33,8 @@ class Transport(Protocol):
 
     def fetch_update(self, round: int, island: str) -> bytes: ...
 
+    def fetch_view(self, island: str) -> tuple[int, bytes]: ...
+
 
 class InProcessTransport:
     """Transport that calls a `Coordinator` in the same process.
@@ -53,3 +56,7 @@ class InProcessTransport:
 
     def fetch_update(self, round: int, island: str) -> bytes:
         return bytes(self.coordinator.fetch_update(round, island))
+
+    def fetch_view(self, island: str) -> tuple[int, bytes]:
+        round, payload = self.coordinator.fetch_view()
+        return round, bytes(payload)

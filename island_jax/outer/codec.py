@@ -81,7 +81,6 @@ def layout(like: Any, kind: str, block_size: int) -> str:
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
-@functools.partial(jax.jit, static_argnames=("block_size", "max_code"))
 def _quantize_leaf(x: jax.Array, block_size: int, max_code: int) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Blockwise absmax codes (int8 in [-max_code, max_code]) [n], float32 scales [blocks], dequantized [shape]."""
     flat = x.astype(jnp.float32).reshape(-1)
@@ -110,19 +109,40 @@ def _unpack_int4(packed: np.ndarray, n: int) -> np.ndarray:
     return codes[:n]
 
 
-def _encode_leaf(leaf: Any, kind: str, block_size: int) -> tuple[bytes, jax.Array]:
-    """(bytes, the float32 values the receiver will decode)."""
-    x = jnp.asarray(leaf)
+@functools.partial(jax.jit, static_argnames=("kind", "block_size"))
+def _encode_tree(leaves, residuals, kind, block_size):
+    """One program for the whole tree (on the leaves' devices, sharded or not).
+
+    Returns (per leaf: the arrays to put on the wire), the new residuals
+    (intended - sent, float32), ||intended|| and ||intended - sent||.
+    """
+    wire, new_residuals, intended_sq, lost_sq = [], [], 0.0, 0.0
+    for i, x in enumerate(leaves):
+        intended = x.astype(jnp.float32) if residuals is None else x.astype(jnp.float32) + residuals[i]
+        if kind == "none":
+            parts, sent = (intended,), intended
+        elif kind == "bf16":
+            b = intended.astype(jnp.bfloat16)
+            parts, sent = (b,), b.astype(jnp.float32)
+        else:
+            codes, scale, sent = _quantize_leaf(intended, block_size, _MAX_CODE[kind])
+            parts = (codes, scale)
+        lost = intended - sent
+        wire.append(parts)
+        new_residuals.append(lost)
+        intended_sq += jnp.sum(intended * intended)
+        lost_sq += jnp.sum(lost * lost)
+    return wire, new_residuals, jnp.sqrt(intended_sq), jnp.sqrt(lost_sq)
+
+
+def _wire_bytes(parts, kind: str) -> bytes:
     if kind == "none":
-        sent = x.astype(jnp.float32)
-        return np.asarray(sent).astype("<f4").tobytes(), sent
+        return np.asarray(parts[0]).astype("<f4").tobytes()
     if kind == "bf16":
-        b = x.astype(jnp.bfloat16)
-        return np.asarray(b).tobytes(), b.astype(jnp.float32)
-    codes, scale, dequantized = _quantize_leaf(x, block_size, _MAX_CODE[kind])
-    codes, scale = jax.device_get((codes, scale))
-    code_bytes = np.asarray(codes).tobytes() if kind == "int8" else _pack_int4(np.asarray(codes))
-    return code_bytes + np.asarray(scale).astype("<f4").tobytes(), dequantized
+        return np.asarray(parts[0]).tobytes()
+    codes, scale = (np.asarray(p) for p in parts)
+    code_bytes = codes.tobytes() if kind == "int8" else _pack_int4(codes)
+    return code_bytes + scale.astype("<f4").tobytes()
 
 
 def _check_block_size(block_size: int) -> None:
@@ -130,14 +150,40 @@ def _check_block_size(block_size: int) -> None:
         raise CodecError(f"block_size is {block_size}; it must be a positive number of elements")
 
 
-def encode(tree: Any, kind: str, block_size: int) -> bytes:
-    """Encodes a pytree of floating arrays into one payload.
+def encode_and_measure(
+    tree: Any, residual: Any, kind: str, block_size: int
+) -> tuple[bytes, Any, float]:
+    """Encodes `tree` (+ `residual`, for error feedback) in one program on the tree's devices.
 
     Args:
       tree: pytree of float arrays of any rank and size (scalars, bfloat16
-        included); values must be finite.
+        included); values must be finite. Sharded arrays stay sharded: the
+        quantization runs where they live and only the encoded bytes come to
+        the host.
+      residual: None, or a float32 pytree like `tree` added before encoding.
       kind: "none", "bf16", "int8" or "int4".
       block_size: elements per scale of int8 / int4 (ignored by the other kinds).
+
+    Returns:
+      (payload of `payload_bytes(tree, kind, block_size)` bytes, the new
+      residual (intended - sent, float32 jax arrays like `tree`), the relative
+      error ||intended - sent|| / ||intended||).
+
+    Raises:
+      CodecError: on an unknown kind or a block_size <= 0.
+    """
+    _check_kind(kind)
+    _check_block_size(block_size)
+    leaves, treedef = jax.tree.flatten(tree)
+    residuals = None if residual is None else jax.tree.leaves(residual)
+    wire, new_residuals, intended, lost = _encode_tree(leaves, residuals, kind, block_size)
+    wire, intended, lost = jax.device_get((wire, intended, lost))  # waits for the one program
+    payload = b"".join(_wire_bytes(parts, kind) for parts in wire)
+    return payload, jax.tree.unflatten(treedef, new_residuals), float(lost / max(float(intended), 1e-30))
+
+
+def encode(tree: Any, kind: str, block_size: int) -> bytes:
+    """Encodes a pytree of floating arrays into one payload (see `encode_and_measure`).
 
     Returns:
       The payload: `payload_bytes(tree, kind, block_size)` bytes.
@@ -145,9 +191,7 @@ def encode(tree: Any, kind: str, block_size: int) -> bytes:
     Raises:
       CodecError: on an unknown kind or a block_size <= 0.
     """
-    _check_kind(kind)
-    _check_block_size(block_size)
-    return b"".join(_encode_leaf(leaf, kind, block_size)[0] for leaf in jax.tree.leaves(tree))
+    return encode_and_measure(tree, None, kind, block_size)[0]
 
 
 def encode_with_feedback(tree: Any, residual: Any, kind: str, block_size: int) -> tuple[bytes, Any]:
@@ -162,16 +206,8 @@ def encode_with_feedback(tree: Any, residual: Any, kind: str, block_size: int) -
       (payload of `encode(tree + residual)`, new residual = tree + residual -
       decode(payload)) with the residual as float32 jax arrays.
     """
-    _check_kind(kind)
-    _check_block_size(block_size)
-    corrected = jax.tree.map(lambda x, r: jnp.asarray(x, jnp.float32) + r, tree, residual)
-    leaves, treedef = jax.tree.flatten(corrected)
-    parts, residuals = [], []
-    for leaf in leaves:
-        payload, sent = _encode_leaf(leaf, kind, block_size)
-        parts.append(payload)
-        residuals.append(leaf - sent)
-    return b"".join(parts), jax.tree.unflatten(treedef, residuals)
+    payload, new_residual, _ = encode_and_measure(tree, residual, kind, block_size)
+    return payload, new_residual
 
 
 def decode(payload: bytes, like: Any, kind: str, block_size: int) -> Any:
@@ -243,6 +279,16 @@ def decode_and_apply(params: Any, payload: bytes, kind: str, block_size: int) ->
     return jax.tree.map(
         lambda p, d: (np.asarray(p, np.float32) + d).astype(np.asarray(p).dtype), params, delta
     )
+
+
+def decode_view(payload: bytes, like: Any) -> Any:
+    """Parameters sent whole as a float32 "none" payload, cast back to `like`'s dtypes (NumPy).
+
+    Raises:
+      CodecError: if the payload's size does not fit `like`.
+    """
+    values = decode(payload, like, "none", 1)
+    return jax.tree.map(lambda v, p: v.astype(np.asarray(p).dtype), values, like)
 
 
 def all_finite(tree: Any) -> bool:
