@@ -137,6 +137,7 @@ def default_config() -> ml_collections.ConfigDict:
         nesterov=True,
         sync="steps",  # steps: each island's inner_steps; auto: scaled by devices x catalog peak; time: round_seconds
         reference_island="",  # with sync=auto, the island whose inner_steps is kept ("" = the first)
+        auto_from="catalog",  # with sync=auto: "catalog" peaks, or "measured" step times of round 0
         round_seconds=10.0,  # with sync=time: wall-clock seconds of training per round
         min_islands=0,  # quorum: merge once this many islands contributed and grace_seconds passed (0 = all)
         grace_seconds=60.0,  # how long a reached quorum waits for the remaining islands
@@ -230,6 +231,10 @@ def validate(
     )
     _require(config.outer.round_seconds > 0, f"outer.round_seconds is {config.outer.round_seconds}; it must be positive")
     _require(config.outer.grace_seconds >= 0, f"outer.grace_seconds is {config.outer.grace_seconds}; use 0 or more")
+    _require(
+        config.outer.auto_from in ("catalog", "measured"),
+        f"outer.auto_from is {config.outer.auto_from!r}; choose 'catalog' or 'measured' (with outer.sync='auto')",
+    )
     _require(config.outer.sync in SYNC, f"outer.sync is {config.outer.sync!r}; choose one of {SYNC}")
     ref = config.outer.reference_island
     _require(
@@ -286,7 +291,7 @@ def validate(
             isl.hardware in CATALOG,
             f"{p}.hardware is {isl.hardware!r}, not in the hardware catalog; choose one of {sorted(CATALOG)}",
         )
-        if config.outer.sync == "auto":
+        if config.outer.sync == "auto" and config.outer.auto_from == "catalog":
             ref_isl = config.islands[ref or next(iter(config.islands.keys()))]
             _require(
                 isl.batch_size * ref_isl.num_devices == ref_isl.batch_size * isl.num_devices,

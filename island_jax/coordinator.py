@@ -28,6 +28,7 @@ from island_jax.outer import codec
 from island_jax.outer.merge import weighted_mean
 from island_jax.outer.optimizer import outer_optimizer, outer_step
 from island_jax.params import checksum
+from island_jax.planning import plan_from_step_times
 
 
 class HandshakeError(ValueError):
@@ -107,6 +108,8 @@ class Coordinator:
         self.min_islands = config.outer.min_islands or len(self.islands)
         self.grace_seconds = config.outer.grace_seconds
         self.discarded: list[tuple[int, str]] = []  # (round, island) of contributions that came too late
+        self.step_seconds: dict[str, float] = {}  # median step time each island reported in round 0
+        self.plan: dict[str, int] = {}  # inner steps per island from round 1 on (outer.auto_from = measured)
         self._updates: dict[int, bytes] = {}
         self.history: list[RoundRecord] = []
 
@@ -160,7 +163,13 @@ class Coordinator:
         return dict(round=self.round, checksum=self.checksum)
 
     def contribute(
-        self, round: int, island: str, tokens: int, payload: bytes, params_checksum: str | None = None
+        self,
+        round: int,
+        island: str,
+        tokens: int,
+        payload: bytes,
+        params_checksum: str | None = None,
+        step_seconds: float | None = None,
     ) -> str:
         """Accepts one island's encoded pseudo-gradient; merges when the round can close.
 
@@ -179,6 +188,8 @@ class Coordinator:
           payload: `codec.encode(anchor - params)`.
           params_checksum: when given, the checksum of the island's anchor, which
             must equal the view's: proof that every island trained from the same bits.
+          step_seconds: the island's median inner-step time this round (seconds);
+            round 0's plan the later rounds with `outer.auto_from = "measured"`.
 
         Returns:
           "accepted", or "discarded" for a round that has already closed.
@@ -222,6 +233,8 @@ class Coordinator:
                 "(lower inner.learning_rate or check its data) and its contribution was refused"
             )
         self._pending[island] = Contribution(island, int(tokens), pseudo_gradient)
+        if step_seconds and round == 0:
+            self.step_seconds[island] = float(step_seconds)
         self.poll()
         return "accepted"
 
@@ -283,6 +296,9 @@ class Coordinator:
             "round %d merged from %s (weights %s)%s", self.round, record.contributors, record.weights,
             f"; without {sorted(set(self.islands) - set(record.contributors))}" if len(record.contributors) < len(self.islands) else "",
         )
+        if self.round == 0 and self.config.outer.sync == "auto" and self.config.outer.auto_from == "measured":
+            self.plan = plan_from_step_times(self.config, self.step_seconds)
+            logging.info("inner steps from round 1 on, from measured step times %s: %s", self.step_seconds, self.plan)
         self._updates = {self.round: payload}  # only the latest round's update is kept
         self._pending, self._refused, self._quorum_since = {}, set(), None
         self.round += 1
@@ -302,6 +318,10 @@ class Coordinator:
             f"island {island!r} asked for round {round}, older than the latest merged round {self.round - 1}; "
             "it rejoins from the island view (fetch_view)"
         )
+
+    def planned_inner_steps(self, island: str) -> int | None:
+        """The island's inner steps per round from now on, once a measured plan exists (else None)."""
+        return self.plan.get(island)
 
     def fetch_view(self) -> tuple[int, bytes]:
         """The island view, losslessly, for an island that fell behind by more than a round.

@@ -137,15 +137,33 @@ class Island:
         self._batch_sharding = NamedSharding(self.mesh, P(BATCH_AXES))
         self.global_params = params  # host copy of the global view (NumPy): the anchor
         self.global_checksum = self.initial_checksum = checksum(params)
-        self.tx = inner_optimizer(config, cfg.inner_steps * total_rounds)
         self.dataset = data_lib.train_dataset(train_bytes, self.seq_len, cfg.batch_size, config.seed)
         self.step = 0  # inner steps taken: also the data position
         self.tokens_per_step = cfg.batch_size * self.seq_len
-
-        moe_config = config.moe
+        self._graphdef = graphdef
+        self._build_train_step(self.inner_steps * total_rounds)
         tx = self.tx
 
-        seed = config.seed
+        def eval_step(params, inputs, targets):
+            logits, _ = nnx.merge(graphdef, nnx.State(params))(inputs)  # no jitter
+            return cross_entropy(logits, targets)
+
+        def pseudo_gradient(anchor, params):
+            return jax.tree.map(lambda a, p: a.astype(jnp.float32) - p.astype(jnp.float32), anchor, params)
+
+        self._eval_step = jax.jit(eval_step)
+        self._pseudo_gradient = jax.jit(pseudo_gradient)
+        with jax.set_mesh(self.mesh):
+            self.params = self._place(params)
+            self.anchor = self._place(params)
+            self.opt_state = jax.jit(tx.init)(self.params)
+            # Error feedback's memory of what the codec lost (float32, like the parameters).
+            self.residual = self._place(jax.tree.map(lambda x: np.zeros(np.shape(x), np.float32), params))
+
+    def _build_train_step(self, total_steps: int) -> None:
+        """The inner optimizer for `total_steps` steps in all, and the jitted step that uses it."""
+        self.tx = tx = inner_optimizer(self.config, total_steps)
+        moe_config, seed, graphdef = self.config.moe, self.config.seed, self._graphdef
 
         def train_step(params, opt_state, inputs, targets, step):
             key = jax.random.fold_in(jax.random.PRNGKey(seed), step) if moe_config.jitter_noise > 0 else None
@@ -159,22 +177,16 @@ class Island:
                 )
             return params, opt_state, dict(metrics, grad_norm=optax.tree.norm(grads))
 
-        def eval_step(params, inputs, targets):
-            logits, _ = nnx.merge(graphdef, nnx.State(params))(inputs)  # no jitter
-            return cross_entropy(logits, targets)
-
-        def pseudo_gradient(anchor, params):
-            return jax.tree.map(lambda a, p: a.astype(jnp.float32) - p.astype(jnp.float32), anchor, params)
-
         self._train_step = jax.jit(train_step, donate_argnums=(0, 1))
-        self._eval_step = jax.jit(eval_step)
-        self._pseudo_gradient = jax.jit(pseudo_gradient)
-        with jax.set_mesh(self.mesh):
-            self.params = self._place(params)
-            self.anchor = self._place(params)
-            self.opt_state = jax.jit(tx.init)(self.params)
-            # Error feedback's memory of what the codec lost (float32, like the parameters).
-            self.residual = self._place(jax.tree.map(lambda x: np.zeros(np.shape(x), np.float32), params))
+
+    def set_inner_steps(self, inner_steps: int, rounds_left: int) -> None:
+        """A new H for the remaining rounds (a plan from measured step times).
+
+        The learning-rate schedule is rebuilt to end after the steps left
+        (warm-up and cosine keep their shape; the AdamW state carries over).
+        """
+        self.inner_steps = inner_steps
+        self._build_train_step(self.step + inner_steps * rounds_left)
 
     def _place(self, host_params: dict) -> dict:
         return jax.device_put(host_params, self._param_sharding)
@@ -198,7 +210,8 @@ class Island:
 
         Returns:
           dict with `steps`, `tokens` (processed this round), `seconds` (wall,
-          sleeps included), `busy_seconds` (steps only), per-step lists of the
+          sleeps included), `busy_seconds` (steps only), `step_seconds` (the
+          median step, sleep included: robust to the first step's compilation), per-step lists of the
           STEP_METRICS scalars, `layers` (per step, the LAYER_METRICS arrays per
           MoE layer), and `expert_load` of the last step [num_moe_layers, E].
         """
@@ -208,7 +221,7 @@ class Island:
         num_steps = self.inner_steps if num_steps is None else num_steps
         slowdown = 1.0 / self.simulated_speed - 1.0
         start = time.perf_counter()
-        history, busy = [], 0.0
+        history, busy, step_times = [], 0.0, []
         with jax.set_mesh(self.mesh):
             while (len(history) < num_steps) if budget is None else (
                 not history or time.perf_counter() - start < budget
@@ -223,6 +236,7 @@ class Island:
                 jax.block_until_ready(metrics)
                 step_seconds = time.perf_counter() - step_start
                 busy += step_seconds
+                step_times.append(step_seconds * (1.0 + slowdown))  # what the step costs, sleep included
                 if slowdown > 0:
                     time.sleep(step_seconds * slowdown)
                 history.append(metrics)
@@ -236,6 +250,7 @@ class Island:
             tokens=len(history) * self.tokens_per_step,
             seconds=seconds,
             busy_seconds=busy,
+            step_seconds=float(np.median(step_times)) if step_times else 0.0,
             expert_load=out["layers"][-1]["expert_load"] if history else None,
         )
         return out

@@ -7,6 +7,9 @@
          peaks from the hardware catalog, so that islands with equal per-device
          batch finish a round together (Async Local-SGD, arXiv 2401.09135, sets
          local step counts by worker speed the same way).
+         With `outer.auto_from = "measured"` the catalog only plans round 0;
+         from round 1 on the ratio of the median step times each island
+         measured in round 0 replaces the ratio of peaks (`plan_from_step_times`).
   time   every island trains for `outer.round_seconds` of wall clock, then
          contributes (`Island.train_round`); `inner_steps` is then only the
          expected steps per round, which sets the learning-rate schedule's length.
@@ -38,3 +41,20 @@ def plan_inner_steps(config: ml_collections.ConfigDict) -> dict[str, int]:
         name: max(1, round(ref.inner_steps * isl.num_devices * lookup(isl.hardware).peak_tflops / ref_speed))
         for name, isl in islands.items()
     }
+
+
+def plan_from_step_times(config: ml_collections.ConfigDict, step_seconds: dict[str, float]) -> dict[str, int]:
+    """{island: round(H_ref x t_ref / t_island)}: equal wall clock per round from measured step times.
+
+    Args:
+      config: the run's config (`outer.reference_island`, the reference's `inner_steps`).
+      step_seconds: median seconds per inner step of each island that reported one.
+        Islands that did not report keep their catalog plan.
+    """
+    plan = plan_inner_steps(config)
+    ref_name = config.outer.reference_island or next(iter(config.islands.keys()))
+    if ref_name not in step_seconds:
+        return plan
+    h_ref, t_ref = config.islands[ref_name].inner_steps, step_seconds[ref_name]
+    plan.update({name: max(1, round(h_ref * t_ref / t)) for name, t in step_seconds.items() if t > 0})
+    return plan

@@ -249,9 +249,15 @@ def run_island(config: ml_collections.ConfigDict, workdir: str, name: str, addre
                 )
             exchange_start = time.perf_counter()
             payload = island.encode_pseudo_gradient()
-            contribution = transport.contribute(r, name, result["tokens"], payload, anchor_checksum)
+            contribution = transport.contribute(
+                r, name, result["tokens"], payload, anchor_checksum, result["step_seconds"]
+            )
             try:
                 island.apply_update(transport.fetch_update(r, name))
+                planned = transport.planned_inner_steps(name)
+                if planned and planned != island.inner_steps:  # outer.auto_from = measured, after round 0
+                    logging.info("island %s: %d inner steps per round from round %d on", name, planned, r + 2)
+                    island.set_inner_steps(planned, rounds - r - 1)
             except StaleRoundError:  # more than a round behind: rejoin from the view, sent whole
                 view_round, view = transport.fetch_view(name)
                 island.load_view(view)
@@ -267,6 +273,7 @@ def run_island(config: ml_collections.ConfigDict, workdir: str, name: str, addre
                 tokens=result["tokens"],
                 compute_seconds=result["seconds"],
                 busy_seconds=result["busy_seconds"],
+                step_seconds=result["step_seconds"],
                 exchange_seconds=exchange_seconds,
                 bytes_sent=transport.last_bytes_sent,
                 bytes_received=transport.last_bytes_received,

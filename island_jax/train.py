@@ -123,16 +123,21 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
             totals[isl.name]["tokens"] += result["tokens"]
             if transport is not None:
                 payload = isl.encode_pseudo_gradient()
-                transport.contribute(r, isl.name, result["tokens"], payload, isl.global_checksum)
+                transport.contribute(r, isl.name, result["tokens"], payload, isl.global_checksum, result["step_seconds"])
                 totals[isl.name]["bytes_sent"] += len(payload)
                 codec_errors[isl.name] = isl.codec_relative_error
             metrics.write(
-                dict(kind="island_round", island=isl.name, round=r + 1, steps=result["steps"], seconds=result["seconds"],
+                dict(kind="island_round", island=isl.name, round=r + 1, steps=result["steps"],
+                     step_seconds=result["step_seconds"], seconds=result["seconds"],
                      busy_seconds=result["busy_seconds"], tokens=result["tokens"], expert_load=result["expert_load"])
             )
         for isl in islands if transport is not None else ():
             update = transport.fetch_update(r, isl.name)
             isl.apply_update(update)
+            planned = transport.planned_inner_steps(isl.name)
+            if planned and planned != isl.inner_steps:  # outer.auto_from = measured, after round 0
+                logging.info("island %s: %d inner steps per round from round %d on", isl.name, planned, r + 2)
+                isl.set_inner_steps(planned, rounds - r - 1)
             totals[isl.name]["bytes_received"] += len(update)
         checksums = {isl.name: isl.params_checksum() for isl in islands}
         if transport is not None:

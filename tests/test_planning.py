@@ -75,3 +75,39 @@ def test_time_rounds_give_a_half_speed_island_about_half_its_tokens(tmp_path):
     for rec in [r for r in records if r["kind"] == "round"]:
         total = sum(rec["tokens"].values())
         assert rec["weights"] == {k: v / total for k, v in rec["tokens"].items()}
+
+
+def test_measured_plan_from_round_zero_step_times():
+    c = default_config()
+    c.islands.a = island(1, 1, 1, 1, 10)
+    c.islands.b = island(1, 1, 1, 2, 10)  # another per-device batch: fine when measured
+    c.outer.update(sync="auto", auto_from="measured", learning_rate=1.0, momentum=0.0, nesterov=False)
+    c.codec.kind = "none"
+    config_lib.validate(c)
+    coordinator = Coordinator(c, {"w": np.zeros(2, np.float32)}, ["a", "b"])
+    for name in ("a", "b"):
+        coordinator.join(name, fingerprint_fields(c), coordinator.checksum)
+    pg = codec.encode({"w": np.ones(2, np.float32)}, "none", 256)
+    coordinator.contribute(0, "a", 100, pg, None, 0.1)
+    assert coordinator.planned_inner_steps("b") is None
+    coordinator.contribute(0, "b", 100, pg, None, 0.25)
+    assert coordinator.plan == {"a": 10, "b": 4}  # round(10 x 0.1 / 0.25)
+
+
+def test_measured_plan_in_a_run(tmp_path):
+    from island_jax.metrics import read_jsonl
+    from island_jax.train import train_and_evaluate
+    from tiny_config import get_config, write_corpus
+
+    c = get_config()
+    c.data.files = write_corpus(tmp_path / "corpus")
+    c.islands.a.inner_steps = 4
+    c.islands.b.simulated_speed = 0.25
+    c.outer.update(sync="auto", auto_from="measured", rounds=3)
+    train_and_evaluate(c, str(tmp_path / "run"))
+    rounds = [r for r in read_jsonl(tmp_path / "run" / "metrics.jsonl") if r["kind"] == "island_round"]
+    first = {r["island"]: r for r in rounds if r["round"] == 1}
+    expected_b = max(1, round(4 * first["a"]["step_seconds"] / first["b"]["step_seconds"]))
+    assert first["b"]["steps"] == 2  # round 0: the catalog plan, round(4 x 2 devices / 4 devices)
+    assert [r["steps"] for r in rounds if r["island"] == "b" and r["round"] > 1] == [expected_b, expected_b]
+    assert [r["steps"] for r in rounds if r["island"] == "a"] == [4, 4, 4]

@@ -66,6 +66,7 @@ class GrpcTransport:
         self.view_bytes: int | None = None
         self.layout = ""
         self.last_bytes_sent = self.last_bytes_received = 0
+        self._planned: dict[str, int] = {}
 
     def join(self, island: str, config_fingerprint: dict, params_checksum: str, round: int = 0) -> dict:
         """Handshake; waits up to `join_timeout` seconds for the coordinator to come up.
@@ -85,7 +86,13 @@ class GrpcTransport:
         return dict(round=reply.round, checksum=reply.params_checksum)
 
     def contribute(
-        self, round: int, island: str, tokens: int, payload: bytes, params_checksum: str | None = None
+        self,
+        round: int,
+        island: str,
+        tokens: int,
+        payload: bytes,
+        params_checksum: str | None = None,
+        step_seconds: float | None = None,
     ) -> str:
         """Streams one encoded pseudo-gradient in CRC32-checked chunks; returns "accepted" or "discarded".
 
@@ -95,7 +102,8 @@ class GrpcTransport:
             differs from what was sent.
         """
         header = pb.PayloadHeader(
-            round=round, island=island, tokens=tokens, layout=self.layout, params_checksum=params_checksum or ""
+            round=round, island=island, tokens=tokens, layout=self.layout, params_checksum=params_checksum or "",
+            step_seconds=step_seconds or 0.0,
         )
         sent = 0
 
@@ -132,13 +140,19 @@ class GrpcTransport:
         receiver = wire.Reassembler(self.payload_bytes or 0, self.chunk_bytes)
         try:
             receiver.extend(self.stub.FetchUpdate(pb.FetchRequest(round=round, island=island), timeout=self.round_timeout))
-            _, payload = receiver.finish()
+            header, payload = receiver.finish()
         except grpc.RpcError as e:
             raise _error(e, "fetch_update", self.address) from None
         except wire.WireError as e:
             raise ExchangeError(f"fetch_update: {e}") from None
         self.last_bytes_received = receiver.wire_bytes
+        if header.inner_steps:
+            self._planned[island] = header.inner_steps
         return payload
+
+    def planned_inner_steps(self, island: str) -> int | None:
+        """The island's inner steps per round as last planned by the coordinator (None: no plan)."""
+        return self._planned.get(island)
 
     def fetch_view(self, island: str) -> tuple[int, bytes]:
         """(round, the island view as a float32 payload) for an island that fell behind.

@@ -95,7 +95,8 @@ class ExchangeService(pb_grpc.ExchangeServicer):
         with self.lock:
             try:
                 status = self.coordinator.contribute(
-                    header.round, header.island, header.tokens, payload, header.params_checksum or None
+                    header.round, header.island, header.tokens, payload, header.params_checksum or None,
+                    header.step_seconds or None,
                 )
             except ContributionError as e:
                 self.lock.notify_all()  # a refusal can close the round for the others
@@ -125,7 +126,8 @@ class ExchangeService(pb_grpc.ExchangeServicer):
                 except ContributionError as e:
                     context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"ContributionError: {e}")
             header = pb.PayloadHeader(
-                round=request.round, island=request.island, layout=self.layout, params_checksum=self.coordinator.checksum
+                round=request.round, island=request.island, layout=self.layout, params_checksum=self.coordinator.checksum,
+                inner_steps=self.coordinator.planned_inner_steps(request.island) or 0,
             )
         sent = 0
         for part in wire.payload_parts(header, payload, self.chunk_bytes):

@@ -6,6 +6,8 @@ An island sees three calls (the gRPC client implements the same ones):
   contribute(round, island, tokens, payload, params_checksum) -> "accepted" | "discarded"
   fetch_update(round, island)                        -> payload bytes
   fetch_view(island)                                 -> (round, the view as a float32 payload)
+  planned_inner_steps(island)                        -> inner steps per round planned from measured
+                                                        step times (after round 0's update), or None
 
 `config_fingerprint` is `config.fingerprint_fields(config)`, so a mismatch can be
 named field by field; `params_checksum` is `params.checksum` of the island's
@@ -28,12 +30,20 @@ class Transport(Protocol):
     def join(self, island: str, config_fingerprint: dict, params_checksum: str, round: int = 0) -> dict: ...
 
     def contribute(
-        self, round: int, island: str, tokens: int, payload: bytes, params_checksum: str | None = None
+        self,
+        round: int,
+        island: str,
+        tokens: int,
+        payload: bytes,
+        params_checksum: str | None = None,
+        step_seconds: float | None = None,
     ) -> str: ...
 
     def fetch_update(self, round: int, island: str) -> bytes: ...
 
     def fetch_view(self, island: str) -> tuple[int, bytes]: ...
+
+    def planned_inner_steps(self, island: str) -> int | None: ...
 
 
 class InProcessTransport:
@@ -50,9 +60,15 @@ class InProcessTransport:
         return self.coordinator.join(island, dict(config_fingerprint), params_checksum, round)
 
     def contribute(
-        self, round: int, island: str, tokens: int, payload: bytes, params_checksum: str | None = None
+        self,
+        round: int,
+        island: str,
+        tokens: int,
+        payload: bytes,
+        params_checksum: str | None = None,
+        step_seconds: float | None = None,
     ) -> str:
-        return self.coordinator.contribute(round, island, tokens, bytes(payload), params_checksum)
+        return self.coordinator.contribute(round, island, tokens, bytes(payload), params_checksum, step_seconds)
 
     def fetch_update(self, round: int, island: str) -> bytes:
         return bytes(self.coordinator.fetch_update(round, island))
@@ -60,3 +76,6 @@ class InProcessTransport:
     def fetch_view(self, island: str) -> tuple[int, bytes]:
         round, payload = self.coordinator.fetch_view()
         return round, bytes(payload)
+
+    def planned_inner_steps(self, island: str) -> int | None:
+        return self.coordinator.planned_inner_steps(island)
