@@ -137,15 +137,9 @@ class GrpcTransport:
           ExchangeError: late, unreachable, or a corrupt stream (CRC32).
           StaleRoundError: the round is older than the coordinator's latest (use `fetch_view`).
         """
-        receiver = wire.Reassembler(self.payload_bytes or 0, self.chunk_bytes)
-        try:
-            receiver.extend(self.stub.FetchUpdate(pb.FetchRequest(round=round, island=island), timeout=self.round_timeout))
-            header, payload = receiver.finish()
-        except grpc.RpcError as e:
-            raise _error(e, "fetch_update", self.address) from None
-        except wire.WireError as e:
-            raise ExchangeError(f"fetch_update: {e}") from None
-        self.last_bytes_received = receiver.wire_bytes
+        header, payload = self._receive(
+            "fetch_update", self.stub.FetchUpdate, pb.FetchRequest(round=round, island=island), self.payload_bytes
+        )
         if header.inner_steps:
             self._planned[island] = header.inner_steps
         return payload
@@ -160,16 +154,21 @@ class GrpcTransport:
         Raises:
           ExchangeError: unreachable, or a corrupt stream (CRC32).
         """
-        receiver = wire.Reassembler(self.view_bytes or 0, self.chunk_bytes)
+        header, payload = self._receive("fetch_view", self.stub.FetchView, pb.FetchRequest(island=island), self.view_bytes)
+        return header.round, payload
+
+    def _receive(self, what: str, call, request: pb.FetchRequest, max_bytes: int | None):
+        """Reassembles and checks one streamed payload; (header, payload)."""
+        receiver = wire.Reassembler(max_bytes or 0, self.chunk_bytes)
         try:
-            receiver.extend(self.stub.FetchView(pb.FetchRequest(island=island), timeout=self.round_timeout))
+            receiver.extend(call(request, timeout=self.round_timeout))
             header, payload = receiver.finish()
         except grpc.RpcError as e:
-            raise _error(e, "fetch_view", self.address) from None
+            raise _error(e, what, self.address) from None
         except wire.WireError as e:
-            raise ExchangeError(f"fetch_view: {e}") from None
+            raise ExchangeError(f"{what}: {e}") from None
         self.last_bytes_received = receiver.wire_bytes
-        return header.round, payload
+        return header, payload
 
     def close(self) -> None:
         self.channel.close()
