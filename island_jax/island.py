@@ -136,7 +136,7 @@ class Island:
         )
         self._batch_sharding = NamedSharding(self.mesh, P(BATCH_AXES))
         self.global_params = params  # host copy of the global view (NumPy): the anchor
-        self.global_checksum = self.initial_checksum = checksum(params)
+        self.global_checksum = checksum(params)
         self.dataset = data_lib.train_dataset(train_bytes, self.seq_len, cfg.batch_size, config.seed)
         self.step = 0  # inner steps taken: also the data position
         self.tokens_per_step = cfg.batch_size * self.seq_len

@@ -83,7 +83,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
     if config.outer.enabled:
         transport = InProcessTransport(Coordinator(config, params, names))
         for isl in islands:
-            transport.join(isl.name, config_lib.fingerprint_fields(config), isl.initial_checksum)
+            transport.join(isl.name, config_lib.fingerprint_fields(config), isl.global_checksum)
     wire_bytes = codec.payload_bytes(params, config.codec.kind, config.codec.block_size)
     logging.info(
         "%d parameters; islands %s; %s",
