@@ -23,8 +23,13 @@ A run is described by one `ml_collections.ConfigDict`, nested by concern:
             library) and the held-out split.
   eval      `every_rounds`, `batch_size`, `num_batches`.
   comm      the gRPC exchange between islands and the coordinator: `chunk_bytes`
-            (largest chunk of a streamed payload), `join_timeout_seconds`,
-            `round_timeout_seconds`.
+            (largest chunk of a streamed payload), `connections` (parallel
+            gRPC channels, each its own TCP connection, per island),
+            `pipeline` (merge and stream the update back chunk by chunk),
+            `join_timeout_seconds`, `round_timeout_seconds`, and `link`, the
+            emulated WAN path of every island (island_jax/comm/link.py):
+            `bandwidth_gbps` (0 = not emulated), one-way `latency_ms` and the
+            TCP `window_bytes` of one connection (0 = unlimited).
   checkpoint  orbax checkpoints of every role: `every_rounds`, `max_to_keep`.
 
 `validate(config)` checks everything that can be checked before JAX compiles
@@ -42,6 +47,7 @@ DISPATCH = ("capacity", "dropless")
 SYNC = ("steps", "auto", "time")
 MIB = 1 << 20
 MAX_CHUNK_BYTES = 64 * MIB  # far below protobuf's 2 GiB message ceiling
+MAX_CONNECTIONS = 256
 DTYPES = ("float32", "bfloat16")
 
 
@@ -156,6 +162,13 @@ def default_config() -> ml_collections.ConfigDict:
         chunk_bytes=MIB,  # largest chunk of a streamed payload, bytes (gRPC's default message limit is 4 MiB)
         join_timeout_seconds=300.0,  # how long an island waits for the coordinator to answer its join
         round_timeout_seconds=3600.0,  # how long an island waits for a round's update
+        connections=16,  # parallel gRPC channels per island; one TCP connection carries about window / RTT
+        pipeline=True,  # merge, step and send the update back chunk by chunk while contributions arrive
+        link=dict(
+            bandwidth_gbps=0.0,  # emulated WAN rate of each island's link, Gbit/s each way (0: not emulated)
+            latency_ms=0.0,  # one-way latency, ms (RTT = 2x)
+            window_bytes=0,  # bytes in flight per connection (a TCP window; 0: unlimited)
+        ),
     )
     c.checkpoint = dict(
         every_rounds=10,  # also after the last round
@@ -255,6 +268,25 @@ def validate(
     for name in ("join_timeout_seconds", "round_timeout_seconds"):
         _require(config.comm[name] > 0, f"comm.{name} is {config.comm[name]}; it must be a positive number of seconds")
     _require(
+        1 <= config.comm.connections <= MAX_CONNECTIONS,
+        f"comm.connections is {config.comm.connections}; use 1..{MAX_CONNECTIONS} gRPC channels per island",
+    )
+    link = config.comm.link
+    _require(
+        link.bandwidth_gbps >= 0,
+        f"comm.link.bandwidth_gbps is {link.bandwidth_gbps}; use a rate in Gbit/s, or 0 for no emulated link",
+    )
+    _require(link.latency_ms >= 0, f"comm.link.latency_ms is {link.latency_ms}; use a one-way latency >= 0 ms")
+    _require(
+        link.window_bytes == 0 or link.window_bytes >= config.comm.chunk_bytes,
+        f"comm.link.window_bytes is {link.window_bytes}; use 0 (unlimited) or at least comm.chunk_bytes "
+        f"({config.comm.chunk_bytes})",
+    )
+    _require(
+        link.bandwidth_gbps > 0 or (link.latency_ms == 0 and link.window_bytes == 0),
+        "comm.link.latency_ms and window_bytes only apply to an emulated link; set comm.link.bandwidth_gbps too",
+    )
+    _require(
         config.checkpoint.every_rounds > 0,
         f"checkpoint.every_rounds is {config.checkpoint.every_rounds}; it must be at least 1 (checkpoints are also "
         "written after the last round)",
@@ -340,6 +372,7 @@ def fingerprint_fields(config: ml_collections.ConfigDict) -> dict:
     fields.update({f"moe.{k}": config.moe[k] for k in shapes})
     fields["moe.routing_bias"] = config.moe.routing_bias_update_rate > 0
     fields.update({f"codec.{k}": v for k, v in config.codec.items()})
+    fields["comm.chunk_bytes"] = config.comm.chunk_bytes  # the payload's piece layout depends on it
     fields["seed"] = config.seed
     return fields
 

@@ -24,9 +24,8 @@ import ml_collections
 import numpy as np
 
 from island_jax.config import fingerprint_differences, fingerprint_fields
-from island_jax.outer import codec
-from island_jax.outer.merge import weighted_mean
-from island_jax.outer.optimizer import outer_optimizer, outer_step
+from island_jax.outer import chunk_step, codec
+from island_jax.outer.optimizer import outer_optimizer
 from island_jax.params import checksum
 from island_jax.planning import plan_from_step_times
 
@@ -49,11 +48,19 @@ class UpdateNotReady(LookupError):
 
 @dataclass
 class Contribution:
-    """One island's decoded pseudo-gradient for one round."""
+    """One island's contribution to the current round, as its chunks arrive.
+
+    `chunks` maps a chunk index to its rows (`chunk_step.wire_to_rows`): values
+    (codes) [R * block_size] and scales [R].
+    """
 
     island: str
     tokens: int
-    pseudo_gradient: Any
+    params_checksum: str | None = None
+    chunks: dict[int, tuple[np.ndarray, np.ndarray]] = field(default_factory=dict)
+
+    def complete(self, num_chunks: int) -> bool:
+        return len(self.chunks) == num_chunks
 
 
 @dataclass
@@ -72,14 +79,28 @@ class RoundRecord:
 
 
 class Coordinator:
-    """Holds the global state and merges islands' contributions.
+    """Holds the global state and merges islands' contributions, chunk by chunk.
 
     Args:
-      config: the run's validated config (outer, codec, model, seed).
+      config: the run's validated config (outer, codec, comm.chunk_bytes,
+        comm.pipeline, model, seed).
       params: the seeded initial parameters (pytree of NumPy arrays, as from
         `params.init_params`); the master copy is float32, the view keeps
         the parameters' dtypes.
       islands: names of the islands expected to contribute every round.
+      clock: seconds, monotonic (injectable for the quorum's grace window).
+
+    A contribution arrives as chunks (`codec.chunk_plan` of `comm.chunk_bytes`):
+    `begin_contribution`, `add_chunk` per chunk in any order, `end_contribution`;
+    `contribute` does all three for a whole payload. With `comm.pipeline`, chunk
+    k is merged, stepped and encoded as soon as every expected island's chunk k
+    is in, and `update_chunks` serves it while later chunks still arrive;
+    otherwise the whole round is merged once every contribution is complete.
+    Both give the same bytes (each chunk is computed by the same program from
+    the same inputs). If an island drops out after chunks that included it were
+    merged (a refused chunk, a closed quorum), the round's merge restarts from
+    its first chunk without it (`generation` counts restarts), so a half-merged
+    update is never final.
     """
 
     def __init__(
@@ -91,38 +112,68 @@ class Coordinator:
     ):
         self.config = config
         self.kind, self.block_size = config.codec.kind, config.codec.block_size
+        self.pipeline = bool(config.comm.pipeline)
         self.islands = list(islands)
         self.fingerprint_fields = fingerprint_fields(config)
-        self.view = jax.tree.map(np.asarray, params)
+        self.view = jax.tree.map(lambda x: np.array(x, copy=True), params)
+        self._treedef = jax.tree.structure(self.view)
         self.checksum = checksum(self.view)
-        self.master = jax.tree.map(lambda x: np.asarray(x, np.float32), params)
+        self.plan = codec.chunk_plan(self.view, self.kind, self.block_size, config.comm.chunk_bytes)
+        self.payload_bytes = codec.payload_bytes(self.view, self.kind, self.block_size)
+        self.layouts, self.num_rows = chunk_step.row_layouts(self.plan, self.block_size)
         self.tx = outer_optimizer(config)
-        with jax.default_device(jax.devices("cpu")[0]):
-            self.opt_state = jax.device_get(self.tx.init(self.master))
+        self._step = chunk_step.ChunkStep(self.tx, self.kind, self.block_size, self.num_rows)
+        master_leaves = [np.asarray(x, np.float32) for x in jax.tree.leaves(params)]
+        self._master = [chunk_step.gather_rows(master_leaves, lay, self.block_size, self.num_rows) for lay in self.layouts]
+        self._opt = [self._step.init(m) for m in self._master]
         self.round = 0
+        self.generation = 0  # restarts of the current round's merge
         self.joined: set[str] = set()
         self._pending: dict[str, Contribution] = {}
         self._refused: set[str] = set()  # islands whose contribution to this round was refused (NaN, ...)
+        self._dropped: set[str] = set()  # islands the quorum closed the round without
         self._quorum_since: float | None = None  # when min_islands had contributed to this round
         self.clock = clock
         self.min_islands = config.outer.min_islands or len(self.islands)
         self.grace_seconds = config.outer.grace_seconds
         self.discarded: list[tuple[int, str]] = []  # (round, island) of contributions that came too late
         self.step_seconds: dict[str, float] = {}  # median step time each island reported in round 0
-        self.plan: dict[str, int] = {}  # inner steps per island from round 1 on (outer.auto_from = measured)
+        self.plan_steps: dict[str, int] = {}  # inner steps per island from round 1 on (outer.auto_from = measured)
         self._updates: dict[int, bytes] = {}
+        self._work: dict | None = None  # the current round's partial merge
         self.history: list[RoundRecord] = []
 
+    # -- state -----------------------------------------------------------------------------------------------
+
+    @property
+    def master(self) -> Any:
+        """The float32 master parameters as a pytree of NumPy arrays (a copy)."""
+        leaves = [np.zeros(np.shape(x), np.float32) for x in jax.tree.leaves(self.view)]
+        for rows, lay in zip(self._master, self.layouts):
+            chunk_step.scatter_rows(np.asarray(rows), lay, leaves, self.block_size)
+        return jax.tree.unflatten(self._treedef, leaves)
+
+    @property
+    def opt_state(self) -> list:
+        """The outer optimizer's state, one optax state per chunk (each over that chunk's rows)."""
+        return self._opt
+
     def state(self) -> dict:
-        """What a checkpoint holds: `master` (float32), `opt_state`, `view` and `round` (0-d int64)."""
-        return dict(master=self.master, opt_state=self.opt_state, view=self.view, round=np.asarray(self.round, np.int64))
+        """What a checkpoint holds: `master` (float32), `opt_state` (per chunk), `view` and `round` (0-d int64)."""
+        return dict(master=self.master, opt_state=self._opt, view=self.view, round=np.asarray(self.round, np.int64))
 
     def load_state(self, state: dict) -> None:
         """Continues from a checkpointed `state()`; islands must then join at the same round."""
-        self.master, self.opt_state, self.view = state["master"], state["opt_state"], state["view"]
+        self.view = jax.tree.map(lambda x: np.array(x, copy=True), state["view"])
+        master_leaves = [np.asarray(x, np.float32) for x in jax.tree.leaves(state["master"])]
+        self._master = [chunk_step.gather_rows(master_leaves, lay, self.block_size, self.num_rows) for lay in self.layouts]
+        self._opt = list(state["opt_state"])
         self.round = int(state["round"])
         self.checksum = checksum(self.view)
-        self._pending, self._updates, self._refused, self._quorum_since = {}, {}, set(), None
+        self._pending, self._updates, self._refused, self._dropped, self._quorum_since = {}, {}, set(), set(), None
+        self._work = None
+
+    # -- joining ---------------------------------------------------------------------------------------------
 
     def join(self, island: str, config_fingerprint: dict, params_checksum: str, round: int = 0) -> dict:
         """Admits an island whose model, codec, seed, round and parameters match.
@@ -147,7 +198,7 @@ class Coordinator:
         if differences:
             raise HandshakeError(
                 f"island {island!r} differs from the coordinator in {', '.join(differences)}; model shapes, "
-                "codec, block_size and seed must match: run every role with the same config and overrides"
+                "codec, block_size, chunk_bytes and seed must match: run every role with the same config and overrides"
             )
         if round != self.round:
             raise HandshakeError(
@@ -162,6 +213,8 @@ class Coordinator:
         self.joined.add(island)
         return dict(round=self.round, checksum=self.checksum)
 
+    # -- contributions ---------------------------------------------------------------------------------------
+
     def contribute(
         self,
         round: int,
@@ -171,7 +224,7 @@ class Coordinator:
         params_checksum: str | None = None,
         step_seconds: float | None = None,
     ) -> str:
-        """Accepts one island's encoded pseudo-gradient; merges when the round can close.
+        """Accepts one island's whole encoded pseudo-gradient; merges when the round can close.
 
         A round closes when every island has contributed (or been refused), or
         when `outer.min_islands` have contributed and `outer.grace_seconds` have
@@ -185,7 +238,7 @@ class Coordinator:
           round: the round the pseudo-gradient belongs to.
           island: a joined island's name.
           tokens: tokens the island processed this round (> 0), the merge weight.
-          payload: `codec.encode(anchor - params)`.
+          payload: `codec.encode(anchor - params)`, `payload_bytes` bytes.
           params_checksum: when given, the checksum of the island's anchor, which
             must equal the view's: proof that every island trained from the same bits.
           step_seconds: the island's median inner-step time this round (seconds);
@@ -200,9 +253,35 @@ class Coordinator:
             values (logged with the island's name; the round closes without
             it). Nothing of a refused contribution reaches the merge.
         """
+        if len(payload) != self.payload_bytes and round >= self.round:
+            raise ContributionError(
+                f"island {island!r}, round {round}: payload is {len(payload)} bytes but a {self.kind} payload for "
+                f"these parameters is {self.payload_bytes} bytes; the island uses a different model shape, codec "
+                "or block_size"
+            )
+        if self.begin_contribution(round, island, tokens, params_checksum, step_seconds) == "discarded":
+            return "discarded"
+        view = memoryview(payload)
+        for chunk in self.plan:
+            self.add_chunk(round, island, chunk.index, view[chunk.offset : chunk.offset + chunk.nbytes])
+        return self.end_contribution(round, island)
+
+    def begin_contribution(
+        self,
+        round: int,
+        island: str,
+        tokens: int,
+        params_checksum: str | None = None,
+        step_seconds: float | None = None,
+    ) -> str:
+        """Opens an island's contribution to `round` (its header); "accepted" or "discarded" (round closed).
+
+        Raises:
+          ContributionError: as for `contribute` (everything but the payload).
+        """
         if island not in self.joined:
             raise ContributionError(f"island {island!r} contributed before joining; call join first")
-        if round < self.round:
+        if round < self.round or (round == self.round and island in self._dropped):
             self.discarded.append((round, island))
             logging.warning(
                 "island %s's contribution to round %d arrived after the round closed (at %d); discarded",
@@ -211,7 +290,7 @@ class Coordinator:
             return "discarded"
         if round != self.round:
             raise ContributionError(f"island {island!r} sent round {round} but the coordinator is at round {self.round}")
-        if island in self._pending:
+        if island in self._pending or island in self._refused:
             raise ContributionError(f"island {island!r} already contributed to round {round}")
         if tokens <= 0:
             raise ContributionError(f"island {island!r} reported {tokens} tokens for round {round}; it must be > 0")
@@ -220,23 +299,93 @@ class Coordinator:
                 f"island {island!r} trained round {round} from parameters with checksum {params_checksum}, not the "
                 f"global {self.checksum}; its contribution was refused (restart the island from the workdir)"
             )
-        try:
-            pseudo_gradient = codec.decode(payload, self.master, self.kind, self.block_size)
-        except codec.CodecError as e:
-            raise ContributionError(f"island {island!r}, round {round}: {e}") from e
-        if not codec.all_finite(pseudo_gradient):
-            self._refused.add(island)
-            logging.warning("island %s: round %d's pseudo-gradient holds NaN or Inf; refused", island, round)
-            self.poll()
+        self._pending[island] = Contribution(island, int(tokens), params_checksum)
+        if step_seconds and round == 0:
+            self.step_seconds[island] = float(step_seconds)
+        return "accepted"
+
+    def add_chunk(self, round: int, island: str, index: int, data) -> None:
+        """Takes chunk `index` of an open contribution (bytes or memoryview of `plan[index].nbytes`).
+
+        Chunks of a round that has closed, or of an island the quorum went on
+        without, are ignored. With `comm.pipeline`, merges every chunk that is
+        now ready.
+
+        Raises:
+          ContributionError: no open contribution, an unknown or repeated chunk,
+            a chunk of the wrong size, or NaN/Inf in its values (the island's
+            whole contribution is refused and the round goes on without it).
+        """
+        if round < self.round or (round == self.round and island in self._dropped):
+            return
+        contribution = self._pending.get(island)
+        if round != self.round or contribution is None:
+            raise ContributionError(f"island {island!r} sent a chunk of round {round} without an open contribution")
+        if not 0 <= index < len(self.plan) or index in contribution.chunks:
+            raise ContributionError(
+                f"island {island!r}, round {round}: chunk {index} is unknown or repeated ({len(self.plan)} chunks)"
+            )
+        layout = self.layouts[index]
+        if len(data) != layout.chunk.nbytes:
+            raise ContributionError(
+                f"island {island!r}, round {round}: chunk {index} is {len(data)} bytes, expected "
+                f"{layout.chunk.nbytes}; the island's comm.chunk_bytes, model or codec differs"
+            )
+        values, scales = chunk_step.wire_to_rows(data, layout, self.kind, self.block_size, self.num_rows)
+        finite = np.isfinite(scales).all() and (self.kind in ("int8", "int4") or np.isfinite(values).all())
+        if not finite:
+            self.refuse(island, f"round {round}'s pseudo-gradient holds NaN or Inf")
             raise ContributionError(
                 f"island {island!r}, round {round}: the pseudo-gradient holds NaN or Inf; the island diverged "
                 "(lower inner.learning_rate or check its data) and its contribution was refused"
             )
-        self._pending[island] = Contribution(island, int(tokens), pseudo_gradient)
-        if step_seconds and round == 0:
-            self.step_seconds[island] = float(step_seconds)
+        contribution.chunks[index] = (values, scales)
+        if self.pipeline:
+            self._merge_ready()
+
+    def end_contribution(self, round: int, island: str) -> str:
+        """Closes an island's contribution once all its chunks are in; "accepted" or "discarded".
+
+        Raises:
+          ContributionError: chunks are missing, or the contribution was refused.
+        """
+        if round < self.round:  # merged already (with its last chunk), or closed without it
+            merged = [r for r in self.history if r.round == round]
+            return "accepted" if merged and island in merged[-1].contributors else "discarded"
+        if island in self._dropped:
+            return "discarded"
+        contribution = self._pending.get(island)
+        if contribution is None:
+            raise ContributionError(f"island {island!r}'s contribution to round {round} was refused")
+        if not contribution.complete(len(self.plan)):
+            missing = sorted(set(range(len(self.plan))) - set(contribution.chunks))
+            raise ContributionError(f"island {island!r}, round {round}: chunks {missing[:8]} never arrived")
         self.poll()
         return "accepted"
+
+    def refuse(self, island: str, reason: str) -> None:
+        """Drops an island's contribution to the current round (logged); the round goes on without it."""
+        logging.warning("island %s: %s; refused", island, reason)
+        self._pending.pop(island, None)
+        self._refused.add(island)
+        self._restart_if_merged_with(island)
+        self.poll()
+
+    def abandon(self, island: str, reason: str) -> None:
+        """Forgets an island's open contribution to the current round (a transfer that failed); it may send again."""
+        if island in self._pending:
+            logging.warning("island %s: its contribution to round %d was dropped: %s", island, self.round, reason)
+            del self._pending[island]
+            self._restart_if_merged_with(island)
+
+    def _expected(self) -> list[str]:
+        return [n for n in self.islands if n not in self._refused and n not in self._dropped]
+
+    def _restart_if_merged_with(self, island: str) -> None:
+        if self._work is not None and island in self._work["contributors"]:
+            logging.info("round %d: restarting the merge without island %s", self.round, island)
+            self._work = None
+            self.generation += 1
 
     def poll(self) -> bool:
         """Closes the round if it can (see `contribute`); call it periodically while islands are missing.
@@ -244,51 +393,93 @@ class Coordinator:
         Returns:
           Whether a round was merged.
         """
-        if not self._pending:
+        complete = [n for n in self._expected() if n in self._pending and self._pending[n].complete(len(self.plan))]
+        if not complete:
             return False
-        if len(self._pending) + len(self._refused) >= len(self.islands):
-            self._merge()
-            return True
-        if len(self._pending) >= self.min_islands:
+        if len(complete) == len(self._expected()):
+            return self._merge_ready()
+        if len(complete) >= self.min_islands:
             now = self.clock()
             if self._quorum_since is None:
                 self._quorum_since = now
             if now - self._quorum_since >= self.grace_seconds:
-                self._merge()
-                return True
+                for name in self._expected():
+                    if name not in complete:
+                        self._dropped.add(name)
+                        self._pending.pop(name, None)
+                        self._restart_if_merged_with(name)
+                return self._merge_ready()
         return False
 
-    def _merge(self) -> None:
-        contributions = [self._pending[name] for name in self.islands if name in self._pending]
-        tokens = [c.tokens for c in contributions]
-        merged = weighted_mean([c.pseudo_gradient for c in contributions], tokens)
-        self.master, self.opt_state = outer_step(self.tx, self.master, self.opt_state, merged)
-        delta = jax.tree.map(lambda m, v: m - np.asarray(v, np.float32), self.master, self.view)
-        with jax.default_device(jax.devices("cpu")[0]):
-            payload = codec.encode(delta, self.kind, self.block_size)
-        self.view = codec.decode_and_apply(self.view, payload, self.kind, self.block_size)
-        lost = np.sqrt(sum(float(np.sum((m - np.asarray(v, np.float32)) ** 2)) for m, v in
-                           zip(jax.tree.leaves(self.master), jax.tree.leaves(self.view), strict=True)))
-        intended = np.sqrt(sum(float(np.sum(d * d)) for d in jax.tree.leaves(delta)))
-        total = sum(tokens)
+    # -- merging ---------------------------------------------------------------------------------------------
+
+    def _merge_ready(self) -> bool:
+        """Merges every chunk that all expected islands have sent; finishes the round when all are merged."""
+        expected = self._expected()
+        if not expected or any(n not in self._pending for n in expected):
+            return False
+        contributions = [self._pending[n] for n in expected]
+        if not self.pipeline and not all(c.complete(len(self.plan)) for c in contributions):
+            return False
+        if self._work is None:
+            total = sum(c.tokens for c in contributions)
+            self._work = dict(
+                contributors=[c.island for c in contributions],
+                weights=np.asarray([np.float32(c.tokens / total) for c in contributions], np.float32),
+                master=list(self._master), opt=list(self._opt),
+                view=[np.array(x, copy=True) for x in jax.tree.leaves(self.view)],
+                chunks={}, dots=0.0, intended_sq=0.0, lost_sq=0.0,
+            )
+        work = self._work
+        for chunk in self.plan:
+            k = chunk.index
+            if k in work["chunks"] or not all(k in c.chunks for c in contributions):
+                continue
+            self._merge_chunk(k, contributions, work)
+        if len(work["chunks"]) == len(self.plan):
+            self._finish_round(contributions, work)
+            return True
+        return False
+
+    def _merge_chunk(self, k: int, contributions: list[Contribution], work: dict) -> None:
+        layout = self.layouts[k]
+        values = np.stack([c.chunks[k][0] for c in contributions])
+        scales = np.stack([c.chunks[k][1] for c in contributions])
+        view_rows = chunk_step.gather_rows(work["view"], layout, self.block_size, self.num_rows)
+        master, opt, codes, update_scales, stats = self._step(
+            values, scales, work["weights"], work["master"][k], work["opt"][k], view_rows
+        )
+        payload = chunk_step.rows_to_wire(codes, update_scales, layout, self.kind, self.block_size)
+        _apply_chunk(work["view"], payload, layout, self.kind, self.block_size)
+        work["master"][k], work["opt"][k], work["chunks"][k] = master, opt, payload
+        work["dots"] = work["dots"] + stats["dots"].astype(np.float64)
+        work["intended_sq"] += float(stats["intended_sq"])
+        work["lost_sq"] += float(stats["lost_sq"])
+
+    def _finish_round(self, contributions: list[Contribution], work: dict) -> None:
+        payload = b"".join(work["chunks"][k] for k in range(len(self.plan)))
+        self._master, self._opt = work["master"], work["opt"]
+        self.view = jax.tree.unflatten(self._treedef, work["view"])
         self.checksum = checksum(self.view)
-        flat = {c.island: np.concatenate([np.ravel(x) for x in jax.tree.leaves(c.pseudo_gradient)]) for c in contributions}
-        norms = {k: float(np.linalg.norm(v)) for k, v in flat.items()}
-        names = list(flat)
+        names = work["contributors"]
+        dots = np.asarray(work["dots"], np.float64)
+        norms = {n: float(np.sqrt(dots[i, i])) for i, n in enumerate(names)}
         cosine = {
-            f"{p}/{q}": float(np.dot(flat[p], flat[q]) / max(norms[p] * norms[q], 1e-30))
+            f"{p}/{q}": float(dots[i, j] / max(norms[p] * norms[q], 1e-30))
             for i, p in enumerate(names)
-            for q in names[i + 1 :]
+            for j, q in enumerate(names)
+            if j > i
         }
+        total = sum(c.tokens for c in contributions)
         record = RoundRecord(
             round=self.round,
-            contributors=[c.island for c in contributions],
+            contributors=list(names),
             tokens={c.island: c.tokens for c in contributions},
             weights={c.island: c.tokens / total for c in contributions},
             pseudo_gradient_norm=norms,
             cosine_similarity=cosine,
             update_bytes=len(payload),
-            update_codec_relative_error=lost / max(intended, 1e-30),
+            update_codec_relative_error=float(np.sqrt(work["lost_sq"]) / max(np.sqrt(work["intended_sq"]), 1e-30)),
             checksum=self.checksum,
         )
         self.history.append(record)
@@ -297,11 +488,33 @@ class Coordinator:
             f"; without {sorted(set(self.islands) - set(record.contributors))}" if len(record.contributors) < len(self.islands) else "",
         )
         if self.round == 0 and self.config.outer.sync == "auto" and self.config.outer.auto_from == "measured":
-            self.plan = plan_from_step_times(self.config, self.step_seconds)
-            logging.info("inner steps from round 1 on, from measured step times %s: %s", self.step_seconds, self.plan)
+            self.plan_steps = plan_from_step_times(self.config, self.step_seconds)
+            logging.info("inner steps from round 1 on, from measured step times %s: %s", self.step_seconds, self.plan_steps)
         self._updates = {self.round: payload}  # only the latest round's update is kept
-        self._pending, self._refused, self._quorum_since = {}, set(), None
+        self._pending, self._refused, self._dropped, self._quorum_since, self._work = {}, set(), set(), None, None
         self.round += 1
+
+    # -- serving ---------------------------------------------------------------------------------------------
+
+    def update_chunks(self, round: int) -> tuple[int, dict[int, bytes], bool]:
+        """What of `round`'s update exists so far: (generation, {chunk index: bytes}, whether it is final).
+
+        A generation other than the one a reader started with means the merge
+        restarted and chunks it already has are void.
+
+        Raises:
+          StaleRoundError: the round is older than the latest merged one.
+        """
+        if round in self._updates:
+            payload = self._updates[round]
+            return self.generation, {c.index: payload[c.offset : c.offset + c.nbytes] for c in self.plan}, True
+        if round < self.round:
+            raise StaleRoundError(
+                f"round {round} is older than the latest merged round {self.round - 1}; rejoin from the island view"
+            )
+        if round > self.round or self._work is None:
+            return self.generation, {}, False
+        return self.generation, dict(self._work["chunks"]), False
 
     def fetch_update(self, round: int, island: str) -> bytes:
         """The update bytes for `round` (identical for every island).
@@ -313,7 +526,7 @@ class Coordinator:
         if round in self._updates:
             return self._updates[round]
         if round >= self.round:
-            raise UpdateNotReady(f"round {round} is not merged yet; waiting for {sorted(set(self.islands) - set(self._pending))}")
+            raise UpdateNotReady(f"round {round} is not merged yet; waiting for {sorted(set(self._expected()) - set(n for n, c in self._pending.items() if c.complete(len(self.plan))))}")
         raise StaleRoundError(
             f"island {island!r} asked for round {round}, older than the latest merged round {self.round - 1}; "
             "it rejoins from the island view (fetch_view)"
@@ -321,7 +534,7 @@ class Coordinator:
 
     def planned_inner_steps(self, island: str) -> int | None:
         """The island's inner steps per round from now on, once a measured plan exists (else None)."""
-        return self.plan.get(island)
+        return self.plan_steps.get(island)
 
     def fetch_view(self) -> tuple[int, bytes]:
         """The island view, losslessly, for an island that fell behind by more than a round.
@@ -332,3 +545,13 @@ class Coordinator:
         """
         with jax.default_device(jax.devices("cpu")[0]):
             return self.round, codec.encode(self.view, "none", self.block_size)
+
+
+def _apply_chunk(view_leaves: list[np.ndarray], payload: bytes, layout, kind: str, block_size: int) -> None:
+    """`codec.decode_and_apply` for one chunk, in place on the view's leaves (the islands' rule, piece by piece)."""
+    base = layout.chunk.offset
+    for piece in layout.chunk.pieces:
+        shifted = codec.Piece(piece.leaf, piece.start, piece.stop, piece.offset - base, piece.nbytes)
+        flat = view_leaves[piece.leaf].reshape(-1)
+        delta = codec.decode_piece(payload, shifted, kind, block_size)
+        flat[piece.start : piece.stop] = (flat[piece.start : piece.stop].astype(np.float32) + delta).astype(flat.dtype)

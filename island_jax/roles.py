@@ -110,7 +110,7 @@ def run_coordinator(config: ml_collections.ConfigDict, workdir: str, address: st
                 deadline = time.monotonic() + config.comm.round_timeout_seconds
                 while coordinator.round <= r and time.monotonic() < deadline:
                     if coordinator.poll():  # closes the round once a quorum's grace window has passed
-                        service.lock.notify_all()
+                        service.notify()
                     else:
                         service.lock.wait(timeout=0.5)
                 if coordinator.round <= r:
@@ -186,8 +186,11 @@ def run_island(config: ml_collections.ConfigDict, workdir: str, name: str, addre
 
     Returns:
       The role's summary (also in its folder): `inner_steps`, `tokens`,
-      `bytes_sent`, `bytes_received` (serialized messages, handshake excluded),
-      `exchange_seconds`, `compute_seconds`, `checksum`, and for the evaluating
+      `bytes_sent`, `bytes_received` (frame bytes, handshake excluded),
+      `compute_seconds`, `seconds_blocked` (from the end of a round's inner
+      steps to its update applied: encode, transfer, waiting for the others,
+      decode), `seconds_transferring` (while this island's bytes were moving),
+      `achieved_gbps`, `checksum`, and for the evaluating
       island `corpus`, `eval_loss_initial`, `eval_loss_final`.
 
     Raises:
@@ -210,9 +213,17 @@ def run_island(config: ml_collections.ConfigDict, workdir: str, name: str, addre
     if first >= rounds:
         logging.info("the run is complete (%d of %d rounds); nothing to do", first, rounds)
         return {}
+    link = LinkEmulator.from_config(config)
     transport = GrpcTransport(
-        address, config.comm.chunk_bytes, config.comm.join_timeout_seconds, config.comm.round_timeout_seconds
+        address, config.comm.chunk_bytes, config.comm.join_timeout_seconds, config.comm.round_timeout_seconds,
+        connections=config.comm.connections, pipeline=config.comm.pipeline, link=link,
     )
+    if link is not None:
+        logging.info(
+            "island %s: emulated link %.3g Gbit/s, %.3g ms one way, window %d bytes (one connection: %.3g Gbit/s; "
+            "%d connections fill it, comm.connections=%d)", name, link.bandwidth_gbps, link.latency_ms,
+            link.window_bytes, link.one_connection_gbps(), link.connections_needed(), config.comm.connections,
+        )
     transport.join(name, config_lib.fingerprint_fields(config), island.global_checksum, first)
     logging.info(
         "island %s joined the coordinator at %s at round %d: %d devices (data=%d x expert=%d), batch %d, H=%d",
@@ -263,7 +274,7 @@ def run_island(config: ml_collections.ConfigDict, workdir: str, name: str, addre
                 island.load_view(view)
                 logging.warning("island %s fell behind to round %d; rejoined from the view at round %d", name, r, view_round)
                 r = view_round - 1  # the rounds completed are now view_round
-            exchange_seconds = time.perf_counter() - exchange_start
+            seconds_blocked = time.perf_counter() - exchange_start
             record = dict(
                 kind="round",
                 round=r + 1,
@@ -274,9 +285,13 @@ def run_island(config: ml_collections.ConfigDict, workdir: str, name: str, addre
                 compute_seconds=result["seconds"],
                 busy_seconds=result["busy_seconds"],
                 step_seconds=result["step_seconds"],
-                exchange_seconds=exchange_seconds,
+                seconds_blocked=seconds_blocked,
                 bytes_sent=transport.last_bytes_sent,
                 bytes_received=transport.last_bytes_received,
+                seconds_transferring=transport.last_stats.seconds_transferring,
+                seconds_sending=transport.last_stats.seconds_sending,
+                seconds_receiving=transport.last_stats.seconds_receiving,
+                achieved_gbps=transport.last_stats.achieved_gbps,
                 payload_bytes=len(payload),
                 codec_relative_error=island.codec_relative_error,
                 checksum=island.global_checksum,
@@ -298,7 +313,7 @@ def run_island(config: ml_collections.ConfigDict, workdir: str, name: str, addre
             logging.info(
                 "round %d/%d | loss %.4f | eval %s | sent/received %.2f/%.2f MB | compute %.1f s, exchange %.1f s | ETA %s",
                 r + 1, rounds, record["train_loss"], f"{eval_loss:.4f}" if eval_loss is not None else "-",
-                record["bytes_sent"] / 1e6, record["bytes_received"] / 1e6, result["seconds"], exchange_seconds, eta,
+                record["bytes_sent"] / 1e6, record["bytes_received"] / 1e6, result["seconds"], seconds_blocked, eta,
             )
             if timed_start is None:
                 timed_start = time.perf_counter()  # rounds after the first carry no compilation
@@ -315,7 +330,9 @@ def run_island(config: ml_collections.ConfigDict, workdir: str, name: str, addre
     return summary
 
 
-_SUMMED = ("inner_steps", "tokens", "bytes_sent", "bytes_received", "compute_seconds", "exchange_seconds")
+_SUMMED = (
+    "inner_steps", "tokens", "bytes_sent", "bytes_received", "compute_seconds", "seconds_blocked", "seconds_transferring"
+)
 
 
 def summarize_island(folder: str) -> dict:
@@ -324,7 +341,8 @@ def summarize_island(folder: str) -> dict:
     A round logged twice (after a crash, a resumed run trains it again) counts
     once, with its latest record. Returns `rounds` (completed), the sums of
     `inner_steps`, `tokens`, `bytes_sent`, `bytes_received` (bytes),
-    `compute_seconds`, `exchange_seconds`, the last `checksum`, and when the
+    `compute_seconds`, `seconds_blocked`, `seconds_transferring` (seconds),
+    `achieved_gbps` (all bytes moved x 8 / seconds_transferring), the last `checksum`, and when the
     island evaluated, `eval_loss_initial` (round 0) and `eval_loss_final`.
     """
     rounds, evals = {}, {}
@@ -333,7 +351,9 @@ def summarize_island(folder: str) -> dict:
             rounds[rec["round"]] = rec
         elif rec.get("kind") == "eval":
             evals[rec["round"]] = rec["eval_loss"]
-    summary = {key: sum(rec[key] for rec in rounds.values()) for key in _SUMMED}
+    summary = {key: sum(rec.get(key, 0) for rec in rounds.values()) for key in _SUMMED}
+    moved = summary["bytes_sent"] + summary["bytes_received"]
+    summary["achieved_gbps"] = moved * 8 / summary["seconds_transferring"] / 1e9 if summary["seconds_transferring"] else 0.0
     summary.update(rounds=max(rounds, default=0), checksum=rounds[max(rounds)]["checksum"] if rounds else None)
     if evals:
         summary.update(eval_loss_initial=evals.get(0), eval_loss_final=evals[max(evals)])
@@ -349,7 +369,7 @@ def combine_summaries(config: ml_collections.ConfigDict, workdir: str, wall_seco
       `wall_seconds` (the caller's), `checksums_agree` (every island's final
       global parameters equal the coordinator's view), and
       `islands.NAME.{inner_steps, tokens, bytes_sent, bytes_received,
-      compute_seconds, exchange_seconds, mean_weight (its share of a merge,
+      compute_seconds, seconds_blocked, seconds_transferring, achieved_gbps, mean_weight (its share of a merge,
       averaged over rounds), rounds_merged}`.
 
     Raises:
@@ -378,7 +398,7 @@ def combine_summaries(config: ml_collections.ConfigDict, workdir: str, wall_seco
         checksums_agree=all(s["checksum"] == coordinator["checksum"] for s in islands.values()),
         islands={
             name: dict(
-                {k: s[k] for k in _SUMMED},
+                {k: s[k] for k in (*_SUMMED, "achieved_gbps")},
                 # the share of each round's merge, averaged over rounds (0 for a round it missed)
                 mean_weight=sum(r["weights"].get(name, 0.0) for r in merged.values()) / max(len(merged), 1),
                 rounds_merged=sum(name in r["weights"] for r in merged.values()),

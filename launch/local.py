@@ -11,6 +11,29 @@ stopped and the launcher exits with that process's status; on success it
 writes `WORKDIR/summary.json` from all roles. Overrides (`--config.a.b=v`, with
 `=`) go to every role. Running it again with the same workdir resumes every
 role from its newest checkpoint.
+
+Behind a bandwidth-limited link (Linux, as root): `launch/wan_netns.sh` makes two
+network namespaces joined by a shaped veth pair, `ij-coord` (10.77.0.1) and
+`ij-island` (10.77.0.2); the launcher can start each role inside one of them:
+
+  sudo launch/wan_netns.sh run 1gbit -- python launch/local.py --config=... --workdir=... \
+      --netns_coordinator=ij-coord --netns_islands=b=ij-island
+
+`--netns_coordinator=NS` runs the coordinator in NS (`ip netns exec NS ...`);
+`--netns_islands` lists `NAME=NS` pairs, or one bare `NS` for every island not
+named, and an island it does not place runs in the coordinator's namespace (the
+only other place from which it can reach the coordinator), so the example
+above puts island b behind the link and island a next to the coordinator. With
+namespaces, the coordinator listens on its namespace's own address (the first
+global IPv4 address there, 10.77.0.1 with wan_netns.sh) unless `--host` says
+otherwise, and every island dials that address: from the coordinator's
+namespace it is local, from the island namespace it is across the link. A
+`--host` of 0.0.0.0 (or ::) listens on every address and islands still dial the
+namespace's address. With `--port=0` the free port is picked inside the
+coordinator's namespace. Every namespace must exist before anything starts
+(`launch/wan_netns.sh up RATE`); `ip netns exec` execs the role in place, so the
+pids shown are the roles' own and they are stopped as without namespaces.
+Without these flags nothing changes: every role runs in the launcher's namespace.
 """
 
 from __future__ import annotations
@@ -32,15 +55,107 @@ _CONFIG = config_flags.DEFINE_config_file("config", None, "Path to an experiment
 _WORKDIR = flags.DEFINE_string("workdir", None, "The run's folder (one subfolder per role).")
 _HOST = flags.DEFINE_string("host", "localhost", "Host the coordinator listens on.")
 _PORT = flags.DEFINE_integer("port", 0, "Port the coordinator listens on; 0 picks a free one.")
+_NETNS_COORDINATOR = flags.DEFINE_string(
+    "netns_coordinator", "", "Network namespace to run the coordinator in (`ip netns exec`); empty: this one."
+)
+_NETNS_ISLANDS = flags.DEFINE_string(
+    "netns_islands", "", "Comma-separated NAME=NS: island NAME runs in namespace NS; a bare NS places every island "
+    "not named; islands not placed run in the coordinator's namespace. Needs --netns_coordinator."
+)
 flags.mark_flags_as_required(["config", "workdir"])
 
 TRAIN = Path(__file__).resolve().parents[1] / "experiments" / "train.py"
+LOOPBACK = ("localhost", "127.0.0.1", "[::1]", "::1")
+WILDCARD = ("0.0.0.0", "::", "[::]")
 
 
 def _free_port(host: str) -> int:
     with socket.socket() as s:
         s.bind((host, 0))
         return s.getsockname()[1]
+
+
+_WAN_UP = "create them with `sudo launch/wan_netns.sh up RATE` (or run under `launch/wan_netns.sh run RATE -- ...`)"
+
+
+def _ip(*args: str) -> str:
+    """Runs `ip ARGS` and returns its output; exits with its message if it fails."""
+    try:
+        out = subprocess.run(["ip", *args], check=False, capture_output=True, text=True, timeout=30)
+    except FileNotFoundError:
+        sys.exit("network namespaces need the `ip` command: install iproute2")
+    if out.returncode != 0:
+        sys.exit(f"`ip {' '.join(args)}` failed: {out.stderr.strip()}")
+    return out.stdout
+
+
+def _placement(islands: list[str]) -> tuple[str, dict[str, str]]:
+    """The coordinator's namespace and each island's from the flags ("": the launcher's own)."""
+    coordinator, spec = _NETNS_COORDINATOR.value.strip(), _NETNS_ISLANDS.value.strip()
+    if spec and not coordinator:
+        sys.exit("--netns_islands needs --netns_coordinator: islands reach the coordinator over the link between "
+                 "the namespaces (e.g. --netns_coordinator=ij-coord --netns_islands=b=ij-island)")
+    named, every = {}, None
+    for item in filter(None, (i.strip() for i in spec.split(","))):
+        name, sep, ns = item.rpartition("=")
+        if not ns or (sep and not name):
+            sys.exit(f"--netns_islands: cannot read {item!r}; give NAME=NS pairs or one bare NS")
+        if not sep:
+            if every is not None:
+                sys.exit(f"--netns_islands: more than one bare namespace ({every!r}, {ns!r})")
+            every = ns
+        elif name not in islands:
+            sys.exit(f"--netns_islands: no island {name!r} in the config (islands: {', '.join(islands)})")
+        elif name in named:
+            sys.exit(f"--netns_islands: island {name!r} is placed twice")
+        else:
+            named[name] = ns
+    return coordinator, {n: named.get(n, every or coordinator) for n in islands}
+
+
+def _namespace_address(ns: str) -> str | None:
+    """The first global IPv4 address in namespace `ns` (None if it has none)."""
+    for line in _ip("-n", ns, "-o", "-4", "addr", "show", "scope", "global").splitlines():
+        fields = line.split()
+        if "inet" in fields:
+            return fields[fields.index("inet") + 1].split("/")[0]
+    return None
+
+
+def _free_port_in(ns: str, host: str) -> int:
+    """A free port on `host` inside namespace `ns`."""
+    code = f"import socket; s = socket.socket(); s.bind(({host!r}, 0)); print(s.getsockname()[1])"
+    out = subprocess.run(["ip", "netns", "exec", ns, sys.executable, "-c", code], check=False, capture_output=True,
+                         text=True, timeout=60)
+    if out.returncode != 0:
+        sys.exit(f"cannot pick a free port on {host} in namespace {ns}: {out.stderr.strip()[-500:]}; pass --port")
+    return int(out.stdout.split()[-1])
+
+
+def _addresses(coordinator_ns: str, island_ns: dict[str, str]) -> tuple[str, str]:
+    """Where the coordinator listens and where the islands dial it (HOST:PORT each); exits on a bad placement."""
+    namespaces = {coordinator_ns, *island_ns.values()} - {""}
+    if not namespaces:
+        address = f"{_HOST.value}:{_PORT.value or _free_port(_HOST.value)}"
+        return address, address
+    if os.geteuid() != 0:
+        sys.exit("running roles in network namespaces (`ip netns exec`) needs root (CAP_SYS_ADMIN); run with sudo")
+    existing = {line.split()[0] for line in _ip("netns", "list").splitlines() if line.strip()}
+    missing = sorted(namespaces - existing)
+    if missing:
+        sys.exit(f"network namespace{'s' if len(missing) > 1 else ''} {', '.join(missing)} not found; {_WAN_UP}")
+    apart = any(ns != coordinator_ns for ns in island_ns.values())  # some island dials across namespaces
+    own = _namespace_address(coordinator_ns)
+    if own is None and apart and (not _HOST.present or _HOST.value in WILDCARD):
+        sys.exit(f"namespace {coordinator_ns} has no global IPv4 address for islands in other namespaces to dial; "
+                 f"pass --host, or {_WAN_UP}")
+    listen = _HOST.value if _HOST.present or own is None else own
+    dial = own if listen in WILDCARD and own is not None else listen
+    if apart and dial in LOOPBACK:
+        sys.exit(f"islands outside the coordinator's namespace cannot reach it at {dial}: drop --host (the "
+                 "namespace's own address is used) or give an address of the coordinator's namespace")
+    port = _PORT.value or _free_port_in(coordinator_ns, listen.strip("[]"))
+    return f"{listen}:{port}", f"{dial}:{port}"
 
 
 def _die_with_parent() -> None:
@@ -117,7 +232,7 @@ class Progress:
             + " ".join(f"{n}={recs[n]['train_loss']:.4f}" for n in self.names)
             + (f" | eval {self.eval_loss:.4f}" if self.eval_loss is not None else "")
             + f" | sent/received per island {first['bytes_sent'] / 1e6:.2f}/{first['bytes_received'] / 1e6:.2f} MB"
-            + f" | exchange {max(rec['exchange_seconds'] for rec in recs.values()):.1f} s | ETA {eta}"
+            + f" | exchange {max(rec['seconds_blocked'] for rec in recs.values()):.1f} s | ETA {eta}"
         )
 
 
@@ -135,22 +250,31 @@ def main(argv):
     if os.path.exists(os.path.join(workdir, "summary.json")):
         sys.exit(f"{workdir} holds a finished run (summary.json); pass a new --workdir, or move that one away "
                  "first, so that nothing it holds is overwritten")
+    names = list(config.islands.keys())
+    coordinator_ns, island_ns = _placement(names)  # checked before anything is created or started
+    listen, dial = _addresses(coordinator_ns, island_ns)
     os.makedirs(workdir, exist_ok=True)
     start = time.perf_counter()
-    address = f"{_HOST.value}:{_PORT.value or _free_port(_HOST.value)}"
     del argv
     overrides = [a for a in sys.argv[1:] if a.startswith("--config")]  # the config and its overrides
-    base = [sys.executable, "-u", str(TRAIN), f"--workdir={workdir}", f"--coordinator={address}", *overrides]
-    roles = [("coordinator", base + ["--role=coordinator"])] + [
-        (f"island {n}", base + ["--role=island", f"--island={n}"]) for n in config.islands.keys()
+
+    def command(ns: str, address: str, *role: str) -> list[str]:
+        netns = ["ip", "netns", "exec", ns] if ns else []
+        return netns + [sys.executable, "-u", str(TRAIN), f"--workdir={workdir}", f"--coordinator={address}",
+                        *overrides, *role]
+
+    roles = [("coordinator", command(coordinator_ns, listen, "--role=coordinator"))] + [
+        (f"island {n}", command(island_ns[n], dial, "--role=island", f"--island={n}")) for n in names
     ]
+    where = {"coordinator": coordinator_ns} | {f"island {n}": island_ns[n] for n in names}
     lock = threading.Lock()
     procs, threads = {}, []
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     for role, cmd in roles:  # every process first: preexec_fn is only safe before threads start
         procs[role] = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
                                        preexec_fn=_die_with_parent)
-        print(f"[launch] started {role} (pid {procs[role].pid})", flush=True)
+        inside = f" in namespace {where[role]}" if where[role] else ""
+        print(f"[launch] started {role} (pid {procs[role].pid}){inside}", flush=True)
     for role, p in procs.items():
         threads.append(threading.Thread(target=_forward, args=(role, p.stdout, lock), daemon=True))
         threads[-1].start()

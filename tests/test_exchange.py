@@ -11,7 +11,6 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from island_jax.comm import exchange_pb2 as pb
-from island_jax.comm import exchange_pb2_grpc as pb_grpc
 from island_jax.comm import wire
 from island_jax.comm.client import GrpcTransport
 from island_jax.comm.server import serve
@@ -21,6 +20,19 @@ from island_jax.outer import codec
 from island_jax.params import checksum
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def _contribute_raw(transport: GrpcTransport, frames) -> pb.ContributeReply:
+    """One Contribute stream of hand-made frames on the transport's first connection."""
+    call = transport.channels[0].stream_unary(
+        "/island_jax.exchange.Exchange/Contribute", request_serializer=bytes, response_deserializer=pb.ContributeReply.FromString
+    )
+    return call(iter(frames), timeout=60)
+
+
+def _frames(transport: GrpcTransport, island: str, payload: bytes, tokens: int = 10) -> list[bytes]:
+    header = pb.PayloadHeader(round=0, island=island, tokens=tokens, layout=transport.layout, total_bytes=len(payload), streams=1)
+    return [wire.header_frame(header)] + [frame for _, frame in wire.chunk_frames(payload, transport.plan)]
 
 
 @pytest.fixture(scope="module")
@@ -57,19 +69,22 @@ def test_five_megabyte_payload_crosses_processes_intact(server_process):
     transports = {n: GrpcTransport(address, c.comm.chunk_bytes, join_timeout=60, round_timeout=60) for n in pg}
     for n, t in transports.items():
         assert t.join(n, fingerprint_fields(c), start) == dict(round=0, checksum=start)
-    # Island a through the raw stub, to read the coordinator's own count and CRC32.
-    header = pb.PayloadHeader(round=0, island="a", tokens=100, layout=transports["a"].layout)
-    parts = list(wire.payload_parts(header, payloads["a"], c.comm.chunk_bytes))
-    assert len(parts) == 1 + 5  # header + ceil(5,000,000 / 1 MiB) chunks
-    reply = pb_grpc.ExchangeStub(transports["a"].channel).Contribute(iter(parts), timeout=60)
+    # Island a through a raw stream, to read the coordinator's own count and CRC32.
+    frames = _frames(transports["a"], "a", payloads["a"], tokens=100)
+    assert len(frames) == 1 + 5  # header + ceil(5,000,000 / 1 MiB) chunks
+    assert max(len(f) for f in frames[1:]) == wire.FRAMING_BYTES + (1 << 20)
+    reply = _contribute_raw(transports["a"], frames)
     assert reply.bytes_received == 5_000_000
-    assert reply.crc32 == wire.crc32(payloads["a"])
+    view = memoryview(payloads["a"])
+    assert reply.crc32 == wire.fold_crc32(wire.crc32(view[k.offset : k.offset + k.nbytes]) for k in transports["a"].plan)
     transports["b"].contribute(0, "b", 100, payloads["b"], start)
     # SGD lr 1 on the token-weighted mean: the update is -(pg_a + pg_b) / 2, exactly.
     expected = -(pg["a"]["w"] + pg["b"]["w"]) / np.float32(2)
     for n, t in transports.items():
         update = t.fetch_update(0, n)
         assert len(update) == 5_000_000
+        # 5 chunk frames of 17 framing bytes each, and a trailer of under 100 bytes.
+        assert 5_000_085 < t.last_stats.bytes_received < 5_000_185
         np.testing.assert_array_equal(codec.decode(update, exchange_server.params(), "none", 256)["w"], expected)
         t.close()
     assert proc.wait(timeout=60) == 0  # the server saw both islands fetch the whole update
@@ -104,14 +119,15 @@ def test_chunk_with_flipped_byte_is_refused_and_never_merged(local_server):
     pg_a = {"w": np.full(100_000, 3.0, np.float32)}
     pg_b = {"w": np.full(100_000, 1.0, np.float32)}
     good = codec.encode(pg_a, "none", 256)
-    parts = list(wire.payload_parts(pb.PayloadHeader(round=0, island="a", tokens=10, layout=a.layout), good, 64 * 1024))
-    data = bytearray(parts[3].chunk.data)
-    data[1000] ^= 0x01  # one flipped bit after the sender computed the chunk's CRC32
-    parts[3].chunk.data = bytes(data)
+    frames = _frames(a, "a", good)
+    assert len(frames) == 1 + 7  # 400,000 bytes in chunks of 64 KiB
+    flipped = bytearray(frames[4])
+    flipped[wire.FRAMING_BYTES + 1000] ^= 0x01  # one flipped bit after the sender computed the chunk's CRC32
+    frames[4] = bytes(flipped)
     with pytest.raises(grpc.RpcError) as refused:
-        pb_grpc.ExchangeStub(a.channel).Contribute(iter(parts), timeout=30)
+        _contribute_raw(a, frames)
     assert refused.value.code() == grpc.StatusCode.DATA_LOSS
-    assert "CRC32 mismatch in the chunk at offset 131072" in refused.value.details()
+    assert "CRC32 mismatch in chunk 3 (offset 196608, 65536 bytes)" in refused.value.details()
     assert coordinator._pending == {} and coordinator.round == 0
     # The same island then sends the intact payload, and only it is merged.
     a.contribute(0, "a", 10, good, start)
@@ -124,9 +140,8 @@ def test_payload_of_the_wrong_size_is_refused(local_server):
     c, coordinator, address = local_server
     a = GrpcTransport(address, c.comm.chunk_bytes, join_timeout=30, round_timeout=30)
     a.join("a", fingerprint_fields(c), coordinator.checksum)
-    parts = wire.payload_parts(pb.PayloadHeader(round=0, island="a", tokens=10, layout=a.layout), b"\0" * 400_004, 65536)
     with pytest.raises(grpc.RpcError) as refused:
-        pb_grpc.ExchangeStub(a.channel).Contribute(parts, timeout=30)
+        _contribute_raw(a, _frames(a, "a", b"\0" * 400_004))
     assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert "payload of 400004 bytes from island 'a', round 0, but this round expects 400000 bytes" in refused.value.details()
     assert coordinator._pending == {}
@@ -142,18 +157,48 @@ def test_handshake_names_the_field_that_differs(local_server):
     assert coordinator.joined == set()
 
 
-def test_reassembler_refuses_out_of_order_and_short_streams():
-    payload = bytes(range(256)) * 40
-    parts = list(wire.payload_parts(pb.PayloadHeader(round=0, island="a"), payload, 1024))
-    with pytest.raises(wire.WireError, match="chunk at offset 2048 arrived where offset 1024 was due"):
-        wire.Reassembler(len(payload), 1024).extend([parts[0], parts[1], parts[3]])
-    with pytest.raises(wire.WireError, match="ended after 3072 of 10240 bytes") as short:
-        wire.Reassembler(len(payload), 1024).extend(parts[:4]).finish()
+def test_four_connections_reassemble_byte_exact_in_any_order():
+    """A transfer split over 4 connections (chunk k on k % 4), its chunks arriving in any order."""
+    like = {"w": np.zeros(70_000, np.float32), "b": np.zeros(3, np.float32)}
+    payload = np.random.default_rng(0).bytes(codec.payload_bytes(like, "none", 256))
+    plan = codec.chunk_plan(like, "none", 256, 65536)
+    # "b" (12 bytes) alone, then "w" in pieces of 16,384 float32: 4 x 65,536 bytes and 17,856 bytes.
+    assert [k.nbytes for k in plan] == [12, 65536, 65536, 65536, 65536, 17856]
+    streams = [list(wire.chunk_frames(payload, plan, connection, 4)) for connection in range(4)]
+    assert [[k for k, _ in s] for s in streams] == [[0, 4], [1, 5], [2], [3]]
+    frames = [frame for s in streams for _, frame in s]
+    rng = np.random.default_rng(1)
+    for _ in range(10):
+        assembler = wire.ChunkAssembler(plan)
+        for i in rng.permutation(len(frames)):
+            kind, value = wire.parse(frames[i])
+            assert kind == wire.CHUNK
+            assembler.add(*value)
+        crc = wire.fold_crc32(wire.crc32(payload[k.offset : k.offset + k.nbytes]) for k in plan)
+        assert assembler.finish(pb.PayloadHeader(total_bytes=len(payload), crc32=crc)) == payload
+
+
+def test_assembler_refuses_repeated_misplaced_corrupt_and_missing_chunks():
+    like = {"w": np.zeros(40_000, np.float32)}
+    payload = np.random.default_rng(0).bytes(codec.payload_bytes(like, "none", 256))
+    plan = codec.chunk_plan(like, "none", 256, 65536)
+    assert [k.nbytes for k in plan] == [65536, 65536, 28928]
+    frames = [wire.parse(f)[1] for _, f in wire.chunk_frames(payload, plan)]
+    assembler = wire.ChunkAssembler(plan)
+    assembler.add(*frames[0])
+    with pytest.raises(wire.WireError, match="chunk 0 arrived twice"):
+        assembler.add(*frames[0])
+    index, offset, crc, data = frames[1]
+    with pytest.raises(wire.WireError, match="chunk 1 came at offset 1024 with 65536 bytes, but the plan puts it at offset 65536"):
+        assembler.add(index, 1024, crc, data)
+    with pytest.raises(wire.WireError, match="CRC32 mismatch in chunk 1") as corrupt:
+        assembler.add(index, offset, crc ^ 1, data)
+    assert corrupt.value.code == "DATA_LOSS"
+    with pytest.raises(wire.WireError, match=r"ended with 2 of 3 chunks missing \(first: \[1, 2\]\)") as short:
+        assembler.finish(pb.PayloadHeader(total_bytes=len(payload)))
     assert short.value.code == "DATA_LOSS"
-    with pytest.raises(wire.WireError, match="exceeds comm.chunk_bytes=512"):
-        wire.Reassembler(len(payload), 512).extend(parts[:2])
-    header, again = wire.Reassembler(len(payload), 1024).extend(parts).finish()
-    assert again == payload and header.total_bytes == 10240 and header.crc32 == wire.crc32(payload)
+    with pytest.raises(wire.WireError, match="unknown kind b'X'"):
+        wire.parse(b"X123")
 
 
 def test_committed_stubs_are_what_the_proto_generates(tmp_path):

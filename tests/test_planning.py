@@ -91,7 +91,7 @@ def test_measured_plan_from_round_zero_step_times():
     coordinator.contribute(0, "a", 100, pg, None, 0.1)
     assert coordinator.planned_inner_steps("b") is None
     coordinator.contribute(0, "b", 100, pg, None, 0.25)
-    assert coordinator.plan == {"a": 10, "b": 4}  # round(10 x 0.1 / 0.25)
+    assert coordinator.plan_steps == {"a": 10, "b": 4}  # round(10 x 0.1 / 0.25)
 
 
 def test_measured_plan_in_a_run(tmp_path):

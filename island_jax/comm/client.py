@@ -1,8 +1,17 @@
-"""The island's side of the gRPC exchange: the `Transport` calls over a channel.
+"""The island's side of the gRPC exchange: the `Transport` calls over parallel channels.
 
 `GrpcTransport` implements join / contribute / fetch_update like the in-process
-transport, so `Island` code does not change. Status codes from the coordinator
-become the same exceptions the coordinator raises in process:
+transport, so `Island` code does not change. It opens `comm.connections`
+channels to the coordinator, each its own TCP connection (gRPC would otherwise
+multiplex every stream over one, and one TCP connection over a long path
+carries at most window / RTT), and sends chunk k of a payload on connection
+k % connections. With `comm.pipeline`, the update streams open before the
+contribution is sent, so update chunks flow back while later contribution
+chunks are still on the way. With a `LinkEmulator`, every chunk in both
+directions is held until it would have arrived over the emulated link.
+
+Status codes from the coordinator become the same exceptions the coordinator
+raises in process:
 
   FAILED_PRECONDITION at join     -> HandshakeError
   FAILED_PRECONDITION otherwise   -> ContributionError
@@ -10,22 +19,26 @@ become the same exceptions the coordinator raises in process:
   DATA_LOSS, INVALID_ARGUMENT     -> ExchangeError (corrupt or mis-shaped payload)
   UNAVAILABLE, DEADLINE_EXCEEDED  -> ExchangeError (coordinator unreachable or late)
 
-Each call's bytes on the wire (serialized messages, handshake excluded) are in
-`last_bytes_sent` / `last_bytes_received`.
+`last_stats` describes the last round's exchange (see `SyncStats`).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
+import threading
+import time
+from concurrent import futures
 
 import grpc
 
 from island_jax.comm import exchange_pb2 as pb
-from island_jax.comm import exchange_pb2_grpc as pb_grpc
 from island_jax.comm import wire
-from island_jax.comm.server import channel_options
+from island_jax.comm.link import LinkEmulator
+from island_jax.comm.server import SERVICE_NAME, channel_options
 from island_jax.coordinator import ContributionError, HandshakeError, StaleRoundError
+from island_jax.outer import codec
 
 
 class ExchangeError(RuntimeError):
@@ -47,29 +60,153 @@ def _error(e: grpc.RpcError, what: str, address: str) -> Exception:
     return ExchangeError(f"{what}: the coordinator at {address} refused it ({code.name}: {detail})")
 
 
+def _plan(offsets, total: int) -> list[codec.Chunk]:
+    ends = [*offsets[1:], total]
+    return [codec.Chunk(i, o, e - o, ()) for i, (o, e) in enumerate(zip(offsets, ends))]
+
+
+@dataclasses.dataclass
+class SyncStats:
+    """One round's exchange, as the island saw it.
+
+    Attributes:
+      bytes_sent, bytes_received: frame bytes of the contribution and the update.
+      seconds_sending: from the first contribution frame to the last reply, s.
+      seconds_receiving: from the first update chunk to the last one's arrival, s.
+      seconds_transferring: time any of this island's bytes were moving (the
+        union of the two spans above), s.
+      achieved_gbps: (bytes_sent + bytes_received) x 8 / seconds_transferring / 1e9.
+    """
+
+    bytes_sent: int = 0
+    bytes_received: int = 0
+    seconds_sending: float = 0.0
+    seconds_receiving: float = 0.0
+    seconds_transferring: float = 0.0
+    achieved_gbps: float = 0.0
+
+
+class _Fetch:
+    """An update being received over every connection; `result()` waits for it."""
+
+    def __init__(self, transport: "GrpcTransport", round: int, island: str, what: str, plan, methods: list):
+        self.assembler = wire.ChunkAssembler(plan)
+        self.lock = threading.Lock()
+        self.trailers: list[pb.PayloadHeader] = []
+        self.first_receipt: float | None = None
+        self.last_arrival = 0.0
+        self.transport, self.what = transport, what
+        n = len(methods)
+        self.futures = [
+            transport._pool.submit(
+                self._receive, method, pb.FetchRequest(round=round, island=island, connection=i, connections=n), i, n
+            )
+            for i, method in enumerate(methods)
+        ]
+
+    def _receive(self, method, request: pb.FetchRequest, connection: int, connections: int) -> None:
+        t = self.transport
+        for frame in method(request, timeout=t.round_timeout):
+            receipt = t.clock()
+            kind, value = wire.parse(frame)
+            with self.lock:
+                self.assembler.wire_bytes += len(frame)
+                if self.first_receipt is None:
+                    self.first_receipt = receipt
+                if t.link is not None:
+                    self.last_arrival = max(self.last_arrival, t.link.arrival("down", connection, len(frame), now=receipt))
+                else:
+                    self.last_arrival = max(self.last_arrival, receipt)
+                if kind == wire.CHUNK:
+                    self.assembler.add(*value)
+                elif kind == wire.RESTART:  # the merge restarted: this connection's chunks so far are void
+                    for k in range(connection, len(self.assembler.plan), connections):
+                        self.assembler.crcs.pop(k, None)
+                elif kind == wire.TRAILER:
+                    self.trailers.append(value)
+                else:
+                    raise wire.WireError(f"a {kind!r} frame arrived in an update stream")
+
+    def result(self) -> tuple[pb.PayloadHeader, bytes]:
+        t = self.transport
+        try:
+            for f in self.futures:
+                f.result()
+            if not self.trailers:
+                raise wire.WireError("the update streams ended without a trailer", code="DATA_LOSS")
+            payload = self.assembler.finish(self.trailers[0])
+        except grpc.RpcError as e:
+            raise _error(e, self.what, t.address) from None
+        except wire.WireError as e:
+            raise ExchangeError(f"{self.what}: {e}") from None
+        if t.link is not None:
+            t.link_sleep(self.last_arrival)
+        return self.trailers[0], payload
+
+
 class GrpcTransport:
-    """The island's connection to the coordinator at `address` ("HOST:PORT").
+    """The island's connections to the coordinator at `address` ("HOST:PORT").
 
     Args:
       address: the coordinator's HOST:PORT.
-      chunk_bytes: largest chunk sent or accepted (`comm.chunk_bytes`), bytes.
+      chunk_bytes: `comm.chunk_bytes` (the coordinator sends the chunk plan at join).
       join_timeout: seconds to wait for the coordinator at join (it may still be starting).
       round_timeout: seconds to wait for a round's update.
+      connections: `comm.connections`, gRPC channels (TCP connections) in parallel.
+      pipeline: `comm.pipeline`; open the update streams before contributing.
+      link: an emulated WAN link for this island (None: the real network only).
+      clock: seconds, monotonic; the link emulator's clock.
     """
 
-    def __init__(self, address: str, chunk_bytes: int, join_timeout: float = 300.0, round_timeout: float = 3600.0):
+    def __init__(
+        self,
+        address: str,
+        chunk_bytes: int,
+        join_timeout: float = 300.0,
+        round_timeout: float = 3600.0,
+        connections: int = 1,
+        pipeline: bool = True,
+        link: LinkEmulator | None = None,
+        clock=time.monotonic,
+    ):
         self.address, self.chunk_bytes = address, chunk_bytes
         self.join_timeout, self.round_timeout = join_timeout, round_timeout
-        self.channel = grpc.insecure_channel(address, options=channel_options(chunk_bytes))
-        self.stub = pb_grpc.ExchangeStub(self.channel)
+        self.connections, self.pipeline, self.link = connections, pipeline, link
+        self.clock = link.clock if link is not None else clock
+        options = [*channel_options(chunk_bytes), ("grpc.use_local_subchannel_pool", 1)]
+        self.channels = [grpc.insecure_channel(address, options=options) for _ in range(connections)]
+        self._join = [ch.unary_unary(f"/{SERVICE_NAME}/Join", pb.JoinRequest.SerializeToString, pb.JoinReply.FromString) for ch in self.channels]
+        self._contribute = [
+            ch.stream_unary(f"/{SERVICE_NAME}/Contribute", _raw, pb.ContributeReply.FromString) for ch in self.channels
+        ]
+        self._fetch_update = [
+            ch.unary_stream(f"/{SERVICE_NAME}/FetchUpdate", pb.FetchRequest.SerializeToString, _raw) for ch in self.channels
+        ]
+        self._fetch_view = self.channels[0].unary_stream(f"/{SERVICE_NAME}/FetchView", pb.FetchRequest.SerializeToString, _raw)
+        self._pool = futures.ThreadPoolExecutor(max_workers=2 * connections + 2, thread_name_prefix="exchange")
         self.payload_bytes: int | None = None
         self.view_bytes: int | None = None
         self.layout = ""
-        self.last_bytes_sent = self.last_bytes_received = 0
+        self.plan: list[codec.Chunk] = []
+        self.view_plan: list[codec.Chunk] = []
+        self.last_stats = SyncStats()
         self._planned: dict[str, int] = {}
+        self._fetches: dict[tuple[int, str], _Fetch] = {}
+        self._send_span = (0.0, 0.0)
+
+    @property
+    def last_bytes_sent(self) -> int:
+        return self.last_stats.bytes_sent
+
+    @property
+    def last_bytes_received(self) -> int:
+        return self.last_stats.bytes_received
+
+    def link_sleep(self, until: float) -> None:
+        self.link.sleep(max(0.0, until - self.clock()))
 
     def join(self, island: str, config_fingerprint: dict, params_checksum: str, round: int = 0) -> dict:
-        """Handshake; waits up to `join_timeout` seconds for the coordinator to come up.
+        """Handshake on every connection; waits up to `join_timeout` seconds for the coordinator to come up.
 
         Raises:
           HandshakeError: the coordinator refused (its message names what differs).
@@ -79,10 +216,13 @@ class GrpcTransport:
             island=island, fingerprint_json=json.dumps(config_fingerprint), params_checksum=params_checksum, round=round
         )
         try:
-            reply = self.stub.Join(request, timeout=self.join_timeout, wait_for_ready=True)
+            replies = [join(request, timeout=self.join_timeout, wait_for_ready=True) for join in self._join]
         except grpc.RpcError as e:
             raise _error(e, "join", self.address) from None
+        reply = replies[0]
         self.payload_bytes, self.layout, self.view_bytes = reply.payload_bytes, reply.layout, reply.view_bytes
+        self.plan = _plan(list(reply.chunk_offsets), reply.payload_bytes)
+        self.view_plan = _plan(list(reply.view_chunk_offsets), reply.view_bytes)
         return dict(round=reply.round, checksum=reply.params_checksum)
 
     def contribute(
@@ -94,41 +234,63 @@ class GrpcTransport:
         params_checksum: str | None = None,
         step_seconds: float | None = None,
     ) -> str:
-        """Streams one encoded pseudo-gradient in CRC32-checked chunks; returns "accepted" or "discarded".
+        """Streams one encoded pseudo-gradient over every connection; returns "accepted" or "discarded".
 
         Raises:
           ContributionError: the coordinator refused it (round, NaN, checksum...).
-          ExchangeError: transfer failed, or the coordinator's byte count or CRC32
+          ExchangeError: transfer failed, or a stream's byte count or CRC32
             differs from what was sent.
         """
-        header = pb.PayloadHeader(
-            round=round, island=island, tokens=tokens, layout=self.layout, params_checksum=params_checksum or "",
-            step_seconds=step_seconds or 0.0,
+        start = self.clock()
+        if self.pipeline:
+            self._fetches[(round, island)] = self._open_fetch(round, island)
+        n = self.connections
+        header = wire.header_frame(
+            pb.PayloadHeader(
+                round=round, island=island, tokens=tokens, layout=self.layout, params_checksum=params_checksum or "",
+                step_seconds=step_seconds or 0.0, streams=n, total_bytes=len(payload),
+            )
         )
-        sent = 0
+        frames: list[list[tuple[int, bytes, float]]] = [[] for _ in range(n)]
+        view = memoryview(payload)
+        for chunk in self.plan:  # arrival times in chunk order, so the coordinator can merge in that order
+            frame = wire.chunk_frame(chunk.index, chunk.offset, view[chunk.offset : chunk.offset + chunk.nbytes])
+            conn = chunk.index % n
+            arrival = self.link.arrival("up", conn, len(frame), now=start) if self.link is not None else 0.0
+            frames[conn].append((chunk.index, frame, arrival))
 
-        def parts():
-            nonlocal sent
-            for part in wire.payload_parts(header, payload, self.chunk_bytes):
-                sent += wire.part_bytes(part)
-                yield part
+        def stream(conn: int):
+            yield header
+            for _, frame, arrival in frames[conn]:
+                if self.link is not None:
+                    self.link_sleep(arrival)
+                yield frame
 
+        calls = [self._pool.submit(self._contribute[i], stream(i), timeout=self.round_timeout) for i in range(n)]
         try:
-            reply = self.stub.Contribute(parts(), timeout=self.round_timeout)
+            replies = [c.result() for c in calls]
         except grpc.RpcError as e:
             raise _error(e, "contribute", self.address) from None
-        if reply.bytes_received != len(payload) or reply.crc32 != wire.crc32(payload):
-            raise ExchangeError(
-                f"the coordinator reassembled {reply.bytes_received} bytes (CRC32 {reply.crc32:08x}) of the "
-                f"{len(payload)} sent (CRC32 {wire.crc32(payload):08x})"
-            )
-        self.last_bytes_sent = sent
-        if reply.discarded:
+        for i, reply in enumerate(replies):
+            sent = sum(self.plan[k].nbytes for k, _, _ in frames[i])
+            crc = wire.fold_crc32(wire.parse(f)[1][2] for _, f, _ in frames[i])
+            if reply.bytes_received != sent or reply.crc32 != crc:
+                raise ExchangeError(
+                    f"connection {i}: the coordinator took {reply.bytes_received} bytes (CRC32 of chunk CRC32s "
+                    f"{reply.crc32:08x}) of the {sent} sent ({crc:08x})"
+                )
+        self._send_span = (start, self.clock())
+        self.last_stats = SyncStats(bytes_sent=len(header) * n + sum(len(f) for fs in frames for _, f, _ in fs))
+        discarded = any(r.discarded for r in replies)
+        if discarded:
             logging.warning(
                 "island %s's contribution to round %d came after the round closed and was discarded; "
                 "fetching that round's update", island, round,
             )
-        return "discarded" if reply.discarded else "accepted"
+        return "discarded" if discarded else "accepted"
+
+    def _open_fetch(self, round: int, island: str) -> _Fetch:
+        return _Fetch(self, round, island, "fetch_update", self.plan, self._fetch_update)
 
     def fetch_update(self, round: int, island: str) -> bytes:
         """The round's update bytes; waits up to `round_timeout` seconds for the merge.
@@ -137,11 +299,20 @@ class GrpcTransport:
           ExchangeError: late, unreachable, or a corrupt stream (CRC32).
           StaleRoundError: the round is older than the coordinator's latest (use `fetch_view`).
         """
-        header, payload = self._receive(
-            "fetch_update", self.stub.FetchUpdate, pb.FetchRequest(round=round, island=island), self.payload_bytes
-        )
+        fetch = self._fetches.pop((round, island), None) or self._open_fetch(round, island)
+        header, payload = fetch.result()
         if header.inner_steps:
             self._planned[island] = header.inner_steps
+        end = self.clock()
+        send_start, send_end = self._send_span
+        receive_start = fetch.first_receipt if fetch.first_receipt is not None else end
+        receiving = max(0.0, end - receive_start)
+        sending = max(0.0, send_end - send_start)
+        transferring = sending + receiving - max(0.0, min(send_end, end) - max(send_start, receive_start))
+        stats = self.last_stats
+        stats.bytes_received = fetch.assembler.wire_bytes
+        stats.seconds_sending, stats.seconds_receiving, stats.seconds_transferring = sending, receiving, transferring
+        stats.achieved_gbps = (stats.bytes_sent + stats.bytes_received) * 8 / max(transferring, 1e-9) / 1e9
         return payload
 
     def planned_inner_steps(self, island: str) -> int | None:
@@ -154,21 +325,18 @@ class GrpcTransport:
         Raises:
           ExchangeError: unreachable, or a corrupt stream (CRC32).
         """
-        header, payload = self._receive("fetch_view", self.stub.FetchView, pb.FetchRequest(island=island), self.view_bytes)
+        fetch = _Fetch(self, 0, island, "fetch_view", self.view_plan, [self._fetch_view])
+        header, payload = fetch.result()
         return header.round, payload
 
-    def _receive(self, what: str, call, request: pb.FetchRequest, max_bytes: int | None):
-        """Reassembles and checks one streamed payload; (header, payload)."""
-        receiver = wire.Reassembler(max_bytes or 0, self.chunk_bytes)
-        try:
-            receiver.extend(call(request, timeout=self.round_timeout))
-            header, payload = receiver.finish()
-        except grpc.RpcError as e:
-            raise _error(e, what, self.address) from None
-        except wire.WireError as e:
-            raise ExchangeError(f"{what}: {e}") from None
-        self.last_bytes_received = receiver.wire_bytes
-        return header, payload
-
     def close(self) -> None:
-        self.channel.close()
+        for fetch in self._fetches.values():
+            for f in fetch.futures:
+                f.cancel()
+        self._pool.shutdown(wait=False, cancel_futures=True)
+        for ch in self.channels:
+            ch.close()
+
+
+def _raw(data: bytes) -> bytes:
+    return data

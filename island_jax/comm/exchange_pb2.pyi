@@ -1,7 +1,8 @@
+from google.protobuf.internal import containers as _containers
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
-from collections.abc import Mapping as _Mapping
-from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+from collections.abc import Iterable as _Iterable
+from typing import ClassVar as _ClassVar, Optional as _Optional
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
@@ -18,21 +19,25 @@ class JoinRequest(_message.Message):
     def __init__(self, island: _Optional[str] = ..., fingerprint_json: _Optional[str] = ..., params_checksum: _Optional[str] = ..., round: _Optional[int] = ...) -> None: ...
 
 class JoinReply(_message.Message):
-    __slots__ = ("round", "params_checksum", "payload_bytes", "layout", "view_bytes")
+    __slots__ = ("round", "params_checksum", "payload_bytes", "layout", "view_bytes", "chunk_offsets", "view_chunk_offsets")
     ROUND_FIELD_NUMBER: _ClassVar[int]
     PARAMS_CHECKSUM_FIELD_NUMBER: _ClassVar[int]
     PAYLOAD_BYTES_FIELD_NUMBER: _ClassVar[int]
     LAYOUT_FIELD_NUMBER: _ClassVar[int]
     VIEW_BYTES_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_OFFSETS_FIELD_NUMBER: _ClassVar[int]
+    VIEW_CHUNK_OFFSETS_FIELD_NUMBER: _ClassVar[int]
     round: int
     params_checksum: str
     payload_bytes: int
     layout: str
     view_bytes: int
-    def __init__(self, round: _Optional[int] = ..., params_checksum: _Optional[str] = ..., payload_bytes: _Optional[int] = ..., layout: _Optional[str] = ..., view_bytes: _Optional[int] = ...) -> None: ...
+    chunk_offsets: _containers.RepeatedScalarFieldContainer[int]
+    view_chunk_offsets: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, round: _Optional[int] = ..., params_checksum: _Optional[str] = ..., payload_bytes: _Optional[int] = ..., layout: _Optional[str] = ..., view_bytes: _Optional[int] = ..., chunk_offsets: _Optional[_Iterable[int]] = ..., view_chunk_offsets: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class PayloadHeader(_message.Message):
-    __slots__ = ("round", "island", "tokens", "total_bytes", "crc32", "layout", "params_checksum", "step_seconds", "inner_steps")
+    __slots__ = ("round", "island", "tokens", "total_bytes", "crc32", "layout", "params_checksum", "step_seconds", "inner_steps", "streams")
     ROUND_FIELD_NUMBER: _ClassVar[int]
     ISLAND_FIELD_NUMBER: _ClassVar[int]
     TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -42,6 +47,7 @@ class PayloadHeader(_message.Message):
     PARAMS_CHECKSUM_FIELD_NUMBER: _ClassVar[int]
     STEP_SECONDS_FIELD_NUMBER: _ClassVar[int]
     INNER_STEPS_FIELD_NUMBER: _ClassVar[int]
+    STREAMS_FIELD_NUMBER: _ClassVar[int]
     round: int
     island: str
     tokens: int
@@ -51,25 +57,12 @@ class PayloadHeader(_message.Message):
     params_checksum: str
     step_seconds: float
     inner_steps: int
-    def __init__(self, round: _Optional[int] = ..., island: _Optional[str] = ..., tokens: _Optional[int] = ..., total_bytes: _Optional[int] = ..., crc32: _Optional[int] = ..., layout: _Optional[str] = ..., params_checksum: _Optional[str] = ..., step_seconds: _Optional[float] = ..., inner_steps: _Optional[int] = ...) -> None: ...
+    streams: int
+    def __init__(self, round: _Optional[int] = ..., island: _Optional[str] = ..., tokens: _Optional[int] = ..., total_bytes: _Optional[int] = ..., crc32: _Optional[int] = ..., layout: _Optional[str] = ..., params_checksum: _Optional[str] = ..., step_seconds: _Optional[float] = ..., inner_steps: _Optional[int] = ..., streams: _Optional[int] = ...) -> None: ...
 
-class Chunk(_message.Message):
-    __slots__ = ("offset", "data", "crc32")
-    OFFSET_FIELD_NUMBER: _ClassVar[int]
-    DATA_FIELD_NUMBER: _ClassVar[int]
-    CRC32_FIELD_NUMBER: _ClassVar[int]
-    offset: int
-    data: bytes
-    crc32: int
-    def __init__(self, offset: _Optional[int] = ..., data: _Optional[bytes] = ..., crc32: _Optional[int] = ...) -> None: ...
-
-class PayloadPart(_message.Message):
-    __slots__ = ("header", "chunk")
-    HEADER_FIELD_NUMBER: _ClassVar[int]
-    CHUNK_FIELD_NUMBER: _ClassVar[int]
-    header: PayloadHeader
-    chunk: Chunk
-    def __init__(self, header: _Optional[_Union[PayloadHeader, _Mapping]] = ..., chunk: _Optional[_Union[Chunk, _Mapping]] = ...) -> None: ...
+class RawFrame(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
 
 class ContributeReply(_message.Message):
     __slots__ = ("round", "bytes_received", "crc32", "discarded")
@@ -84,9 +77,13 @@ class ContributeReply(_message.Message):
     def __init__(self, round: _Optional[int] = ..., bytes_received: _Optional[int] = ..., crc32: _Optional[int] = ..., discarded: _Optional[bool] = ...) -> None: ...
 
 class FetchRequest(_message.Message):
-    __slots__ = ("round", "island")
+    __slots__ = ("round", "island", "connection", "connections")
     ROUND_FIELD_NUMBER: _ClassVar[int]
     ISLAND_FIELD_NUMBER: _ClassVar[int]
+    CONNECTION_FIELD_NUMBER: _ClassVar[int]
+    CONNECTIONS_FIELD_NUMBER: _ClassVar[int]
     round: int
     island: str
-    def __init__(self, round: _Optional[int] = ..., island: _Optional[str] = ...) -> None: ...
+    connection: int
+    connections: int
+    def __init__(self, round: _Optional[int] = ..., island: _Optional[str] = ..., connection: _Optional[int] = ..., connections: _Optional[int] = ...) -> None: ...

@@ -41,18 +41,18 @@ class ExchangeStub:
                 _registered_method=True)
         self.Contribute = channel.stream_unary(
                 '/island_jax.exchange.Exchange/Contribute',
-                request_serializer=island__jax_dot_comm_dot_exchange__pb2.PayloadPart.SerializeToString,
+                request_serializer=island__jax_dot_comm_dot_exchange__pb2.RawFrame.SerializeToString,
                 response_deserializer=island__jax_dot_comm_dot_exchange__pb2.ContributeReply.FromString,
                 _registered_method=True)
         self.FetchUpdate = channel.unary_stream(
                 '/island_jax.exchange.Exchange/FetchUpdate',
                 request_serializer=island__jax_dot_comm_dot_exchange__pb2.FetchRequest.SerializeToString,
-                response_deserializer=island__jax_dot_comm_dot_exchange__pb2.PayloadPart.FromString,
+                response_deserializer=island__jax_dot_comm_dot_exchange__pb2.RawFrame.FromString,
                 _registered_method=True)
         self.FetchView = channel.unary_stream(
                 '/island_jax.exchange.Exchange/FetchView',
                 request_serializer=island__jax_dot_comm_dot_exchange__pb2.FetchRequest.SerializeToString,
-                response_deserializer=island__jax_dot_comm_dot_exchange__pb2.PayloadPart.FromString,
+                response_deserializer=island__jax_dot_comm_dot_exchange__pb2.RawFrame.FromString,
                 _registered_method=True)
 
 
@@ -68,13 +68,16 @@ class ExchangeServicer:
 
     def Contribute(self, request_iterator, context):
         """One island's encoded pseudo-gradient for one round.
+        One stream per connection; chunk k travels on connection k % streams.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def FetchUpdate(self, request, context):
-        """The update for a round; waits (until the call's deadline) for the merge.
+        """The update for a round, chunk by chunk as the coordinator merges them
+        (connection c of n gets the chunks k with k % n == c); waits (until the
+        call's deadline) for the merge.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -82,7 +85,7 @@ class ExchangeServicer:
 
     def FetchView(self, request, context):
         """The island view, whole (float32), for an island that fell behind by more
-        than one round; the header's round is the round it starts.
+        than one round; the trailer's round is the round it starts.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -98,18 +101,18 @@ def add_ExchangeServicer_to_server(servicer, server):
             ),
             'Contribute': grpc.stream_unary_rpc_method_handler(
                     servicer.Contribute,
-                    request_deserializer=island__jax_dot_comm_dot_exchange__pb2.PayloadPart.FromString,
+                    request_deserializer=island__jax_dot_comm_dot_exchange__pb2.RawFrame.FromString,
                     response_serializer=island__jax_dot_comm_dot_exchange__pb2.ContributeReply.SerializeToString,
             ),
             'FetchUpdate': grpc.unary_stream_rpc_method_handler(
                     servicer.FetchUpdate,
                     request_deserializer=island__jax_dot_comm_dot_exchange__pb2.FetchRequest.FromString,
-                    response_serializer=island__jax_dot_comm_dot_exchange__pb2.PayloadPart.SerializeToString,
+                    response_serializer=island__jax_dot_comm_dot_exchange__pb2.RawFrame.SerializeToString,
             ),
             'FetchView': grpc.unary_stream_rpc_method_handler(
                     servicer.FetchView,
                     request_deserializer=island__jax_dot_comm_dot_exchange__pb2.FetchRequest.FromString,
-                    response_serializer=island__jax_dot_comm_dot_exchange__pb2.PayloadPart.SerializeToString,
+                    response_serializer=island__jax_dot_comm_dot_exchange__pb2.RawFrame.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -164,7 +167,7 @@ class Exchange:
             request_iterator,
             target,
             '/island_jax.exchange.Exchange/Contribute',
-            island__jax_dot_comm_dot_exchange__pb2.PayloadPart.SerializeToString,
+            island__jax_dot_comm_dot_exchange__pb2.RawFrame.SerializeToString,
             island__jax_dot_comm_dot_exchange__pb2.ContributeReply.FromString,
             options,
             channel_credentials,
@@ -192,7 +195,7 @@ class Exchange:
             target,
             '/island_jax.exchange.Exchange/FetchUpdate',
             island__jax_dot_comm_dot_exchange__pb2.FetchRequest.SerializeToString,
-            island__jax_dot_comm_dot_exchange__pb2.PayloadPart.FromString,
+            island__jax_dot_comm_dot_exchange__pb2.RawFrame.FromString,
             options,
             channel_credentials,
             insecure,
@@ -219,7 +222,7 @@ class Exchange:
             target,
             '/island_jax.exchange.Exchange/FetchView',
             island__jax_dot_comm_dot_exchange__pb2.FetchRequest.SerializeToString,
-            island__jax_dot_comm_dot_exchange__pb2.PayloadPart.FromString,
+            island__jax_dot_comm_dot_exchange__pb2.RawFrame.FromString,
             options,
             channel_credentials,
             insecure,

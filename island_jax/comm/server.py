@@ -1,13 +1,16 @@
 """The coordinator's gRPC service: it moves bytes and status codes, nothing else.
 
-`ExchangeService` reassembles and checks streamed payloads (`comm.wire`), then
-calls the coordinator's plain methods under one lock; refusals come back as
-gRPC status codes with the coordinator's message:
+`ExchangeService` runs on grpc.aio (one event loop thread serves every stream
+of every island: Python's thread-per-stream server slowed to a few percent of
+its one-stream rate with 8 and more concurrent streams here), checks each
+frame, and hands chunks to the coordinator's plain methods on a worker thread
+under one lock. As the coordinator merges chunk k, update streams send it on.
+Refusals come back as gRPC status codes with the coordinator's message:
 
   FAILED_PRECONDITION  handshake mismatch (fingerprint fields, round, checksum),
                        or a contribution the coordinator refuses (round, NaN...)
   INVALID_ARGUMENT     a payload whose size, layout or framing is wrong
-  DATA_LOSS            a chunk or payload whose CRC32 fails, or a short stream
+  DATA_LOSS            a chunk whose CRC32 fails, or a short stream
   DEADLINE_EXCEEDED    an update not merged before the caller's deadline
   OUT_OF_RANGE         an update older than the latest merged round (fetch the view)
 
@@ -17,6 +20,7 @@ SERVING while the coordinator runs.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import threading
 from concurrent import futures
@@ -25,125 +29,260 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from island_jax.comm import exchange_pb2 as pb
-from island_jax.comm import exchange_pb2_grpc as pb_grpc
 from island_jax.comm import wire
 from island_jax.coordinator import (
     ContributionError,
     Coordinator,
     HandshakeError,
     StaleRoundError,
-    UpdateNotReady,
 )
 from island_jax.outer import codec
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Exchange"].full_name
-_FRAMING_BYTES = 64 * 1024  # room for a chunk's header fields in a message
+_PIECE_BYTES = 16 * codec.PIECE_BYTES  # more than the largest piece (codes and scales, any block size)
 
 
 def channel_options(chunk_bytes: int) -> list[tuple[str, int]]:
-    """gRPC options that admit one chunk of `chunk_bytes` per message, on both ends."""
-    limit = chunk_bytes + _FRAMING_BYTES
+    """gRPC options that admit one chunk frame of up to `chunk_bytes` (or one whole piece) per message."""
+    limit = max(chunk_bytes, _PIECE_BYTES) + 64 * 1024
     return [("grpc.max_send_message_length", limit), ("grpc.max_receive_message_length", limit)]
 
 
-class ExchangeService(pb_grpc.ExchangeServicer):
+def _raw(data: bytes) -> bytes:
+    return data
+
+
+class ExchangeService:
     """Serves one coordinator to the islands.
 
     Args:
       coordinator: the run's coordinator (no gRPC knowledge of its own).
-      chunk_bytes: largest chunk sent or accepted (`comm.chunk_bytes`).
+      chunk_bytes: `comm.chunk_bytes`.
+
+    Attributes:
+      lock: a threading.Condition guarding the coordinator; notified after every
+        change. Code outside the service that changes the coordinator (the
+        coordinator role's `poll`) holds it and calls `notify()`.
+      wire_bytes: {island: {"received", "sent"}}, frame bytes per island.
     """
 
     def __init__(self, coordinator: Coordinator, chunk_bytes: int):
-        self.coordinator = coordinator
+        self.coordinator = c = coordinator
         self.chunk_bytes = chunk_bytes
-        c = coordinator
-        self.payload_bytes = codec.payload_bytes(c.master, c.kind, c.block_size)
-        self.layout = codec.layout(c.master, c.kind, c.block_size)
-        self.view_bytes = codec.payload_bytes(c.master, "none", c.block_size)
-        self.lock = threading.Condition()  # guards the coordinator; notified after every merge
+        self.payload_bytes = c.payload_bytes
+        self.layout = codec.layout(c.view, c.kind, c.block_size)
+        self.view_plan = codec.chunk_plan(c.view, "none", c.block_size, chunk_bytes)
+        self.view_bytes = codec.payload_bytes(c.view, "none", c.block_size)
+        self.lock = threading.Condition()
         self.fetched: dict[int, set[str]] = {}  # round -> islands that received its whole update
         self.wire_bytes = {name: dict(received=0, sent=0) for name in c.islands}
+        self._open: dict[tuple[int, str], dict] = {}  # (round, island) -> streams of an open contribution
+        self._worker = futures.ThreadPoolExecutor(max_workers=4, thread_name_prefix="coordinator")
+        self.loop: asyncio.AbstractEventLoop | None = None
+        self._changed: asyncio.Event | None = None
+        self._version = 0  # counts changes; update streams wait for the next one
+        self._streams_done: dict[tuple[int, str], set[int]] = {}
+        self._update_crc = (-1, 0)  # (round, CRC32 of its update's chunk CRC32s)
 
-    def Join(self, request: pb.JoinRequest, context: grpc.ServicerContext) -> pb.JoinReply:
+    # -- helpers -----------------------------------------------------------------------------------------
+
+    def notify(self) -> None:
+        """Wakes every waiter after the coordinator changed; call it holding `lock`."""
+        self.lock.notify_all()
+        if self.loop is not None:
+            self.loop.call_soon_threadsafe(self._wake)
+
+    def _wake(self) -> None:
+        self._version += 1
+        event, self._changed = self._changed, asyncio.Event()
+        event.set()
+
+    async def _call(self, fn, *args, changes: bool = True):
+        """Runs `fn(*args)` on a worker thread under `lock`, then (if it `changes` state) wakes the waiters."""
+
+        def locked():
+            with self.lock:
+                try:
+                    return fn(*args)
+                finally:
+                    if changes:
+                        self.notify()
+
+        return await self.loop.run_in_executor(self._worker, locked)
+
+    async def _wait_for_change(self, version: int, timeout: float) -> None:
+        """Returns once the state changed after `version` was read (or after `timeout` seconds)."""
+        if self._version != version:
+            return
+        try:
+            await asyncio.wait_for(self._changed.wait(), timeout)
+        except asyncio.TimeoutError:
+            pass
+
+    # -- methods -----------------------------------------------------------------------------------------
+
+    async def Join(self, request: pb.JoinRequest, context) -> pb.JoinReply:
         try:
             fields = json.loads(request.fingerprint_json)
         except ValueError:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "fingerprint_json is not a JSON object")
-        with self.lock:
-            try:
-                reply = self.coordinator.join(request.island, fields, request.params_checksum, request.round)
-            except HandshakeError as e:
-                context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"HandshakeError: {e}")
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "fingerprint_json is not a JSON object")
+        try:
+            reply = await self._call(
+                self.coordinator.join, request.island, fields, request.params_checksum, request.round
+            )
+        except HandshakeError as e:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"HandshakeError: {e}")
         return pb.JoinReply(
             round=reply["round"], params_checksum=reply["checksum"], payload_bytes=self.payload_bytes, layout=self.layout,
-            view_bytes=self.view_bytes,
+            view_bytes=self.view_bytes, chunk_offsets=[k.offset for k in self.coordinator.plan],
+            view_chunk_offsets=[k.offset for k in self.view_plan],
         )
 
-    def Contribute(self, request_iterator, context: grpc.ServicerContext) -> pb.ContributeReply:
-        receiver = wire.Reassembler(self.payload_bytes, self.chunk_bytes)
+    def _begin(self, header: pb.PayloadHeader) -> dict:
+        key = (header.round, header.island)
+        entry = self._open.get(key)
+        if entry is None:
+            status = self.coordinator.begin_contribution(
+                header.round, header.island, header.tokens, header.params_checksum or None, header.step_seconds or None
+            )
+            entry = self._open[key] = dict(status=status, streams=max(header.streams, 1), ended=0)
+            for old in [k for k in self._open if k[0] < self.coordinator.round - 1]:
+                del self._open[old]
+        return entry
+
+    def _end(self, header: pb.PayloadHeader, entry: dict) -> str:
+        entry["ended"] += 1
+        if entry["status"] == "discarded" or entry["ended"] < entry["streams"]:
+            return entry["status"]
+        return self.coordinator.end_contribution(header.round, header.island)
+
+    def _abandon(self, header: pb.PayloadHeader, reason: str) -> None:
+        self._open.pop((header.round, header.island), None)
+        if header.round == self.coordinator.round:
+            self.coordinator.abandon(header.island, reason)
+
+    async def Contribute(self, request_iterator, context) -> pb.ContributeReply:
+        header, entry, received, crcs = None, None, 0, []
+        c = self.coordinator
         try:
-            header, payload = receiver.extend(request_iterator).finish()
+            async for frame in request_iterator:
+                kind, value = wire.parse(frame)
+                if header is None:
+                    if kind != wire.HEADER:
+                        raise wire.WireError("a contribution stream must start with its header frame")
+                    header = value
+                    if header.total_bytes != self.payload_bytes:
+                        raise wire.WireError(
+                            f"payload of {header.total_bytes} bytes from island {header.island!r}, round "
+                            f"{header.round}, but this round expects {self.payload_bytes} bytes; the island's model or "
+                            "codec differs from the coordinator's"
+                        )
+                    if header.layout != self.layout:
+                        raise wire.WireError(
+                            f"island {header.island!r} encoded round {header.round} for payload layout {header.layout}, "
+                            f"but the coordinator expects {self.layout} (leaf shapes, codec, block size differ); refused"
+                        )
+                    entry = await self._call(self._begin, header)
+                    continue
+                if kind != wire.CHUNK:
+                    raise wire.WireError(f"a {kind!r} frame arrived inside a contribution; only chunks may follow the header")
+                index, offset, crc, data = value
+                if not 0 <= index < len(c.plan) or c.plan[index].offset != offset or c.plan[index].nbytes != len(data):
+                    raise wire.WireError(
+                        f"chunk {index} at offset {offset} with {len(data)} bytes does not fit this round's payload of "
+                        f"{self.payload_bytes} bytes in {len(c.plan)} chunks; the island's model, codec or "
+                        "comm.chunk_bytes differs from the coordinator's"
+                    )
+                if wire.crc32(data) != crc:
+                    raise wire.WireError(
+                        f"CRC32 mismatch in chunk {index} (offset {offset}, {len(data)} bytes) of island "
+                        f"{header.island!r}, round {header.round}: the data was corrupted in transit and the payload "
+                        "was refused",
+                        code="DATA_LOSS",
+                    )
+                received += len(data)
+                crcs.append(crc)
+                if entry["status"] != "discarded":
+                    await self._call(c.add_chunk, header.round, header.island, index, data)
+            if header is None:
+                raise wire.WireError("the stream ended before a payload header arrived", code="DATA_LOSS")
+            status = await self._call(self._end, header, entry)
         except wire.WireError as e:
-            context.abort(grpc.StatusCode[e.code], f"WireError: {e}")
-        if header.layout != self.layout:
-            context.abort(
-                grpc.StatusCode.INVALID_ARGUMENT,
-                f"island {header.island!r} encoded round {header.round} for payload layout {header.layout}, but the "
-                f"coordinator expects {self.layout} (leaf shapes, codec, block size differ); refused",
-            )
-        with self.lock:
-            try:
-                status = self.coordinator.contribute(
-                    header.round, header.island, header.tokens, payload, header.params_checksum or None,
-                    header.step_seconds or None,
-                )
-            except ContributionError as e:
-                self.lock.notify_all()  # a refusal can close the round for the others
-                context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"ContributionError: {e}")
-            if header.island in self.wire_bytes:
-                self.wire_bytes[header.island]["received"] += receiver.wire_bytes
-            self.lock.notify_all()
+            if header is not None:
+                await self._call(self._abandon, header, str(e))
+            await context.abort(grpc.StatusCode[e.code], f"WireError: {e}")
+        except ContributionError as e:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"ContributionError: {e}")
+        if header.island in self.wire_bytes:
+            self.wire_bytes[header.island]["received"] += received
         return pb.ContributeReply(
-            round=header.round, bytes_received=len(payload), crc32=wire.crc32(payload), discarded=status == "discarded"
+            round=header.round, bytes_received=received, crc32=wire.fold_crc32(crcs), discarded=status == "discarded"
         )
 
-    def FetchUpdate(self, request: pb.FetchRequest, context: grpc.ServicerContext):
+    async def FetchUpdate(self, request: pb.FetchRequest, context):
+        c = self.coordinator
+        connection, connections = request.connection, max(request.connections, 1)
+        sent_chunks: set[int] = set()
+        generation, sent = None, 0
+        while True:
+            version = self._version
+            try:
+                now_generation, chunks, final = await self._call(c.update_chunks, request.round, changes=False)
+            except StaleRoundError as e:
+                await context.abort(grpc.StatusCode.OUT_OF_RANGE, f"StaleRoundError: {e}")
+            if generation is not None and now_generation != generation:
+                frame = wire.restart_frame(now_generation)
+                sent += len(frame)
+                yield frame
+                sent_chunks.clear()
+            generation = now_generation
+            for k in sorted(chunks):
+                if k % connections == connection and k not in sent_chunks:
+                    frame = wire.chunk_frame(k, c.plan[k].offset, chunks[k])
+                    sent += len(frame)
+                    yield frame
+                    sent_chunks.add(k)
+            if final:
+                break
+            await self._wait_for_change(version, 1.0)
+            if context.time_remaining() is not None and context.time_remaining() <= 0:
+                await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, f"round {request.round} is not merged yet")
+        trailer = await self._call(self._update_trailer, request, changes=False)
+        yield trailer
+        sent += len(trailer)
         with self.lock:
-            while True:
-                try:
-                    payload = self.coordinator.fetch_update(request.round, request.island)
-                    break
-                except UpdateNotReady as e:
-                    remaining = context.time_remaining()
-                    if not context.is_active() or (remaining is not None and remaining <= 0):
-                        context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, str(e))
-                    self.lock.wait(timeout=1.0 if remaining is None else min(remaining, 1.0))
-                    if self.coordinator.poll():  # a quorum's grace window may have ended
-                        self.lock.notify_all()
-                except StaleRoundError as e:
-                    context.abort(grpc.StatusCode.OUT_OF_RANGE, f"StaleRoundError: {e}")
-                except ContributionError as e:
-                    context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"ContributionError: {e}")
-            header = pb.PayloadHeader(
-                round=request.round, island=request.island, layout=self.layout, params_checksum=self.coordinator.checksum,
-                inner_steps=self.coordinator.planned_inner_steps(request.island) or 0,
-            )
-        sent = 0
-        for part in wire.payload_parts(header, payload, self.chunk_bytes):
-            sent += wire.part_bytes(part)
-            yield part
-        with self.lock:
-            self.fetched.setdefault(request.round, set()).add(request.island)
             if request.island in self.wire_bytes:
                 self.wire_bytes[request.island]["sent"] += sent
-            self.lock.notify_all()
+            done = self._streams_done.setdefault((request.round, request.island), set())
+            done.add(connection)
+            if len(done) == connections:
+                self.fetched.setdefault(request.round, set()).add(request.island)
+            self.notify()
 
-    def FetchView(self, request: pb.FetchRequest, context: grpc.ServicerContext):
-        with self.lock:
-            round, payload = self.coordinator.fetch_view()
-            header = pb.PayloadHeader(round=round, island=request.island, params_checksum=self.coordinator.checksum)
-        yield from wire.payload_parts(header, payload, self.chunk_bytes)
+    def _update_trailer(self, request: pb.FetchRequest) -> bytes:
+        c = self.coordinator
+        payload = c.fetch_update(request.round, request.island)
+        if self._update_crc[0] != request.round:
+            view = memoryview(payload)
+            self._update_crc = (request.round, wire.fold_crc32(wire.crc32(view[k.offset : k.offset + k.nbytes]) for k in c.plan))
+        header = pb.PayloadHeader(
+            round=request.round, island=request.island, layout=self.layout, params_checksum=c.checksum,
+            inner_steps=c.planned_inner_steps(request.island) or 0, total_bytes=len(payload), crc32=self._update_crc[1],
+        )
+        return wire.trailer_frame(header)
+
+    async def FetchView(self, request: pb.FetchRequest, context):
+        round, payload = await self._call(self.coordinator.fetch_view)
+        crcs = []
+        for _, frame in wire.chunk_frames(payload, self.view_plan):
+            crcs.append(wire.parse(frame)[1][2])
+            yield frame
+        yield wire.trailer_frame(
+            pb.PayloadHeader(
+                round=round, island=request.island, params_checksum=self.coordinator.checksum,
+                total_bytes=len(payload), crc32=wire.fold_crc32(crcs),
+            )
+        )
 
     def wait_until_fetched(self, round: int, islands=None, timeout: float | None = None) -> bool:
         """Blocks until `islands` (default: all) have received the whole update of `round`; False on timeout."""
@@ -151,8 +290,79 @@ class ExchangeService(pb_grpc.ExchangeServicer):
         with self.lock:
             return self.lock.wait_for(lambda: self.fetched.get(round, set()) >= islands, timeout=timeout)
 
+    # -- registration ------------------------------------------------------------------------------------
 
-def serve(coordinator: Coordinator, address: str, chunk_bytes: int) -> tuple[grpc.Server, ExchangeService, int]:
+    def handler(self) -> grpc.GenericRpcHandler:
+        """The Exchange service's methods: protobuf for Join, raw frames for the payload streams."""
+        return grpc.method_handlers_generic_handler(
+            SERVICE_NAME,
+            {
+                "Join": grpc.unary_unary_rpc_method_handler(
+                    self.Join, request_deserializer=pb.JoinRequest.FromString,
+                    response_serializer=pb.JoinReply.SerializeToString,
+                ),
+                "Contribute": grpc.stream_unary_rpc_method_handler(
+                    self.Contribute, request_deserializer=_raw, response_serializer=pb.ContributeReply.SerializeToString
+                ),
+                "FetchUpdate": grpc.unary_stream_rpc_method_handler(
+                    self.FetchUpdate, request_deserializer=pb.FetchRequest.FromString, response_serializer=_raw
+                ),
+                "FetchView": grpc.unary_stream_rpc_method_handler(
+                    self.FetchView, request_deserializer=pb.FetchRequest.FromString, response_serializer=_raw
+                ),
+            },
+        )
+
+
+class ExchangeServer:
+    """A running exchange: its event loop thread and the aio server; `stop(grace)` ends both."""
+
+    def __init__(self, service: ExchangeService, address: str, chunk_bytes: int):
+        self.service = service
+        self.loop = asyncio.new_event_loop()
+        self.port: int | None = None
+        self._error: BaseException | None = None
+        self._started = threading.Event()
+        self._thread = threading.Thread(target=self._run, args=(address, chunk_bytes), name="exchange", daemon=True)
+        self._thread.start()
+        self._started.wait()
+        if self._error is not None:
+            raise self._error
+
+    def _run(self, address: str, chunk_bytes: int) -> None:
+        asyncio.set_event_loop(self.loop)
+        self.loop.run_until_complete(self._start(address, chunk_bytes))
+        self._started.set()
+        if self._error is None:
+            self.loop.run_forever()
+
+    async def _start(self, address: str, chunk_bytes: int) -> None:
+        service = self.service
+        service.loop, service._changed = self.loop, asyncio.Event()
+        self.server = grpc.aio.server(options=channel_options(chunk_bytes))
+        self.server.add_generic_rpc_handlers((service.handler(),))
+        self.health = health.aio.HealthServicer()
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
+        try:
+            self.port = self.server.add_insecure_port(address)
+        except RuntimeError as e:
+            self._error = RuntimeError(f"cannot listen on {address} ({e}); pick a free port with --coordinator=HOST:PORT")
+            return
+        await self.server.start()
+        for name in ("", SERVICE_NAME):
+            await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
+
+    def stop(self, grace: float | None = None) -> None:
+        """Stops serving (waiting up to `grace` seconds for calls in flight) and ends the loop thread."""
+        if not self.loop.is_running():
+            return
+        asyncio.run_coroutine_threadsafe(self.server.stop(grace), self.loop).result()
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self._thread.join(timeout=10)
+        self.service._worker.shutdown(wait=False)
+
+
+def serve(coordinator: Coordinator, address: str, chunk_bytes: int) -> tuple[ExchangeServer, ExchangeService, int]:
     """Starts the exchange and health services on `address` ("HOST:PORT"; port 0 picks a free one).
 
     Returns:
@@ -162,19 +372,5 @@ def serve(coordinator: Coordinator, address: str, chunk_bytes: int) -> tuple[grp
       RuntimeError: if the address cannot be bound (port in use).
     """
     service = ExchangeService(coordinator, chunk_bytes)
-    # Each island holds up to one contribute and one fetch at a time.
-    server = grpc.server(
-        futures.ThreadPoolExecutor(max_workers=4 * len(coordinator.islands) + 4),
-        options=channel_options(chunk_bytes),
-    )
-    pb_grpc.add_ExchangeServicer_to_server(service, server)
-    health_servicer = health.HealthServicer()
-    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    try:
-        port = server.add_insecure_port(address)
-    except RuntimeError as e:
-        raise RuntimeError(f"cannot listen on {address} ({e}); pick a free port with --coordinator=HOST:PORT") from e
-    server.start()
-    for name in ("", SERVICE_NAME):
-        health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
-    return server, service, port
+    server = ExchangeServer(service, address, chunk_bytes)
+    return server, service, server.port

@@ -1,20 +1,35 @@
-"""Payloads as streams of CRC32-checked chunks, and their checked reassembly.
+"""Payloads as frames of CRC32-checked chunks, and their checked reassembly.
 
 A payload (an encoded pseudo-gradient or update, up to gigabytes) never travels
 as one protobuf message: protobuf caps a message at 2 GiB and gRPC's default
-receive limit is 4 MiB. The sender streams one `PayloadHeader` (round, island,
-tokens, total size, CRC32 of the whole payload, layout) and then chunks of at
-most `comm.chunk_bytes`, each with the CRC32 of its own data. `Reassembler`
-checks every chunk as it arrives and the whole payload at the end, so a corrupt
-or short transfer is refused before any of it reaches the coordinator's merge.
+receive limit is 4 MiB. It is cut by `codec.chunk_plan` into chunks of at most
+`comm.chunk_bytes` that both ends derive from the model, and sent as raw
+frames (layout in exchange.proto) over one or more streams:
+
+  'H' + PayloadHeader                       header (first frame of a contribution stream)
+  'C' + index u32 + offset u64 + crc32 u32  + data     one chunk
+  'R' + generation u64                      restart (update streams only)
+  'T' + PayloadHeader                       trailer (end of an update or view stream)
+
+A chunk frame is built with one copy of its data and read without any (a
+memoryview into the received bytes). `ChunkAssembler` takes chunks in any
+order, from any stream, checks each chunk's index, offset, size and CRC32, and
+the whole payload against the header's CRC32 of chunk CRC32s, so a corrupt,
+short or misplaced transfer is refused before any of it is merged.
 """
 
 from __future__ import annotations
 
+import struct
 import zlib
-from typing import Iterable, Iterator
 
 from island_jax.comm import exchange_pb2 as pb
+from island_jax.outer import codec
+
+HEADER, CHUNK, RESTART, TRAILER = b"H", b"C", b"R", b"T"
+_CHUNK = struct.Struct("<cIQI")  # kind, index, offset, crc32
+_RESTART = struct.Struct("<cQ")
+FRAMING_BYTES = _CHUNK.size
 
 
 class WireError(ValueError):
@@ -36,99 +51,130 @@ def crc32(data) -> int:
     return zlib.crc32(data) & 0xFFFFFFFF
 
 
-def payload_parts(header: pb.PayloadHeader, payload: bytes, chunk_bytes: int) -> Iterator[pb.PayloadPart]:
-    """The stream for one payload: its header (size and CRC32 filled in), then its chunks.
+def fold_crc32(crcs) -> int:
+    """CRC32 of a sequence of CRC32s (4 bytes each, little-endian): a payload's check without a second pass."""
+    return crc32(b"".join(int(c).to_bytes(4, "little") for c in crcs))
 
-    Args:
-      header: round, island, tokens, layout and params_checksum of the payload;
-        `total_bytes` and `crc32` are set here.
-      payload: the encoded bytes.
-      chunk_bytes: largest chunk data, bytes (`comm.chunk_bytes`).
+
+def header_frame(header: pb.PayloadHeader) -> bytes:
+    return HEADER + header.SerializeToString()
+
+
+def trailer_frame(header: pb.PayloadHeader) -> bytes:
+    return TRAILER + header.SerializeToString()
+
+
+def restart_frame(generation: int) -> bytes:
+    return _RESTART.pack(RESTART, generation)
+
+
+def chunk_frame(index: int, offset: int, data, crc: int | None = None) -> bytes:
+    """One chunk's frame: 17 bytes of framing and `data` (bytes or memoryview), copied once."""
+    crc = crc32(data) if crc is None else crc
+    return b"".join((_CHUNK.pack(CHUNK, index, offset, crc), data))
+
+
+def parse(frame: bytes):
+    """(kind, value) of a frame: a PayloadHeader for 'H' / 'T', (index, offset, crc32, data view) for 'C',
+    the generation for 'R'.
+
+    Raises:
+      WireError: an empty frame, an unknown kind or a truncated frame.
+    """
+    if not frame:
+        raise WireError("an empty frame arrived; every frame starts with its kind byte")
+    kind = frame[:1]
+    try:
+        if kind == CHUNK:
+            _, index, offset, crc = _CHUNK.unpack_from(frame)
+            return kind, (index, offset, crc, memoryview(frame)[_CHUNK.size :])
+        if kind in (HEADER, TRAILER):
+            return kind, pb.PayloadHeader.FromString(frame[1:])
+        if kind == RESTART:
+            return kind, _RESTART.unpack(frame)[1]
+    except (struct.error, ValueError) as e:
+        raise WireError(f"a truncated or malformed {kind!r} frame arrived ({e})") from None
+    raise WireError(f"a frame of unknown kind {kind!r} arrived; this peer speaks frames H, C, R and T")
+
+
+def chunk_frames(payload, plan: list[codec.Chunk], connection: int = 0, connections: int = 1):
+    """The chunk frames of `payload` that travel on `connection` of `connections` (chunk k on k % connections).
+
+    Yields (chunk index, frame bytes); each frame's CRC32 is that of its chunk.
     """
     view = memoryview(payload)
-    header.total_bytes = len(view)
-    header.crc32 = crc32(view)
-    yield pb.PayloadPart(header=header)
-    for offset in range(0, len(view), chunk_bytes):
-        data = view[offset : offset + chunk_bytes]
-        yield pb.PayloadPart(chunk=pb.Chunk(offset=offset, data=bytes(data), crc32=crc32(data)))
+    for chunk in plan[connection::connections]:
+        yield chunk.index, chunk_frame(chunk.index, chunk.offset, view[chunk.offset : chunk.offset + chunk.nbytes])
 
 
-def part_bytes(part: pb.PayloadPart) -> int:
-    """Serialized size of one streamed message, bytes (what it costs on the wire, before HTTP/2 framing)."""
-    return part.ByteSize()
-
-
-class Reassembler:
-    """Receives one payload's stream and checks it as it arrives.
+class ChunkAssembler:
+    """Reassembles one payload from chunk frames that come in any order, over any number of streams.
 
     Args:
-      max_bytes: largest payload accepted (the round's expected size).
-      chunk_bytes: largest chunk accepted.
+      plan: the payload's chunks (`codec.chunk_plan`), which fixes every chunk's
+        offset and size.
 
-    After `add` has consumed every part, `finish()` returns (header, payload).
-    Raises `WireError` at the first problem: a missing or repeated header, a
-    chunk over `chunk_bytes`, an offset out of order, a chunk's CRC32, a total
-    other than the header's, or the whole payload's CRC32.
+    `add` checks one chunk and copies it into place; `finish(header)` checks
+    that every chunk came and that the CRC32 of their CRC32s equals the
+    header's, then returns the payload. `reset()` forgets everything (a restart).
     """
 
-    def __init__(self, max_bytes: int, chunk_bytes: int):
-        self.max_bytes, self.chunk_bytes = max_bytes, chunk_bytes
-        self.header: pb.PayloadHeader | None = None
-        self._buffer: bytearray | None = None
-        self._received = 0
-        self.wire_bytes = 0  # serialized bytes of every part received
+    def __init__(self, plan: list[codec.Chunk]):
+        self.plan = plan
+        self.total = sum(c.nbytes for c in plan)
+        self.buffer = bytearray(self.total)
+        self.crcs: dict[int, int] = {}
+        self.wire_bytes = 0  # frame bytes received, all kinds
 
-    def add(self, part: pb.PayloadPart) -> None:
-        self.wire_bytes += part_bytes(part)
-        kind = part.WhichOneof("part")
-        if kind == "header":
-            if self.header is not None:
-                raise WireError("a second payload header arrived in one stream; send one header per payload")
-            h = part.header
-            if not 0 <= h.total_bytes <= self.max_bytes:
-                raise WireError(
-                    f"payload of {h.total_bytes} bytes from island {h.island!r}, round {h.round}, but this round "
-                    f"expects {self.max_bytes} bytes; the island's model or codec differs from the coordinator's"
-                )
-            self.header, self._buffer = h, bytearray(h.total_bytes)
-            return
-        if kind != "chunk":
-            raise WireError("an empty stream part arrived; every part is a header or a chunk")
-        if self.header is None:
-            raise WireError("a chunk arrived before the payload header; send the header first")
-        c = part.chunk
-        if len(c.data) > self.chunk_bytes:
-            raise WireError(f"a chunk of {len(c.data)} bytes exceeds comm.chunk_bytes={self.chunk_bytes}")
-        if c.offset != self._received:
-            raise WireError(f"chunk at offset {c.offset} arrived where offset {self._received} was due")
-        if c.offset + len(c.data) > self.header.total_bytes:
+    def reset(self) -> None:
+        self.crcs.clear()
+
+    def add(self, index: int, offset: int, crc: int, data) -> None:
+        """Checks chunk `index` (its offset, size and CRC32) and copies it into the payload.
+
+        Raises:
+          WireError: an unknown or repeated index, an offset or size other than
+            the plan's (INVALID_ARGUMENT), or a CRC32 mismatch (DATA_LOSS).
+        """
+        if not 0 <= index < len(self.plan):
+            raise WireError(f"chunk {index} is not in this payload's plan of {len(self.plan)} chunks")
+        if index in self.crcs:
+            raise WireError(f"chunk {index} arrived twice")
+        chunk = self.plan[index]
+        if offset != chunk.offset or len(data) != chunk.nbytes:
             raise WireError(
-                f"chunk at offset {c.offset} of {len(c.data)} bytes runs past the payload's {self.header.total_bytes}"
+                f"chunk {index} came at offset {offset} with {len(data)} bytes, but the plan puts it at offset "
+                f"{chunk.offset} with {chunk.nbytes} bytes; both ends must use the same comm.chunk_bytes, model and codec"
             )
-        if crc32(c.data) != c.crc32:
+        if crc32(data) != crc:
             raise WireError(
-                f"CRC32 mismatch in the chunk at offset {c.offset} ({len(c.data)} bytes) of island "
-                f"{self.header.island!r}, round {self.header.round}: the data was corrupted in transit and the "
-                "payload was refused",
+                f"CRC32 mismatch in chunk {index} (offset {offset}, {len(data)} bytes): the data was corrupted in "
+                "transit and the payload was refused",
                 code="DATA_LOSS",
             )
-        self._buffer[c.offset : c.offset + len(c.data)] = c.data
-        self._received += len(c.data)
+        self.buffer[offset : offset + len(data)] = data
+        self.crcs[index] = crc
 
-    def extend(self, parts: Iterable[pb.PayloadPart]) -> "Reassembler":
-        for part in parts:
-            self.add(part)
-        return self
+    @property
+    def complete(self) -> bool:
+        return len(self.crcs) == len(self.plan)
 
-    def finish(self) -> tuple[pb.PayloadHeader, bytes]:
-        if self.header is None:
-            raise WireError("the stream ended before a payload header arrived", code="DATA_LOSS")
-        if self._received != self.header.total_bytes:
+    def finish(self, header: pb.PayloadHeader) -> bytes:
+        """The whole payload, once every chunk is in and the header's size and CRC32 agree.
+
+        Raises:
+          WireError: missing chunks or a size / CRC32 other than the header's (DATA_LOSS).
+        """
+        if not self.complete:
+            missing = sorted(set(range(len(self.plan))) - set(self.crcs))
             raise WireError(
-                f"the stream ended after {self._received} of {self.header.total_bytes} bytes", code="DATA_LOSS"
+                f"the stream ended with {len(missing)} of {len(self.plan)} chunks missing (first: {missing[:4]})",
+                code="DATA_LOSS",
             )
-        payload = bytes(self._buffer)
-        if crc32(payload) != self.header.crc32:
-            raise WireError("the reassembled payload's CRC32 differs from its header's; refused", code="DATA_LOSS")
-        return self.header, payload
+        if header.total_bytes != self.total or header.crc32 != fold_crc32(self.crcs[k] for k in range(len(self.plan))):
+            raise WireError(
+                f"the reassembled payload ({self.total} bytes) disagrees with its trailer ({header.total_bytes} "
+                "bytes, or the CRC32 of its chunks); refused",
+                code="DATA_LOSS",
+            )
+        return bytes(self.buffer)

@@ -17,6 +17,18 @@ the shapes and dtypes are not sent, since both ends know the model. Kinds:
         two codes a byte (code + 8 in the low nibble for even positions, the
         high nibble for odd ones): ceil(n / 2) + 4 * ceil(n / block_size) bytes.
 
+Pieces and chunks. A leaf longer than a piece (`PIECE_ELEMENTS`: about 64 KiB
+of codes or values, so 65,536 int8 elements) is encoded as consecutive pieces,
+each a whole number of blocks (the last may be short), and each piece is laid
+out as its codes then its scales; a shorter leaf is one piece, exactly the
+per-leaf layout above (for none and bf16 pieces change nothing at all). Every piece decodes on its own, so a
+payload can be cut between pieces. `chunk_plan` groups consecutive pieces
+into the chunks that travel on the wire (at most `comm.chunk_bytes` each, or
+one piece if that alone is larger); the coordinator merges, steps and encodes
+the update chunk by chunk (Streaming DiLoCo's observation that the outer step
+is elementwise, arXiv 2501.18512), with the same bytes as a whole-payload merge.
+The sizes above do not change: pieces start on block boundaries.
+
 `encode_with_feedback` adds error feedback (as in MuLoCo and SparseLoCo): what
 the codec lost last round is added to this round's tree before encoding, and
 what it loses now is kept for the next round, so quantization error is
@@ -30,6 +42,7 @@ parameters gets the same bits, whatever its accelerator.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 from typing import Any
@@ -41,6 +54,8 @@ import numpy as np
 
 KINDS = ("none", "bf16", "int8", "int4")
 _MAX_CODE = {"int8": 127, "int4": 7}
+PIECE_BYTES = 1 << 16  # a full piece carries about this many bytes of codes or values
+PIECE_ELEMENTS = {"none": PIECE_BYTES // 4, "bf16": PIECE_BYTES // 2, "int8": PIECE_BYTES, "int4": 2 * PIECE_BYTES}
 
 
 class CodecError(ValueError):
@@ -61,6 +76,78 @@ def leaf_bytes(size: int, kind: str, block_size: int) -> int:
         return 2 * size
     code_bytes = size if kind == "int8" else (size + 1) // 2
     return code_bytes + 4 * math.ceil(size / block_size)
+
+
+def piece_elements(kind: str, block_size: int) -> int:
+    """Elements of a full piece: about 64 KiB of codes or values, in whole (and for int4 even) blocks."""
+    if kind not in _MAX_CODE:
+        return PIECE_ELEMENTS[kind]
+    n = max(1, PIECE_ELEMENTS[kind] // block_size) * block_size
+    return 2 * n if kind == "int4" and n % 2 else n
+
+
+@dataclasses.dataclass(frozen=True)
+class Piece:
+    """Elements [start, stop) of leaf `leaf` (pytree-flatten order), at bytes [offset, offset + nbytes) of the payload."""
+
+    leaf: int
+    start: int
+    stop: int
+    offset: int
+    nbytes: int
+
+
+@dataclasses.dataclass(frozen=True)
+class Chunk:
+    """Consecutive pieces that travel (and are merged) together: payload bytes [offset, offset + nbytes)."""
+
+    index: int
+    offset: int
+    nbytes: int
+    pieces: tuple[Piece, ...]
+
+    @property
+    def elements(self) -> int:
+        return sum(p.stop - p.start for p in self.pieces)
+
+
+def pieces(like: Any, kind: str, block_size: int) -> list[Piece]:
+    """Every piece of a payload for a pytree shaped like `like`, in payload order."""
+    _check_kind(kind)
+    _check_block_size(block_size)
+    step = piece_elements(kind, block_size)
+    out, offset = [], 0
+    for i, x in enumerate(jax.tree.leaves(like)):
+        n = int(np.prod(x.shape))
+        for start in range(0, max(n, 1), step):
+            stop = min(n, start + step)
+            size = leaf_bytes(stop - start, kind, block_size)
+            out.append(Piece(i, start, stop, offset, size))
+            offset += size
+    return out
+
+
+def chunk_plan(like: Any, kind: str, block_size: int, chunk_bytes: int) -> list[Chunk]:
+    """Groups the payload's pieces into chunks of at most `chunk_bytes` bytes (one larger piece stays whole).
+
+    Both ends derive the same plan from the model, codec and `comm.chunk_bytes`,
+    so a chunk is named by its index and byte offset alone.
+    """
+    plan: list[Chunk] = []
+    group: list[Piece] = []
+
+    def close():
+        if group:
+            start = group[0].offset
+            plan.append(Chunk(len(plan), start, group[-1].offset + group[-1].nbytes - start, tuple(group)))
+            group.clear()
+
+    for piece in pieces(like, kind, block_size):
+        if group and piece.offset + piece.nbytes - group[0].offset > chunk_bytes:
+            close()
+        group.append(piece)
+    close()
+    return plan
 
 
 def payload_bytes(like: Any, kind: str, block_size: int) -> int:
@@ -135,14 +222,19 @@ def _encode_tree(leaves, residuals, kind, block_size):
     return wire, new_residuals, jnp.sqrt(intended_sq), jnp.sqrt(lost_sq)
 
 
-def _wire_bytes(parts, kind: str) -> bytes:
+def _wire_bytes(parts, kind: str, block_size: int) -> list[bytes]:
+    """One leaf's encoding, piece by piece (see the module docstring)."""
     if kind == "none":
-        return np.asarray(parts[0]).astype("<f4").tobytes()
+        return [np.asarray(parts[0]).astype("<f4").tobytes()]
     if kind == "bf16":
-        return np.asarray(parts[0]).tobytes()
-    codes, scale = (np.asarray(p) for p in parts)
-    code_bytes = codes.tobytes() if kind == "int8" else _pack_int4(codes)
-    return code_bytes + scale.astype("<f4").tobytes()
+        return [np.asarray(parts[0]).tobytes()]
+    codes, scale = np.asarray(parts[0]).reshape(-1), np.asarray(parts[1]).astype("<f4")
+    step, out = piece_elements(kind, block_size), []
+    for start in range(0, max(codes.size, 1), step):
+        piece = codes[start : start + step]
+        out.append(piece.tobytes() if kind == "int8" else _pack_int4(piece))
+        out.append(scale[start // block_size : -(-(start + piece.size) // block_size)].tobytes())
+    return out
 
 
 def _check_block_size(block_size: int) -> None:
@@ -178,7 +270,7 @@ def encode_and_measure(
     residuals = None if residual is None else jax.tree.leaves(residual)
     wire, new_residuals, intended, lost = _encode_tree(leaves, residuals, kind, block_size)
     wire, intended, lost = jax.device_get((wire, intended, lost))  # waits for the one program
-    payload = b"".join(_wire_bytes(parts, kind) for parts in wire)
+    payload = b"".join(b for parts in wire for b in _wire_bytes(parts, kind, block_size))
     return payload, jax.tree.unflatten(treedef, new_residuals), float(lost / max(float(intended), 1e-30))
 
 
@@ -233,30 +325,33 @@ def decode(payload: bytes, like: Any, kind: str, block_size: int) -> Any:
         )
     buf = memoryview(payload)
     leaves, treedef = jax.tree.flatten(like)
-    out, offset = [], 0
-    for leaf in leaves:
-        shape = tuple(leaf.shape)
-        n = int(np.prod(shape))
-        if kind == "none":
-            values = np.frombuffer(buf, "<f4", n, offset).astype(np.float32)
-            offset += 4 * n
-        elif kind == "bf16":
-            values = np.frombuffer(buf, ml_dtypes.bfloat16, n, offset).astype(np.float32)
-            offset += 2 * n
-        else:
-            num_blocks = math.ceil(n / block_size)
-            code_bytes = n if kind == "int8" else (n + 1) // 2
-            if kind == "int8":
-                codes = np.frombuffer(buf, np.int8, n, offset)
-            else:
-                codes = _unpack_int4(np.frombuffer(buf, np.uint8, code_bytes, offset), n)
-            scale = np.frombuffer(buf, "<f4", num_blocks, offset + code_bytes).astype(np.float32)
-            offset += code_bytes + 4 * num_blocks
-            padded = np.zeros(num_blocks * block_size, np.float32)
-            padded[:n] = codes
-            values = (padded.reshape(num_blocks, block_size) * scale[:, None]).reshape(-1)[:n]
-        out.append(values.reshape(shape))
+    out = [np.empty(int(np.prod(x.shape)), np.float32) for x in leaves]
+    for piece in pieces(like, kind, block_size):
+        out[piece.leaf][piece.start : piece.stop] = decode_piece(buf, piece, kind, block_size)
+    out = [values.reshape(tuple(x.shape)) for values, x in zip(out, leaves)]
     return jax.tree.unflatten(treedef, out)
+
+
+def decode_piece(buf, piece: Piece, kind: str, block_size: int) -> np.ndarray:
+    """The float32 values [piece.stop - piece.start] of one piece, read from `buf` at `piece.offset`."""
+    n, offset = piece.stop - piece.start, piece.offset
+    if kind == "none":
+        return np.frombuffer(buf, "<f4", n, offset).astype(np.float32)
+    if kind == "bf16":
+        return np.frombuffer(buf, ml_dtypes.bfloat16, n, offset).astype(np.float32)
+    num_blocks = -(-n // block_size)
+    code_bytes = n if kind == "int8" else (n + 1) // 2
+    if kind == "int8":
+        codes = np.frombuffer(buf, np.int8, n, offset)
+    else:
+        codes = _unpack_int4(np.frombuffer(buf, np.uint8, code_bytes, offset), n)
+    scale = np.frombuffer(buf, "<f4", num_blocks, offset + code_bytes).astype(np.float32)
+    full = n // block_size * block_size
+    values = np.empty(n, np.float32)
+    np.multiply(codes[:full].reshape(-1, block_size), scale[: full // block_size, None], out=values[:full].reshape(-1, block_size))
+    if full < n:
+        np.multiply(codes[full:], scale[-1], out=values[full:])
+    return values
 
 
 def decode_and_apply(params: Any, payload: bytes, kind: str, block_size: int) -> Any:

@@ -1,0 +1,245 @@
+"""An emulated WAN link between one island and the coordinator.
+
+The kernel's netem qdisc is not available where this framework runs, so the
+parts of a long-distance path that tc cannot model here, the one-way latency and
+the per-connection window, live in this module, in the sending process.
+`launch/wan_netns.sh` shapes bandwidth with a tc tbf qdisc in the kernel.
+
+Model (all times are seconds on the emulator's clock, sizes are bytes):
+
+  * Each direction, "up" (island -> coordinator) and "down" (coordinator ->
+    island), is an independent FIFO link that serialises bytes at
+    `bandwidth_gbps * 1e9 / 8` bytes/s. The link is shared by all connections
+    of the island in that direction: a byte waits for every byte reserved
+    before it.
+  * A piece of data arrives at the far end `latency_ms / 1000` s after its
+    last byte is serialised.
+  * Each connection (a parallel gRPC channel, i.e. its own TCP connection) has
+    a window of `window_bytes`: the bytes sent on that connection and not yet
+    acknowledged may not exceed it. A byte is acknowledged one round trip
+    after it was serialised: at its arrival plus one more one-way latency.
+    `window_bytes == 0` means no window.
+  * A transfer larger than the window is cut into window-sized segments.
+    A segment starts serialising at the latest of: the time it was requested,
+    the time the link is free, and the time enough of its connection's
+    earlier bytes are acknowledged for the segment to fit in the window.
+    Acknowledgements count whole segments.
+  * Calls are served in the order they are made (FIFO); each call reserves all
+    of its segments before the next call is looked at.
+
+Consequences: one connection streaming window-sized segments sends one segment
+per `RTT + window / rate` seconds, so it is capped near `window / RTT` (a
+window of 1 MiB over a 100 ms round trip carries about 84 Mbit/s), as a single
+TCP connection on a long path is. N connections carry about N times that, up to
+the link's bandwidth. `one_connection_gbps` and `connections_needed` give the
+exact figures of this model.
+
+The emulator is thread-safe: several connection threads may call `arrival` and
+`transfer` at once; the bookkeeping is done under a lock and the sleeping of
+`transfer` outside it. A connection keeps only its unacknowledged segments, so
+its history is bounded by its window.
+"""
+
+from __future__ import annotations
+
+import collections
+import math
+import operator
+import threading
+import time
+from collections.abc import Callable
+
+DIRECTIONS = ("up", "down")
+
+
+class LinkEmulator:
+    """A shared, windowed WAN link in each direction (see the module docstring).
+
+    Args:
+      bandwidth_gbps: serialisation rate of each direction, Gbit/s (1e9 bits/s).
+      latency_ms: one-way latency, milliseconds (the round trip is twice this).
+      window_bytes: bytes in flight per connection, like a TCP window; 0 for no
+        window.
+      clock: returns the current time in seconds; every time the emulator takes
+        or returns is on this clock.
+      sleep: sleeps for a number of seconds; used by `transfer`.
+
+    Raises:
+      ValueError: bandwidth_gbps is not a finite number > 0, latency_ms is
+        negative or not finite, or window_bytes is negative.
+    """
+
+    def __init__(
+        self,
+        bandwidth_gbps: float,
+        latency_ms: float = 0.0,
+        window_bytes: int = 0,
+        clock: Callable[[], float] = time.monotonic,
+        sleep: Callable[[float], None] = time.sleep,
+    ):
+        bandwidth_gbps = float(bandwidth_gbps)
+        latency_ms = float(latency_ms)
+        window_bytes = operator.index(window_bytes)
+        if not (bandwidth_gbps > 0 and math.isfinite(bandwidth_gbps)):
+            raise ValueError(
+                f"bandwidth_gbps is {bandwidth_gbps}; use a finite rate > 0 Gbit/s "
+                "(with config.comm.link.bandwidth_gbps == 0, from_config returns None: no emulated link)"
+            )
+        if not (latency_ms >= 0 and math.isfinite(latency_ms)):
+            raise ValueError(f"latency_ms is {latency_ms}; use a finite one-way latency >= 0 ms")
+        if window_bytes < 0:
+            raise ValueError(f"window_bytes is {window_bytes}; use 0 (no window) or a window > 0 bytes")
+        self.bandwidth_gbps = bandwidth_gbps
+        self.latency_ms = latency_ms
+        self.window_bytes = window_bytes
+        self.bytes_per_second = bandwidth_gbps * 1e9 / 8
+        self.latency_s = latency_ms / 1000.0
+        self.rtt_s = 2.0 * self.latency_s
+        self.clock = clock
+        self.sleep = sleep
+        self._lock = threading.Lock()
+        # Per direction: the clock time at which the link finishes serialising every byte reserved so far.
+        self._link_free = dict.fromkeys(DIRECTIONS, -math.inf)
+        # Per (direction, connection): unacknowledged segments as (ack time s, bytes), oldest first, and their total.
+        self._unacked: dict[tuple[str, int], collections.deque[tuple[float, int]]] = {}
+        self._in_flight: dict[tuple[str, int], int] = {}
+
+    @classmethod
+    def from_config(
+        cls,
+        config,
+        clock: Callable[[], float] = time.monotonic,
+        sleep: Callable[[float], None] = time.sleep,
+    ) -> LinkEmulator | None:
+        """The emulator described by `config.comm.link`, or None when it emulates nothing.
+
+        Args:
+          config: a run's ConfigDict (island_jax/config.py); reads
+            `comm.link.bandwidth_gbps` (Gbit/s), `comm.link.latency_ms` (ms,
+            one way) and `comm.link.window_bytes` (bytes).
+          clock, sleep: as for the constructor.
+
+        Returns:
+          None when `config.comm.link.bandwidth_gbps == 0`, else a `LinkEmulator`.
+
+        Raises:
+          ValueError: as the constructor, e.g. for a negative bandwidth.
+        """
+        link = config.comm.link
+        if link.bandwidth_gbps == 0:
+            return None
+        return cls(link.bandwidth_gbps, link.latency_ms, link.window_bytes, clock=clock, sleep=sleep)
+
+    def arrival(self, direction: str, connection: int, nbytes: int, now: float | None = None) -> float:
+        """Reserves the link for `nbytes` and returns when their last byte arrives.
+
+        Args:
+          direction: "up" (island -> coordinator) or "down" (coordinator -> island).
+          connection: index >= 0 of the connection (gRPC channel) that carries the
+            bytes; the window applies per connection.
+          nbytes: bytes to send, >= 0.
+          now: clock time, seconds, at which the bytes are ready to send;
+            defaults to `clock()`.
+
+        Returns:
+          The clock time, seconds, at which the last of the bytes arrives at the
+          far end. The link time and the connection's window are reserved, so a
+          later call queues behind this one.
+
+        Raises:
+          ValueError: unknown direction, negative connection or negative nbytes.
+        """
+        self._check(direction, connection, nbytes)
+        connection = operator.index(connection)
+        nbytes = operator.index(nbytes)
+        with self._lock:
+            if now is None:
+                now = self.clock()
+            now = float(now)
+            if nbytes == 0:
+                # Nothing to serialise, but it still follows every byte reserved before it on the link.
+                return max(now, self._link_free[direction]) + self.latency_s
+            end = now
+            remaining = nbytes
+            while remaining > 0:
+                segment = remaining if self.window_bytes == 0 else min(remaining, self.window_bytes)
+                end = self._reserve(direction, connection, segment, now)
+                remaining -= segment
+            return end + self.latency_s
+
+    def transfer(self, direction: str, connection: int, nbytes: int, now: float | None = None) -> float:
+        """`arrival(...)`, then sleeps until that time; returns the arrival time (clock seconds).
+
+        The caller is blocked until its last byte arrives at the far end, so a
+        thread that sends one chunk per call and waits each time sends at most
+        one chunk per (chunk time + one-way latency) on its connection.
+
+        Raises:
+          ValueError: as `arrival`.
+        """
+        t = self.arrival(direction, connection, nbytes, now)
+        self.sleep(max(0.0, t - self.clock()))
+        return t
+
+    def one_connection_gbps(self) -> float:
+        """Highest steady rate of one connection, Gbit/s: its window per round trip.
+
+        In this model a connection that always has data sends one window every
+        RTT + window / rate seconds, so this is
+        `window * 8 / (RTT + window * 8 / (bandwidth_gbps * 1e9)) / 1e9`: about
+        window / RTT when the window is much smaller than the bandwidth-delay
+        product, and never above `bandwidth_gbps`. `math.inf` without a window.
+        """
+        if self.window_bytes == 0:
+            return math.inf
+        bits = self.window_bytes * 8
+        return bits / (self.rtt_s + bits / (self.bandwidth_gbps * 1e9)) / 1e9
+
+    def connections_needed(self) -> int:
+        """Fewest connections that, all streaming, keep the link busy; 1 without a window.
+
+        Equals ceil(bandwidth-delay product / window) + 1 in this model (one
+        more than the plain BDP / window because a window also takes time to
+        serialise); 1 without a window or without latency.
+        """
+        if self.window_bytes == 0:
+            return 1
+        ratio = self.bandwidth_gbps / self.one_connection_gbps()
+        return max(1, math.ceil(ratio - 1e-9))
+
+    def _check(self, direction: str, connection: int, nbytes: int) -> None:
+        if direction not in DIRECTIONS:
+            raise ValueError(
+                f"direction is {direction!r}; use 'up' (island -> coordinator) or 'down' (coordinator -> island)"
+            )
+        if operator.index(connection) < 0:
+            raise ValueError(f"connection is {connection}; use a connection index >= 0")
+        if operator.index(nbytes) < 0:
+            raise ValueError(f"nbytes is {nbytes}; use a size >= 0 bytes")
+
+    def _reserve(self, direction: str, connection: int, segment: int, now: float) -> float:
+        """Books one segment (bytes <= window) on the link; returns when its last byte is serialised.
+
+        Called with the lock held.
+        """
+        start = max(now, self._link_free[direction])
+        key = (direction, connection)
+        if self.window_bytes:
+            unacked = self._unacked.setdefault(key, collections.deque())
+            in_flight = self._in_flight.get(key, 0)
+            # Wait for the oldest segments' acknowledgements until this one fits. Acknowledgements on one
+            # connection come in send order, and every later segment starts after this one, so the ones
+            # popped here are acknowledged for good.
+            while unacked and in_flight + segment > self.window_bytes:
+                ack, size = unacked.popleft()
+                start = max(start, ack)
+                in_flight -= size
+            # Forget what is already acknowledged when this segment starts.
+            while unacked and unacked[0][0] <= start:
+                in_flight -= unacked.popleft()[1]
+        end = start + segment / self.bytes_per_second
+        self._link_free[direction] = end
+        if self.window_bytes:
+            unacked.append((end + self.rtt_s, segment))
+            self._in_flight[key] = in_flight + segment
+        return end
