@@ -33,6 +33,7 @@ from island_jax import config as config_lib
 from island_jax import data as data_lib
 from island_jax.checkpoint import Checkpointer
 from island_jax.comm.client import GrpcTransport
+from island_jax.comm.link import LinkEmulator
 from island_jax.comm.server import serve
 from island_jax.coordinator import Coordinator, StaleRoundError
 from island_jax.island import STEP_METRICS, Island

@@ -19,6 +19,7 @@ from absl import logging
 
 from island_jax import config as config_lib
 from island_jax import data as data_lib
+from island_jax.comm.link import LinkEmulator
 from island_jax.comm.transport import InProcessTransport
 from island_jax.coordinator import Coordinator
 from island_jax.island import STEP_METRICS, Island
@@ -81,7 +82,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
     islands = build_islands(config, corpus, graphdef, params, specs)
     transport = None
     if config.outer.enabled:
-        transport = InProcessTransport(Coordinator(config, params, names))
+        links = {name: LinkEmulator.from_config(config) for name in names}
+        transport = InProcessTransport(Coordinator(config, params, names), links, config.comm.connections)
         for isl in islands:
             transport.join(isl.name, config_lib.fingerprint_fields(config), isl.global_checksum)
     wire_bytes = codec.payload_bytes(params, config.codec.kind, config.codec.block_size)

@@ -240,3 +240,27 @@ def test_call_errors():
         config = default_config()
         config.comm.link.bandwidth_gbps = -1.0
         LinkEmulator.from_config(config)
+
+
+def test_the_in_process_transport_carries_payloads_over_the_emulated_link():
+    import numpy as np
+
+    from island_jax.comm.transport import InProcessTransport
+    from island_jax.config import default_config, fingerprint_fields, island
+    from island_jax.coordinator import Coordinator
+    from island_jax.outer import codec
+
+    c = default_config()
+    c.islands.a = island(1, 1, 1, 1, 1)
+    c.codec.kind = "none"
+    c.outer.update(learning_rate=1.0, momentum=0.0, nesterov=False)
+    params = {"w": np.zeros(250_000, np.float32)}  # 1,000,000 bytes per payload
+    clock = FakeClock()
+    link = LinkEmulator(0.1, latency_ms=50.0, clock=clock, sleep=clock.sleep)
+    coordinator = Coordinator(c, params, ["a"])
+    transport = InProcessTransport(coordinator, {"a": link}, connections=4)
+    transport.join("a", fingerprint_fields(c), coordinator.checksum)
+    transport.contribute(0, "a", 10, codec.encode(params, "none", 256))
+    assert clock.t == pytest.approx(0.05 + 1_000_000 * 8 / 1e8, rel=1e-9)  # 1 MB at 100 Mbit/s, 50 ms one way
+    transport.fetch_update(0, "a")
+    assert clock.t == pytest.approx(2 * (0.05 + 1_000_000 * 8 / 1e8), rel=1e-9)

@@ -75,6 +75,8 @@ class SyncStats:
       seconds_receiving: from the first update chunk to the last one's arrival, s.
       seconds_transferring: time any of this island's bytes were moving (the
         union of the two spans above), s.
+      seconds_overlapped: while update chunks came back and contribution chunks
+        were still going out (pipelining), s.
       achieved_gbps: (bytes_sent + bytes_received) x 8 / seconds_transferring / 1e9.
     """
 
@@ -83,6 +85,7 @@ class SyncStats:
     seconds_sending: float = 0.0
     seconds_receiving: float = 0.0
     seconds_transferring: float = 0.0
+    seconds_overlapped: float = 0.0
     achieved_gbps: float = 0.0
 
 
@@ -244,7 +247,7 @@ class GrpcTransport:
         start = self.clock()
         if self.pipeline:
             self._fetches[(round, island)] = self._open_fetch(round, island)
-        n = self.connections
+        n = self._streams()
         header = wire.header_frame(
             pb.PayloadHeader(
                 round=round, island=island, tokens=tokens, layout=self.layout, params_checksum=params_checksum or "",
@@ -289,8 +292,12 @@ class GrpcTransport:
             )
         return "discarded" if discarded else "accepted"
 
+    def _streams(self) -> int:
+        """Connections a payload uses: one per chunk, up to `connections`."""
+        return max(1, min(self.connections, len(self.plan)))
+
     def _open_fetch(self, round: int, island: str) -> _Fetch:
-        return _Fetch(self, round, island, "fetch_update", self.plan, self._fetch_update)
+        return _Fetch(self, round, island, "fetch_update", self.plan, self._fetch_update[: self._streams()])
 
     def fetch_update(self, round: int, island: str) -> bytes:
         """The round's update bytes; waits up to `round_timeout` seconds for the merge.
@@ -308,8 +315,10 @@ class GrpcTransport:
         receive_start = fetch.first_receipt if fetch.first_receipt is not None else end
         receiving = max(0.0, end - receive_start)
         sending = max(0.0, send_end - send_start)
-        transferring = sending + receiving - max(0.0, min(send_end, end) - max(send_start, receive_start))
+        overlapped = max(0.0, min(send_end, end) - max(send_start, receive_start))
+        transferring = sending + receiving - overlapped
         stats = self.last_stats
+        stats.seconds_overlapped = overlapped
         stats.bytes_received = fetch.assembler.wire_bytes
         stats.seconds_sending, stats.seconds_receiving, stats.seconds_transferring = sending, receiving, transferring
         stats.achieved_gbps = (stats.bytes_sent + stats.bytes_received) * 8 / max(transferring, 1e-9) / 1e9

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 from typing import Protocol
 
+from island_jax.comm.link import LinkEmulator
 from island_jax.coordinator import Coordinator
 
 
@@ -50,11 +51,24 @@ class InProcessTransport:
     """Transport that calls a `Coordinator` in the same process.
 
     Payloads are passed as immutable bytes, so nothing is shared by reference
-    that a real wire would copy.
+    that a real wire would copy. With `links` ({island: LinkEmulator}), each
+    payload's chunks are booked on that island's emulated link (chunk k on
+    connection k % `connections`) and the call returns when the last one would
+    have arrived, so a notebook sees what the link costs.
     """
 
-    def __init__(self, coordinator: Coordinator):
+    def __init__(self, coordinator: Coordinator, links: dict[str, LinkEmulator] | None = None, connections: int = 1):
         self.coordinator = coordinator
+        self.links, self.connections = links or {}, connections
+
+    def _carry(self, island: str, direction: str) -> None:
+        link = self.links.get(island)
+        if link is None:
+            return
+        now = link.clock()
+        plan = self.coordinator.plan
+        last = max((link.arrival(direction, c.index % self.connections, c.nbytes, now=now) for c in plan), default=now)
+        link.sleep(max(0.0, last - link.clock()))
 
     def join(self, island: str, config_fingerprint: dict, params_checksum: str, round: int = 0) -> dict:
         return self.coordinator.join(island, dict(config_fingerprint), params_checksum, round)
@@ -68,10 +82,13 @@ class InProcessTransport:
         params_checksum: str | None = None,
         step_seconds: float | None = None,
     ) -> str:
+        self._carry(island, "up")
         return self.coordinator.contribute(round, island, tokens, bytes(payload), params_checksum, step_seconds)
 
     def fetch_update(self, round: int, island: str) -> bytes:
-        return bytes(self.coordinator.fetch_update(round, island))
+        update = bytes(self.coordinator.fetch_update(round, island))
+        self._carry(island, "down")
+        return update
 
     def fetch_view(self, island: str) -> tuple[int, bytes]:
         round, payload = self.coordinator.fetch_view()

@@ -1,0 +1,191 @@
+"""One outer sync across a kernel-shaped 1 Gbit/s link, against a gloo all-reduce over the same link.
+
+  sudo python benchmarks/sync_vs_gloo.py [--rate=1gbit] [--repeats=3]
+
+Needs root (network namespaces) and torch for the baseline only
+(`pip install -e '.[bench]'`). `launch/wan_netns.sh up RATE` builds two
+namespaces joined by a veth pair shaped with tc tbf on both ends; they are
+removed afterwards, also after a failure.
+
+Ours: the coordinator in one namespace, one island in the other. The island
+times one full outer sync of a 2^25-parameter (32M) float32 pseudo-gradient:
+int8 encode (block 256), transfer over `comm.connections` connections, the
+coordinator's chunk-wise merge, Nesterov outer step and update encoding, the
+update back, decode and apply. With `comm.pipeline` the update flows back
+while the contribution is still arriving, so the two directions overlap.
+
+Baseline: `torch.distributed` gloo float32 all_reduce of the same tensor
+between one process in each namespace (a 2-rank ring moves 128 MiB each way,
+about 1.07 s at 1 Gbit/s).
+
+Both are timed after one warm-up; medians are compared. Last line:
+`sync_vs_gloo: ratio=R` (ours / gloo seconds).
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+from absl import app, flags
+
+_RATE = flags.DEFINE_string("rate", "1gbit", "tc rate of the link, each way.")
+_REPEATS = flags.DEFINE_integer("repeats", 3, "Timed syncs of each kind, after one warm-up.")
+_ROLE = flags.DEFINE_string("role", "main", "main | coordinator | island | gloo (the others are started by main).")
+_RANK = flags.DEFINE_integer("rank", 0, "gloo rank.")
+_PORT = flags.DEFINE_integer("port", 0, "Coordinator or gloo port (island and rank 1).")
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PREFIX = "ijbench"
+COORD_NS, ISLAND_NS = f"{PREFIX}-coord", f"{PREFIX}-island"
+COORD_IP = "10.77.0.1"
+NUM_PARAMS = 1 << 25
+GLOO_PORT = 29533
+
+
+def _config():
+    from island_jax.config import default_config, island
+
+    c = default_config()
+    c.islands.a = island(1, 1, 1, 1, 1)
+    c.codec.kind, c.codec.block_size = "int8", 256
+    return c
+
+
+def _params():
+    import numpy as np
+
+    return {"w": np.zeros(NUM_PARAMS, np.float32)}
+
+
+def coordinator_role() -> None:
+    from island_jax.comm.server import serve
+    from island_jax.coordinator import Coordinator
+
+    c = _config()
+    server, service, port = serve(Coordinator(c, _params(), ["a"]), f"{COORD_IP}:0", c.comm.chunk_bytes)
+    print(f"PORT {port}", flush=True)
+    service.wait_until_fetched(_REPEATS.value, timeout=600)
+    server.stop(1)
+
+
+def island_role(port: int) -> None:
+    import jax
+    import numpy as np
+
+    from island_jax.comm.client import GrpcTransport
+    from island_jax.config import fingerprint_fields
+    from island_jax.outer import codec
+    from island_jax.params import checksum
+
+    c = _config()
+    params = _params()
+    t = GrpcTransport(
+        f"{COORD_IP}:{port}", c.comm.chunk_bytes, 60, 600, c.comm.connections, pipeline=c.comm.pipeline
+    )
+    t.join("a", fingerprint_fields(c), checksum(params))
+    pseudo_gradient = {"w": jax.device_put(np.random.default_rng(0).standard_normal(NUM_PARAMS).astype(np.float32) * 0.01)}
+    times = []
+    for r in range(_REPEATS.value + 1):
+        jax.block_until_ready(pseudo_gradient)
+        start = time.perf_counter()
+        payload = codec.encode(pseudo_gradient, "int8", 256)
+        encoded = time.perf_counter()
+        t.contribute(r, "a", 1000, payload)
+        update = t.fetch_update(r, "a")
+        received = time.perf_counter()
+        params = codec.decode_and_apply(params, update, "int8", 256)
+        end = time.perf_counter()
+        s = t.last_stats
+        print(
+            f"  round {r}{' (warm-up)' if r == 0 else ''}: {end - start:.3f} s = encode {encoded - start:.3f} + "
+            f"exchange {received - encoded:.3f} (sending {s.seconds_sending:.3f}, overlapped {s.seconds_overlapped:.3f}) "
+            f"+ decode and apply {end - received:.3f}; {s.bytes_sent / 1e6:.1f} MB up, {s.bytes_received / 1e6:.1f} MB down",
+            flush=True,
+        )
+        if r:
+            times.append(end - start)
+    print(f"SECONDS {statistics.median(times)}", flush=True)
+    t.close()
+
+
+def gloo_role(rank: int) -> None:
+    import torch
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"tcp://{COORD_IP}:{GLOO_PORT}", rank=rank, world_size=2)
+    tensor = torch.randn(NUM_PARAMS, dtype=torch.float32)
+    times = []
+    for r in range(_REPEATS.value + 1):
+        dist.barrier()
+        start = time.perf_counter()
+        dist.all_reduce(tensor)
+        seconds = time.perf_counter() - start
+        if rank == 0:
+            print(f"  all_reduce {r}{' (warm-up)' if r == 0 else ''}: {seconds:.3f} s", flush=True)
+        if r:
+            times.append(seconds)
+    if rank == 0:
+        print(f"SECONDS {statistics.median(times)}", flush=True)
+    dist.destroy_process_group()
+
+
+def _in(ns: str, *args: str) -> list[str]:
+    return ["ip", "netns", "exec", ns, sys.executable, os.path.abspath(__file__), *args, f"--repeats={_REPEATS.value}"]
+
+
+def _seconds(proc: subprocess.Popen) -> float:
+    seconds = None
+    for line in proc.stdout:
+        if line.startswith("SECONDS "):
+            seconds = float(line.split()[1])
+        else:
+            print(line, end="", flush=True)
+    if proc.wait() != 0 or seconds is None:
+        raise RuntimeError(f"{proc.args} failed with status {proc.returncode}")
+    return seconds
+
+
+def main_role() -> None:
+    if os.geteuid() != 0:
+        sys.exit("sync_vs_gloo needs root to build network namespaces (CAP_NET_ADMIN); run it with sudo")
+    env = dict(os.environ, IJ_NETNS_PREFIX=PREFIX)
+    script = os.path.join(ROOT, "launch", "wan_netns.sh")
+    subprocess.run([script, "down"], env=env, check=True, capture_output=True)
+    subprocess.run([script, "up", _RATE.value], env=env, check=True)
+    try:
+        print(f"ours: one island and the coordinator across a {_RATE.value} tbf link", flush=True)
+        coordinator = subprocess.Popen(_in(COORD_NS, "--role=coordinator"), stdout=subprocess.PIPE, text=True)
+        port = int(coordinator.stdout.readline().split()[1])
+        island = subprocess.Popen(_in(ISLAND_NS, "--role=island", f"--port={port}"), stdout=subprocess.PIPE, text=True)
+        ours = _seconds(island)
+        coordinator.wait(timeout=60)
+        print(f"gloo: float32 all_reduce of {NUM_PARAMS} parameters across the same link", flush=True)
+        rank1 = subprocess.Popen(_in(ISLAND_NS, "--role=gloo", "--rank=1"), stdout=subprocess.DEVNULL)
+        rank0 = subprocess.Popen(_in(COORD_NS, "--role=gloo", "--rank=0"), stdout=subprocess.PIPE, text=True)
+        gloo = _seconds(rank0)
+        rank1.wait(timeout=60)
+        print(f"one outer sync {ours:.3f} s, gloo all_reduce {gloo:.3f} s (medians of {_REPEATS.value})")
+        print(f"sync_vs_gloo: ratio={ours / gloo:.3f}")
+    finally:
+        subprocess.run([script, "down"], env=env, check=False)
+
+
+def main(argv):
+    del argv
+    if _ROLE.value == "coordinator":
+        coordinator_role()
+    elif _ROLE.value == "island":
+        island_role(_PORT.value)
+    elif _ROLE.value == "gloo":
+        gloo_role(_RANK.value)
+    else:
+        main_role()
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, ROOT)
+    app.run(main)

@@ -1,0 +1,185 @@
+"""Goodput of the island -> coordinator transfer against a plain TCP socket, and through the link emulator.
+
+  python benchmarks/transport.py [--megabytes=256] [--repeats=3]
+
+Part 1, loopback. A receiver process runs a plain TCP listener and the
+exchange's gRPC service (grpc.aio, raw frames, CRC32 per chunk) in front of a
+sink that copies every chunk into one preallocated buffer, as the TCP receiver
+does with `recv_into`; the coordinator's merge is left out, since it is not
+the transport. The sender process moves the same payload both ways, taking
+turns: `sendall` of a memoryview over one TCP connection, then
+`GrpcTransport.contribute` over `comm.connections` channels. Each is timed
+from the first byte to the receiver's acknowledgement; the medians are
+compared. Last line: `transport: ratio=R` (gRPC goodput / TCP goodput).
+
+Part 2, the emulated WAN (island_jax/comm/link.py) at 1 and 5 Gbit/s, 50 ms
+one way (100 ms RTT), a 4 MiB window per connection (Linux's default largest
+TCP send buffer): the achieved rate of a real transfer through the emulator
+over loopback, divided by the configured rate, for 1 connection and for
+`comm.connections`. The achieved rate is bytes x 8 / (seconds - one-way
+latency): the first byte's unavoidable latency is not a rate.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import time
+
+from absl import app, flags
+
+_MEGABYTES = flags.DEFINE_integer("megabytes", 256, "Payload size, MiB.")
+_REPEATS = flags.DEFINE_integer("repeats", 3, "Timed transfers of each kind.")
+_ROLE = flags.DEFINE_string("role", "sender", "sender | receiver (the receiver is started by the sender).")
+
+WINDOW_BYTES = 4 << 20
+
+
+class Sink:
+    """Duck-types the coordinator calls the exchange makes, copying chunks into one buffer."""
+
+    def __init__(self, num_bytes: int, chunk_bytes: int):
+        import jax
+        import numpy as np
+
+        from island_jax.config import default_config, fingerprint_fields
+        from island_jax.outer import codec
+
+        self.config = default_config()
+        self.kind, self.block_size = "none", 256
+        self.view = {"w": jax.ShapeDtypeStruct((num_bytes // 4,), np.float32)}
+        self.plan = codec.chunk_plan(self.view, "none", 256, chunk_bytes)
+        self.payload_bytes = num_bytes
+        self.islands, self.round, self.checksum = ["a"], 0, "-"
+        self.fingerprint = fingerprint_fields(self.config)
+        self.buffer = bytearray(num_bytes)
+        self._pending: dict = {}
+
+    def join(self, island, fields, params_checksum, round=0):
+        return dict(round=0, checksum=self.checksum)
+
+    def begin_contribution(self, round, island, tokens, params_checksum=None, step_seconds=None):
+        self._pending[island] = 0
+        return "accepted"
+
+    def add_chunk(self, round, island, index, data):
+        chunk = self.plan[index]
+        self.buffer[chunk.offset : chunk.offset + chunk.nbytes] = data
+        self._pending[island] += 1
+
+    def end_contribution(self, round, island):
+        return "accepted"
+
+    def abandon(self, island, reason):
+        self._pending.pop(island, None)
+
+
+def receiver(num_bytes: int) -> None:
+    from island_jax.comm.server import serve
+    from island_jax.config import default_config
+
+    chunk_bytes = default_config().comm.chunk_bytes
+    sink = Sink(num_bytes, chunk_bytes)
+    _, _, grpc_port = serve(sink, "127.0.0.1:0", chunk_bytes)
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(1)
+    print(f"PORTS {listener.getsockname()[1]},{grpc_port}", flush=True)
+    buffer = bytearray(num_bytes)
+    view = memoryview(buffer)
+    while True:
+        conn, _ = listener.accept()
+        with conn:
+            got = 0
+            while got < num_bytes:
+                n = conn.recv_into(view[got:])
+                if n == 0:
+                    break
+                got += n
+            conn.sendall(b"k")
+
+
+def _tcp_seconds(port: int, payload: bytes) -> float:
+    start = time.perf_counter()
+    with socket.create_connection(("127.0.0.1", port)) as s:
+        s.sendall(memoryview(payload))
+        if s.recv(1) != b"k":
+            raise RuntimeError("the TCP receiver did not acknowledge")
+    return time.perf_counter() - start
+
+
+def _transport(port: int, connections: int, link=None):
+    from island_jax.comm.client import GrpcTransport
+    from island_jax.config import default_config, fingerprint_fields
+
+    config = default_config()
+    t = GrpcTransport(f"127.0.0.1:{port}", config.comm.chunk_bytes, 60, 600, connections, pipeline=False, link=link)
+    t.join("a", fingerprint_fields(config), "-")
+    return t
+
+
+def _grpc_seconds(transport, payload: bytes) -> float:
+    start = time.perf_counter()
+    transport.contribute(0, "a", 1, payload)
+    return time.perf_counter() - start
+
+
+def sender(num_bytes: int, repeats: int) -> None:
+    from island_jax.comm.link import LinkEmulator
+    from island_jax.config import default_config
+
+    connections = default_config().comm.connections
+    proc = subprocess.Popen(
+        [sys.executable, __file__, "--role=receiver", f"--megabytes={num_bytes >> 20}"], stdout=subprocess.PIPE, text=True
+    )
+    try:
+        line = proc.stdout.readline()
+        tcp_port, grpc_port = (int(p) for p in line.split()[1].split(","))
+        payload = os.urandom(num_bytes)
+        transport = _transport(grpc_port, connections)
+        _grpc_seconds(transport, payload)  # warm up both paths once
+        _tcp_seconds(tcp_port, payload)
+        tcp, grpc = [], []
+        for _ in range(repeats):
+            tcp.append(_tcp_seconds(tcp_port, payload))
+            grpc.append(_grpc_seconds(transport, payload))
+        transport.close()
+        tcp_gbps = num_bytes * 8 / statistics.median(tcp) / 1e9
+        grpc_gbps = num_bytes * 8 / statistics.median(grpc) / 1e9
+        print(f"loopback, {num_bytes >> 20} MiB, median of {repeats}:")
+        print(f"  plain TCP (sendall / recv_into)       {tcp_gbps:6.2f} Gbit/s")
+        print(f"  gRPC exchange, {connections:2d} connections       {grpc_gbps:6.2f} Gbit/s")
+        print(f"emulated link, 50 ms one way, window {WINDOW_BYTES >> 20} MiB per connection (achieved / configured):")
+        for gbps in (1.0, 5.0):
+            size = min(num_bytes, int(gbps * 1e9 / 8 * 0.5))  # about half a second on the link
+            for n in (1, connections):
+                link = LinkEmulator(gbps, latency_ms=50.0, window_bytes=WINDOW_BYTES)
+                t = _transport(grpc_port, n, link)
+                seconds = _grpc_seconds(t, payload[:size])
+                t.close()
+                achieved = size * 8 / (seconds - link.latency_s) / 1e9
+                print(
+                    f"  {gbps:3.0f} Gbit/s, {n:2d} connection{'s' if n > 1 else ' '} ({size >> 20} MiB): "
+                    f"{achieved:6.3f} Gbit/s = {achieved / gbps:5.3f} (emulator's cap {min(gbps, n * link.one_connection_gbps()) / gbps:5.3f})"
+                )
+        print(f"transport: ratio={grpc_gbps / tcp_gbps:.3f}")
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def main(argv):
+    del argv
+    num_bytes = _MEGABYTES.value << 20
+    if _ROLE.value == "receiver":
+        receiver(num_bytes)
+    else:
+        sender(num_bytes, _REPEATS.value)
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    app.run(main)
