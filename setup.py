@@ -30,6 +30,7 @@ setup(
         "grpcio>=1.85.1,<2",
         "grpcio-health-checking>=1.85.1,<2",
         "protobuf>=7.35.1,<8",
+        "crc32c>=2.7,<3",  # CRC-32C of every chunk, in hardware
     ],
     extras_require={
         # tensorboard: its own event reader checks the event files the runs write;
@@ -37,6 +38,8 @@ setup(
         "test": ["pytest>=8,<10", "tensorboard>=2.20,<3", "grpcio-tools==1.85.1"],
         # Regenerates the gRPC stubs: python island_jax/comm/generate_stubs.py
         "dev": ["grpcio-tools==1.85.1"],
+        # benchmarks/sync_vs_gloo.py's baseline: torch.distributed's gloo all_reduce (CPU build).
+        "bench": ["torch==2.13.0"],
     },
     package_data={"island_jax.comm": ["exchange.proto"]},
 )

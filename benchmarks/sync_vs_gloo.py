@@ -116,6 +116,7 @@ def gloo_role(rank: int) -> None:
     import torch
     import torch.distributed as dist
 
+    os.environ["GLOO_SOCKET_IFNAME"] = "wan0"  # the veth end in each namespace (launch/wan_netns.sh)
     dist.init_process_group("gloo", init_method=f"tcp://{COORD_IP}:{GLOO_PORT}", rank=rank, world_size=2)
     tensor = torch.randn(NUM_PARAMS, dtype=torch.float32)
     times = []

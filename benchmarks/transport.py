@@ -139,26 +139,32 @@ def sender(num_bytes: int, repeats: int) -> None:
         line = proc.stdout.readline()
         tcp_port, grpc_port = (int(p) for p in line.split()[1].split(","))
         payload = os.urandom(num_bytes)
-        transport = _transport(grpc_port, connections)
-        _grpc_seconds(transport, payload)  # warm up both paths once
-        _tcp_seconds(tcp_port, payload)
-        tcp, grpc = [], []
+        counts = sorted({1, 4, connections})
+        transports = {n: _transport(grpc_port, n) for n in counts}
+        _tcp_seconds(tcp_port, payload)  # warm up every path once
+        for t in transports.values():
+            _grpc_seconds(t, payload)
+        tcp, grpc = [], {n: [] for n in counts}
         for _ in range(repeats):
             tcp.append(_tcp_seconds(tcp_port, payload))
-            grpc.append(_grpc_seconds(transport, payload))
-        transport.close()
+            for n, t in transports.items():
+                grpc[n].append(_grpc_seconds(t, payload))
+        for t in transports.values():
+            t.close()
         tcp_gbps = num_bytes * 8 / statistics.median(tcp) / 1e9
-        grpc_gbps = num_bytes * 8 / statistics.median(grpc) / 1e9
         print(f"loopback, {num_bytes >> 20} MiB, median of {repeats}:")
         print(f"  plain TCP (sendall / recv_into)       {tcp_gbps:6.2f} Gbit/s")
-        print(f"  gRPC exchange, {connections:2d} connections       {grpc_gbps:6.2f} Gbit/s")
+        for n in counts:
+            gbps = num_bytes * 8 / statistics.median(grpc[n]) / 1e9
+            print(f"  gRPC exchange, {n:2d} connection{'s' if n > 1 else ' '}       {gbps:6.2f} Gbit/s = {gbps / tcp_gbps:.3f}")
+        grpc_gbps = num_bytes * 8 / statistics.median(grpc[connections]) / 1e9
         print(f"emulated link, 50 ms one way, window {WINDOW_BYTES >> 20} MiB per connection (achieved / configured):")
         for gbps in (1.0, 5.0):
-            size = min(num_bytes, int(gbps * 1e9 / 8 * 0.5))  # about half a second on the link
+            size = num_bytes
             for n in (1, connections):
                 link = LinkEmulator(gbps, latency_ms=50.0, window_bytes=WINDOW_BYTES)
                 t = _transport(grpc_port, n, link)
-                seconds = _grpc_seconds(t, payload[:size])
+                seconds = _grpc_seconds(t, payload)
                 t.close()
                 achieved = size * 8 / (seconds - link.latency_s) / 1e9
                 print(

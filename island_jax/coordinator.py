@@ -75,7 +75,14 @@ class RoundRecord:
     cosine_similarity: dict[str, float] = field(default_factory=dict)  # "a/b": cos(pg_a, pg_b)
     update_bytes: int = 0
     update_codec_relative_error: float = 0.0  # ||update sent - (master - view)|| / ||master - view||
-    checksum: str = ""  # of the island view after the update
+    view_checksum: Any = ""  # of the island view after the update (or a function that computes it once)
+
+    @property
+    def checksum(self) -> str:
+        """`params.checksum` of the island view after this round's update."""
+        if callable(self.view_checksum):
+            self.view_checksum = self.view_checksum()
+        return self.view_checksum
 
 
 class Coordinator:
@@ -117,7 +124,7 @@ class Coordinator:
         self.fingerprint_fields = fingerprint_fields(config)
         self.view = jax.tree.map(lambda x: np.array(x, copy=True), params)
         self._treedef = jax.tree.structure(self.view)
-        self.checksum = checksum(self.view)
+        self._checksum: str | None = None
         self.plan = codec.chunk_plan(self.view, self.kind, self.block_size, config.comm.chunk_bytes)
         self.payload_bytes = codec.payload_bytes(self.view, self.kind, self.block_size)
         self.layouts, self.num_rows = chunk_step.row_layouts(self.plan, self.block_size)
@@ -169,9 +176,20 @@ class Coordinator:
         self._master = [chunk_step.gather_rows(master_leaves, lay, self.block_size, self.num_rows) for lay in self.layouts]
         self._opt = list(state["opt_state"])
         self.round = int(state["round"])
-        self.checksum = checksum(self.view)
+        self._checksum = None
         self._pending, self._updates, self._refused, self._dropped, self._quorum_since = {}, {}, set(), set(), None
         self._work = None
+
+    @property
+    def checksum(self) -> str:
+        """`params.checksum` of the island view, computed when first asked for after each round.
+
+        (SHA-256 over every parameter takes a while for a large model: left out
+        of the merge, it never delays an update.)
+        """
+        if self._checksum is None:
+            self._checksum = checksum(self.view)
+        return self._checksum
 
     # -- joining ---------------------------------------------------------------------------------------------
 
@@ -459,8 +477,8 @@ class Coordinator:
     def _finish_round(self, contributions: list[Contribution], work: dict) -> None:
         payload = b"".join(work["chunks"][k] for k in range(len(self.plan)))
         self._master, self._opt = work["master"], work["opt"]
-        self.view = jax.tree.unflatten(self._treedef, work["view"])
-        self.checksum = checksum(self.view)
+        self.view = view = jax.tree.unflatten(self._treedef, work["view"])
+        self._checksum = None
         names = work["contributors"]
         dots = np.asarray(work["dots"], np.float64)
         norms = {n: float(np.sqrt(dots[i, i])) for i, n in enumerate(names)}
@@ -480,7 +498,7 @@ class Coordinator:
             cosine_similarity=cosine,
             update_bytes=len(payload),
             update_codec_relative_error=float(np.sqrt(work["lost_sq"]) / max(np.sqrt(work["intended_sq"]), 1e-30)),
-            checksum=self.checksum,
+            view_checksum=lambda: self.checksum if self.view is view else checksum(view),
         )
         self.history.append(record)
         logging.info(

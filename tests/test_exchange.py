@@ -127,7 +127,7 @@ def test_chunk_with_flipped_byte_is_refused_and_never_merged(local_server):
     with pytest.raises(grpc.RpcError) as refused:
         _contribute_raw(a, frames)
     assert refused.value.code() == grpc.StatusCode.DATA_LOSS
-    assert "CRC32 mismatch in chunk 3 (offset 196608, 65536 bytes)" in refused.value.details()
+    assert "CRC-32C mismatch in chunk 3 (offset 196608, 65536 bytes)" in refused.value.details()
     assert coordinator._pending == {} and coordinator.round == 0
     # The same island then sends the intact payload, and only it is merged.
     a.contribute(0, "a", 10, good, start)
@@ -191,7 +191,7 @@ def test_assembler_refuses_repeated_misplaced_corrupt_and_missing_chunks():
     index, offset, crc, data = frames[1]
     with pytest.raises(wire.WireError, match="chunk 1 came at offset 1024 with 65536 bytes, but the plan puts it at offset 65536"):
         assembler.add(index, 1024, crc, data)
-    with pytest.raises(wire.WireError, match="CRC32 mismatch in chunk 1") as corrupt:
+    with pytest.raises(wire.WireError, match="CRC-32C mismatch in chunk 1") as corrupt:
         assembler.add(index, offset, crc ^ 1, data)
     assert corrupt.value.code == "DATA_LOSS"
     with pytest.raises(wire.WireError, match=r"ended with 2 of 3 chunks missing \(first: \[1, 2\]\)") as short:

@@ -254,19 +254,23 @@ class GrpcTransport:
                 step_seconds=step_seconds or 0.0, streams=n, total_bytes=len(payload),
             )
         )
-        frames: list[list[tuple[int, bytes, float]]] = [[] for _ in range(n)]
+        arrivals = {}
+        if self.link is not None:  # booked in chunk order, so the coordinator can merge in that order
+            for chunk in self.plan:
+                frame_bytes = wire.FRAMING_BYTES + chunk.nbytes
+                arrivals[chunk.index] = self.link.arrival("up", chunk.index % n, frame_bytes, now=start)
         view = memoryview(payload)
-        for chunk in self.plan:  # arrival times in chunk order, so the coordinator can merge in that order
-            frame = wire.chunk_frame(chunk.index, chunk.offset, view[chunk.offset : chunk.offset + chunk.nbytes])
-            conn = chunk.index % n
-            arrival = self.link.arrival("up", conn, len(frame), now=start) if self.link is not None else 0.0
-            frames[conn].append((chunk.index, frame, arrival))
+        crcs: list[list[int]] = [[] for _ in range(n)]
 
         def stream(conn: int):
             yield header
-            for _, frame, arrival in frames[conn]:
+            for chunk in self.plan[conn::n]:
+                data = view[chunk.offset : chunk.offset + chunk.nbytes]
+                crc = wire.crc32(data)
+                crcs[conn].append(crc)
+                frame = wire.chunk_frame(chunk.index, chunk.offset, data, crc)
                 if self.link is not None:
-                    self.link_sleep(arrival)
+                    self.link_sleep(arrivals[chunk.index])
                 yield frame
 
         calls = [self._pool.submit(self._contribute[i], stream(i), timeout=self.round_timeout) for i in range(n)]
@@ -275,15 +279,15 @@ class GrpcTransport:
         except grpc.RpcError as e:
             raise _error(e, "contribute", self.address) from None
         for i, reply in enumerate(replies):
-            sent = sum(self.plan[k].nbytes for k, _, _ in frames[i])
-            crc = wire.fold_crc32(wire.parse(f)[1][2] for _, f, _ in frames[i])
+            sent = sum(k.nbytes for k in self.plan[i::n])
+            crc = wire.fold_crc32(crcs[i])
             if reply.bytes_received != sent or reply.crc32 != crc:
                 raise ExchangeError(
-                    f"connection {i}: the coordinator took {reply.bytes_received} bytes (CRC32 of chunk CRC32s "
+                    f"connection {i}: the coordinator took {reply.bytes_received} bytes (CRC of chunk CRCs "
                     f"{reply.crc32:08x}) of the {sent} sent ({crc:08x})"
                 )
         self._send_span = (start, self.clock())
-        self.last_stats = SyncStats(bytes_sent=len(header) * n + sum(len(f) for fs in frames for _, f, _ in fs))
+        self.last_stats = SyncStats(bytes_sent=len(header) * n + len(payload) + wire.FRAMING_BYTES * len(self.plan))
         discarded = any(r.discarded for r in replies)
         if discarded:
             logging.warning(

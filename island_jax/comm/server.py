@@ -195,7 +195,7 @@ class ExchangeService:
                     )
                 if wire.crc32(data) != crc:
                     raise wire.WireError(
-                        f"CRC32 mismatch in chunk {index} (offset {offset}, {len(data)} bytes) of island "
+                        f"CRC-32C mismatch in chunk {index} (offset {offset}, {len(data)} bytes) of island "
                         f"{header.island!r}, round {header.round}: the data was corrupted in transit and the payload "
                         "was refused",
                         code="DATA_LOSS",

@@ -184,9 +184,9 @@ class ChunkStep:
 
         Returns:
           (new master rows, new optimizer state, update codes or values [R * B],
-          update scales [R], stats with `dots` [K, K], `intended_sq`, `lost_sq`),
-          all on the host.
+          update scales [R], stats with `dots` [K, K], `intended_sq`, `lost_sq`);
+          master and state stay on the CPU device, the rest comes to the host.
         """
         with jax.default_device(self.cpu):
-            out = self._step(values, scales, weights, master, opt_state, view)
-            return jax.device_get(out)
+            master, opt_state, codes, update_scales, stats = self._step(values, scales, weights, master, opt_state, view)
+            return (master, opt_state, *jax.device_get((codes, update_scales, stats)))

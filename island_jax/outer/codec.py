@@ -370,9 +370,22 @@ def decode_and_apply(params: Any, payload: bytes, kind: str, block_size: int) ->
     Raises:
       CodecError: if the payload's size does not fit `params`.
     """
-    delta = decode(payload, params, kind, block_size)
-    return jax.tree.map(
-        lambda p, d: (np.asarray(p, np.float32) + d).astype(np.asarray(p).dtype), params, delta
+    _check_kind(kind)
+    expected = payload_bytes(params, kind, block_size)
+    if len(payload) != expected:
+        raise CodecError(
+            f"payload is {len(payload)} bytes but a {kind} payload for these parameters is {expected} bytes; "
+            "the sender uses a different model shape, codec or block_size"
+        )
+    leaves, treedef = jax.tree.flatten(params)
+    out = [np.array(p, np.float32, copy=True).reshape(-1) for p in leaves]
+    buf = memoryview(payload)
+    for piece in pieces(params, kind, block_size):
+        flat = out[piece.leaf][piece.start : piece.stop]
+        np.add(flat, decode_piece(buf, piece, kind, block_size), out=flat)
+    return jax.tree.unflatten(
+        treedef,
+        [x.reshape(np.shape(p)).astype(np.asarray(p).dtype, copy=False) for x, p in zip(out, leaves)],
     )
 
 
