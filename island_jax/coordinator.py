@@ -475,7 +475,7 @@ class Coordinator:
         work["lost_sq"] += float(stats["lost_sq"])
 
     def _finish_round(self, contributions: list[Contribution], work: dict) -> None:
-        payload = b"".join(work["chunks"][k] for k in range(len(self.plan)))
+        chunks = [work["chunks"][k] for k in range(len(self.plan))]
         self._master, self._opt = work["master"], work["opt"]
         self.view = view = jax.tree.unflatten(self._treedef, work["view"])
         self._checksum = None
@@ -496,7 +496,7 @@ class Coordinator:
             weights={c.island: c.tokens / total for c in contributions},
             pseudo_gradient_norm=norms,
             cosine_similarity=cosine,
-            update_bytes=len(payload),
+            update_bytes=sum(len(c) for c in chunks),
             update_codec_relative_error=float(np.sqrt(work["lost_sq"]) / max(np.sqrt(work["intended_sq"]), 1e-30)),
             view_checksum=lambda: self.checksum if self.view is view else checksum(view),
         )
@@ -508,7 +508,7 @@ class Coordinator:
         if self.round == 0 and self.config.outer.sync == "auto" and self.config.outer.auto_from == "measured":
             self.plan_steps = plan_from_step_times(self.config, self.step_seconds)
             logging.info("inner steps from round 1 on, from measured step times %s: %s", self.step_seconds, self.plan_steps)
-        self._updates = {self.round: payload}  # only the latest round's update is kept
+        self._updates = {self.round: chunks}  # only the latest round's update is kept, chunk by chunk
         self._pending, self._refused, self._dropped, self._quorum_since, self._work = {}, set(), set(), None, None
         self.round += 1
 
@@ -524,8 +524,7 @@ class Coordinator:
           StaleRoundError: the round is older than the latest merged one.
         """
         if round in self._updates:
-            payload = self._updates[round]
-            return self.generation, {c.index: payload[c.offset : c.offset + c.nbytes] for c in self.plan}, True
+            return self.generation, dict(enumerate(self._updates[round])), True
         if round < self.round:
             raise StaleRoundError(
                 f"round {round} is older than the latest merged round {self.round - 1}; rejoin from the island view"
@@ -542,7 +541,7 @@ class Coordinator:
           StaleRoundError: the round is older than the latest merged one (use `fetch_view`).
         """
         if round in self._updates:
-            return self._updates[round]
+            return b"".join(self._updates[round])
         if round >= self.round:
             raise UpdateNotReady(f"round {round} is not merged yet; waiting for {sorted(set(self._expected()) - set(n for n, c in self._pending.items() if c.complete(len(self.plan))))}")
         raise StaleRoundError(

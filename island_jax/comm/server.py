@@ -261,13 +261,13 @@ class ExchangeService:
 
     def _update_trailer(self, request: pb.FetchRequest) -> bytes:
         c = self.coordinator
-        payload = c.fetch_update(request.round, request.island)
+        _, chunks, _ = c.update_chunks(request.round)
         if self._update_crc[0] != request.round:
-            view = memoryview(payload)
-            self._update_crc = (request.round, wire.fold_crc32(wire.crc32(view[k.offset : k.offset + k.nbytes]) for k in c.plan))
+            self._update_crc = (request.round, wire.fold_crc32(wire.crc32(chunks[k]) for k in range(len(chunks))))
         header = pb.PayloadHeader(
-            round=request.round, island=request.island, layout=self.layout, params_checksum=c.checksum,
-            inner_steps=c.planned_inner_steps(request.island) or 0, total_bytes=len(payload), crc32=self._update_crc[1],
+            round=request.round, island=request.island, layout=self.layout,
+            inner_steps=c.planned_inner_steps(request.island) or 0, total_bytes=sum(len(x) for x in chunks.values()),
+            crc32=self._update_crc[1],
         )
         return wire.trailer_frame(header)
 
