@@ -232,7 +232,9 @@ class Progress:
             + " ".join(f"{n}={recs[n]['train_loss']:.4f}" for n in self.names)
             + (f" | eval {self.eval_loss:.4f}" if self.eval_loss is not None else "")
             + f" | sent/received per island {first['bytes_sent'] / 1e6:.2f}/{first['bytes_received'] / 1e6:.2f} MB"
-            + f" | exchange {max(rec['seconds_blocked'] for rec in recs.values()):.1f} s | ETA {eta}"
+            + " | blocked " + " ".join(f"{n}={recs[n]['seconds_blocked']:.2f}s" for n in self.names)
+            + " | link " + " ".join(f"{n}={recs[n].get('achieved_gbps', 0.0):.2f}Gbit/s" for n in self.names)
+            + f" | ETA {eta}"
         )
 
 
