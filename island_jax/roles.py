@@ -312,7 +312,7 @@ def run_island(config: ml_collections.ConfigDict, workdir: str, name: str, addre
             if timed_start is not None:
                 eta = format_eta((time.perf_counter() - timed_start) / max(r - first, 1) * (rounds - r - 1))
             logging.info(
-                "round %d/%d | loss %.4f | eval %s | sent/received %.2f/%.2f MB | compute %.1f s, exchange %.1f s | ETA %s",
+                "round %d/%d | loss %.4f | eval %s | sent/received %.2f/%.2f MB | compute %.1f s, blocked %.1f s | ETA %s",
                 r + 1, rounds, record["train_loss"], f"{eval_loss:.4f}" if eval_loss is not None else "-",
                 record["bytes_sent"] / 1e6, record["bytes_received"] / 1e6, result["seconds"], seconds_blocked, eta,
             )

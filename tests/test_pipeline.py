@@ -2,6 +2,8 @@
 
 import threading
 
+import pytest
+
 import jax
 import numpy as np
 
@@ -9,7 +11,7 @@ from island_jax.comm.client import GrpcTransport
 from island_jax.comm.link import LinkEmulator
 from island_jax.comm.server import serve
 from island_jax.config import default_config, fingerprint_fields, island
-from island_jax.coordinator import Coordinator
+from island_jax.coordinator import ContributionError, Coordinator
 from island_jax.outer import codec
 from island_jax.params import checksum
 
@@ -93,3 +95,105 @@ def test_update_chunks_flow_back_while_contributions_still_go_out():
     assert all(s.seconds_overlapped > 0.02 for per_island in stats for s in per_island[1:])
     _, _, _, stats = _run(pipeline=False, connections=2, link_gbps=0.02)
     assert all(s.seconds_overlapped < 0.005 for per_island in stats for s in per_island)
+
+
+def _two_island_coordinator(kind="none"):
+    c = _config(pipeline=True, connections=1)
+    c.codec.kind = kind
+    c.outer.update(learning_rate=1.0, momentum=0.0, nesterov=False)
+    params = {"w": np.zeros(40_000, np.float32)}  # "none": 3 chunks of 65,536, 65,536 and 28,928 bytes
+    coordinator = Coordinator(c, params, ["a", "b"])
+    for name in ("a", "b"):
+        coordinator.join(name, fingerprint_fields(c), coordinator.checksum)
+    return coordinator, params
+
+
+def _chunks(coordinator, value):
+    payload = codec.encode({"w": np.full(40_000, value, np.float32)}, "none", 256)
+    return [payload[k.offset : k.offset + k.nbytes] for k in coordinator.plan]
+
+
+def test_a_chunk_refused_mid_round_restarts_the_merge_without_that_island():
+    coordinator, _ = _two_island_coordinator()
+    a, b = _chunks(coordinator, 0.3), _chunks(coordinator, 0.1)
+    assert len(coordinator.plan) == 3
+    coordinator.begin_contribution(0, "a", 100)
+    coordinator.begin_contribution(0, "b", 100)
+    for k in range(3):
+        coordinator.add_chunk(0, "a", k, a[k])
+    coordinator.add_chunk(0, "b", 0, b[0])
+    generation, merged, final = coordinator.update_chunks(0)
+    assert (generation, sorted(merged), final) == (0, [0], False)  # chunk 0 merged from both islands
+    np.testing.assert_array_equal(np.frombuffer(merged[0], "<f4"), np.full(16_384, -0.2, np.float32))
+    bad = np.frombuffer(b[1], "<f4").copy()
+    bad[7] = np.nan
+    with pytest.raises(ContributionError, match="island 'b', round 0: the pseudo-gradient holds NaN or Inf"):
+        coordinator.add_chunk(0, "b", 1, bad.tobytes())
+    # The merge restarted without b, and a alone completes the round at once.
+    generation, merged, final = coordinator.update_chunks(0)
+    assert (generation, final, coordinator.round) == (1, True, 1)
+    assert coordinator.history[-1].contributors == ["a"]
+    update = np.frombuffer(coordinator.fetch_update(0, "a"), "<f4")
+    np.testing.assert_array_equal(update, np.full(40_000, -0.3, np.float32))
+    np.testing.assert_array_equal(coordinator.master["w"], np.full(40_000, -0.3, np.float32))
+
+
+def test_a_quorum_that_closes_after_chunks_were_merged_restarts_without_the_late_island():
+    coordinator, _ = _two_island_coordinator()
+    coordinator.min_islands, coordinator.grace_seconds = 1, 5.0
+    now = [0.0]
+    coordinator.clock = lambda: now[0]
+    a, b = _chunks(coordinator, 0.3), _chunks(coordinator, 0.1)
+    coordinator.begin_contribution(0, "a", 100)
+    coordinator.begin_contribution(0, "b", 100)
+    coordinator.add_chunk(0, "b", 0, b[0])
+    for k in range(3):
+        coordinator.add_chunk(0, "a", k, a[k])
+    assert coordinator.end_contribution(0, "a") == "accepted"
+    assert sorted(coordinator.update_chunks(0)[1]) == [0]  # chunk 0 holds b's share
+    now[0] = 5.0
+    assert coordinator.poll() and coordinator.round == 1 and coordinator.generation == 1
+    assert coordinator.history[-1].contributors == ["a"]
+    np.testing.assert_array_equal(np.frombuffer(coordinator.fetch_update(0, "a"), "<f4"), np.full(40_000, -0.3, np.float32))
+    coordinator.add_chunk(0, "b", 1, b[1])  # b's late chunks are ignored, and its contribution discarded
+    assert coordinator.end_contribution(0, "b") == "discarded"
+
+
+def test_an_island_fetching_through_a_restart_gets_the_final_update_only():
+    import grpc
+
+    from island_jax.comm import exchange_pb2 as pb
+    from island_jax.comm import wire
+
+    coordinator, params = _two_island_coordinator()
+    c = coordinator.config
+    server, _, port = serve(coordinator, "localhost:0", c.comm.chunk_bytes)
+    try:
+        a = GrpcTransport(f"localhost:{port}", c.comm.chunk_bytes, 30, 60, 1, True)
+        b = GrpcTransport(f"localhost:{port}", c.comm.chunk_bytes, 30, 60, 1, True)
+        a.join("a", fingerprint_fields(c), coordinator.checksum)
+        b.join("b", fingerprint_fields(c), coordinator.checksum)
+        a.contribute(0, "a", 100, codec.encode({"w": np.full(40_000, 0.3, np.float32)}, "none", 256))
+        good = _chunks(coordinator, 0.1)
+        bad = np.frombuffer(good[1], "<f4").copy()
+        bad[7] = np.inf
+        header = pb.PayloadHeader(round=0, island="b", tokens=100, layout=b.layout, total_bytes=160_000, streams=1)
+        frames = [
+            wire.header_frame(header),
+            wire.chunk_frame(0, 0, good[0]),  # merged with a's chunk 0, and sent to a
+            wire.chunk_frame(1, 65536, bad.tobytes()),
+        ]
+        call = b.channels[0].stream_unary(
+            "/island_jax.exchange.Exchange/Contribute", request_serializer=bytes,
+            response_deserializer=pb.ContributeReply.FromString,
+        )
+        with pytest.raises(grpc.RpcError) as refused:
+            call(iter(frames), timeout=30)
+        assert refused.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+        assert coordinator.generation == 1
+        update = a.fetch_update(0, "a")
+        np.testing.assert_array_equal(np.frombuffer(bytes(update), "<f4"), np.full(40_000, -0.3, np.float32))
+        a.close()
+        b.close()
+    finally:
+        server.stop(0)

@@ -302,6 +302,16 @@ def encode_with_feedback(tree: Any, residual: Any, kind: str, block_size: int) -
     return payload, new_residual
 
 
+def _check_payload(payload, like: Any, kind: str, block_size: int) -> None:
+    _check_kind(kind)
+    expected = payload_bytes(like, kind, block_size)
+    if len(payload) != expected:
+        raise CodecError(
+            f"payload is {len(payload)} bytes but a {kind} payload for these parameters is {expected} bytes; "
+            "the sender uses a different model shape, codec or block_size"
+        )
+
+
 def decode(payload: bytes, like: Any, kind: str, block_size: int) -> Any:
     """Decodes a payload into float32 NumPy arrays shaped like `like`.
 
@@ -316,13 +326,7 @@ def decode(payload: bytes, like: Any, kind: str, block_size: int) -> Any:
     Raises:
       CodecError: if the payload's size differs from what `like` implies.
     """
-    _check_kind(kind)
-    expected = payload_bytes(like, kind, block_size)
-    if len(payload) != expected:
-        raise CodecError(
-            f"payload is {len(payload)} bytes but a {kind} payload for these parameters is {expected} bytes; "
-            "the sender uses a different model shape, codec or block_size"
-        )
+    _check_payload(payload, like, kind, block_size)
     buf = memoryview(payload)
     leaves, treedef = jax.tree.flatten(like)
     out = [np.empty(int(np.prod(x.shape)), np.float32) for x in leaves]
@@ -370,13 +374,7 @@ def decode_and_apply(params: Any, payload: bytes, kind: str, block_size: int) ->
     Raises:
       CodecError: if the payload's size does not fit `params`.
     """
-    _check_kind(kind)
-    expected = payload_bytes(params, kind, block_size)
-    if len(payload) != expected:
-        raise CodecError(
-            f"payload is {len(payload)} bytes but a {kind} payload for these parameters is {expected} bytes; "
-            "the sender uses a different model shape, codec or block_size"
-        )
+    _check_payload(payload, params, kind, block_size)
     leaves, treedef = jax.tree.flatten(params)
     out = [np.array(p, np.float32, copy=True).reshape(-1) for p in leaves]
     buf = memoryview(payload)
