@@ -6,10 +6,14 @@ plain methods. Per round (DiLoCo, arXiv 2311.08105, Algorithm 1):
   1. collect one contribution per island: encoded pseudo-gradient + tokens;
   2. decode each, refuse non-finite values, take the token-weighted mean;
   3. outer step (SGD with Nesterov momentum) on the master parameters;
-  4. encode `master - view` once, apply those bytes to the view with the same
-     `codec.decode_and_apply` the islands use, and serve the same bytes to every
-     island. Whatever the codec loses stays in `master - view` and is sent in a
-     later round, never lost.
+  4. encode `master - view` once, apply those bytes to the view with the rule
+     of `codec.decode_and_apply` the islands use, and serve the same bytes to
+     every island. Whatever the codec loses stays in `master - view` and is
+     sent in a later round, never lost.
+
+Steps 2-4 run chunk by chunk (`codec.chunk_plan`, `outer/chunk_step.py`), as
+soon as every contributing island's chunk has arrived when `comm.pipeline` is
+on, so the update flows back while the contributions are still arriving.
 """
 
 from __future__ import annotations

@@ -71,7 +71,7 @@ class SyncStats:
 
     Attributes:
       bytes_sent, bytes_received: frame bytes of the contribution and the update.
-      seconds_sending: from the first contribution frame to the last reply, s.
+      seconds_sending: from the first contribution frame until gRPC took the last one, s.
       seconds_receiving: from the first update chunk to the last one's arrival, s.
       seconds_transferring: time any of this island's bytes were moving (the
         union of the two spans above), s.
@@ -261,6 +261,7 @@ class GrpcTransport:
                 arrivals[chunk.index] = self.link.arrival("up", chunk.index % n, frame_bytes, now=start)
         view = memoryview(payload)
         crcs: list[list[int]] = [[] for _ in range(n)]
+        last_frame_out = [start] * n  # when gRPC took each stream's last frame
 
         def stream(conn: int):
             yield header
@@ -272,6 +273,7 @@ class GrpcTransport:
                 if self.link is not None:
                     self.link_sleep(arrivals[chunk.index])
                 yield frame
+            last_frame_out[conn] = self.clock()
 
         calls = [self._pool.submit(self._contribute[i], stream(i), timeout=self.round_timeout) for i in range(n)]
         try:
@@ -286,7 +288,7 @@ class GrpcTransport:
                     f"connection {i}: the coordinator took {reply.bytes_received} bytes (CRC of chunk CRCs "
                     f"{reply.crc32:08x}) of the {sent} sent ({crc:08x})"
                 )
-        self._send_span = (start, self.clock())
+        self._send_span = (start, max(last_frame_out))
         self.last_stats = SyncStats(bytes_sent=len(header) * n + len(payload) + wire.FRAMING_BYTES * len(self.plan))
         discarded = any(r.discarded for r in replies)
         if discarded:

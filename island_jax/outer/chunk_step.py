@@ -154,7 +154,7 @@ class ChunkStep:
         shape = (values.shape[0], self.num_rows, self.block_size)
         pseudo_gradients = values.astype(jnp.float32).reshape(shape) * scales[:, :, None]
         merged = jnp.zeros(shape[1:], jnp.float32)
-        for k in range(shape[0]):  # the order of outer/merge.weighted_mean
+        for k in range(shape[0]):  # token-weighted mean: sum_k (t_k / sum t) * g_k, in island order
             merged = merged + weights[k] * pseudo_gradients[k]
         updates, opt_state = self.tx.update(merged.reshape(-1), opt_state, master)
         master = optax.apply_updates(master, updates)
