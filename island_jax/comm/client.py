@@ -123,8 +123,7 @@ class _Fetch:
                 if kind == wire.CHUNK:
                     self.assembler.add(*value)
                 elif kind == wire.RESTART:  # the merge restarted: this connection's chunks so far are void
-                    for k in range(connection, len(self.assembler.plan), connections):
-                        self.assembler.crcs.pop(k, None)
+                    self.assembler.forget(range(connection, len(self.assembler.plan), connections))
                 elif kind == wire.TRAILER:
                     self.trailers.append(value)
                 else:
@@ -241,7 +240,7 @@ class GrpcTransport:
 
         Raises:
           ContributionError: the coordinator refused it (round, NaN, checksum...).
-          ExchangeError: transfer failed, or a stream's byte count or CRC32
+          ExchangeError: transfer failed, or a stream's byte count or CRC-32C
             differs from what was sent.
         """
         start = self.clock()
@@ -309,7 +308,7 @@ class GrpcTransport:
         """The round's update bytes; waits up to `round_timeout` seconds for the merge.
 
         Raises:
-          ExchangeError: late, unreachable, or a corrupt stream (CRC32).
+          ExchangeError: late, unreachable, or a corrupt stream (CRC-32C).
           StaleRoundError: the round is older than the coordinator's latest (use `fetch_view`).
         """
         fetch = self._fetches.pop((round, island), None) or self._open_fetch(round, island)
@@ -338,7 +337,7 @@ class GrpcTransport:
         """(round, the island view as a float32 payload) for an island that fell behind.
 
         Raises:
-          ExchangeError: unreachable, or a corrupt stream (CRC32).
+          ExchangeError: unreachable, or a corrupt stream (CRC-32C).
         """
         fetch = _Fetch(self, 0, island, "fetch_view", self.view_plan, [self._fetch_view])
         header, payload = fetch.result()

@@ -10,7 +10,7 @@ Refusals come back as gRPC status codes with the coordinator's message:
   FAILED_PRECONDITION  handshake mismatch (fingerprint fields, round, checksum),
                        or a contribution the coordinator refuses (round, NaN...)
   INVALID_ARGUMENT     a payload whose size, layout or framing is wrong
-  DATA_LOSS            a chunk whose CRC32 fails, or a short stream
+  DATA_LOSS            a chunk whose CRC-32C fails, or a short stream
   DEADLINE_EXCEEDED    an update not merged before the caller's deadline
   OUT_OF_RANGE         an update older than the latest merged round (fetch the view)
 
@@ -82,7 +82,7 @@ class ExchangeService:
         self._changed: asyncio.Event | None = None
         self._version = 0  # counts changes; update streams wait for the next one
         self._streams_done: dict[tuple[int, str], set[int]] = {}
-        self._update_crc = (-1, 0)  # (round, CRC32 of its update's chunk CRC32s)
+        self._update_crc = (-1, 0)  # (round, CRC-32C of its update's chunk CRC-32Cs)
 
     # -- helpers -----------------------------------------------------------------------------------------
 

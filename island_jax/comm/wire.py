@@ -1,4 +1,4 @@
-"""Payloads as frames of CRC32-checked chunks, and their checked reassembly.
+"""Payloads as frames of CRC-32C-checked chunks, and their checked reassembly.
 
 A payload (an encoded pseudo-gradient or update, up to gigabytes) never travels
 as one protobuf message: protobuf caps a message at 2 GiB and gRPC's default
@@ -13,8 +13,8 @@ frames (layout in exchange.proto) over one or more streams:
 
 A chunk frame is built with one copy of its data and read without any (a
 memoryview into the received bytes). `ChunkAssembler` takes chunks in any
-order, from any stream, checks each chunk's index, offset, size and CRC32, and
-the whole payload against the header's CRC32 of chunk CRC32s, so a corrupt,
+order, from any stream, checks each chunk's index, offset, size and CRC-32C, and
+the whole payload against the header's CRC of chunk CRCs, so a corrupt,
 short or misplaced transfer is refused before any of it is merged.
 """
 
@@ -58,7 +58,7 @@ def crc32(data) -> int:
 
 
 def fold_crc32(crcs) -> int:
-    """CRC32 of a sequence of CRC32s (4 bytes each, little-endian): a payload's check without a second pass."""
+    """CRC-32C of a sequence of CRCs (4 bytes each, little-endian): a payload's check without a second pass."""
     return crc32(b"".join(int(c).to_bytes(4, "little") for c in crcs))
 
 
@@ -106,7 +106,7 @@ def parse(frame: bytes):
 def chunk_frames(payload, plan: list[codec.Chunk], connection: int = 0, connections: int = 1):
     """The chunk frames of `payload` that travel on `connection` of `connections` (chunk k on k % connections).
 
-    Yields (chunk index, frame bytes); each frame's CRC32 is that of its chunk.
+    Yields (chunk index, frame bytes); each frame's CRC-32C is that of its chunk.
     """
     view = memoryview(payload)
     for chunk in plan[connection::connections]:
@@ -121,8 +121,8 @@ class ChunkAssembler:
         offset and size.
 
     `add` checks one chunk and copies it into place; `finish(header)` checks
-    that every chunk came and that the CRC32 of their CRC32s equals the
-    header's, then returns the payload. `reset()` forgets everything (a restart).
+    that every chunk came and that the CRC of their CRCs equals the
+    header's, then returns the payload. `forget(indices)` drops chunks (a restart).
     """
 
     def __init__(self, plan: list[codec.Chunk]):
@@ -132,11 +132,13 @@ class ChunkAssembler:
         self.crcs: dict[int, int] = {}
         self.wire_bytes = 0  # frame bytes received, all kinds
 
-    def reset(self) -> None:
-        self.crcs.clear()
+    def forget(self, indices) -> None:
+        """Drops the chunks `indices` (after a restart they are sent again)."""
+        for k in indices:
+            self.crcs.pop(k, None)
 
     def add(self, index: int, offset: int, crc: int, data) -> None:
-        """Checks chunk `index` (its offset, size and CRC32) and copies it into the payload.
+        """Checks chunk `index` (its offset, size and CRC-32C) and copies it into the payload.
 
         Raises:
           WireError: an unknown or repeated index, an offset or size other than
@@ -170,7 +172,7 @@ class ChunkAssembler:
         header's size and CRC agree.
 
         Raises:
-          WireError: missing chunks or a size / CRC32 other than the header's (DATA_LOSS).
+          WireError: missing chunks or a size / CRC other than the header's (DATA_LOSS).
         """
         if not self.complete:
             missing = sorted(set(range(len(self.plan))) - set(self.crcs))
@@ -181,7 +183,7 @@ class ChunkAssembler:
         if header.total_bytes != self.total or header.crc32 != fold_crc32(self.crcs[k] for k in range(len(self.plan))):
             raise WireError(
                 f"the reassembled payload ({self.total} bytes) disagrees with its trailer ({header.total_bytes} "
-                "bytes, or the CRC32 of its chunks); refused",
+                "bytes, or the CRC of its chunks); refused",
                 code="DATA_LOSS",
             )
         return self.buffer
