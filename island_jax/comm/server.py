@@ -39,6 +39,7 @@ from island_jax.coordinator import (
 from island_jax.outer import codec
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Exchange"].full_name
+_CHUNKS_IN_FLIGHT = 4  # per contribution stream: chunks handed to the coordinator and not yet taken
 _PIECE_BYTES = 16 * codec.PIECE_BYTES  # more than the largest piece (codes and scales, any block size)
 
 
@@ -50,6 +51,16 @@ def channel_options(chunk_bytes: int) -> list[tuple[str, int]]:
 
 def _raw(data: bytes) -> bytes:
     return data
+
+
+async def _settle(calls: list) -> None:
+    """Waits for chunks already handed to the coordinator, ignoring their errors (the stream is failing)."""
+    for call in calls:
+        try:
+            await call
+        except Exception:  # noqa: BLE001 - the first error is already being reported
+            pass
+    calls.clear()
 
 
 class ExchangeService:
@@ -163,6 +174,7 @@ class ExchangeService:
 
     async def Contribute(self, request_iterator, context) -> pb.ContributeReply:
         header, entry, received, crcs = None, None, 0, []
+        adding: list[asyncio.Future] = []  # chunks handed to the coordinator, oldest first
         c = self.coordinator
         try:
             async for frame in request_iterator:
@@ -202,16 +214,22 @@ class ExchangeService:
                     )
                 received += len(data)
                 crcs.append(crc)
-                if entry["status"] != "discarded":
-                    await self._call(c.add_chunk, header.round, header.island, index, data)
+                if entry["status"] != "discarded":  # merged on a worker while the next frames are read
+                    adding.append(asyncio.ensure_future(self._call(c.add_chunk, header.round, header.island, index, data)))
+                    if len(adding) >= _CHUNKS_IN_FLIGHT:
+                        await adding.pop(0)
             if header is None:
                 raise wire.WireError("the stream ended before a payload header arrived", code="DATA_LOSS")
+            while adding:
+                await adding.pop(0)
             status = await self._call(self._end, header, entry)
         except wire.WireError as e:
+            await _settle(adding)
             if header is not None:
                 await self._call(self._abandon, header, str(e))
             await context.abort(grpc.StatusCode[e.code], f"WireError: {e}")
         except ContributionError as e:
+            await _settle(adding)
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"ContributionError: {e}")
         if header.island in self.wire_bytes:
             self.wire_bytes[header.island]["received"] += received
