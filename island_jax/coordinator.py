@@ -83,7 +83,13 @@ class RoundRecord:
 
     @property
     def checksum(self) -> str:
-        """`params.checksum` of the island view after this round's update."""
+        """`params.checksum` of the island view after this round's update.
+
+        Computed when first asked for; the coordinator keeps the view it needs
+        only until the merge of the round after next begins (its buffers are
+        then reused), so a checksum not asked for by then is "" (both roles
+        read it as soon as the round is merged).
+        """
         if callable(self.view_checksum):
             self.view_checksum = self.view_checksum()
         return self.view_checksum
@@ -152,6 +158,7 @@ class Coordinator:
         self.plan_steps: dict[str, int] = {}  # inner steps per island from round 1 on (outer.auto_from = measured)
         self._updates: dict[int, bytes] = {}
         self._work: dict | None = None  # the current round's partial merge
+        self._spare_view: list[np.ndarray] | None = None  # buffers for the next view (`_next_view_buffers`)
         self.history: list[RoundRecord] = []
 
     # -- state -----------------------------------------------------------------------------------------------
@@ -182,7 +189,7 @@ class Coordinator:
         self.round = int(state["round"])
         self._checksum = None
         self._pending, self._updates, self._refused, self._dropped, self._quorum_since = {}, {}, set(), set(), None
-        self._work = None
+        self._work, self._spare_view = None, None
 
     @property
     def checksum(self) -> str:
@@ -449,7 +456,7 @@ class Coordinator:
                 contributors=[c.island for c in contributions],
                 weights=np.asarray([np.float32(c.tokens / total) for c in contributions], np.float32),
                 master=list(self._master), opt=list(self._opt),
-                view=[np.array(x, copy=True) for x in jax.tree.leaves(self.view)],
+                old_view=jax.tree.leaves(self.view), view=self._next_view_buffers(),
                 chunks={}, dots=0.0, intended_sq=0.0, lost_sq=0.0,
             )
         work = self._work
@@ -463,16 +470,33 @@ class Coordinator:
             return True
         return False
 
+    def _next_view_buffers(self) -> list[np.ndarray]:
+        """Where this round's merge writes the new view: the view of two rounds ago, reused.
+
+        The merge reads the current view and writes the next one elsewhere, so
+        a restarted merge starts again from an untouched view; reusing one
+        spare set of buffers instead of copying the view every round spares
+        allocating (and first touching) the whole model each round.
+        """
+        for record in self.history[:-1]:  # a view checksum not asked for by now is not kept
+            if callable(record.view_checksum):
+                record.view_checksum = ""
+        leaves = jax.tree.leaves(self.view)
+        spare = self._spare_view
+        if spare is None or any(a.shape != b.shape or a.dtype != b.dtype for a, b in zip(spare, leaves)):
+            spare = self._spare_view = [np.empty_like(x) for x in leaves]
+        return spare
+
     def _merge_chunk(self, k: int, contributions: list[Contribution], work: dict) -> None:
         layout = self.layouts[k]
         values = np.stack([c.chunks[k][0] for c in contributions])
         scales = np.stack([c.chunks[k][1] for c in contributions])
-        view_rows = chunk_step.gather_rows(work["view"], layout, self.block_size, self.num_rows)
+        view_rows = chunk_step.gather_rows(work["old_view"], layout, self.block_size, self.num_rows)
         master, opt, codes, update_scales, stats = self._step(
             values, scales, work["weights"], work["master"][k], work["opt"][k], view_rows
         )
         payload = chunk_step.rows_to_wire(codes, update_scales, layout, self.kind, self.block_size)
-        _apply_chunk(work["view"], payload, layout, self.kind, self.block_size)
+        _apply_chunk(work["old_view"], work["view"], payload, layout, self.kind, self.block_size)
         work["master"][k], work["opt"][k], work["chunks"][k] = master, opt, payload
         work["dots"] = work["dots"] + stats["dots"].astype(np.float64)
         work["intended_sq"] += float(stats["intended_sq"])
@@ -481,6 +505,7 @@ class Coordinator:
     def _finish_round(self, contributions: list[Contribution], work: dict) -> None:
         chunks = [work["chunks"][k] for k in range(len(self.plan))]
         self._master, self._opt = work["master"], work["opt"]
+        self._spare_view = work["old_view"]  # the next round's merge writes its view here
         self.view = view = jax.tree.unflatten(self._treedef, work["view"])
         self._checksum = None
         names = work["contributors"]
@@ -568,11 +593,18 @@ class Coordinator:
             return self.round, codec.encode(self.view, "none", self.block_size)
 
 
-def _apply_chunk(view_leaves: list[np.ndarray], payload: bytes, layout, kind: str, block_size: int) -> None:
-    """`codec.decode_and_apply` for one chunk, in place on the view's leaves (the islands' rule, piece by piece)."""
+def _apply_chunk(
+    view_leaves: list[np.ndarray], out_leaves: list[np.ndarray], payload: bytes, layout, kind: str, block_size: int
+) -> None:
+    """`codec.decode_and_apply` for one chunk (the islands' rule, piece by piece): the chunk's elements of
+    `view_leaves` plus the decoded update, written to the same elements of `out_leaves`."""
     base = layout.chunk.offset
     for piece in layout.chunk.pieces:
         shifted = codec.Piece(piece.leaf, piece.start, piece.stop, piece.offset - base, piece.nbytes)
-        flat = view_leaves[piece.leaf].reshape(-1)
+        old = view_leaves[piece.leaf].reshape(-1)[piece.start : piece.stop]
+        out = out_leaves[piece.leaf].reshape(-1)[piece.start : piece.stop]
         delta = codec.decode_piece(payload, shifted, kind, block_size)
-        flat[piece.start : piece.stop] = (flat[piece.start : piece.stop].astype(np.float32) + delta).astype(flat.dtype)
+        if out.dtype == np.float32:
+            np.add(old, delta, out=out)
+        else:
+            out[:] = (old.astype(np.float32) + delta).astype(out.dtype)

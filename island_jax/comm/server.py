@@ -89,6 +89,8 @@ class ExchangeService:
         self.wire_bytes = {name: dict(received=0, sent=0) for name in c.islands}
         self._open: dict[tuple[int, str], dict] = {}  # (round, island) -> streams of an open contribution
         self._worker = futures.ThreadPoolExecutor(max_workers=4, thread_name_prefix="coordinator")
+        # Reads (update chunks, trailers) never queue behind the chunks waiting to merge.
+        self._reader = futures.ThreadPoolExecutor(max_workers=2, thread_name_prefix="coordinator-read")
         self.loop: asyncio.AbstractEventLoop | None = None
         self._changed: asyncio.Event | None = None
         self._version = 0  # counts changes; update streams wait for the next one
@@ -109,7 +111,11 @@ class ExchangeService:
         event.set()
 
     async def _call(self, fn, *args, changes: bool = True):
-        """Runs `fn(*args)` on a worker thread under `lock`, then (if it `changes` state) wakes the waiters."""
+        """Runs `fn(*args)` on a worker thread under `lock`, then (if it `changes` state) wakes the waiters.
+
+        Calls that change nothing run on their own threads, so an update stream
+        reads merged chunks while contributions' chunks still queue to merge.
+        """
 
         def locked():
             with self.lock:
@@ -119,7 +125,7 @@ class ExchangeService:
                     if changes:
                         self.notify()
 
-        return await self.loop.run_in_executor(self._worker, locked)
+        return await self.loop.run_in_executor(self._worker if changes else self._reader, locked)
 
     async def _wait_for_change(self, version: int, timeout: float) -> None:
         """Returns once the state changed after `version` was read (or after `timeout` seconds)."""
@@ -378,6 +384,7 @@ class ExchangeServer:
         self.loop.call_soon_threadsafe(self.loop.stop)
         self._thread.join(timeout=10)
         self.service._worker.shutdown(wait=False)
+        self.service._reader.shutdown(wait=False)
 
 
 def serve(coordinator: Coordinator, address: str, chunk_bytes: int) -> tuple[ExchangeServer, ExchangeService, int]:
