@@ -201,7 +201,9 @@ def _encode_tree(leaves, residuals, kind, block_size):
     """One program for the whole tree (on the leaves' devices, sharded or not).
 
     Returns (per leaf: the arrays to put on the wire), the new residuals
-    (intended - sent, float32), ||intended|| and ||intended - sent||.
+    (intended - sent, float32; None without `residuals`: nothing needs them,
+    and writing a float32 copy of the model costs as much as the encoding),
+    ||intended|| and ||intended - sent||.
     """
     wire, new_residuals, intended_sq, lost_sq = [], [], 0.0, 0.0
     for i, x in enumerate(leaves):
@@ -216,10 +218,11 @@ def _encode_tree(leaves, residuals, kind, block_size):
             parts = (codes, scale)
         lost = intended - sent
         wire.append(parts)
-        new_residuals.append(lost)
+        if residuals is not None:
+            new_residuals.append(lost)
         intended_sq += jnp.sum(intended * intended)
         lost_sq += jnp.sum(lost * lost)
-    return wire, new_residuals, jnp.sqrt(intended_sq), jnp.sqrt(lost_sq)
+    return wire, new_residuals if residuals is not None else None, jnp.sqrt(intended_sq), jnp.sqrt(lost_sq)
 
 
 def _wire_bytes(parts, kind: str, block_size: int) -> list[bytes]:
@@ -258,8 +261,8 @@ def encode_and_measure(
 
     Returns:
       (payload of `payload_bytes(tree, kind, block_size)` bytes, the new
-      residual (intended - sent, float32 jax arrays like `tree`), the relative
-      error ||intended - sent|| / ||intended||).
+      residual (intended - sent, float32 jax arrays like `tree`; None when
+      `residual` is None), the relative error ||intended - sent|| / ||intended||).
 
     Raises:
       CodecError: on an unknown kind or a block_size <= 0.
@@ -271,7 +274,8 @@ def encode_and_measure(
     wire, new_residuals, intended, lost = _encode_tree(leaves, residuals, kind, block_size)
     wire, intended, lost = jax.device_get((wire, intended, lost))  # waits for the one program
     payload = b"".join(b for parts in wire for b in _wire_bytes(parts, kind, block_size))
-    return payload, jax.tree.unflatten(treedef, new_residuals), float(lost / max(float(intended), 1e-30))
+    new_residual = None if new_residuals is None else jax.tree.unflatten(treedef, new_residuals)
+    return payload, new_residual, float(lost / max(float(intended), 1e-30))
 
 
 def encode(tree: Any, kind: str, block_size: int) -> bytes:
