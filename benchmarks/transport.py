@@ -10,7 +10,10 @@ the transport. The sender process moves the same payload both ways, taking
 turns: `sendall` of a memoryview over one TCP connection, then
 `GrpcTransport.contribute` over `comm.connections` channels. Each is timed
 from the first byte to the receiver's acknowledgement; the medians are
-compared. Last line: `transport: ratio=R` (gRPC goodput / TCP goodput).
+compared. For reference it also times bare gRPC on the same channels: 1 MiB
+messages sliced beforehand, into a grpc.aio method that only counts them (no
+framing, no CRC, no copy into a buffer), which is gRPC Python's own ceiling on
+the machine. Last line: `transport: ratio=R` (exchange goodput / TCP goodput).
 
 Part 2, the emulated WAN (island_jax/comm/link.py) at 1 and 5 Gbit/s, 50 ms
 one way (100 ms RTT), a 4 MiB window per connection (Linux's default largest
@@ -77,13 +80,33 @@ class Sink:
         self._pending.pop(island, None)
 
 
+BARE_METHOD = "/island_jax.bench.Bare/Count"
+
+
+def _bare_handler():
+    """A stream-unary method that counts the bytes of raw messages and answers with the count."""
+    import grpc
+
+    async def count(request_iterator, context):
+        n = 0
+        async for message in request_iterator:
+            n += len(message)
+        return n.to_bytes(8, "little")
+
+    handler = grpc.stream_unary_rpc_method_handler(count, request_deserializer=bytes, response_serializer=bytes)
+    return grpc.method_handlers_generic_handler("island_jax.bench.Bare", {"Count": handler})
+
+
 def receiver(num_bytes: int) -> None:
+    import asyncio
+
     from island_jax.comm.server import serve
     from island_jax.config import default_config
 
     chunk_bytes = default_config().comm.chunk_bytes
     sink = Sink(num_bytes, chunk_bytes)
-    _, _, grpc_port = serve(sink, "127.0.0.1:0", chunk_bytes)
+    server, _, grpc_port = serve(sink, "127.0.0.1:0", chunk_bytes)
+    asyncio.run_coroutine_threadsafe(_add_bare(server), server.loop).result()
     listener = socket.socket()
     listener.bind(("127.0.0.1", 0))
     listener.listen(1)
@@ -100,6 +123,21 @@ def receiver(num_bytes: int) -> None:
                     break
                 got += n
             conn.sendall(b"k")
+
+
+async def _add_bare(server) -> None:
+    server.server.add_generic_rpc_handlers((_bare_handler(),))
+
+
+def _bare_seconds(transport, messages: list[bytes]) -> float:
+    """Bare gRPC over the transport's channels: message i on channel i % n, no framing or checks."""
+    n = transport.connections
+    calls = [ch.stream_unary(BARE_METHOD, bytes, bytes) for ch in transport.channels]
+    start = time.perf_counter()
+    futures = [transport._pool.submit(calls[i], iter(messages[i::n])) for i in range(n)]
+    if sum(int.from_bytes(f.result(), "little") for f in futures) != sum(len(m) for m in messages):
+        raise RuntimeError("the bare gRPC receiver counted other than what was sent")
+    return time.perf_counter() - start
 
 
 def _tcp_seconds(port: int, payload: bytes) -> float:
@@ -141,14 +179,17 @@ def sender(num_bytes: int, repeats: int) -> None:
         payload = os.urandom(num_bytes)
         counts = sorted({1, 4, connections})
         transports = {n: _transport(grpc_port, n) for n in counts}
+        messages = [payload[i : i + (1 << 20)] for i in range(0, num_bytes, 1 << 20)]
         _tcp_seconds(tcp_port, payload)  # warm up every path once
         for t in transports.values():
             _grpc_seconds(t, payload)
-        tcp, grpc = [], {n: [] for n in counts}
+            _bare_seconds(t, messages)
+        tcp, grpc, bare = [], {n: [] for n in counts}, {n: [] for n in counts}
         for _ in range(repeats):
             tcp.append(_tcp_seconds(tcp_port, payload))
             for n, t in transports.items():
                 grpc[n].append(_grpc_seconds(t, payload))
+                bare[n].append(_bare_seconds(t, messages))
         for t in transports.values():
             t.close()
         tcp_gbps = num_bytes * 8 / statistics.median(tcp) / 1e9
@@ -157,6 +198,9 @@ def sender(num_bytes: int, repeats: int) -> None:
         for n in counts:
             gbps = num_bytes * 8 / statistics.median(grpc[n]) / 1e9
             print(f"  gRPC exchange, {n:2d} connection{'s' if n > 1 else ' '}       {gbps:6.2f} Gbit/s = {gbps / tcp_gbps:.3f}")
+        for n in counts:
+            gbps = num_bytes * 8 / statistics.median(bare[n]) / 1e9
+            print(f"  bare gRPC,     {n:2d} connection{'s' if n > 1 else ' '}       {gbps:6.2f} Gbit/s = {gbps / tcp_gbps:.3f}")
         grpc_gbps = num_bytes * 8 / statistics.median(grpc[connections]) / 1e9
         print(f"emulated link, 50 ms one way, window {WINDOW_BYTES >> 20} MiB per connection (achieved / configured):")
         for gbps in (1.0, 5.0):

@@ -39,7 +39,7 @@ from island_jax.coordinator import (
 from island_jax.outer import codec
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Exchange"].full_name
-_CHUNKS_IN_FLIGHT = 4  # per contribution stream: chunks handed to the coordinator and not yet taken
+_CHUNKS_QUEUED = 8  # per contribution stream: chunks read while the coordinator is still taking earlier ones
 _PIECE_BYTES = 16 * codec.PIECE_BYTES  # more than the largest piece (codes and scales, any block size)
 
 
@@ -167,6 +167,10 @@ class ExchangeService:
                 del self._open[old]
         return entry
 
+    def _add_chunks(self, header: pb.PayloadHeader, chunks: list) -> None:
+        for index, data in chunks:
+            self.coordinator.add_chunk(header.round, header.island, index, data)
+
     def _end(self, header: pb.PayloadHeader, entry: dict) -> str:
         entry["ended"] += 1
         if entry["status"] == "discarded" or entry["ended"] < entry["streams"]:
@@ -180,7 +184,10 @@ class ExchangeService:
 
     async def Contribute(self, request_iterator, context) -> pb.ContributeReply:
         header, entry, received, crcs = None, None, 0, []
-        adding: list[asyncio.Future] = []  # chunks handed to the coordinator, oldest first
+        # Chunks go to the coordinator in batches, one batch at a time per stream, so
+        # the stream keeps reading while they merge and pays one thread hop per batch.
+        queued: list = []
+        adding: list[asyncio.Future] = []  # the batch the coordinator is taking
         c = self.coordinator
         try:
             async for frame in request_iterator:
@@ -220,14 +227,21 @@ class ExchangeService:
                     )
                 received += len(data)
                 crcs.append(crc)
-                if entry["status"] != "discarded":  # merged on a worker while the next frames are read
-                    adding.append(asyncio.ensure_future(self._call(c.add_chunk, header.round, header.island, index, data)))
-                    if len(adding) >= _CHUNKS_IN_FLIGHT:
-                        await adding.pop(0)
+                if entry["status"] != "discarded":
+                    queued.append((index, data))
+                    if adding and not adding[0].done() and len(queued) >= _CHUNKS_QUEUED:
+                        await adding[0]
+                    if not adding or adding[0].done():
+                        if adding:
+                            adding.pop().result()  # the coordinator's error, if it refused a chunk
+                        adding.append(asyncio.ensure_future(self._call(self._add_chunks, header, queued)))
+                        queued = []
             if header is None:
                 raise wire.WireError("the stream ended before a payload header arrived", code="DATA_LOSS")
-            while adding:
-                await adding.pop(0)
+            if adding:
+                await adding.pop()
+            if queued:
+                await self._call(self._add_chunks, header, queued)
             status = await self._call(self._end, header, entry)
         except wire.WireError as e:
             await _settle(adding)
