@@ -496,7 +496,7 @@ class Coordinator:
             values, scales, work["weights"], work["master"][k], work["opt"][k], view_rows
         )
         payload = chunk_step.rows_to_wire(codes, update_scales, layout, self.kind, self.block_size)
-        _apply_chunk(work["old_view"], work["view"], payload, layout, self.kind, self.block_size)
+        _apply_rows(work["old_view"], work["view"], codes, update_scales, layout, self.kind, self.block_size)
         work["master"][k], work["opt"][k], work["chunks"][k] = master, opt, payload
         work["dots"] = work["dots"] + stats["dots"].astype(np.float64)
         work["intended_sq"] += float(stats["intended_sq"])
@@ -593,17 +593,26 @@ class Coordinator:
             return self.round, codec.encode(self.view, "none", self.block_size)
 
 
-def _apply_chunk(
-    view_leaves: list[np.ndarray], out_leaves: list[np.ndarray], payload: bytes, layout, kind: str, block_size: int
+def _apply_rows(
+    view_leaves: list[np.ndarray],
+    out_leaves: list[np.ndarray],
+    codes: np.ndarray,
+    scales: np.ndarray,
+    layout,
+    kind: str,
+    block_size: int,
 ) -> None:
-    """`codec.decode_and_apply` for one chunk (the islands' rule, piece by piece): the chunk's elements of
-    `view_leaves` plus the decoded update, written to the same elements of `out_leaves`."""
-    base = layout.chunk.offset
-    for piece in layout.chunk.pieces:
-        shifted = codec.Piece(piece.leaf, piece.start, piece.stop, piece.offset - base, piece.nbytes)
+    """`codec.decode_and_apply` for one chunk, from its update in rows (codes or values [R * B], scales
+    [R]): the chunk's elements of `view_leaves` plus the decoded update, written to the same elements of
+    `out_leaves`. The same float32 products and sums as the islands' decode of the chunk's bytes."""
+    if kind in ("int8", "int4"):
+        decoded = np.multiply(codes.reshape(-1, block_size), scales[:, None], dtype=np.float32).reshape(-1)
+    else:
+        decoded = codes.astype(np.float32, copy=False)
+    for piece, row in zip(layout.chunk.pieces, layout.row_offsets):
         old = view_leaves[piece.leaf].reshape(-1)[piece.start : piece.stop]
         out = out_leaves[piece.leaf].reshape(-1)[piece.start : piece.stop]
-        delta = codec.decode_piece(payload, shifted, kind, block_size)
+        delta = decoded[row * block_size : row * block_size + piece.stop - piece.start]
         if out.dtype == np.float32:
             np.add(old, delta, out=out)
         else:

@@ -157,8 +157,11 @@ class Island:
             self.params = self._place(params)
             self.anchor = self._place(params)
             self.opt_state = jax.jit(tx.init)(self.params)
-            # Error feedback's memory of what the codec lost (float32, like the parameters).
-            self.residual = self._place(jax.tree.map(lambda x: np.zeros(np.shape(x), np.float32), params))
+        # Error feedback's memory of what the codec lost (float32 NumPy, like the parameters).
+        self.residual = jax.tree.map(lambda x: np.zeros(np.shape(x), np.float32), params)
+        c = config.codec
+        self.plan = codec.chunk_plan(params, c.kind, c.block_size, config.comm.chunk_bytes)
+        self._encoder: codec.ChunkEncoder | None = None
 
     def _build_train_step(self, total_steps: int) -> None:
         """The inner optimizer for `total_steps` steps in all, and the jitted step that uses it."""
@@ -255,25 +258,26 @@ class Island:
         )
         return out
 
-    def encode_pseudo_gradient(self) -> bytes:
-        """anchor - params (float32, on device), encoded with `config.codec`; host bytes.
+    def encode_pseudo_gradient(self) -> codec.ChunkEncoder:
+        """anchor - params (float32, one program on the island's devices), brought to the host and
+        encoded with `config.codec` chunk by chunk (`comm.chunk_bytes`) as the transport sends it.
 
         With `codec.error_feedback`, what the codec lost in the previous round is
         added first, and what it loses now is kept for the next round.
-        `codec_relative_error` is then ||sent - intended|| / ||intended||.
+        Once the payload is sent, `codec_relative_error` is ||sent - intended|| / ||intended||.
         """
         c = self.config.codec
         with jax.set_mesh(self.mesh):
-            pg = self._pseudo_gradient(self.anchor, self.params)
-            # One program encodes the whole tree: separate small programs with
-            # collectives in flight at once can deadlock XLA:CPU's in-process
-            # rendezvous, as consecutive train steps can.
-            payload, residual, self.codec_relative_error = codec.encode_and_measure(
-                pg, self.residual if c.error_feedback else None, c.kind, c.block_size
-            )
-            if c.error_feedback:
-                self.residual = residual
-            return payload
+            pg = jax.device_get(self._pseudo_gradient(self.anchor, self.params))
+        self._encoder = codec.ChunkEncoder(
+            pg, c.kind, c.block_size, self.plan, self.residual if c.error_feedback else None, measure=True
+        )
+        return self._encoder
+
+    @property
+    def codec_relative_error(self) -> float:
+        """||sent - intended|| / ||intended|| of the last pseudo-gradient sent (0 before the first)."""
+        return self._encoder.relative_error if self._encoder is not None else 0.0
 
     def apply_update(self, payload: bytes) -> None:
         """Applies the coordinator's update to the global view; it becomes anchor and params.
@@ -322,7 +326,7 @@ class Island:
             self.params = self._place(state["params"])
             self.anchor = self._place(state["anchor"])
             self.opt_state = jax.device_put(state["opt_state"], opt_sharding)
-            self.residual = self._place(state["residual"])
+        self.residual = jax.tree.map(lambda x: np.array(x, np.float32, copy=True), state["residual"])
         self.step = int(state["step"])
         return int(state["round"])
 

@@ -55,7 +55,11 @@ def _run(pipeline: bool, connections: int, link_gbps: float = 0.0):
 
             def sync(name):
                 isl = islands[name]
-                payload = codec.encode(pseudo_gradients[name], "int8", 256)
+                if pipeline:  # encoded chunk by chunk as the connections send it
+                    plan = codec.chunk_plan(params, "int8", 256, c.comm.chunk_bytes)
+                    payload = codec.ChunkEncoder(pseudo_gradients[name], "int8", 256, plan)
+                else:
+                    payload = codec.encode(pseudo_gradients[name], "int8", 256)
                 isl["transport"].contribute(r, name, 300 if name == "a" else 100, payload, checksum(isl["params"]))
                 got[name] = isl["transport"].fetch_update(r, name)
                 isl["params"] = codec.decode_and_apply(isl["params"], got[name], "int8", 256)

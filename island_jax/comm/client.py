@@ -238,6 +238,9 @@ class GrpcTransport:
     ) -> str:
         """Streams one encoded pseudo-gradient over every connection; returns "accepted" or "discarded".
 
+        `payload` is bytes, or a `codec.ChunkEncoder` over this run's chunk plan,
+        whose chunks are then encoded by the threads that send them.
+
         Raises:
           ContributionError: the coordinator refused it (round, NaN, checksum...).
           ExchangeError: transfer failed, or a stream's byte count or CRC-32C
@@ -258,17 +261,28 @@ class GrpcTransport:
             for chunk in self.plan:
                 frame_bytes = wire.FRAMING_BYTES + chunk.nbytes
                 arrivals[chunk.index] = self.link.arrival("up", chunk.index % n, frame_bytes, now=start)
-        view = memoryview(payload)
+        encoder = None if isinstance(payload, (bytes, bytearray, memoryview)) else payload
+        if encoder is not None and [c.offset for c in encoder.plan] != [c.offset for c in self.plan]:
+            raise ExchangeError(
+                "contribute: the encoder's chunk plan differs from the coordinator's; build it with "
+                "codec.chunk_plan(params, kind, block_size, comm.chunk_bytes) of the run's config"
+            )
+        view = memoryview(payload) if encoder is None else None
+        if encoder is not None:
+            encoder.start()  # one thread encodes the chunks in the order they go out
         crcs: list[list[int]] = [[] for _ in range(n)]
         last_frame_out = [start] * n  # when gRPC took each stream's last frame
 
         def stream(conn: int):
             yield header
             for chunk in self.plan[conn::n]:
-                data = view[chunk.offset : chunk.offset + chunk.nbytes]
-                crc = wire.crc32(data)
+                if encoder is None:
+                    parts = [view[chunk.offset : chunk.offset + chunk.nbytes]]
+                else:  # encoded here, while the chunks before it are on the wire
+                    parts = encoder.chunk(chunk.index)
+                crc = wire.crc32_parts(parts)
                 crcs[conn].append(crc)
-                frame = wire.chunk_frame(chunk.index, chunk.offset, data, crc)
+                frame = wire.chunk_frame(chunk.index, chunk.offset, parts, crc)
                 if self.link is not None:
                     self.link_sleep(arrivals[chunk.index])
                 yield frame

@@ -83,7 +83,8 @@ class InProcessTransport:
         step_seconds: float | None = None,
     ) -> str:
         self._carry(island, "up")
-        return self.coordinator.contribute(round, island, tokens, bytes(payload), params_checksum, step_seconds)
+        payload = bytes(payload) if isinstance(payload, (bytes, bytearray, memoryview)) else payload.tobytes()
+        return self.coordinator.contribute(round, island, tokens, payload, params_checksum, step_seconds)
 
     def fetch_update(self, round: int, island: str) -> bytes:
         update = bytes(self.coordinator.fetch_update(round, island))

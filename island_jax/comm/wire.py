@@ -57,6 +57,14 @@ def crc32(data) -> int:
     return crc32c.crc32c(data)
 
 
+def crc32_parts(parts) -> int:
+    """CRC-32C of buffers as if joined, without joining them."""
+    crc = 0
+    for part in parts:
+        crc = crc32c.crc32c(part, crc)
+    return crc
+
+
 def fold_crc32(crcs) -> int:
     """CRC-32C of a sequence of CRCs (4 bytes each, little-endian): a payload's check without a second pass."""
     return crc32(b"".join(int(c).to_bytes(4, "little") for c in crcs))
@@ -75,9 +83,14 @@ def restart_frame(generation: int) -> bytes:
 
 
 def chunk_frame(index: int, offset: int, data, crc: int | None = None) -> bytes:
-    """One chunk's frame: 17 bytes of framing and `data` (bytes or memoryview), copied once."""
-    crc = crc32(data) if crc is None else crc
-    return b"".join((_CHUNK.pack(CHUNK, index, offset, crc), data))
+    """One chunk's frame: 17 bytes of framing and `data`, copied once.
+
+    `data` is bytes, a buffer, or a list of buffers (a `codec.ChunkEncoder`
+    chunk) joined in order.
+    """
+    parts = data if isinstance(data, list) else [data]
+    crc = crc32_parts(parts) if crc is None else crc
+    return b"".join((_CHUNK.pack(CHUNK, index, offset, crc), *parts))
 
 
 def parse(frame: bytes):

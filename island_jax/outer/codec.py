@@ -34,21 +34,21 @@ the codec lost last round is added to this round's tree before encoding, and
 what it loses now is kept for the next round, so quantization error is
 delayed, never dropped.
 
-`encode` runs with jax.numpy (on device for an island, on the CPU for the
-coordinator) and returns host bytes; `decode` and `decode_and_apply` run in
-NumPy on the host, so every process that applies the same bytes to the same
-parameters gets the same bits, whatever its accelerator.
+Encoding and decoding run in NumPy on the host. `ChunkEncoder` builds a
+payload chunk by chunk as the transport sends it, so the encoding of later
+chunks overlaps the transfer of earlier ones; `decode` and `decode_and_apply`
+give every process that applies the same bytes to the same parameters the same
+bits, whatever its accelerator.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import functools
 import math
+import threading
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 
@@ -168,18 +168,33 @@ def layout(like: Any, kind: str, block_size: int) -> str:
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
-def _quantize_leaf(x: jax.Array, block_size: int, max_code: int) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """Blockwise absmax codes (int8 in [-max_code, max_code]) [n], float32 scales [blocks], dequantized [shape]."""
-    flat = x.astype(jnp.float32).reshape(-1)
-    n = flat.shape[0]
+def quantize_blocks(
+    x: np.ndarray, block_size: int, max_code: int, scratch: np.ndarray | None = None
+) -> tuple[np.ndarray, np.ndarray]:
+    """Blockwise absmax quantization of float32 `x` [n]: int8 codes [n] in [-max_code, max_code], float32 scales
+    [ceil(n / block_size)] (absmax / max_code; 0 for an all-zero block).
+
+    `scratch`: optional float32 work space of at least n elements, reused instead of allocating.
+    """
+    n = x.size
     num_blocks = -(-n // block_size)
-    blocks = jnp.pad(flat, (0, num_blocks * block_size - n)).reshape(num_blocks, block_size)
-    absmax = jnp.max(jnp.abs(blocks), axis=1)
-    scale = absmax / max_code
-    safe = jnp.where(scale > 0, scale, 1.0)
-    codes = jnp.clip(jnp.round(blocks / safe[:, None]), -max_code, max_code)
-    dequantized = (codes * scale[:, None]).reshape(-1)[:n].reshape(x.shape)
-    return codes.astype(jnp.int8).reshape(-1)[:n], scale, dequantized
+    if n % block_size:
+        padded = np.zeros(num_blocks * block_size, np.float32)
+        padded[:n] = x
+        x = padded
+    blocks = x.reshape(num_blocks, block_size)
+    if scratch is not None and scratch.size >= blocks.size:
+        q = scratch[: blocks.size].reshape(blocks.shape)
+        np.abs(blocks, out=q)
+        scale = np.max(q, axis=1) / np.float32(max_code)
+    else:
+        q = np.empty_like(blocks)
+        scale = np.max(np.abs(blocks), axis=1) / np.float32(max_code)
+    safe = np.where(scale > 0, scale, np.float32(1.0))
+    np.divide(blocks, safe[:, None], out=q)
+    np.rint(q, out=q)
+    np.clip(q, -max_code, max_code, out=q)
+    return q.astype(np.int8).reshape(-1)[:n], scale
 
 
 def _pack_int4(codes: np.ndarray) -> bytes:
@@ -196,90 +211,184 @@ def _unpack_int4(packed: np.ndarray, n: int) -> np.ndarray:
     return codes[:n]
 
 
-@functools.partial(jax.jit, static_argnames=("kind", "block_size"))
-def _encode_tree(leaves, residuals, kind, block_size):
-    """One program for the whole tree (on the leaves' devices, sharded or not).
-
-    Returns (per leaf: the arrays to put on the wire), the new residuals
-    (intended - sent, float32; None without `residuals`: nothing needs them,
-    and writing a float32 copy of the model costs as much as the encoding),
-    ||intended|| and ||intended - sent||.
-    """
-    wire, new_residuals, intended_sq, lost_sq = [], [], 0.0, 0.0
-    for i, x in enumerate(leaves):
-        intended = x.astype(jnp.float32) if residuals is None else x.astype(jnp.float32) + residuals[i]
-        if kind == "none":
-            parts, sent = (intended,), intended
-        elif kind == "bf16":
-            b = intended.astype(jnp.bfloat16)
-            parts, sent = (b,), b.astype(jnp.float32)
-        else:
-            codes, scale, sent = _quantize_leaf(intended, block_size, _MAX_CODE[kind])
-            parts = (codes, scale)
-        lost = intended - sent
-        wire.append(parts)
-        if residuals is not None:
-            new_residuals.append(lost)
-        intended_sq += jnp.sum(intended * intended)
-        lost_sq += jnp.sum(lost * lost)
-    return wire, new_residuals if residuals is not None else None, jnp.sqrt(intended_sq), jnp.sqrt(lost_sq)
-
-
-def _wire_bytes(parts, kind: str, block_size: int) -> list[bytes]:
-    """One leaf's encoding, piece by piece (see the module docstring)."""
-    if kind == "none":
-        return [np.asarray(parts[0]).astype("<f4").tobytes()]
-    if kind == "bf16":
-        return [np.asarray(parts[0]).tobytes()]
-    codes, scale = np.asarray(parts[0]).reshape(-1), np.asarray(parts[1]).astype("<f4")
-    step, out = piece_elements(kind, block_size), []
-    for start in range(0, max(codes.size, 1), step):
-        piece = codes[start : start + step]
-        out.append(piece.tobytes() if kind == "int8" else _pack_int4(piece))
-        out.append(scale[start // block_size : -(-(start + piece.size) // block_size)].tobytes())
-    return out
-
-
 def _check_block_size(block_size: int) -> None:
     if block_size <= 0:
         raise CodecError(f"block_size is {block_size}; it must be a positive number of elements")
 
 
+class ChunkEncoder:
+    """A payload that encodes itself chunk by chunk, when each chunk is asked for.
+
+    The gRPC exchange asks for chunk k on the thread that sends it, so the
+    encoding of later chunks runs while earlier ones are on the wire (NumPy
+    releases the GIL in its loops), and no chunk is copied after it is built
+    but into its frame.
+
+    Args:
+      tree: pytree of float arrays (the pseudo-gradient); brought to the host
+        as float32 once (`jax.device_get` for device arrays).
+      kind, block_size: the codec.
+      plan: the chunks (`chunk_plan` of `tree`); default: one chunk.
+      residual: None, or a pytree like `tree` of float32 NumPy arrays (error
+        feedback): added before encoding, and overwritten, chunk by chunk, with
+        what the codec lost (intended - sent).
+      measure: also accumulate ||intended||^2 and ||intended - sent||^2.
+
+    `len(encoder)` is the payload's size in bytes; `chunk(k)` returns chunk
+    k's bytes as a list of buffers, in payload order; `tobytes()` the whole
+    payload. After `start()`, one background thread encodes the chunks in
+    order (the order the link carries them, with one reused work buffer) and
+    `chunk(k)` waits for chunk k. Once every chunk is built, `relative_error`
+    is ||intended - sent|| / ||intended|| (with `measure`).
+
+    Raises:
+      CodecError: an unknown kind or a block_size <= 0.
+    """
+
+    def __init__(
+        self,
+        tree: Any,
+        kind: str,
+        block_size: int,
+        plan: list["Chunk"] | None = None,
+        residual: Any = None,
+        measure: bool = False,
+    ):
+        _check_kind(kind)
+        _check_block_size(block_size)
+        self.kind, self.block_size, self.measure = kind, block_size, measure or residual is not None
+        host = jax.device_get(jax.tree.leaves(tree))
+        self.leaves = [np.ascontiguousarray(x, np.float32).reshape(-1) for x in host]
+        self.residuals = None if residual is None else [r.reshape(-1) for r in jax.tree.leaves(residual)]
+        if plan is None:
+            plan = [Chunk(0, 0, payload_bytes(tree, kind, block_size), tuple(pieces(tree, kind, block_size)))]
+        self.plan = plan
+        self.nbytes = sum(c.nbytes for c in plan)
+        self._sums = [0.0, 0.0]  # ||intended||^2, ||intended - sent||^2
+        self._lock = threading.Lock()
+        self._ready: list[threading.Event] | None = None  # after start(): chunk k is encoded
+        self._built: list[list | None] = []
+        self._error: BaseException | None = None
+        self._scratch: np.ndarray | None = None
+
+    def start(self) -> "ChunkEncoder":
+        """Encodes every chunk, in order, on a background thread; `chunk(k)` then waits for chunk k."""
+        if self._ready is None:
+            self._ready = [threading.Event() for _ in self.plan]
+            self._built = [None] * len(self.plan)
+            threading.Thread(target=self._produce, name="encode", daemon=True).start()
+        return self
+
+    def _produce(self) -> None:
+        longest = max((p.stop - p.start for c in self.plan for p in c.pieces), default=0)
+        self._scratch = np.empty(longest + self.block_size, np.float32)  # a piece, padded to whole blocks
+        try:
+            for chunk in self.plan:
+                self._built[chunk.index] = self._encode(chunk.index, self._scratch)
+                self._ready[chunk.index].set()
+        except BaseException as e:  # noqa: BLE001 - handed to the thread that asks for the chunk
+            self._error = e
+            for event in self._ready:
+                event.set()
+        finally:
+            self._scratch = None
+
+    def __len__(self) -> int:
+        return self.nbytes
+
+    @property
+    def relative_error(self) -> float:
+        return float(np.sqrt(self._sums[1]) / max(np.sqrt(self._sums[0]), 1e-30))
+
+    def chunk(self, index: int) -> list:
+        """Chunk `index`'s bytes, as buffers (NumPy arrays or bytes) to be joined in order.
+
+        Raises:
+          Whatever encoding the chunk raised (after `start()`, on the thread that asks).
+        """
+        if self._ready is None:
+            return self._encode(index)
+        self._ready[index].wait()
+        if self._error is not None:
+            raise self._error
+        parts, self._built[index] = self._built[index], None
+        return parts
+
+    def _encode(self, index: int, scratch: np.ndarray | None = None) -> list:
+        parts, intended_sq, lost_sq = [], 0.0, 0.0
+        for piece in self.plan[index].pieces:
+            x = self.leaves[piece.leaf][piece.start : piece.stop]
+            if self.residuals is not None:
+                x = x + self.residuals[piece.leaf][piece.start : piece.stop]
+            if self.kind == "none":
+                sent = x
+                parts.append(x.astype("<f4", copy=False))
+            elif self.kind == "bf16":
+                b = x.astype(ml_dtypes.bfloat16)
+                parts.append(b.view(np.uint16))  # the same bytes, in a buffer format every consumer reads
+                sent = b.astype(np.float32) if self.measure else None
+            elif x.size == 0:
+                sent = x
+            else:
+                codes, scale = quantize_blocks(x, self.block_size, _MAX_CODE[self.kind], scratch)
+                parts.append(codes if self.kind == "int8" else _pack_int4(codes))
+                parts.append(scale.astype("<f4", copy=False))
+                sent = None
+                if self.measure:
+                    sent = np.empty_like(x)
+                    full = x.size // self.block_size * self.block_size
+                    np.multiply(
+                        codes[:full].reshape(-1, self.block_size), scale[: full // self.block_size, None],
+                        out=sent[:full].reshape(-1, self.block_size),
+                    )
+                    np.multiply(codes[full:], scale[-1], out=sent[full:])
+            if self.measure:
+                lost = x - sent
+                intended_sq += float(np.dot(x, x))
+                lost_sq += float(np.dot(lost, lost))
+                if self.residuals is not None:
+                    self.residuals[piece.leaf][piece.start : piece.stop] = lost
+        if self.measure:
+            with self._lock:
+                self._sums[0] += intended_sq
+                self._sums[1] += lost_sq
+        return parts
+
+    def tobytes(self) -> bytes:
+        """The whole payload: every chunk, built now."""
+        return b"".join(part for chunk in self.plan for part in self.chunk(chunk.index))
+
+
 def encode_and_measure(
     tree: Any, residual: Any, kind: str, block_size: int
 ) -> tuple[bytes, Any, float]:
-    """Encodes `tree` (+ `residual`, for error feedback) in one program on the tree's devices.
+    """Encodes `tree` (+ `residual`, for error feedback) on the host, piece by piece (see `ChunkEncoder`).
 
     Args:
       tree: pytree of float arrays of any rank and size (scalars, bfloat16
-        included); values must be finite. Sharded arrays stay sharded: the
-        quantization runs where they live and only the encoded bytes come to
-        the host.
+        included); values must be finite. Device arrays are brought to the
+        host as float32 first.
       residual: None, or a float32 pytree like `tree` added before encoding.
       kind: "none", "bf16", "int8" or "int4".
       block_size: elements per scale of int8 / int4 (ignored by the other kinds).
 
     Returns:
       (payload of `payload_bytes(tree, kind, block_size)` bytes, the new
-      residual (intended - sent, float32 jax arrays like `tree`; None when
+      residual (intended - sent, float32 NumPy arrays like `tree`; None when
       `residual` is None), the relative error ||intended - sent|| / ||intended||).
 
     Raises:
       CodecError: on an unknown kind or a block_size <= 0.
     """
-    _check_kind(kind)
-    _check_block_size(block_size)
-    leaves, treedef = jax.tree.flatten(tree)
-    residuals = None if residual is None else jax.tree.leaves(residual)
-    wire, new_residuals, intended, lost = _encode_tree(leaves, residuals, kind, block_size)
-    wire, intended, lost = jax.device_get((wire, intended, lost))  # waits for the one program
-    payload = b"".join(b for parts in wire for b in _wire_bytes(parts, kind, block_size))
-    new_residual = None if new_residuals is None else jax.tree.unflatten(treedef, new_residuals)
-    return payload, new_residual, float(lost / max(float(intended), 1e-30))
+    new_residual = None
+    if residual is not None:
+        new_residual = jax.tree.map(lambda r: np.array(r, np.float32, copy=True), residual)
+    encoder = ChunkEncoder(tree, kind, block_size, residual=new_residual, measure=True)
+    return encoder.tobytes(), new_residual, encoder.relative_error
 
 
 def encode(tree: Any, kind: str, block_size: int) -> bytes:
-    """Encodes a pytree of floating arrays into one payload (see `encode_and_measure`).
+    """Encodes a pytree of floating arrays into one payload (see `ChunkEncoder`).
 
     Returns:
       The payload: `payload_bytes(tree, kind, block_size)` bytes.
@@ -287,7 +396,7 @@ def encode(tree: Any, kind: str, block_size: int) -> bytes:
     Raises:
       CodecError: on an unknown kind or a block_size <= 0.
     """
-    return encode_and_measure(tree, None, kind, block_size)[0]
+    return ChunkEncoder(tree, kind, block_size).tobytes()
 
 
 def encode_with_feedback(tree: Any, residual: Any, kind: str, block_size: int) -> tuple[bytes, Any]:
@@ -300,7 +409,7 @@ def encode_with_feedback(tree: Any, residual: Any, kind: str, block_size: int) -
 
     Returns:
       (payload of `encode(tree + residual)`, new residual = tree + residual -
-      decode(payload)) with the residual as float32 jax arrays.
+      decode(payload)) with the residual as float32 NumPy arrays.
     """
     payload, new_residual, _ = encode_and_measure(tree, residual, kind, block_size)
     return payload, new_residual
