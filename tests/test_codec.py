@@ -113,6 +113,18 @@ def test_chunk_encoder_builds_the_whole_payload_chunk_by_chunk_in_any_order(kind
     assert b"".join(parts[k] for k in range(len(plan))) == whole
     background = codec.ChunkEncoder(tree, kind, 256, plan).start()  # one thread, chunks in order
     assert b"".join(b"".join(background.chunk(k)) for k in range(len(plan))) == whole
+    # An accelerator's path: one program on the device, chunks cut from its codes. XLA divides by a
+    # block's scale as a multiplication by its reciprocal, so a code may round the other way.
+    on_device = codec.ChunkEncoder(jax.tree.map(jnp.asarray, tree), kind, 256, plan, on_device=True).start()
+    device = b"".join(b"".join(on_device.chunk(k)) for k in range(len(plan)))
+    assert len(device) == len(whole)
+    if kind in ("none", "bf16"):
+        assert device == whole
+    else:
+        got, want = codec.decode(device, tree, kind, 256), codec.decode(whole, tree, kind, 256)
+        for name, x in tree.items():
+            step = float(np.max(np.abs(np.asarray(x, np.float32)))) / codec._MAX_CODE[kind]
+            np.testing.assert_allclose(got[name], want[name], rtol=0, atol=step * 1.0001)
 
 
 def test_chunk_encoder_keeps_what_the_codec_lost_in_place():
@@ -130,3 +142,9 @@ def test_chunk_encoder_keeps_what_the_codec_lost_in_place():
         np.testing.assert_array_equal(residual[name], expected[name])
     assert encoder.relative_error == pytest.approx(error, rel=1e-12)
     assert 0.05 < error < 0.2  # int4 of Gaussian blocks: about a tenth of the norm is lost
+    on_device = jax.tree.map(np.copy, old)  # the accelerator's path keeps it too (up to fused multiply-adds)
+    device = codec.ChunkEncoder(jax.tree.map(jnp.asarray, tree), "int4", 256, plan, on_device, on_device=True)
+    sent = codec.decode(device.tobytes(), tree, "int4", 256)
+    for name in tree:
+        np.testing.assert_allclose(on_device[name], (tree[name] + old[name]) - sent[name], rtol=0, atol=1e-6)
+    assert device.relative_error == pytest.approx(error, rel=1e-2)
