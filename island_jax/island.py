@@ -259,8 +259,9 @@ class Island:
         return out
 
     def encode_pseudo_gradient(self) -> codec.ChunkEncoder:
-        """anchor - params (float32, one program on the island's devices), brought to the host and
-        encoded with `config.codec` chunk by chunk (`comm.chunk_bytes`) as the transport sends it.
+        """anchor - params (float32, one program on the island's devices), encoded with `config.codec`:
+        on an accelerator by one more program there, on CPUs chunk by chunk (`comm.chunk_bytes`) as the
+        transport sends it (see `codec.ChunkEncoder`).
 
         With `codec.error_feedback`, what the codec lost in the previous round is
         added first, and what it loses now is kept for the next round.
@@ -268,10 +269,10 @@ class Island:
         """
         c = self.config.codec
         with jax.set_mesh(self.mesh):
-            pg = jax.device_get(self._pseudo_gradient(self.anchor, self.params))
-        self._encoder = codec.ChunkEncoder(
-            pg, c.kind, c.block_size, self.plan, self.residual if c.error_feedback else None, measure=True
-        )
+            pg = self._pseudo_gradient(self.anchor, self.params)
+            self._encoder = codec.ChunkEncoder(
+                pg, c.kind, c.block_size, self.plan, self.residual if c.error_feedback else None, measure=True
+            )
         return self._encoder
 
     @property
