@@ -25,6 +25,7 @@ from typing import Any, Callable, Sequence
 
 import jax
 import ml_collections
+import ml_dtypes
 import numpy as np
 
 from island_jax.config import fingerprint_differences, fingerprint_fields
@@ -85,10 +86,9 @@ class RoundRecord:
     def checksum(self) -> str:
         """`params.checksum` of the island view after this round's update.
 
-        Computed when first asked for; the coordinator keeps the view it needs
-        only until the merge of the round after next begins (its buffers are
-        then reused), so a checksum not asked for by then is "" (both roles
-        read it as soon as the round is merged).
+        Computed when first asked for; the coordinator keeps a round's view
+        only until the next round is merged, so a checksum not asked for by
+        then is "" (both roles read it as soon as the round is merged).
         """
         if callable(self.view_checksum):
             self.view_checksum = self.view_checksum()
@@ -132,17 +132,22 @@ class Coordinator:
         self.pipeline = bool(config.comm.pipeline)
         self.islands = list(islands)
         self.fingerprint_fields = fingerprint_fields(config)
-        self.view = jax.tree.map(lambda x: np.array(x, copy=True), params)
-        self._treedef = jax.tree.structure(self.view)
+        view = jax.tree.map(lambda x: np.array(x, copy=True), params)
+        self._treedef = jax.tree.structure(view)
+        self._leaf_specs = [(np.shape(x), np.asarray(x).dtype) for x in jax.tree.leaves(view)]
         self._checksum: str | None = None
-        self.plan = codec.chunk_plan(self.view, self.kind, self.block_size, config.comm.chunk_bytes)
-        self.payload_bytes = codec.payload_bytes(self.view, self.kind, self.block_size)
+        self.plan = codec.chunk_plan(view, self.kind, self.block_size, config.comm.chunk_bytes)
+        self.payload_bytes = codec.payload_bytes(view, self.kind, self.block_size)
         self.layouts, self.num_rows = chunk_step.row_layouts(self.plan, self.block_size)
         self.tx = outer_optimizer(config)
         self._step = chunk_step.ChunkStep(self.tx, self.kind, self.block_size, self.num_rows)
-        master_leaves = [np.asarray(x, np.float32) for x in jax.tree.leaves(params)]
-        self._master = [chunk_step.gather_rows(master_leaves, lay, self.block_size, self.num_rows) for lay in self.layouts]
-        self._opt = [self._step.init(m) for m in self._master]
+        self._bf16_rows = [self._bf16_mask(lay) for lay in self.layouts]
+        self._master = self._rows_of(params)
+        self._opt = [self._step.place(self._step.init(m)) for m in self._master]
+        # The island view lives in rows next to the master (the merge program updates it); `view`
+        # lays it out as a pytree when asked for.
+        self._view_rows = self._rows_of(view)
+        self._view: Any = view
         self.round = 0
         self.generation = 0  # restarts of the current round's merge
         self.joined: set[str] = set()
@@ -158,18 +163,46 @@ class Coordinator:
         self.plan_steps: dict[str, int] = {}  # inner steps per island from round 1 on (outer.auto_from = measured)
         self._updates: dict[int, bytes] = {}
         self._work: dict | None = None  # the current round's partial merge
-        self._spare_view: list[np.ndarray] | None = None  # buffers for the next view (`_next_view_buffers`)
         self.history: list[RoundRecord] = []
 
     # -- state -----------------------------------------------------------------------------------------------
 
+    def _bf16_mask(self, layout: chunk_step.RowLayout) -> np.ndarray:
+        """bool [R]: the rows of `layout` that hold a bfloat16 leaf (its view is rounded to bfloat16)."""
+        mask = np.zeros(self.num_rows, bool)
+        for piece, row in zip(layout.chunk.pieces, layout.row_offsets):
+            dtype = self._leaf_specs[piece.leaf][1]
+            if dtype == ml_dtypes.bfloat16:
+                mask[row : row + -(-(piece.stop - piece.start) // self.block_size)] = True
+            elif dtype != np.float32:
+                raise ValueError(f"parameters of dtype {dtype} are not supported; use float32 or bfloat16")
+        return mask
+
+    def _rows_of(self, tree: Any) -> list:
+        leaves = [np.asarray(x, np.float32) for x in jax.tree.leaves(tree)]
+        return [
+            self._step.place(chunk_step.gather_rows(leaves, lay, self.block_size, self.num_rows)) for lay in self.layouts
+        ]
+
+    def _tree_of(self, rows: list, dtypes: bool) -> Any:
+        """A pytree of NumPy arrays from per-chunk rows, in the leaves' dtypes (or float32)."""
+        leaves = [np.empty(shape, dtype if dtypes else np.float32) for shape, dtype in self._leaf_specs]
+        for chunk_rows, lay in zip(rows, self.layouts):
+            chunk_step.scatter_rows(np.asarray(chunk_rows), lay, leaves, self.block_size)
+        return jax.tree.unflatten(self._treedef, leaves)
+
+    @property
+    def view(self) -> Any:
+        """The island view (what every island holds after the latest update): a pytree of NumPy arrays
+        in the parameters' dtypes, laid out from the rows when first asked for after each round."""
+        if self._view is None:
+            self._view = self._tree_of(self._view_rows, dtypes=True)
+        return self._view
+
     @property
     def master(self) -> Any:
         """The float32 master parameters as a pytree of NumPy arrays (a copy)."""
-        leaves = [np.zeros(np.shape(x), np.float32) for x in jax.tree.leaves(self.view)]
-        for rows, lay in zip(self._master, self.layouts):
-            chunk_step.scatter_rows(np.asarray(rows), lay, leaves, self.block_size)
-        return jax.tree.unflatten(self._treedef, leaves)
+        return self._tree_of(self._master, dtypes=False)
 
     @property
     def opt_state(self) -> list:
@@ -182,14 +215,14 @@ class Coordinator:
 
     def load_state(self, state: dict) -> None:
         """Continues from a checkpointed `state()`; islands must then join at the same round."""
-        self.view = jax.tree.map(lambda x: np.array(x, copy=True), state["view"])
-        master_leaves = [np.asarray(x, np.float32) for x in jax.tree.leaves(state["master"])]
-        self._master = [chunk_step.gather_rows(master_leaves, lay, self.block_size, self.num_rows) for lay in self.layouts]
-        self._opt = list(state["opt_state"])
+        self._view = jax.tree.map(lambda x: np.array(x, copy=True), state["view"])
+        self._view_rows = self._rows_of(self._view)
+        self._master = self._rows_of(state["master"])
+        self._opt = [self._step.place(x) for x in state["opt_state"]]
         self.round = int(state["round"])
         self._checksum = None
         self._pending, self._updates, self._refused, self._dropped, self._quorum_since = {}, {}, set(), set(), None
-        self._work, self._spare_view = None, None
+        self._work = None
 
     @property
     def checksum(self) -> str:
@@ -455,8 +488,7 @@ class Coordinator:
             self._work = dict(
                 contributors=[c.island for c in contributions],
                 weights=np.asarray([np.float32(c.tokens / total) for c in contributions], np.float32),
-                master=list(self._master), opt=list(self._opt),
-                old_view=jax.tree.leaves(self.view), view=self._next_view_buffers(),
+                master=list(self._master), opt=list(self._opt), view=list(self._view_rows),
                 chunks={}, dots=0.0, intended_sq=0.0, lost_sq=0.0,
             )
         work = self._work
@@ -470,34 +502,15 @@ class Coordinator:
             return True
         return False
 
-    def _next_view_buffers(self) -> list[np.ndarray]:
-        """Where this round's merge writes the new view: the view of two rounds ago, reused.
-
-        The merge reads the current view and writes the next one elsewhere, so
-        a restarted merge starts again from an untouched view; reusing one
-        spare set of buffers instead of copying the view every round spares
-        allocating (and first touching) the whole model each round.
-        """
-        for record in self.history[:-1]:  # a view checksum not asked for by now is not kept
-            if callable(record.view_checksum):
-                record.view_checksum = ""
-        leaves = jax.tree.leaves(self.view)
-        spare = self._spare_view
-        if spare is None or any(a.shape != b.shape or a.dtype != b.dtype for a, b in zip(spare, leaves)):
-            spare = self._spare_view = [np.empty_like(x) for x in leaves]
-        return spare
-
     def _merge_chunk(self, k: int, contributions: list[Contribution], work: dict) -> None:
         layout = self.layouts[k]
         values = np.stack([c.chunks[k][0] for c in contributions])
         scales = np.stack([c.chunks[k][1] for c in contributions])
-        view_rows = chunk_step.gather_rows(work["old_view"], layout, self.block_size, self.num_rows)
-        master, opt, codes, update_scales, stats = self._step(
-            values, scales, work["weights"], work["master"][k], work["opt"][k], view_rows
+        master, opt, view, codes, update_scales, stats = self._step(
+            values, scales, work["weights"], work["master"][k], work["opt"][k], work["view"][k], self._bf16_rows[k]
         )
         payload = chunk_step.rows_to_wire(codes, update_scales, layout, self.kind, self.block_size)
-        _apply_rows(work["old_view"], work["view"], codes, update_scales, layout, self.kind, self.block_size)
-        work["master"][k], work["opt"][k], work["chunks"][k] = master, opt, payload
+        work["master"][k], work["opt"][k], work["view"][k], work["chunks"][k] = master, opt, view, payload
         work["dots"] = work["dots"] + stats["dots"].astype(np.float64)
         work["intended_sq"] += float(stats["intended_sq"])
         work["lost_sq"] += float(stats["lost_sq"])
@@ -505,9 +518,11 @@ class Coordinator:
     def _finish_round(self, contributions: list[Contribution], work: dict) -> None:
         chunks = [work["chunks"][k] for k in range(len(self.plan))]
         self._master, self._opt = work["master"], work["opt"]
-        self._spare_view = work["old_view"]  # the next round's merge writes its view here
-        self.view = view = jax.tree.unflatten(self._treedef, work["view"])
-        self._checksum = None
+        self._view_rows = rows = work["view"]
+        self._view, self._checksum = None, None
+        for record in self.history:  # a checksum nobody asked for by now is not kept (nor its rows)
+            if callable(record.view_checksum):
+                record.view_checksum = ""
         names = work["contributors"]
         dots = np.asarray(work["dots"], np.float64)
         norms = {n: float(np.sqrt(dots[i, i])) for i, n in enumerate(names)}
@@ -527,7 +542,7 @@ class Coordinator:
             cosine_similarity=cosine,
             update_bytes=sum(len(c) for c in chunks),
             update_codec_relative_error=float(np.sqrt(work["lost_sq"]) / max(np.sqrt(work["intended_sq"]), 1e-30)),
-            view_checksum=lambda: self.checksum if self.view is view else checksum(view),
+            view_checksum=lambda: self.checksum if self._view_rows is rows else checksum(self._tree_of(rows, True)),
         )
         self.history.append(record)
         logging.info(
@@ -591,29 +606,3 @@ class Coordinator:
         """
         with jax.default_device(jax.devices("cpu")[0]):
             return self.round, codec.encode(self.view, "none", self.block_size)
-
-
-def _apply_rows(
-    view_leaves: list[np.ndarray],
-    out_leaves: list[np.ndarray],
-    codes: np.ndarray,
-    scales: np.ndarray,
-    layout,
-    kind: str,
-    block_size: int,
-) -> None:
-    """`codec.decode_and_apply` for one chunk, from its update in rows (codes or values [R * B], scales
-    [R]): the chunk's elements of `view_leaves` plus the decoded update, written to the same elements of
-    `out_leaves`. The same float32 products and sums as the islands' decode of the chunk's bytes."""
-    if kind in ("int8", "int4"):
-        decoded = np.multiply(codes.reshape(-1, block_size), scales[:, None], dtype=np.float32).reshape(-1)
-    else:
-        decoded = codes.astype(np.float32, copy=False)
-    for piece, row in zip(layout.chunk.pieces, layout.row_offsets):
-        old = view_leaves[piece.leaf].reshape(-1)[piece.start : piece.stop]
-        out = out_leaves[piece.leaf].reshape(-1)[piece.start : piece.stop]
-        delta = decoded[row * block_size : row * block_size + piece.stop - piece.start]
-        if out.dtype == np.float32:
-            np.add(old, delta, out=out)
-        else:
-            out[:] = (old.astype(np.float32) + delta).astype(out.dtype)

@@ -21,6 +21,13 @@ codec, and is never put on the wire.
   master, opt_state  = optax outer step(merged)                   [R, B] float32
   delta              = master - view                              [R, B] float32
   update codes/scales = quantize(delta) with the run's codec
+  view               = view + dequantize(update codes, scales)    [R, B] float32
+                       (rounded to bfloat16 on the rows of bfloat16 leaves)
+
+The last line is the islands' `codec.decode_and_apply`, bit for bit. It runs
+as a second program: within one, XLA fuses the dequantizing multiply and the
+add into a fused multiply-add, which rounds once where the islands' NumPy
+rounds twice (an optimization barrier does not stop it).
 
 and the partial sums the round's log needs (squared norms, dot products).
 """
@@ -131,6 +138,14 @@ def scatter_rows(rows: np.ndarray, layout: RowLayout, leaves: list[np.ndarray], 
         flat[piece.start : piece.stop] = rows[row * block_size : row * block_size + piece.stop - piece.start]
 
 
+def _apply_update(view, sent, bf16_rows):
+    """view + sent ([R * B] float32), rounded to bfloat16 on the rows `bf16_rows` [R] marks."""
+    new = view + sent
+    rows = new.reshape(bf16_rows.shape[0], -1)
+    rounded = jnp.where(bf16_rows[:, None], rows.astype(jnp.bfloat16).astype(jnp.float32), rows)
+    return rounded.reshape(-1)
+
+
 class ChunkStep:
     """The jitted per-chunk merge + outer step + update encoding (see the module docstring).
 
@@ -144,6 +159,7 @@ class ChunkStep:
         self.tx, self.kind, self.block_size, self.num_rows = tx, kind, block_size, num_rows
         self.cpu = jax.devices("cpu")[0]
         self._step = jax.jit(self._program)
+        self._apply = jax.jit(_apply_update)
 
     def init(self, master_rows: np.ndarray) -> Any:
         """The outer optimizer's state for one chunk (on the CPU)."""
@@ -177,16 +193,26 @@ class ChunkStep:
             intended_sq=jnp.sum(delta * delta),
             lost_sq=jnp.sum((delta - sent) ** 2),
         )
-        return master, opt_state, codes.reshape(-1), update_scales, stats
+        return master, opt_state, sent.reshape(-1), codes.reshape(-1), update_scales, stats
 
-    def __call__(self, values, scales, weights, master, opt_state, view):
-        """One chunk: K contributions' rows, float32 weights [K], master / view rows [R * B], the chunk's state.
+    def __call__(self, values, scales, weights, master, opt_state, view, bf16_rows):
+        """One chunk: K contributions' rows, float32 weights [K], master / view rows [R * B], the chunk's
+        state, and which rows hold bfloat16 leaves (bool [R]).
 
         Returns:
-          (new master rows, new optimizer state, update codes or values [R * B],
-          update scales [R], stats with `dots` [K, K], `intended_sq`, `lost_sq`);
-          master and state stay on the CPU device, the rest comes to the host.
+          (new master rows, new optimizer state, new view rows, update codes or
+          values [R * B], update scales [R], stats with `dots` [K, K],
+          `intended_sq`, `lost_sq`); master, state and view stay on the CPU
+          device, the rest comes to the host.
         """
         with jax.default_device(self.cpu):
-            master, opt_state, codes, update_scales, stats = self._step(values, scales, weights, master, opt_state, view)
-            return (master, opt_state, *jax.device_get((codes, update_scales, stats)))
+            master, opt_state, sent, codes, update_scales, stats = self._step(
+                values, scales, weights, master, opt_state, view
+            )
+            view = self._apply(view, sent, bf16_rows)
+            return (master, opt_state, view, *jax.device_get((codes, update_scales, stats)))
+
+    def place(self, rows: Any) -> Any:
+        """Rows (or an optimizer state over rows) on the CPU device, where the program keeps them between
+        rounds, placed as its outputs are, so that round 0 and later rounds share one compiled program."""
+        return jax.device_put(rows, self.cpu)
