@@ -137,3 +137,26 @@ def test_update_codec_relative_error_is_logged():
     coord = _coordinator(config, [0.0, 0.0])
     _round(coord, config, ([-1.0, -0.3], [-1.0, -0.3]))
     assert coord.history[-1].update_codec_relative_error == 0.0
+
+
+@pytest.mark.parametrize("kind", ["int8", "int4", "bf16", "none"])
+def test_view_of_bfloat16_and_float32_leaves_is_what_islands_compute(kind):
+    import ml_dtypes
+
+    config = _config(0.7, 0.9, True, kind=kind)
+    rng = np.random.default_rng(3)
+    params = {
+        "w": rng.normal(size=(70, 300)).astype(ml_dtypes.bfloat16),  # 21,000 elements: several pieces for int8
+        "b": rng.normal(size=77).astype(np.float32),
+    }
+    coord = Coordinator(config, params, ["a", "b"])
+    for name in ("a", "b"):
+        coord.join(name, fingerprint_fields(config), coord.checksum)
+    island_view = {k: np.array(v, copy=True) for k, v in params.items()}
+    for r in range(3):
+        for name, shift in (("a", 0.01), ("b", -0.02)):
+            pg = {k: (rng.normal(size=np.shape(v)) * shift).astype(np.float32) for k, v in params.items()}
+            coord.contribute(r, name, 100, codec.encode(pg, kind, config.codec.block_size))
+        island_view = codec.decode_and_apply(island_view, coord.fetch_update(r, "a"), kind, config.codec.block_size)
+        assert {k: v.dtype for k, v in coord.view.items()} == {"w": ml_dtypes.bfloat16, "b": np.float32}
+        assert checksum(coord.view) == checksum(island_view) == coord.history[-1].checksum
