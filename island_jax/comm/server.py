@@ -53,14 +53,13 @@ def _raw(data: bytes) -> bytes:
     return data
 
 
-async def _settle(calls: list) -> None:
+async def _settle(call: asyncio.Future | None) -> None:
     """Waits for chunks already handed to the coordinator, ignoring their errors (the stream is failing)."""
-    for call in calls:
+    if call is not None:
         try:
             await call
         except Exception:  # noqa: BLE001 - the first error is already being reported
             pass
-    calls.clear()
 
 
 class ExchangeService:
@@ -187,7 +186,7 @@ class ExchangeService:
         # Chunks go to the coordinator in batches, one batch at a time per stream, so
         # the stream keeps reading while they merge and pays one thread hop per batch.
         queued: list = []
-        adding: list[asyncio.Future] = []  # the batch the coordinator is taking
+        taking: asyncio.Future | None = None  # the batch the coordinator is taking
         c = self.coordinator
         try:
             async for frame in request_iterator:
@@ -229,27 +228,28 @@ class ExchangeService:
                 crcs.append(crc)
                 if entry["status"] != "discarded":
                     queued.append((index, data))
-                    if adding and not adding[0].done() and len(queued) >= _CHUNKS_QUEUED:
-                        await adding[0]
-                    if not adding or adding[0].done():
-                        if adding:
-                            adding.pop().result()  # the coordinator's error, if it refused a chunk
-                        adding.append(asyncio.ensure_future(self._call(self._add_chunks, header, queued)))
+                    if taking is not None and not taking.done() and len(queued) >= _CHUNKS_QUEUED:
+                        await asyncio.wait([taking])
+                    if taking is None or taking.done():
+                        if taking is not None:
+                            taking.result()  # the coordinator's error, if it refused a chunk
+                        taking = asyncio.ensure_future(self._call(self._add_chunks, header, queued))
                         queued = []
             if header is None:
                 raise wire.WireError("the stream ended before a payload header arrived", code="DATA_LOSS")
-            if adding:
-                await adding.pop()
+            if taking is not None:
+                await taking
+                taking = None
             if queued:
                 await self._call(self._add_chunks, header, queued)
             status = await self._call(self._end, header, entry)
         except wire.WireError as e:
-            await _settle(adding)
+            await _settle(taking)
             if header is not None:
                 await self._call(self._abandon, header, str(e))
             await context.abort(grpc.StatusCode[e.code], f"WireError: {e}")
         except ContributionError as e:
-            await _settle(adding)
+            await _settle(taking)
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"ContributionError: {e}")
         if header.island in self.wire_bytes:
             self.wire_bytes[header.island]["received"] += received

@@ -187,16 +187,26 @@ def quantize_blocks(
     blocks = x.reshape(num_blocks, block_size)
     if scratch is not None and scratch.size >= blocks.size:
         q = scratch[: blocks.size].reshape(blocks.shape)
-        np.abs(blocks, out=q)
-        scale = np.max(q, axis=1) / np.float32(max_code)
     else:
         q = np.empty_like(blocks)
-        scale = np.max(np.abs(blocks), axis=1) / np.float32(max_code)
+    np.abs(blocks, out=q)
+    scale = np.max(q, axis=1) / np.float32(max_code)
     safe = np.where(scale > 0, scale, np.float32(1.0))
     np.divide(blocks, safe[:, None], out=q)
     np.rint(q, out=q)
     np.clip(q, -max_code, max_code, out=q)
     return q.astype(np.int8).reshape(-1)[:n], scale
+
+
+def dequantize_blocks(codes: np.ndarray, scale: np.ndarray, block_size: int) -> np.ndarray:
+    """float32 codes x scale [n], block by block (the last block may be short): what the codes stand for."""
+    n = codes.size
+    full = n // block_size * block_size
+    values = np.empty(n, np.float32)
+    np.multiply(codes[:full].reshape(-1, block_size), scale[: full // block_size, None], out=values[:full].reshape(-1, block_size))
+    if full < n:
+        np.multiply(codes[full:], scale[-1], out=values[full:])
+    return values
 
 
 def _quantize_leaf(x: jax.Array, block_size: int, max_code: int) -> tuple[jax.Array, jax.Array, jax.Array]:
@@ -405,15 +415,7 @@ class ChunkEncoder:
                 codes, scale = quantize_blocks(x, self.block_size, _MAX_CODE[self.kind], scratch)
                 parts.append(codes if self.kind == "int8" else _pack_int4(codes))
                 parts.append(scale.astype("<f4", copy=False))
-                sent = None
-                if self.measure:
-                    sent = np.empty_like(x)
-                    full = x.size // self.block_size * self.block_size
-                    np.multiply(
-                        codes[:full].reshape(-1, self.block_size), scale[: full // self.block_size, None],
-                        out=sent[:full].reshape(-1, self.block_size),
-                    )
-                    np.multiply(codes[full:], scale[-1], out=sent[full:])
+                sent = dequantize_blocks(codes, scale, self.block_size) if self.measure else None
             if self.measure:
                 lost = x - sent
                 intended_sq += float(np.dot(x, x))
@@ -450,12 +452,11 @@ class ChunkEncoder:
 def encode_and_measure(
     tree: Any, residual: Any, kind: str, block_size: int
 ) -> tuple[bytes, Any, float]:
-    """Encodes `tree` (+ `residual`, for error feedback) on the host, piece by piece (see `ChunkEncoder`).
+    """Encodes `tree` (+ `residual`, for error feedback) into one payload (see `ChunkEncoder` for where).
 
     Args:
       tree: pytree of float arrays of any rank and size (scalars, bfloat16
-        included); values must be finite. Device arrays are brought to the
-        host as float32 first.
+        included); values must be finite.
       residual: None, or a float32 pytree like `tree` added before encoding.
       kind: "none", "bf16", "int8" or "int4".
       block_size: elements per scale of int8 / int4 (ignored by the other kinds).
@@ -551,12 +552,7 @@ def decode_piece(buf, piece: Piece, kind: str, block_size: int) -> np.ndarray:
     else:
         codes = _unpack_int4(np.frombuffer(buf, np.uint8, code_bytes, offset), n)
     scale = np.frombuffer(buf, "<f4", num_blocks, offset + code_bytes).astype(np.float32)
-    full = n // block_size * block_size
-    values = np.empty(n, np.float32)
-    np.multiply(codes[:full].reshape(-1, block_size), scale[: full // block_size, None], out=values[:full].reshape(-1, block_size))
-    if full < n:
-        np.multiply(codes[full:], scale[-1], out=values[full:])
-    return values
+    return dequantize_blocks(codes, scale, block_size)
 
 
 def decode_and_apply(params: Any, payload: bytes, kind: str, block_size: int) -> Any:
