@@ -16,6 +16,10 @@ A run is described by one `ml_collections.ConfigDict`, nested by concern:
             `momentum`, `nesterov`; `sync` and `reference_island` plan each
             island's inner steps (island_jax/planning.py); `enabled=False`
             trains a single island with no outer loop (the data-parallel baseline).
+            Streaming DiLoCo (arXiv 2501.18512): `fragments` (F parameter
+            groups, each synced once per round at its own offset),
+            `overlap_steps` (tau inner steps of training before a fragment's
+            update is applied, or "auto") and `mix_alpha` (island_jax/streaming.py).
   codec     pseudo-gradient wire format: `kind` in {int8, int4, bf16, none},
             the `block_size` of int8 / int4 (elements per float32 scale) and
             `error_feedback`.
@@ -147,6 +151,12 @@ def default_config() -> ml_collections.ConfigDict:
         round_seconds=10.0,  # with sync=time: wall-clock seconds of training per round
         min_islands=0,  # quorum: merge once this many islands contributed and grace_seconds passed (0 = all)
         grace_seconds=60.0,  # how long a reached quorum waits for the remaining islands
+        # Streaming DiLoCo (arXiv 2501.18512): fragments synced on a staggered schedule, overlapped with compute.
+        fragments=1,  # F groups of whole leaves, each synced once per round at its own offset (1: plain DiLoCo)
+        # tau: inner steps an island keeps training before applying a fragment's update (0: wait for it);
+        # "auto": from the measured exchange and step times, so the exchange hides behind compute.
+        overlap_steps=ml_collections.FieldReference(0, field_type=object),
+        mix_alpha=0.5,  # with tau >= 1: local <- alpha x local + (1 - alpha) x global for the updated fragment
     )
     c.codec = dict(
         kind="int8",  # int8 | int4 | bf16 | none
@@ -248,6 +258,19 @@ def validate(
         config.outer.auto_from in ("catalog", "measured"),
         f"outer.auto_from is {config.outer.auto_from!r}; choose 'catalog' or 'measured' (with outer.sync='auto')",
     )
+    _require(
+        config.outer.fragments >= 1,
+        f"outer.fragments is {config.outer.fragments}; use 1 (plain DiLoCo) or more fragments (Streaming DiLoCo)",
+    )
+    tau = config.outer.overlap_steps
+    _require(
+        tau == "auto" or (isinstance(tau, int) and not isinstance(tau, bool) and tau >= 0),
+        f"outer.overlap_steps is {tau!r}; use an integer >= 0 (inner steps; 0 applies each update at once) or 'auto'",
+    )
+    _require(
+        0.0 <= config.outer.mix_alpha <= 1.0,
+        f"outer.mix_alpha is {config.outer.mix_alpha}; use a weight in [0, 1] (the local side of the mix)",
+    )
     _require(config.outer.sync in SYNC, f"outer.sync is {config.outer.sync!r}; choose one of {SYNC}")
     ref = config.outer.reference_island
     _require(
@@ -319,6 +342,17 @@ def validate(
             "use a positive multiple of the island's device count",
         )
         _require(isl.inner_steps > 0, f"{p}.inner_steps is {isl.inner_steps}; it must be at least 1")
+        if config.outer.sync == "steps":
+            _require(
+                isl.inner_steps >= config.outer.fragments,
+                f"{p}.inner_steps is {isl.inner_steps} but outer.fragments is {config.outer.fragments}; every fragment "
+                "needs its own inner step of the round: raise inner_steps or lower outer.fragments",
+            )
+            _require(
+                tau == "auto" or tau < isl.inner_steps,
+                f"outer.overlap_steps is {tau} but {p}.inner_steps is {isl.inner_steps}; a fragment's update must land "
+                "before its next contribution: use fewer than inner_steps overlap steps, or 'auto'",
+            )
         _require(
             isl.hardware in CATALOG,
             f"{p}.hardware is {isl.hardware!r}, not in the hardware catalog; choose one of {sorted(CATALOG)}",
@@ -373,6 +407,7 @@ def fingerprint_fields(config: ml_collections.ConfigDict) -> dict:
     fields["moe.routing_bias"] = config.moe.routing_bias_update_rate > 0
     fields.update({f"codec.{k}": v for k, v in config.codec.items()})
     fields["comm.chunk_bytes"] = config.comm.chunk_bytes  # the payload's piece layout depends on it
+    fields["outer.fragments"] = config.outer.fragments  # the payloads are per fragment
     fields["seed"] = config.seed
     return fields
 

@@ -30,6 +30,7 @@ import numpy as np
 
 from island_jax.config import fingerprint_differences, fingerprint_fields
 from island_jax.outer import chunk_step, codec
+from island_jax.outer import fragments as fragments_lib
 from island_jax.outer.optimizer import outer_optimizer
 from island_jax.params import checksum
 from island_jax.planning import plan_from_step_times
@@ -606,3 +607,150 @@ class Coordinator:
         """
         with jax.default_device(jax.devices("cpu")[0]):
             return self.round, codec.encode(self.view, "none", self.block_size)
+
+
+class FragmentedCoordinator:
+    """One `Coordinator` per fragment (Streaming DiLoCo, arXiv 2501.18512): the coordinator of a run.
+
+    The parameters are split by `fragments.partition` into `outer.fragments`
+    groups of whole leaves; fragment p has a `Coordinator` of its own over the
+    list of its leaves, with its own master slice, outer optimizer state,
+    island view, chunk plan and rounds, so fragment p's round r merges as soon
+    as every island has contributed it, whatever the other fragments are doing.
+    The outer step is elementwise, so F fragments give the bits one coordinator
+    over the whole model would, when every fragment is synced at the same step.
+    With F = 1 there is one fragment holding every leaf: plain DiLoCo.
+
+    Args:
+      config, params, islands, clock: as for `Coordinator`.
+
+    Attributes:
+      fragments: the per-fragment `Coordinator`s.
+      partition: leaf indices (in `jax.tree.leaves(params)` order) of each fragment.
+    """
+
+    def __init__(
+        self,
+        config: ml_collections.ConfigDict,
+        params: Any,
+        islands: Sequence[str],
+        clock: Callable[[], float] = time.monotonic,
+    ):
+        leaves = jax.tree.leaves(params)
+        self.partition = fragments_lib.partition(fragments_lib.leaf_bytes(params), config.outer.fragments)
+        parts = [Coordinator(config, [leaves[i] for i in idx], islands, clock) for idx in self.partition]
+        self._setup(parts, jax.tree.structure(params))
+
+    @classmethod
+    def wrap(cls, coordinator: Any) -> "FragmentedCoordinator":
+        """A one-fragment coordinator around an existing `Coordinator` (or an object with its methods)."""
+        self = cls.__new__(cls)
+        self.partition = [list(range(len(jax.tree.leaves(coordinator.view))))]
+        self._setup([coordinator], jax.tree.structure(coordinator.view), whole=True)
+        return self
+
+    def _setup(self, parts: list, treedef, whole: bool = False) -> None:
+        self.fragments = parts
+        self._treedef, self._whole = treedef, whole
+        first = parts[0]
+        self.config, self.islands = first.config, list(first.islands)
+        self._checksum: tuple[tuple, str] | None = None
+
+    def __len__(self) -> int:
+        return len(self.fragments)
+
+    @property
+    def round(self) -> int:
+        """Rounds every fragment has completed (the smallest fragment round)."""
+        return min(f.round for f in self.fragments)
+
+    @property
+    def view(self) -> Any:
+        """The island view of every fragment, laid out as the parameters' pytree (NumPy)."""
+        if self._whole:
+            return self.fragments[0].view
+        leaves = [None] * sum(len(idx) for idx in self.partition)
+        for f, idx in zip(self.fragments, self.partition):
+            for i, leaf in zip(idx, f.view):
+                leaves[i] = leaf
+        return jax.tree.unflatten(self._treedef, leaves)
+
+    @property
+    def checksum(self) -> str:
+        """`params.checksum` of the whole island view (kept until a fragment merges again)."""
+        if self._whole:
+            return self.fragments[0].checksum
+        key = tuple((f.round, f.generation) for f in self.fragments)
+        if self._checksum is None or self._checksum[0] != key:
+            self._checksum = (key, checksum(self.view))
+        return self._checksum[1]
+
+    def fragment_checksums(self) -> list[str]:
+        """`params.checksum` of each fragment's view (a list of its leaves): what contributions carry."""
+        return [f.checksum for f in self.fragments]
+
+    def join(self, island: str, config_fingerprint: dict, params_checksum: str, round: int = 0) -> dict:
+        """`Coordinator.join` for every fragment, against the checksum of the whole view.
+
+        Raises:
+          HandshakeError: unknown island, fingerprint fields that differ, another
+            round (every fragment must be at it), or another checksum.
+        """
+        if self._whole:
+            return self.fragments[0].join(island, config_fingerprint, params_checksum, round)
+        rounds = {f.round for f in self.fragments}
+        if len(rounds) > 1:
+            raise HandshakeError(
+                f"island {island!r} joins while the fragments are at rounds {sorted(rounds)}; an island can join "
+                "only between rounds: restart every role from the same workdir"
+            )
+        first = self.fragments[0]
+        first.join(island, config_fingerprint, first.checksum, round)  # island, fingerprint and round
+        if params_checksum != self.checksum:
+            raise HandshakeError(
+                f"island {island!r} has parameter checksum {params_checksum} but the coordinator has "
+                f"{self.checksum}; both must initialise from the same config.seed and model on the CPU backend"
+            )
+        for f in self.fragments[1:]:
+            f.join(island, config_fingerprint, f.checksum, round)
+        return dict(round=self.round, checksum=self.checksum)
+
+    def contribute(
+        self,
+        round: int,
+        island: str,
+        tokens: int,
+        payload: bytes,
+        params_checksum: str | None = None,
+        step_seconds: float | None = None,
+        fragment: int = 0,
+    ) -> str:
+        """`Coordinator.contribute` of fragment `fragment`; the payload encodes that fragment's leaves."""
+        return self.fragments[fragment].contribute(round, island, tokens, payload, params_checksum, step_seconds)
+
+    def fetch_update(self, round: int, island: str, fragment: int = 0) -> bytes:
+        """`Coordinator.fetch_update` of fragment `fragment`."""
+        return self.fragments[fragment].fetch_update(round, island)
+
+    def poll(self) -> bool:
+        """Polls every fragment (see `Coordinator.poll`); whether any merged."""
+        return any([f.poll() for f in self.fragments])
+
+    def planned_inner_steps(self, island: str) -> int | None:
+        """The measured plan, made when the last fragment of round 0 (contributed at its end) merged."""
+        return self.fragments[-1].planned_inner_steps(island)
+
+    def fetch_view(self) -> tuple[int, bytes]:
+        """(the round every fragment has completed, the whole view as a float32 "none" payload)."""
+        with jax.default_device(jax.devices("cpu")[0]):
+            return self.round, codec.encode(self.view, "none", self.fragments[0].block_size)
+
+    def state(self) -> dict:
+        """What a checkpoint holds: `fragments`, one `Coordinator.state()` per fragment."""
+        return dict(fragments=[f.state() for f in self.fragments])
+
+    def load_state(self, state: dict) -> None:
+        """Continues from a checkpointed `state()`."""
+        for f, s in zip(self.fragments, state["fragments"]):
+            f.load_state(s)
+        self._checksum = None

@@ -143,7 +143,7 @@ def test_payload_of_the_wrong_size_is_refused(local_server):
     with pytest.raises(grpc.RpcError) as refused:
         _contribute_raw(a, _frames(a, "a", b"\0" * 400_004))
     assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-    assert "payload of 400004 bytes from island 'a', round 0, but this round expects 400000 bytes" in refused.value.details()
+    assert "payload of 400004 bytes from island 'a', round 0, fragment 0, but it should be 400000 bytes" in refused.value.details()
     assert coordinator._pending == {}
 
 

@@ -19,7 +19,9 @@ raises in process:
   DATA_LOSS, INVALID_ARGUMENT     -> ExchangeError (corrupt or mis-shaped payload)
   UNAVAILABLE, DEADLINE_EXCEEDED  -> ExchangeError (coordinator unreachable or late)
 
-`last_stats` describes the last round's exchange (see `SyncStats`).
+`stats(round, fragment)` describes one exchange (see `SyncStats`), `last_stats`
+the last one finished. Exchanges of different fragments may run at once, each
+on threads of its own (Streaming DiLoCo overlap, island_jax/streaming.py).
 """
 
 from __future__ import annotations
@@ -92,7 +94,9 @@ class SyncStats:
 class _Fetch:
     """An update being received over every connection; `result()` waits for it."""
 
-    def __init__(self, transport: "GrpcTransport", round: int, island: str, what: str, plan, methods: list):
+    def __init__(
+        self, transport: "GrpcTransport", round: int, island: str, what: str, plan, methods: list, fragment: int = 0
+    ):
         self.assembler = wire.ChunkAssembler(plan)
         self.lock = threading.Lock()
         self.trailers: list[pb.PayloadHeader] = []
@@ -102,7 +106,11 @@ class _Fetch:
         n = len(methods)
         self.futures = [
             transport._pool.submit(
-                self._receive, method, pb.FetchRequest(round=round, island=island, connection=i, connections=n), i, n
+                self._receive,
+                method,
+                pb.FetchRequest(round=round, island=island, connection=i, connections=n, fragment=fragment),
+                i,
+                n,
             )
             for i, method in enumerate(methods)
         ]
@@ -185,16 +193,31 @@ class GrpcTransport:
             ch.unary_stream(f"/{SERVICE_NAME}/FetchUpdate", pb.FetchRequest.SerializeToString, _raw) for ch in self.channels
         ]
         self._fetch_view = self.channels[0].unary_stream(f"/{SERVICE_NAME}/FetchView", pb.FetchRequest.SerializeToString, _raw)
-        self._pool = futures.ThreadPoolExecutor(max_workers=2 * connections + 2, thread_name_prefix="exchange")
+        # Threads start as needed; enough for a few fragments' exchanges at once.
+        self._pool = futures.ThreadPoolExecutor(max_workers=8 * connections + 2, thread_name_prefix="exchange")
         self.payload_bytes: int | None = None
         self.view_bytes: int | None = None
-        self.layout = ""
-        self.plan: list[codec.Chunk] = []
+        self.layouts: list[str] = []  # per fragment
+        self.plans: list[list[codec.Chunk]] = []  # per fragment
         self.view_plan: list[codec.Chunk] = []
         self.last_stats = SyncStats()
+        self._stats: dict[tuple[int, int], SyncStats] = {}  # (fragment, round) -> its exchange
         self._planned: dict[str, int] = {}
-        self._fetches: dict[tuple[int, str], _Fetch] = {}
-        self._send_span = (0.0, 0.0)
+        self._fetches: dict[tuple[int, int, str], _Fetch] = {}
+        self._send_spans: dict[tuple[int, int], tuple[float, float]] = {}
+
+    @property
+    def plan(self) -> list[codec.Chunk]:
+        """The chunk plan of fragment 0's payload (the whole model's with one fragment)."""
+        return self.plans[0]
+
+    @property
+    def layout(self) -> str:
+        return self.layouts[0]
+
+    def stats(self, round: int, fragment: int = 0) -> SyncStats:
+        """The exchange of `round` of `fragment` (after its `fetch_update` returned; empty before)."""
+        return self._stats.get((fragment, round), SyncStats())
 
     @property
     def last_bytes_sent(self) -> int:
@@ -222,8 +245,9 @@ class GrpcTransport:
         except grpc.RpcError as e:
             raise _error(e, "join", self.address) from None
         reply = replies[0]
-        self.payload_bytes, self.layout, self.view_bytes = reply.payload_bytes, reply.layout, reply.view_bytes
-        self.plan = _plan(list(reply.chunk_offsets), reply.payload_bytes)
+        self.payload_bytes, self.view_bytes = reply.payload_bytes, reply.view_bytes
+        self.layouts = [f.layout for f in reply.fragments]
+        self.plans = [_plan(list(f.chunk_offsets), f.payload_bytes) for f in reply.fragments]
         self.view_plan = _plan(list(reply.view_chunk_offsets), reply.view_bytes)
         return dict(round=reply.round, checksum=reply.params_checksum)
 
@@ -235,34 +259,40 @@ class GrpcTransport:
         payload: bytes,
         params_checksum: str | None = None,
         step_seconds: float | None = None,
+        fragment: int = 0,
     ) -> str:
         """Streams one encoded pseudo-gradient over every connection; returns "accepted" or "discarded".
 
-        `payload` is bytes, or a `codec.ChunkEncoder` over this run's chunk plan,
-        whose chunks are then encoded by the threads that send them.
+        `payload` is bytes, or a `codec.ChunkEncoder` over the fragment's chunk plan,
+        whose chunks are then encoded by the threads that send them. `fragment`
+        names the fragment whose leaves it encodes (0 with one fragment).
 
         Raises:
           ContributionError: the coordinator refused it (round, NaN, checksum...).
           ExchangeError: transfer failed, or a stream's byte count or CRC-32C
             differs from what was sent.
         """
+        if not 0 <= fragment < len(self.plans):
+            raise ExchangeError(f"contribute: fragment {fragment} of {len(self.plans)}; join first, with the run's config")
+        plan = self.plans[fragment]
         start = self.clock()
         if self.pipeline:
-            self._fetches[(round, island)] = self._open_fetch(round, island)
-        n = self._streams()
+            self._fetches[(fragment, round, island)] = self._open_fetch(round, island, fragment)
+        n = self._streams(fragment)
         header = wire.header_frame(
             pb.PayloadHeader(
-                round=round, island=island, tokens=tokens, layout=self.layout, params_checksum=params_checksum or "",
-                step_seconds=step_seconds or 0.0, streams=n, total_bytes=len(payload),
+                round=round, island=island, tokens=tokens, layout=self.layouts[fragment],
+                params_checksum=params_checksum or "", step_seconds=step_seconds or 0.0, streams=n,
+                total_bytes=len(payload), fragment=fragment,
             )
         )
         arrivals = {}
         if self.link is not None:  # booked in chunk order, so the coordinator can merge in that order
-            for chunk in self.plan:
+            for chunk in plan:
                 frame_bytes = wire.FRAMING_BYTES + chunk.nbytes
                 arrivals[chunk.index] = self.link.arrival("up", chunk.index % n, frame_bytes, now=start)
         encoder = None if isinstance(payload, (bytes, bytearray, memoryview)) else payload
-        if encoder is not None and [c.offset for c in encoder.plan] != [c.offset for c in self.plan]:
+        if encoder is not None and [c.offset for c in encoder.plan] != [c.offset for c in plan]:
             raise ExchangeError(
                 "contribute: the encoder's chunk plan differs from the coordinator's; build it with "
                 "codec.chunk_plan(params, kind, block_size, comm.chunk_bytes) of the run's config"
@@ -275,7 +305,7 @@ class GrpcTransport:
 
         def stream(conn: int):
             yield header
-            for chunk in self.plan[conn::n]:
+            for chunk in plan[conn::n]:
                 if encoder is None:
                     parts = [view[chunk.offset : chunk.offset + chunk.nbytes]]
                 else:  # encoded here, while the chunks before it are on the wire
@@ -294,15 +324,18 @@ class GrpcTransport:
         except grpc.RpcError as e:
             raise _error(e, "contribute", self.address) from None
         for i, reply in enumerate(replies):
-            sent = sum(k.nbytes for k in self.plan[i::n])
+            sent = sum(k.nbytes for k in plan[i::n])
             crc = wire.fold_crc32(crcs[i])
             if reply.bytes_received != sent or reply.crc32 != crc:
                 raise ExchangeError(
                     f"connection {i}: the coordinator took {reply.bytes_received} bytes (CRC of chunk CRCs "
                     f"{reply.crc32:08x}) of the {sent} sent ({crc:08x})"
                 )
-        self._send_span = (start, max(last_frame_out))
-        self.last_stats = SyncStats(bytes_sent=len(header) * n + len(payload) + wire.FRAMING_BYTES * len(self.plan))
+        self._send_spans[(fragment, round)] = (start, max(last_frame_out))
+        self._stats[(fragment, round)] = SyncStats(bytes_sent=len(header) * n + len(payload) + wire.FRAMING_BYTES * len(plan))
+        for key in [k for k in self._stats if k[0] == fragment and k[1] < round - 1]:  # keep the last few
+            self._stats.pop(key, None)
+            self._send_spans.pop(key, None)
         discarded = any(r.discarded for r in replies)
         if discarded:
             logging.warning(
@@ -311,36 +344,38 @@ class GrpcTransport:
             )
         return "discarded" if discarded else "accepted"
 
-    def _streams(self) -> int:
-        """Connections a payload uses: one per chunk, up to `connections`."""
-        return max(1, min(self.connections, len(self.plan)))
+    def _streams(self, fragment: int = 0) -> int:
+        """Connections a payload of `fragment` uses: one per chunk, up to `connections`."""
+        return max(1, min(self.connections, len(self.plans[fragment])))
 
-    def _open_fetch(self, round: int, island: str) -> _Fetch:
-        return _Fetch(self, round, island, "fetch_update", self.plan, self._fetch_update[: self._streams()])
+    def _open_fetch(self, round: int, island: str, fragment: int = 0) -> _Fetch:
+        methods = self._fetch_update[: self._streams(fragment)]
+        return _Fetch(self, round, island, "fetch_update", self.plans[fragment], methods, fragment)
 
-    def fetch_update(self, round: int, island: str) -> bytes:
+    def fetch_update(self, round: int, island: str, fragment: int = 0) -> bytes:
         """The round's update bytes; waits up to `round_timeout` seconds for the merge.
 
         Raises:
           ExchangeError: late, unreachable, or a corrupt stream (CRC-32C).
           StaleRoundError: the round is older than the coordinator's latest (use `fetch_view`).
         """
-        fetch = self._fetches.pop((round, island), None) or self._open_fetch(round, island)
+        fetch = self._fetches.pop((fragment, round, island), None) or self._open_fetch(round, island, fragment)
         header, payload = fetch.result()
         if header.inner_steps:
             self._planned[island] = header.inner_steps
         end = self.clock()
-        send_start, send_end = self._send_span
+        send_start, send_end = self._send_spans.get((fragment, round), (end, end))
         receive_start = fetch.first_receipt if fetch.first_receipt is not None else end
         receiving = max(0.0, end - receive_start)
         sending = max(0.0, send_end - send_start)
         overlapped = max(0.0, min(send_end, end) - max(send_start, receive_start))
         transferring = sending + receiving - overlapped
-        stats = self.last_stats
+        stats = self._stats.setdefault((fragment, round), SyncStats())
         stats.seconds_overlapped = overlapped
         stats.bytes_received = fetch.assembler.wire_bytes
         stats.seconds_sending, stats.seconds_receiving, stats.seconds_transferring = sending, receiving, transferring
         stats.achieved_gbps = (stats.bytes_sent + stats.bytes_received) * 8 / max(transferring, 1e-9) / 1e9
+        self.last_stats = stats
         return payload
 
     def planned_inner_steps(self, island: str) -> int | None:

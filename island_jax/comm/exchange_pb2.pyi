@@ -1,8 +1,8 @@
 from google.protobuf.internal import containers as _containers
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
-from collections.abc import Iterable as _Iterable
-from typing import ClassVar as _ClassVar, Optional as _Optional
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
@@ -19,25 +19,35 @@ class JoinRequest(_message.Message):
     def __init__(self, island: _Optional[str] = ..., fingerprint_json: _Optional[str] = ..., params_checksum: _Optional[str] = ..., round: _Optional[int] = ...) -> None: ...
 
 class JoinReply(_message.Message):
-    __slots__ = ("round", "params_checksum", "payload_bytes", "layout", "view_bytes", "chunk_offsets", "view_chunk_offsets")
+    __slots__ = ("round", "params_checksum", "payload_bytes", "layout", "view_bytes", "view_chunk_offsets", "fragments")
     ROUND_FIELD_NUMBER: _ClassVar[int]
     PARAMS_CHECKSUM_FIELD_NUMBER: _ClassVar[int]
     PAYLOAD_BYTES_FIELD_NUMBER: _ClassVar[int]
     LAYOUT_FIELD_NUMBER: _ClassVar[int]
     VIEW_BYTES_FIELD_NUMBER: _ClassVar[int]
-    CHUNK_OFFSETS_FIELD_NUMBER: _ClassVar[int]
     VIEW_CHUNK_OFFSETS_FIELD_NUMBER: _ClassVar[int]
+    FRAGMENTS_FIELD_NUMBER: _ClassVar[int]
     round: int
     params_checksum: str
     payload_bytes: int
     layout: str
     view_bytes: int
-    chunk_offsets: _containers.RepeatedScalarFieldContainer[int]
     view_chunk_offsets: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, round: _Optional[int] = ..., params_checksum: _Optional[str] = ..., payload_bytes: _Optional[int] = ..., layout: _Optional[str] = ..., view_bytes: _Optional[int] = ..., chunk_offsets: _Optional[_Iterable[int]] = ..., view_chunk_offsets: _Optional[_Iterable[int]] = ...) -> None: ...
+    fragments: _containers.RepeatedCompositeFieldContainer[FragmentPlan]
+    def __init__(self, round: _Optional[int] = ..., params_checksum: _Optional[str] = ..., payload_bytes: _Optional[int] = ..., layout: _Optional[str] = ..., view_bytes: _Optional[int] = ..., view_chunk_offsets: _Optional[_Iterable[int]] = ..., fragments: _Optional[_Iterable[_Union[FragmentPlan, _Mapping]]] = ...) -> None: ...
+
+class FragmentPlan(_message.Message):
+    __slots__ = ("payload_bytes", "layout", "chunk_offsets")
+    PAYLOAD_BYTES_FIELD_NUMBER: _ClassVar[int]
+    LAYOUT_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_OFFSETS_FIELD_NUMBER: _ClassVar[int]
+    payload_bytes: int
+    layout: str
+    chunk_offsets: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, payload_bytes: _Optional[int] = ..., layout: _Optional[str] = ..., chunk_offsets: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class PayloadHeader(_message.Message):
-    __slots__ = ("round", "island", "tokens", "total_bytes", "crc32", "layout", "params_checksum", "step_seconds", "inner_steps", "streams")
+    __slots__ = ("round", "island", "tokens", "total_bytes", "crc32", "layout", "params_checksum", "step_seconds", "inner_steps", "streams", "fragment")
     ROUND_FIELD_NUMBER: _ClassVar[int]
     ISLAND_FIELD_NUMBER: _ClassVar[int]
     TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -48,6 +58,7 @@ class PayloadHeader(_message.Message):
     STEP_SECONDS_FIELD_NUMBER: _ClassVar[int]
     INNER_STEPS_FIELD_NUMBER: _ClassVar[int]
     STREAMS_FIELD_NUMBER: _ClassVar[int]
+    FRAGMENT_FIELD_NUMBER: _ClassVar[int]
     round: int
     island: str
     tokens: int
@@ -58,7 +69,8 @@ class PayloadHeader(_message.Message):
     step_seconds: float
     inner_steps: int
     streams: int
-    def __init__(self, round: _Optional[int] = ..., island: _Optional[str] = ..., tokens: _Optional[int] = ..., total_bytes: _Optional[int] = ..., crc32: _Optional[int] = ..., layout: _Optional[str] = ..., params_checksum: _Optional[str] = ..., step_seconds: _Optional[float] = ..., inner_steps: _Optional[int] = ..., streams: _Optional[int] = ...) -> None: ...
+    fragment: int
+    def __init__(self, round: _Optional[int] = ..., island: _Optional[str] = ..., tokens: _Optional[int] = ..., total_bytes: _Optional[int] = ..., crc32: _Optional[int] = ..., layout: _Optional[str] = ..., params_checksum: _Optional[str] = ..., step_seconds: _Optional[float] = ..., inner_steps: _Optional[int] = ..., streams: _Optional[int] = ..., fragment: _Optional[int] = ...) -> None: ...
 
 class RawFrame(_message.Message):
     __slots__ = ()
@@ -77,13 +89,15 @@ class ContributeReply(_message.Message):
     def __init__(self, round: _Optional[int] = ..., bytes_received: _Optional[int] = ..., crc32: _Optional[int] = ..., discarded: _Optional[bool] = ...) -> None: ...
 
 class FetchRequest(_message.Message):
-    __slots__ = ("round", "island", "connection", "connections")
+    __slots__ = ("round", "island", "connection", "connections", "fragment")
     ROUND_FIELD_NUMBER: _ClassVar[int]
     ISLAND_FIELD_NUMBER: _ClassVar[int]
     CONNECTION_FIELD_NUMBER: _ClassVar[int]
     CONNECTIONS_FIELD_NUMBER: _ClassVar[int]
+    FRAGMENT_FIELD_NUMBER: _ClassVar[int]
     round: int
     island: str
     connection: int
     connections: int
-    def __init__(self, round: _Optional[int] = ..., island: _Optional[str] = ..., connection: _Optional[int] = ..., connections: _Optional[int] = ...) -> None: ...
+    fragment: int
+    def __init__(self, round: _Optional[int] = ..., island: _Optional[str] = ..., connection: _Optional[int] = ..., connections: _Optional[int] = ..., fragment: _Optional[int] = ...) -> None: ...

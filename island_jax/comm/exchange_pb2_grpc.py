@@ -67,7 +67,7 @@ class ExchangeServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Contribute(self, request_iterator, context):
-        """One island's encoded pseudo-gradient for one round.
+        """One island's encoded pseudo-gradient of one fragment for one round.
         One stream per connection; chunk k travels on connection k % streams.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)

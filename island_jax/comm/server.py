@@ -33,6 +33,7 @@ from island_jax.comm import wire
 from island_jax.coordinator import (
     ContributionError,
     Coordinator,
+    FragmentedCoordinator,
     HandshakeError,
     StaleRoundError,
 )
@@ -66,7 +67,8 @@ class ExchangeService:
     """Serves one coordinator to the islands.
 
     Args:
-      coordinator: the run's coordinator (no gRPC knowledge of its own).
+      coordinator: the run's `FragmentedCoordinator` (no gRPC knowledge of its
+        own); a single `Coordinator` is served as one fragment.
       chunk_bytes: `comm.chunk_bytes`.
 
     Attributes:
@@ -76,25 +78,28 @@ class ExchangeService:
       wire_bytes: {island: {"received", "sent"}}, frame bytes per island.
     """
 
-    def __init__(self, coordinator: Coordinator, chunk_bytes: int):
+    def __init__(self, coordinator: FragmentedCoordinator | Coordinator, chunk_bytes: int):
+        if not isinstance(coordinator, FragmentedCoordinator):
+            coordinator = FragmentedCoordinator.wrap(coordinator)
         self.coordinator = c = coordinator
         self.chunk_bytes = chunk_bytes
-        self.payload_bytes = c.payload_bytes
-        self.layout = codec.layout(c.view, c.kind, c.block_size)
-        self.view_plan = codec.chunk_plan(c.view, "none", c.block_size, chunk_bytes)
-        self.view_bytes = codec.payload_bytes(c.view, "none", c.block_size)
+        self.layouts = [codec.layout(f.view, f.kind, f.block_size) for f in c.fragments]
+        self.payload_bytes = sum(f.payload_bytes for f in c.fragments)  # one round of every fragment
+        first = c.fragments[0]
+        self.view_plan = codec.chunk_plan(c.view, "none", first.block_size, chunk_bytes)
+        self.view_bytes = codec.payload_bytes(c.view, "none", first.block_size)
         self.lock = threading.Condition()
-        self.fetched: dict[int, set[str]] = {}  # round -> islands that received its whole update
+        self.fetched: dict[tuple[int, int], set[str]] = {}  # (fragment, round) -> islands that received its update
         self.wire_bytes = {name: dict(received=0, sent=0) for name in c.islands}
-        self._open: dict[tuple[int, str], dict] = {}  # (round, island) -> streams of an open contribution
+        self._open: dict[tuple[int, int, str], dict] = {}  # (fragment, round, island) -> streams of a contribution
         self._worker = futures.ThreadPoolExecutor(max_workers=4, thread_name_prefix="coordinator")
         # Reads (update chunks, trailers) never queue behind the chunks waiting to merge.
         self._reader = futures.ThreadPoolExecutor(max_workers=2, thread_name_prefix="coordinator-read")
         self.loop: asyncio.AbstractEventLoop | None = None
         self._changed: asyncio.Event | None = None
         self._version = 0  # counts changes; update streams wait for the next one
-        self._streams_done: dict[tuple[int, str], set[int]] = {}
-        self._update_crc = (-1, 0)  # (round, CRC-32C of its update's chunk CRC-32Cs)
+        self._streams_done: dict[tuple[int, int, str], set[int]] = {}
+        self._update_crc: dict[int, tuple[int, int]] = {}  # fragment -> (round, CRC-32C of its update's chunk CRCs)
 
     # -- helpers -----------------------------------------------------------------------------------------
 
@@ -148,38 +153,56 @@ class ExchangeService:
             )
         except HandshakeError as e:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"HandshakeError: {e}")
+        c = self.coordinator
         return pb.JoinReply(
-            round=reply["round"], params_checksum=reply["checksum"], payload_bytes=self.payload_bytes, layout=self.layout,
-            view_bytes=self.view_bytes, chunk_offsets=[k.offset for k in self.coordinator.plan],
+            round=reply["round"], params_checksum=reply["checksum"], payload_bytes=self.payload_bytes,
+            layout=codec.layout(c.view, c.fragments[0].kind, c.fragments[0].block_size), view_bytes=self.view_bytes,
             view_chunk_offsets=[k.offset for k in self.view_plan],
+            fragments=[
+                pb.FragmentPlan(payload_bytes=f.payload_bytes, layout=layout, chunk_offsets=[k.offset for k in f.plan])
+                for f, layout in zip(c.fragments, self.layouts)
+            ],
         )
 
     def _begin(self, header: pb.PayloadHeader) -> dict:
-        key = (header.round, header.island)
+        key = (header.fragment, header.round, header.island)
         entry = self._open.get(key)
         if entry is None:
-            status = self.coordinator.begin_contribution(
+            c = self.coordinator.fragments[header.fragment]
+            status = c.begin_contribution(
                 header.round, header.island, header.tokens, header.params_checksum or None, header.step_seconds or None
             )
             entry = self._open[key] = dict(status=status, streams=max(header.streams, 1), ended=0)
-            for old in [k for k in self._open if k[0] < self.coordinator.round - 1]:
+            for old in [k for k in self._open if k[0] == header.fragment and k[1] < c.round - 1]:
                 del self._open[old]
         return entry
 
     def _add_chunks(self, header: pb.PayloadHeader, chunks: list) -> None:
+        c = self.coordinator.fragments[header.fragment]
         for index, data in chunks:
-            self.coordinator.add_chunk(header.round, header.island, index, data)
+            c.add_chunk(header.round, header.island, index, data)
 
     def _end(self, header: pb.PayloadHeader, entry: dict) -> str:
         entry["ended"] += 1
         if entry["status"] == "discarded" or entry["ended"] < entry["streams"]:
             return entry["status"]
-        return self.coordinator.end_contribution(header.round, header.island)
+        return self.coordinator.fragments[header.fragment].end_contribution(header.round, header.island)
 
     def _abandon(self, header: pb.PayloadHeader, reason: str) -> None:
-        self._open.pop((header.round, header.island), None)
-        if header.round == self.coordinator.round:
-            self.coordinator.abandon(header.island, reason)
+        self._open.pop((header.fragment, header.round, header.island), None)
+        c = self.coordinator.fragments[header.fragment]
+        if header.round == c.round:
+            c.abandon(header.island, reason)
+
+    def _fragment(self, fragment: int, what: str) -> Coordinator:
+        """The coordinator of `fragment`; WireError (INVALID_ARGUMENT) for one this run does not have."""
+        if not 0 <= fragment < len(self.coordinator.fragments):
+            raise wire.WireError(
+                f"{what} names fragment {fragment}, but this run has {len(self.coordinator.fragments)} "
+                "(outer.fragments); run every role with the same config",
+                code="INVALID_ARGUMENT",
+            )
+        return self.coordinator.fragments[fragment]
 
     async def Contribute(self, request_iterator, context) -> pb.ContributeReply:
         header, entry, received, crcs = None, None, 0, []
@@ -187,7 +210,7 @@ class ExchangeService:
         # the stream keeps reading while they merge and pays one thread hop per batch.
         queued: list = []
         taking: asyncio.Future | None = None  # the batch the coordinator is taking
-        c = self.coordinator
+        c = None
         try:
             async for frame in request_iterator:
                 kind, value = wire.parse(frame)
@@ -195,16 +218,18 @@ class ExchangeService:
                     if kind != wire.HEADER:
                         raise wire.WireError("a contribution stream must start with its header frame")
                     header = value
-                    if header.total_bytes != self.payload_bytes:
+                    c = self._fragment(header.fragment, f"island {header.island!r}'s contribution")
+                    if header.total_bytes != c.payload_bytes:
                         raise wire.WireError(
                             f"payload of {header.total_bytes} bytes from island {header.island!r}, round "
-                            f"{header.round}, but this round expects {self.payload_bytes} bytes; the island's model or "
-                            "codec differs from the coordinator's"
+                            f"{header.round}, fragment {header.fragment}, but it should be {c.payload_bytes} bytes; "
+                            "the island's model or codec differs from the coordinator's"
                         )
-                    if header.layout != self.layout:
+                    if header.layout != self.layouts[header.fragment]:
                         raise wire.WireError(
                             f"island {header.island!r} encoded round {header.round} for payload layout {header.layout}, "
-                            f"but the coordinator expects {self.layout} (leaf shapes, codec, block size differ); refused"
+                            f"but the coordinator expects {self.layouts[header.fragment]} (leaf shapes, codec, block "
+                            "size differ); refused"
                         )
                     entry = await self._call(self._begin, header)
                     continue
@@ -214,7 +239,7 @@ class ExchangeService:
                 if not 0 <= index < len(c.plan) or c.plan[index].offset != offset or c.plan[index].nbytes != len(data):
                     raise wire.WireError(
                         f"chunk {index} at offset {offset} with {len(data)} bytes does not fit this round's payload of "
-                        f"{self.payload_bytes} bytes in {len(c.plan)} chunks; the island's model, codec or "
+                        f"{c.payload_bytes} bytes in {len(c.plan)} chunks; the island's model, codec or "
                         "comm.chunk_bytes differs from the coordinator's"
                     )
                 if wire.crc32(data) != crc:
@@ -245,7 +270,7 @@ class ExchangeService:
             status = await self._call(self._end, header, entry)
         except wire.WireError as e:
             await _settle(taking)
-            if header is not None:
+            if header is not None and c is not None:
                 await self._call(self._abandon, header, str(e))
             await context.abort(grpc.StatusCode[e.code], f"WireError: {e}")
         except ContributionError as e:
@@ -258,7 +283,10 @@ class ExchangeService:
         )
 
     async def FetchUpdate(self, request: pb.FetchRequest, context):
-        c = self.coordinator
+        try:
+            c = self._fragment(request.fragment, f"island {request.island!r}'s update request")
+        except wire.WireError as e:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"WireError: {e}")
         connection, connections = request.connection, max(request.connections, 1)
         sent_chunks: set[int] = set()
         generation, sent = None, 0
@@ -291,21 +319,22 @@ class ExchangeService:
         with self.lock:
             if request.island in self.wire_bytes:
                 self.wire_bytes[request.island]["sent"] += sent
-            done = self._streams_done.setdefault((request.round, request.island), set())
+            done = self._streams_done.setdefault((request.fragment, request.round, request.island), set())
             done.add(connection)
             if len(done) == connections:
-                self.fetched.setdefault(request.round, set()).add(request.island)
+                self.fetched.setdefault((request.fragment, request.round), set()).add(request.island)
             self.notify()
 
     def _update_trailer(self, request: pb.FetchRequest) -> bytes:
-        c = self.coordinator
-        _, chunks, _ = c.update_chunks(request.round)
-        if self._update_crc[0] != request.round:
-            self._update_crc = (request.round, wire.fold_crc32(wire.crc32(chunks[k]) for k in range(len(chunks))))
+        _, chunks, _ = self.coordinator.fragments[request.fragment].update_chunks(request.round)
+        known = self._update_crc.get(request.fragment)
+        if known is None or known[0] != request.round:
+            known = (request.round, wire.fold_crc32(wire.crc32(chunks[k]) for k in range(len(chunks))))
+            self._update_crc[request.fragment] = known
         header = pb.PayloadHeader(
-            round=request.round, island=request.island, layout=self.layout,
-            inner_steps=c.planned_inner_steps(request.island) or 0, total_bytes=sum(len(x) for x in chunks.values()),
-            crc32=self._update_crc[1],
+            round=request.round, island=request.island, layout=self.layouts[request.fragment],
+            inner_steps=self.coordinator.planned_inner_steps(request.island) or 0,
+            total_bytes=sum(len(x) for x in chunks.values()), crc32=known[1], fragment=request.fragment,
         )
         return wire.trailer_frame(header)
 
@@ -323,10 +352,12 @@ class ExchangeService:
         )
 
     def wait_until_fetched(self, round: int, islands=None, timeout: float | None = None) -> bool:
-        """Blocks until `islands` (default: all) have received the whole update of `round`; False on timeout."""
+        """Blocks until `islands` (default: all) have received the whole update of `round` of every
+        fragment; False on timeout (seconds)."""
         islands = set(self.coordinator.islands if islands is None else islands)
+        keys = [(f, round) for f in range(len(self.coordinator.fragments))]
         with self.lock:
-            return self.lock.wait_for(lambda: self.fetched.get(round, set()) >= islands, timeout=timeout)
+            return self.lock.wait_for(lambda: all(self.fetched.get(k, set()) >= islands for k in keys), timeout=timeout)
 
     # -- registration ------------------------------------------------------------------------------------
 
@@ -401,7 +432,7 @@ class ExchangeServer:
         self.service._reader.shutdown(wait=False)
 
 
-def serve(coordinator: Coordinator, address: str, chunk_bytes: int) -> tuple[ExchangeServer, ExchangeService, int]:
+def serve(coordinator: FragmentedCoordinator | Coordinator, address: str, chunk_bytes: int) -> tuple[ExchangeServer, ExchangeService, int]:
     """Starts the exchange and health services on `address` ("HOST:PORT"; port 0 picks a free one).
 
     Returns:
