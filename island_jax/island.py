@@ -11,6 +11,7 @@ across rounds, as DiLoCo does.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import time
 from typing import Sequence
@@ -29,6 +30,7 @@ from island_jax.mesh import island_mesh
 from island_jax.models.moe import BATCH_AXES, check_dispatch
 from island_jax.models.transformer import aggregate_stats, update_routing_biases
 from island_jax.outer import codec
+from island_jax.outer import fragments as fragments_lib
 from island_jax.params import checksum
 from island_jax.planning import plan_inner_steps
 
@@ -136,7 +138,7 @@ class Island:
         )
         self._batch_sharding = NamedSharding(self.mesh, P(BATCH_AXES))
         self.global_params = params  # host copy of the global view (NumPy): the anchor
-        self.global_checksum = checksum(params)
+        self._global_checksum: str | None = None
         self.dataset = data_lib.train_dataset(train_bytes, self.seq_len, cfg.batch_size, config.seed)
         self.step = 0  # inner steps taken: also the data position
         self.tokens_per_step = cfg.batch_size * self.seq_len
@@ -162,6 +164,24 @@ class Island:
         c = config.codec
         self.plan = codec.chunk_plan(params, c.kind, c.block_size, config.comm.chunk_bytes)
         self._encoder: codec.ChunkEncoder | None = None
+        # Streaming DiLoCo's fragments: leaf indices (jax.tree.leaves order) and each one's chunk plan.
+        self._treedef = jax.tree.structure(params)
+        self.partition = fragments_lib.partition(fragments_lib.leaf_bytes(params), config.outer.fragments)
+        leaves = jax.tree.leaves(params)
+        self.fragment_plans = [
+            codec.chunk_plan([leaves[i] for i in idx], c.kind, c.block_size, config.comm.chunk_bytes)
+            for idx in self.partition
+        ]
+        self._leaf_shardings = jax.tree.leaves(self._param_sharding)
+        self._fragment_encoders: dict[int, codec.ChunkEncoder] = {}
+        self.device_lock = contextlib.nullcontext()  # held around device work when islands share a process
+
+        def mix(local, global_, alpha):
+            return [(alpha * l.astype(jnp.float32) + (1.0 - alpha) * g.astype(jnp.float32)).astype(l.dtype)
+                    for l, g in zip(local, global_)]
+
+        self._pseudo_gradient_list = jax.jit(pseudo_gradient)
+        self._mix = jax.jit(mix)
 
     def _build_train_step(self, total_steps: int) -> None:
         """The inner optimizer for `total_steps` steps in all, and the jitted step that uses it."""
@@ -201,7 +221,7 @@ class Island:
             jax.device_put(windows[:, 1:], self._batch_sharding),
         )
 
-    def train_round(self, num_steps: int | None = None) -> dict:
+    def train_round(self, num_steps: int | None = None, after_step=None) -> dict:
         """Runs one round of inner steps from the current parameters.
 
         The round is `num_steps` steps when given; otherwise the planned H
@@ -209,14 +229,18 @@ class Island:
         `outer.round_seconds` of wall clock (`outer.sync = "time"`, at least
         one). With `islands.NAME.simulated_speed` s < 1 the island sleeps
         (1/s - 1) x each step's time after it, standing for slower hardware;
-        the sleep counts as compute.
+        the sleep counts as compute. `after_step(steps_done, elapsed_seconds,
+        step_seconds)`, when given, is called after every step (sleep included)
+        on this thread: Streaming DiLoCo contributes and applies fragments there
+        (island_jax/streaming.py).
 
         Returns:
           dict with `steps`, `tokens` (processed this round), `seconds` (wall,
           sleeps included), `busy_seconds` (steps only), `step_seconds` (the
           median step, sleep included: robust to the first step's compilation), per-step lists of the
           STEP_METRICS scalars, `layers` (per step, the LAYER_METRICS arrays per
-          MoE layer), and `expert_load` of the last step [num_moe_layers, E].
+          MoE layer), `expert_load` of the last step [num_moe_layers, E], and
+          `step_times` (each step's seconds, sleep included).
         """
         budget = None
         if num_steps is None and self.config.outer.sync == "time":
@@ -231,12 +255,13 @@ class Island:
             ):
                 step_start = time.perf_counter()
                 inputs, targets = self._batch(self.dataset[self.step])
-                self.params, self.opt_state, metrics = self._train_step(
-                    self.params, self.opt_state, inputs, targets, self.step
-                )
-                # One step in flight at a time: XLA:CPU's in-process collectives can
-                # deadlock when consecutive steps' all-to-alls interleave across devices.
-                jax.block_until_ready(metrics)
+                with self.device_lock:
+                    self.params, self.opt_state, metrics = self._train_step(
+                        self.params, self.opt_state, inputs, targets, self.step
+                    )
+                    # One step in flight at a time: XLA:CPU's in-process collectives can
+                    # deadlock when consecutive steps' all-to-alls interleave across devices.
+                    jax.block_until_ready(metrics)
                 step_seconds = time.perf_counter() - step_start
                 busy += step_seconds
                 step_times.append(step_seconds * (1.0 + slowdown))  # what the step costs, sleep included
@@ -244,6 +269,8 @@ class Island:
                     time.sleep(step_seconds * slowdown)
                 history.append(metrics)
                 self.step += 1
+                if after_step is not None:
+                    after_step(len(history), time.perf_counter() - start, step_times[-1])
             history = jax.device_get(history)
         seconds = time.perf_counter() - start
         out = {k: [float(m[k]) for m in history] for k in STEP_METRICS}
@@ -255,6 +282,7 @@ class Island:
             busy_seconds=busy,
             step_seconds=float(np.median(step_times)) if step_times else 0.0,
             expert_load=out["layers"][-1]["expert_load"] if history else None,
+            step_times=step_times,
         )
         return out
 
@@ -280,6 +308,92 @@ class Island:
         """||sent - intended|| / ||intended|| of the last pseudo-gradient sent (0 before the first)."""
         return self._encoder.relative_error if self._encoder is not None else 0.0
 
+    @property
+    def global_checksum(self) -> str:
+        """`params.checksum` of the global parameters (the anchors), computed when first asked for."""
+        if self._global_checksum is None:
+            self._global_checksum = checksum(self.global_params)
+        return self._global_checksum
+
+    # -- fragments (Streaming DiLoCo) ------------------------------------------------------------------
+
+    def _global_leaves(self, fragment: int) -> list[np.ndarray]:
+        leaves = jax.tree.leaves(self.global_params)
+        return [leaves[i] for i in self.partition[fragment]]
+
+    def fragment_pseudo_gradient(self, fragment: int) -> list[jax.Array]:
+        """anchor - params (float32) over the fragment's leaves, on the island's devices.
+
+        Runs on the calling (training) thread and waits for the result, so the
+        next inner step may take (donate) the parameters.
+        """
+        idx = self.partition[fragment]
+        anchor, params = jax.tree.leaves(self.anchor), jax.tree.leaves(self.params)
+        with self.device_lock, jax.set_mesh(self.mesh):
+            pg = self._pseudo_gradient_list([anchor[i] for i in idx], [params[i] for i in idx])
+            return jax.block_until_ready(pg)
+
+    def encode_fragment(self, fragment: int, pseudo_gradient: list) -> codec.ChunkEncoder:
+        """The fragment's pseudo-gradient for the wire (`codec.ChunkEncoder` over `fragment_plans[fragment]`).
+
+        Safe on a background thread. With `codec.error_feedback` the fragment's
+        residual leaves are read and updated in place.
+        """
+        c = self.config.codec
+        residual = None
+        if c.error_feedback:
+            leaves = jax.tree.leaves(self.residual)
+            residual = [leaves[i] for i in self.partition[fragment]]
+        encoder = codec.ChunkEncoder(
+            pseudo_gradient, c.kind, c.block_size, self.fragment_plans[fragment], residual, measure=True
+        )
+        self._fragment_encoders[fragment] = encoder
+        return encoder
+
+    def fragment_checksum(self, fragment: int) -> str:
+        """`params.checksum` of the fragment's global leaves (a list): what its contribution carries."""
+        return checksum(self._global_leaves(fragment))
+
+    def decode_fragment(self, fragment: int, payload: bytes) -> list[np.ndarray]:
+        """The fragment's new global leaves: its update applied with `codec.decode_and_apply` (host NumPy).
+
+        Safe on a background thread (reads only this fragment's global leaves).
+
+        Raises:
+          CodecError: if the payload does not fit the fragment.
+        """
+        c = self.config.codec
+        return codec.decode_and_apply(self._global_leaves(fragment), payload, c.kind, c.block_size)
+
+    def apply_fragment(self, fragment: int, global_leaves: list[np.ndarray], mix_alpha: float | None = None) -> None:
+        """Takes a fragment's new global leaves: they become its anchor, and its parameters become
+        `mix_alpha` x local + (1 - mix_alpha) x global (Streaming DiLoCo's mixing), or exactly the
+        global values when `mix_alpha` is None (no overlap)."""
+        idx = self.partition[fragment]
+        host = jax.tree.leaves(self.global_params)
+        for i, leaf in zip(idx, global_leaves):
+            host[i] = leaf
+        self.global_params = jax.tree.unflatten(self._treedef, host)
+        self._global_checksum = None
+        shardings = [self._leaf_shardings[i] for i in idx]
+        anchor, params = jax.tree.leaves(self.anchor), jax.tree.leaves(self.params)
+        with self.device_lock, jax.set_mesh(self.mesh):
+            new_anchor = jax.device_put(list(global_leaves), shardings)
+            if mix_alpha is None:
+                new_params = jax.device_put(list(global_leaves), shardings)
+            else:
+                new_params = self._mix([params[i] for i in idx], new_anchor, np.float32(mix_alpha))
+            for k, i in enumerate(idx):
+                anchor[i], params[i] = new_anchor[k], new_params[k]
+            self.anchor = jax.tree.unflatten(self._treedef, anchor)
+            self.params = jax.tree.unflatten(self._treedef, params)
+            jax.block_until_ready(self.params)
+
+    def fragment_codec_relative_error(self, fragment: int) -> float:
+        """||sent - intended|| / ||intended|| of the fragment's last payload (0 before the first)."""
+        encoder = self._fragment_encoders.get(fragment)
+        return encoder.relative_error if encoder is not None else 0.0
+
     def apply_update(self, payload: bytes) -> None:
         """Applies the coordinator's update to the global view; it becomes anchor and params.
 
@@ -300,7 +414,7 @@ class Island:
 
     def _set_global(self, global_params: dict) -> None:
         self.global_params = global_params
-        self.global_checksum = checksum(global_params)
+        self._global_checksum = None
         with jax.set_mesh(self.mesh):
             self.params = self._place(global_params)
             self.anchor = self._place(global_params)
@@ -322,7 +436,7 @@ class Island:
         """Continues from a checkpointed `state()`; returns its round (completed rounds)."""
         opt_sharding = jax.tree.map(lambda x: x.sharding, self.opt_state)
         self.global_params = state["anchor"]
-        self.global_checksum = checksum(self.global_params)
+        self._global_checksum = None
         with jax.set_mesh(self.mesh):
             self.params = self._place(state["params"])
             self.anchor = self._place(state["anchor"])
@@ -335,9 +449,12 @@ class Island:
         """Checksum of the parameters on the island's devices (gathered to the host)."""
         return checksum(jax.device_get(self.params))
 
-    def evaluate(self, batches: Sequence[np.ndarray]) -> float:
-        """Mean cross-entropy (nats per byte) of the current parameters over fixed batches."""
-        with jax.set_mesh(self.mesh):
+    def evaluate(self, batches: Sequence[np.ndarray], global_params: bool = False) -> float:
+        """Mean cross-entropy (nats per byte) over fixed batches, of the island's parameters or (with
+        `global_params`) of the global ones, its anchors (the same once every update is applied without
+        overlap)."""
+        params = self.anchor if global_params else self.params
+        with self.device_lock, jax.set_mesh(self.mesh):
             # One batch in flight at a time, as in train_round (XLA:CPU rendezvous).
-            losses = [float(self._eval_step(self.params, *self._batch(b))) for b in batches]
+            losses = [float(self._eval_step(params, *self._batch(b))) for b in batches]
             return float(np.mean(np.asarray(losses, np.float32)))

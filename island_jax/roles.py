@@ -35,10 +35,12 @@ from island_jax.checkpoint import Checkpointer
 from island_jax.comm.client import GrpcTransport
 from island_jax.comm.link import LinkEmulator
 from island_jax.comm.server import serve
-from island_jax.coordinator import Coordinator, StaleRoundError
+from island_jax.coordinator import FragmentedCoordinator
 from island_jax.island import STEP_METRICS, Island
 from island_jax.metrics import MetricsWriter, format_eta, read_jsonl, write_json
 from island_jax.params import checksum, count, init_params
+from island_jax.plots import plot_timeline
+from island_jax.streaming import EventLog, StreamingSync
 
 
 def coordinator_dir(workdir: str) -> str:
@@ -91,7 +93,7 @@ def run_coordinator(config: ml_collections.ConfigDict, workdir: str, address: st
     checkpoints, metrics = _open_role(config, folder)
     names, rounds = list(config.islands.keys()), config.outer.rounds
     _, params, _ = init_params(config)
-    coordinator = Coordinator(config, params, names)
+    coordinator = FragmentedCoordinator(config, params, names)
     if checkpoints.latest_round() is not None:
         coordinator.load_state(checkpoints.restore(coordinator.state()))
         logging.info("resumed from the checkpoint of round %d (view checksum %s)", coordinator.round, coordinator.checksum)
@@ -107,52 +109,63 @@ def run_coordinator(config: ml_collections.ConfigDict, workdir: str, address: st
     last = time.perf_counter()
     try:
         for r in range(first, rounds):
-            with service.lock:
-                deadline = time.monotonic() + config.comm.round_timeout_seconds
-                while coordinator.round <= r and time.monotonic() < deadline:
-                    if coordinator.poll():  # closes the round once a quorum's grace window has passed
-                        service.notify()
-                    else:
-                        service.lock.wait(timeout=0.5)
-                if coordinator.round <= r:
-                    raise TimeoutError(
-                        f"round {r + 1} was not merged within comm.round_timeout_seconds="
-                        f"{config.comm.round_timeout_seconds}; contributions came from "
-                        f"{sorted(coordinator._pending)} of {names}"
+            for p, fragment in enumerate(coordinator.fragments):
+                with service.lock:
+                    deadline = time.monotonic() + config.comm.round_timeout_seconds
+                    while fragment.round <= r and time.monotonic() < deadline:
+                        if coordinator.poll():  # closes a round once a quorum's grace window has passed
+                            service.notify()
+                        else:
+                            service.lock.wait(timeout=0.5)
+                    if fragment.round <= r:
+                        raise TimeoutError(
+                            f"round {r + 1} of fragment {p} was not merged within comm.round_timeout_seconds="
+                            f"{config.comm.round_timeout_seconds}; contributions came from "
+                            f"{sorted(fragment._pending)} of {names}"
+                        )
+                    rec = next(h for h in reversed(fragment.history) if h.round == r)
+                    received = {k: v["received"] for k, v in service.wire_bytes.items()}
+                    view_checksum = rec.checksum
+                now = time.perf_counter()
+                metrics.write(
+                    dict(
+                        kind="round",
+                        round=r + 1,
+                        fragment=p,
+                        contributors=rec.contributors,
+                        tokens=rec.tokens,
+                        weights=rec.weights,
+                        pseudo_gradient_norm=rec.pseudo_gradient_norm,
+                        cosine_similarity=rec.cosine_similarity,
+                        update_bytes=rec.update_bytes,
+                        update_codec_relative_error=rec.update_codec_relative_error,
+                        wire_bytes_received=received,
+                        checksum=view_checksum,
+                        seconds=now - last,
                     )
-                rec, state = coordinator.history[-1], coordinator.state()
-                received = {k: v["received"] for k, v in service.wire_bytes.items()}
-            now = time.perf_counter()
-            metrics.write(
-                dict(
-                    kind="round",
-                    round=r + 1,
-                    contributors=rec.contributors,
-                    tokens=rec.tokens,
-                    weights=rec.weights,
-                    pseudo_gradient_norm=rec.pseudo_gradient_norm,
-                    cosine_similarity=rec.cosine_similarity,
-                    update_bytes=rec.update_bytes,
-                    update_codec_relative_error=rec.update_codec_relative_error,
-                    wire_bytes_received=received,
-                    checksum=rec.checksum,
-                    seconds=now - last,
                 )
-            )
-            last = now
-            if checkpoints.save(r + 1, state, force=r + 1 == rounds):
-                # What the checkpoint holds, so a restore can be checked bit for bit.
-                metrics.write(dict(kind="checkpoint", round=r + 1, checksums={k: checksum(v) for k, v in state.items()}))
-            logging.info(
-                "round %d/%d merged | weights %s | pseudo-gradient norms %s | cosine %s",
-                r + 1, rounds,
-                " ".join(f"{k}={v:.3f}" for k, v in rec.weights.items()),
-                " ".join(f"{k}={v:.4f}" for k, v in rec.pseudo_gradient_norm.items()),
-                " ".join(f"{k}={v:.3f}" for k, v in rec.cosine_similarity.items()) or "-",
-            )
+                last = now
+                logging.info(
+                    "round %d/%d%s merged | weights %s | pseudo-gradient norms %s | cosine %s",
+                    r + 1, rounds, f" fragment {p}" if len(coordinator) > 1 else "",
+                    " ".join(f"{k}={v:.3f}" for k, v in rec.weights.items()),
+                    " ".join(f"{k}={v:.4f}" for k, v in rec.pseudo_gradient_norm.items()),
+                    " ".join(f"{k}={v:.3f}" for k, v in rec.cosine_similarity.items()) or "-",
+                )
+            if (r + 1) % config.checkpoint.every_rounds == 0 or r + 1 == rounds:
+                with service.lock:
+                    # Islands apply every update of a checkpoint round before they contribute again,
+                    # so no fragment has moved on yet.
+                    state = coordinator.state() if coordinator.round == r + 1 == max(
+                        f.round for f in coordinator.fragments) else None
+                if state is None:
+                    logging.warning("round %d: a fragment moved on before the checkpoint; not saved", r + 1)
+                elif checkpoints.save(r + 1, state, force=r + 1 == rounds):
+                    # What the checkpoint holds, so a restore can be checked bit for bit.
+                    metrics.write(dict(kind="checkpoint", round=r + 1, checksums=_state_checksums(state)))
         # Every island that contributed to the last round receives its update (a quorum may have left some out).
-        last = coordinator.history[-1].contributors
-        if not service.wait_until_fetched(rounds - 1, last, timeout=config.comm.round_timeout_seconds):
+        last = [n for f in coordinator.fragments for n in f.history[-1].contributors]
+        if not service.wait_until_fetched(rounds - 1, set(last), timeout=config.comm.round_timeout_seconds):
             raise TimeoutError(f"not every island fetched the update of round {rounds} in time")
     finally:
         server.stop(grace=5.0)
@@ -241,13 +254,17 @@ def run_island(config: ml_collections.ConfigDict, workdir: str, name: str, addre
             metrics.write(dict(kind="eval", round=0, eval_loss=eval_loss))
         logging.info("round %d: eval loss %.4f nats/byte", first, eval_loss)
     timed_start = None
+    events = EventLog(os.path.join(folder, "events.jsonl"), name)
+    sync = StreamingSync(island, transport, config, first, link=link, events=events)
     try:
         r = first  # the round being trained (0-based)
         while r < rounds:
             if cfg.crash_at_round == r + 1:
                 raise RuntimeError(f"island {name} crashes at round {r + 1} on purpose (islands.{name}.crash_at_round)")
-            step0, anchor_checksum = island.step, island.global_checksum
-            result = island.train_round()
+            step0 = island.step
+            checkpoint_due = (r + 1) % config.checkpoint.every_rounds == 0 or r + 1 == rounds
+            # A checkpoint holds no exchange in flight: every update of the round is applied first.
+            result = sync.run_round(r, drain=checkpoint_due)
             for j in range(result["steps"]):
                 metrics.write(
                     dict(
@@ -259,67 +276,50 @@ def run_island(config: ml_collections.ConfigDict, workdir: str, name: str, addre
                         tokens_per_second=result["tokens"] / result["seconds"],
                     )
                 )
-            exchange_start = time.perf_counter()
-            payload = island.encode_pseudo_gradient()
-            contribution = transport.contribute(
-                r, name, result["tokens"], payload, anchor_checksum, result["step_seconds"]
-            )
-            try:
-                island.apply_update(transport.fetch_update(r, name))
-                planned = transport.planned_inner_steps(name)
-                if planned and planned != island.inner_steps:  # outer.auto_from = measured, after round 0
-                    logging.info("island %s: %d inner steps per round from round %d on", name, planned, r + 2)
-                    island.set_inner_steps(planned, rounds - r - 1)
-            except StaleRoundError:  # more than a round behind: rejoin from the view, sent whole
-                view_round, view = transport.fetch_view(name)
-                island.load_view(view)
-                logging.warning("island %s fell behind to round %d; rejoined from the view at round %d", name, r, view_round)
-                r = view_round - 1  # the rounds completed are now view_round
-            seconds_blocked = time.perf_counter() - exchange_start
+            if sync.rejoined_round is not None:  # more than a round behind: rejoined from the view
+                r, sync.rejoined_round = sync.rejoined_round - 1, None  # the rounds completed are now the view's
             record = dict(
                 kind="round",
                 round=r + 1,
                 inner_steps=result["steps"],
-                contribution=contribution,
                 train_loss=float(np.mean(result["cross_entropy"])),
                 tokens=result["tokens"],
-                compute_seconds=result["seconds"],
                 busy_seconds=result["busy_seconds"],
                 step_seconds=result["step_seconds"],
-                seconds_blocked=seconds_blocked,
-                bytes_sent=transport.last_bytes_sent,
-                bytes_received=transport.last_bytes_received,
-                seconds_transferring=transport.last_stats.seconds_transferring,
-                seconds_sending=transport.last_stats.seconds_sending,
-                seconds_receiving=transport.last_stats.seconds_receiving,
-                achieved_gbps=transport.last_stats.achieved_gbps,
-                payload_bytes=len(payload),
-                codec_relative_error=island.codec_relative_error,
+                **{k: result[k] for k in _ROUND_FIELDS},
+                achieved_gbps=(result["bytes_sent"] + result["bytes_received"]) * 8 / result["seconds_transferring"] / 1e9
+                if result["seconds_transferring"] else 0.0,
                 checksum=island.global_checksum,
                 expert_load=result["expert_load"],
             )
             if evaluator and ((r + 1) % config.eval.every_rounds == 0 or r + 1 == rounds):
-                eval_loss = island.evaluate(eval_batches)
+                eval_loss = island.evaluate(eval_batches, global_params=True)
                 metrics.write(dict(kind="eval", round=r + 1, eval_loss=eval_loss))
                 record["eval_loss"] = eval_loss
             metrics.write(record)
-            state = island.state(r + 1)
-            if checkpoints.save(r + 1, state, force=r + 1 == rounds):
-                metrics.write(
-                    dict(kind="checkpoint", round=r + 1, checksums={k: checksum(jax.device_get(v)) for k, v in state.items()})
-                )
+            if checkpoint_due:
+                state = island.state(r + 1)
+                if checkpoints.save(r + 1, state, force=r + 1 == rounds):
+                    metrics.write(
+                        dict(kind="checkpoint", round=r + 1, checksums={k: checksum(jax.device_get(v)) for k, v in state.items()})
+                    )
             eta = "after round 2"
             if timed_start is not None:
                 eta = format_eta((time.perf_counter() - timed_start) / max(r - first, 1) * (rounds - r - 1))
             logging.info(
-                "round %d/%d | loss %.4f | eval %s | sent/received %.2f/%.2f MB | compute %.1f s, blocked %.1f s | ETA %s",
+                "round %d/%d | loss %.4f | eval %s | sent/received %.2f/%.2f MB | compute %.1f s, blocked %.1f s, "
+                "idle %.1f s | utilization %.3f | tau %d | ETA %s",
                 r + 1, rounds, record["train_loss"], f"{eval_loss:.4f}" if eval_loss is not None else "-",
-                record["bytes_sent"] / 1e6, record["bytes_received"] / 1e6, result["seconds"], seconds_blocked, eta,
+                record["bytes_sent"] / 1e6, record["bytes_received"] / 1e6, result["compute_seconds"],
+                result["seconds_blocked"], result["idle_seconds"], result["compute_utilization"],
+                result["overlap_steps"], eta,
             )
             if timed_start is None:
                 timed_start = time.perf_counter()  # rounds after the first carry no compilation
             r += 1
     finally:
+        sync.close()
+        events.close()
         metrics.close()
         checkpoints.close()
         transport.close()
@@ -331,9 +331,23 @@ def run_island(config: ml_collections.ConfigDict, workdir: str, name: str, addre
     return summary
 
 
-_SUMMED = (
-    "inner_steps", "tokens", "bytes_sent", "bytes_received", "compute_seconds", "seconds_blocked", "seconds_transferring"
+# What each round's record takes from `StreamingSync.run_round`.
+_ROUND_FIELDS = (
+    "compute_seconds", "seconds_blocked", "idle_seconds", "wall_seconds", "clean_step_seconds", "compute_utilization",
+    "overlap_steps", "waits", "exchanges", "bytes_sent", "bytes_received", "payload_bytes", "seconds_transferring",
+    "exchange_seconds", "codec_relative_error",
 )
+_SUMMED = (
+    "inner_steps", "tokens", "bytes_sent", "bytes_received", "compute_seconds", "seconds_blocked", "idle_seconds",
+    "wall_seconds", "seconds_transferring", "waits",
+)
+
+
+def _state_checksums(state: dict) -> dict:
+    """{name: checksum} of a coordinator checkpoint's parts (per fragment: `fragments/P/NAME`)."""
+    return {
+        f"fragments/{p}/{k}": checksum(v) for p, part in enumerate(state["fragments"]) for k, v in part.items()
+    }
 
 
 def summarize_island(folder: str) -> dict:
@@ -353,6 +367,12 @@ def summarize_island(folder: str) -> dict:
         elif rec.get("kind") == "eval":
             evals[rec["round"]] = rec["eval_loss"]
     summary = {key: sum(rec.get(key, 0) for rec in rounds.values()) for key in _SUMMED}
+    last = rounds[max(rounds)] if rounds else {}
+    # inner steps x the step time measured with no exchange in flight (the run's median), over wall seconds
+    summary["clean_step_seconds"] = last.get("clean_step_seconds", 0.0)
+    summary["compute_utilization"] = (
+        summary["inner_steps"] * summary["clean_step_seconds"] / summary["wall_seconds"] if summary["wall_seconds"] else 0.0
+    )
     moved = summary["bytes_sent"] + summary["bytes_received"]
     summary["achieved_gbps"] = moved * 8 / summary["seconds_transferring"] / 1e9 if summary["seconds_transferring"] else 0.0
     summary.update(rounds=max(rounds, default=0), checksum=rounds[max(rounds)]["checksum"] if rounds else None)
@@ -399,7 +419,7 @@ def combine_summaries(config: ml_collections.ConfigDict, workdir: str, wall_seco
         checksums_agree=all(s["checksum"] == coordinator["checksum"] for s in islands.values()),
         islands={
             name: dict(
-                {k: s[k] for k in (*_SUMMED, "achieved_gbps")},
+                {k: s[k] for k in (*_SUMMED, "achieved_gbps", "clean_step_seconds", "compute_utilization")},
                 # the share of each round's merge, averaged over rounds (0 for a round it missed)
                 mean_weight=sum(r["weights"].get(name, 0.0) for r in merged.values()) / max(len(merged), 1),
                 rounds_merged=sum(name in r["weights"] for r in merged.values()),
@@ -408,4 +428,8 @@ def combine_summaries(config: ml_collections.ConfigDict, workdir: str, wall_seco
         },
     )
     write_json(os.path.join(workdir, "summary.json"), summary)
+    events = [os.path.join(island_dir(workdir, n), "events.jsonl") for n in config.islands.keys()]
+    events = [p for p in events if os.path.exists(p) and os.path.getsize(p)]
+    if events:
+        plot_timeline(events, os.path.join(workdir, "timeline.png"))
     return summary

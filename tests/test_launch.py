@@ -100,12 +100,12 @@ jax.config.update("jax_num_cpu_devices", 1)
 sys.path.insert(0, {tests!r})
 from tiny_config import get_config
 from island_jax.checkpoint import Checkpointer
-from island_jax.coordinator import Coordinator
+from island_jax.coordinator import FragmentedCoordinator
 from island_jax.params import checksum, init_params
 config = get_config()
 _, params, _ = init_params(config)
-like = Coordinator(config, params, list(config.islands.keys())).state()
-state = Checkpointer({folder!r}, 1, 2).restore(like)
+like = FragmentedCoordinator(config, params, list(config.islands.keys())).state()
+state = Checkpointer({folder!r}, 1, 2).restore(like)["fragments"][0]
 print(json.dumps({{k: checksum(v) for k, v in state.items()}} | {{"round_value": int(state["round"])}}))
 """
 
@@ -122,7 +122,7 @@ def test_coordinator_checkpoint_restores_in_a_new_process_to_the_same_bits(strai
     assert [r["round"] for r in saved] == [1, 2, 3]
     assert restored["round_value"] == 3
     assert {k: restored[k] for k in ("master", "opt_state", "view", "round")} == {
-        k: saved[-1]["checksums"][k] for k in ("master", "opt_state", "view", "round")
+        k: saved[-1]["checksums"][f"fragments/0/{k}"] for k in ("master", "opt_state", "view", "round")
     }
 
 

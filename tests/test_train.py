@@ -46,8 +46,13 @@ def test_bytes_on_the_wire_and_summary(run):
     assert abs(per_round / (p * (1 + 4 / 256)) - 1) < 0.02
     for name, steps, batch in (("a", 2, 8), ("b", 2, 4)):
         isl = summary["islands"][name]
-        assert isl == dict(inner_steps=3 * steps, tokens=3 * steps * batch * 32,
+        got = {k: isl[k] for k in ("inner_steps", "tokens", "bytes_sent", "bytes_received")}
+        assert got == dict(inner_steps=3 * steps, tokens=3 * steps * batch * 32,
                            bytes_sent=3 * per_round, bytes_received=3 * per_round)
+        # every second of the island is compute, blocked or idle
+        total = isl["compute_seconds"] + isl["seconds_blocked"] + isl["idle_seconds"]
+        assert total == pytest.approx(isl["wall_seconds"], rel=1e-9)
+        assert isl["compute_utilization"] == isl["inner_steps"] * isl["clean_step_seconds"] / isl["wall_seconds"]
     on_disk = json.load(open(workdir / "summary.json"))
     assert on_disk["params"] == p and on_disk["rounds"] == 3 and on_disk["codec"] == "int8"
     assert on_disk["corpus"]["files"] == 30

@@ -53,6 +53,10 @@ class Transport(Protocol):
     def planned_inner_steps(self, island: str) -> int | None: ...
 
 
+class IslandAborted(RuntimeError):
+    """Another island of the same process failed; this one stops waiting for the merge."""
+
+
 class InProcessTransport:
     """Transport that calls a coordinator in the same process.
 
@@ -86,6 +90,13 @@ class InProcessTransport:
         self.coordinator = coordinator
         self.links, self.connections, self.timeout = links or {}, connections, timeout
         self._changed = threading.Condition()
+        self._aborted: str | None = None
+
+    def abort(self, reason: str) -> None:
+        """Makes every waiting and later `fetch_update` raise `IslandAborted(reason)`."""
+        with self._changed:
+            self._aborted = reason
+            self._changed.notify_all()
 
     def _carry(self, island: str, direction: str, fragment: int) -> None:
         link = self.links.get(island)
@@ -128,6 +139,8 @@ class InProcessTransport:
                     update = bytes(self.coordinator.fetch_update(round, island, fragment))
                     break
                 except UpdateNotReady:
+                    if self._aborted is not None:
+                        raise IslandAborted(self._aborted) from None
                     if time.monotonic() >= deadline:
                         raise
                     # a quorum's grace window closes the round only when polled

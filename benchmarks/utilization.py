@@ -1,0 +1,108 @@
+"""Compute utilization of plain DiLoCo against Streaming DiLoCo with overlap, side by side.
+
+  python benchmarks/utilization.py
+
+Two equal islands of the two_islands model (2 devices each, 4 sequences per
+step), H = 32, each in its own process with the coordinator in a third
+(`launch/local.py`, gRPC over loopback), under an emulated link set so that
+moving the whole int8 model once, up and back, takes about half a round of
+compute: rate = 2 x payload bytes x 8 / (0.5 x H x step seconds), with 50 ms
+one way. The step time comes from a short calibration run with no link.
+
+Then the same run twice:
+  plain      outer.fragments = 1, outer.overlap_steps = 0 (DiLoCo: wait for every update)
+  streaming  outer.fragments = 4, outer.overlap_steps = auto (arXiv 2501.18512)
+
+Compute utilization = inner steps x the median step time with no exchange in
+flight / wall seconds (`StreamingSync`), per island, over the rounds after the
+first (which carries compilation) and before the last (which waits for the
+final update: every run must), so it measures the steady state; the whole-run
+figures are printed too. The printed value of a run is the lower of its two
+islands. Last line: `utilization: plain=P streaming=U` (target U >= 0.95, U > P).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+CONFIG = os.path.join(ROOT, "experiments", "configs", "two_islands.py")
+H = 32
+
+
+def launch(workdir: str, overrides: list[str]) -> dict:
+    """Runs launch/local.py to completion; returns {island: [round records]} from the islands' metrics."""
+    equal = [
+        "--config.islands.a.num_devices=2", "--config.islands.a.mesh.data=1", "--config.islands.a.batch_size=4",
+        f"--config.islands.a.inner_steps={H}", f"--config.islands.b.inner_steps={H}",
+        "--config.eval.every_rounds=1000", "--config.checkpoint.every_rounds=1000",
+    ]
+    cmd = [sys.executable, os.path.join(ROOT, "launch", "local.py"), f"--config={CONFIG}", f"--workdir={workdir}",
+           *equal, *overrides]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=1800)
+    if out.returncode != 0:
+        sys.exit(f"run failed ({' '.join(overrides)}):\n{out.stdout[-4000:]}\n{out.stderr[-4000:]}")
+    records = {}
+    for name in ("a", "b"):
+        with open(os.path.join(workdir, "islands", name, "metrics.jsonl"), encoding="utf-8") as f:
+            rows = [json.loads(line) for line in f]
+        records[name] = [r for r in rows if r.get("kind") == "round"]
+    return records
+
+
+def utilization(rounds: list[dict], steady: bool) -> float:
+    """inner steps x the run's clean step time / wall seconds, over the steady rounds or all of them."""
+    chosen = rounds[1:-1] if steady else rounds
+    clean = rounds[-1]["clean_step_seconds"]
+    return sum(r["inner_steps"] for r in chosen) * clean / sum(r["wall_seconds"] for r in chosen)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--rounds", type=int, default=6, help="rounds of each compared run")
+    parser.add_argument("--latency_ms", type=float, default=50.0, help="one-way latency of the emulated link")
+    args = parser.parse_args()
+    from island_jax.outer import codec
+    from island_jax.params import init_params
+
+    exec_globals: dict = {}
+    with open(CONFIG, encoding="utf-8") as f:
+        exec(compile(f.read(), CONFIG, "exec"), exec_globals)
+    model_config = exec_globals["get_config"]()
+    _, params, _ = init_params(model_config)
+    payload = codec.payload_bytes(params, "int8", model_config.codec.block_size)
+
+    with tempfile.TemporaryDirectory() as tmp:
+        calibration = launch(os.path.join(tmp, "calibrate"), ["--config.outer.rounds=2"])
+        step = max(r[-1]["clean_step_seconds"] for r in calibration.values())
+        round_seconds = H * step
+        gbps = 2 * payload * 8 / (0.5 * round_seconds) / 1e9
+        print(f"step {step * 1e3:.1f} ms (calibration, no link); round {round_seconds:.2f} s of compute; "
+              f"int8 payload {payload} bytes; link {gbps * 1e3:.2f} Mbit/s, {args.latency_ms:.0f} ms one way "
+              f"(whole model up and back: {2 * payload * 8 / gbps / 1e9:.2f} s)")
+        link = [f"--config.comm.link.bandwidth_gbps={gbps}", f"--config.comm.link.latency_ms={args.latency_ms}",
+                f"--config.outer.rounds={args.rounds}"]
+        results = {}
+        for label, extra in (
+            ("plain", ["--config.outer.fragments=1", "--config.outer.overlap_steps=0"]),
+            ("streaming", ["--config.outer.fragments=4", "--config.outer.overlap_steps=auto"]),
+        ):
+            records = launch(os.path.join(tmp, label), link + extra)
+            steady = {n: utilization(r, steady=True) for n, r in records.items()}
+            whole = {n: utilization(r, steady=False) for n, r in records.items()}
+            blocked = {n: sum(x["seconds_blocked"] for x in r) for n, r in records.items()}
+            taus = sorted({x["overlap_steps"] for r in records.values() for x in r})
+            results[label] = min(steady.values())
+            print(f"{label:9s}: steady rounds {' '.join(f'{n}={v:.3f}' for n, v in steady.items())} | whole run "
+                  f"{' '.join(f'{n}={v:.3f}' for n, v in whole.items())} | blocked "
+                  f"{' '.join(f'{n}={v:.1f}s' for n, v in blocked.items())} | tau {taus}")
+    print(f"utilization: plain={results['plain']:.3f} streaming={results['streaming']:.3f}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,185 @@
+"""Streaming DiLoCo: fragments, the staggered schedule, overlap with mixing, tau = auto, events and the timeline."""
+
+import json
+import time
+
+import numpy as np
+import pytest
+from tiny_config import get_config
+
+from island_jax.comm.link import LinkEmulator
+from island_jax.comm.transport import InProcessTransport
+from island_jax.config import default_config, fingerprint_fields, island
+from island_jax.coordinator import FragmentedCoordinator
+from island_jax.outer import codec
+from island_jax.outer import fragments as fragments_lib
+from island_jax.params import checksum, init_params
+from island_jax.plots import plot_timeline
+from island_jax.streaming import EventLog, StreamingSync
+
+
+class VectorIsland:
+    """A test island whose inner step is plain SGD with a constant gradient: every parameter drops by `lr`.
+
+    It has the fragment methods `StreamingSync` drives and the real codec
+    behind them; `step_seconds` of sleep stands for each step's compute.
+    """
+
+    def __init__(self, config, params: dict, lr: float = 0.1, step_seconds: float = 0.0, total_steps: int = 10**9):
+        self.name, self.config = "solo", config
+        self.inner_steps = config.islands.solo.inner_steps
+        self.tokens_per_step = 1
+        self.lr, self.step_seconds, self.total_steps = np.float32(lr), step_seconds, total_steps
+        self.step = 0
+        self.keys = sorted(params)
+        self.params = [np.array(params[k], np.float32) for k in self.keys]
+        self.anchor = [p.copy() for p in self.params]
+        self.global_leaves = [p.copy() for p in self.params]
+        sizes = fragments_lib.leaf_bytes(self.params)
+        self.partition = fragments_lib.partition(sizes, config.outer.fragments)
+        c = config.codec
+        self.fragment_plans = [
+            codec.chunk_plan([self.params[i] for i in idx], c.kind, c.block_size, config.comm.chunk_bytes)
+            for idx in self.partition
+        ]
+
+    def train_round(self, after_step=None):
+        n = min(self.inner_steps, self.total_steps - self.step)
+        start, times = time.perf_counter(), []
+        for k in range(n):
+            t = time.perf_counter()
+            for p in self.params:
+                p -= self.lr  # SGD, gradient 1
+            if self.step_seconds:
+                time.sleep(self.step_seconds)
+            times.append(time.perf_counter() - t)
+            self.step += 1
+            if after_step is not None:
+                after_step(k + 1, time.perf_counter() - start, times[-1])
+        return dict(steps=n, step_times=times)
+
+    def fragment_pseudo_gradient(self, p):
+        return [self.anchor[i] - self.params[i] for i in self.partition[p]]
+
+    def encode_fragment(self, p, pseudo_gradient):
+        c = self.config.codec
+        return codec.ChunkEncoder(pseudo_gradient, c.kind, c.block_size, self.fragment_plans[p], measure=True)
+
+    def fragment_checksum(self, p):
+        return checksum([self.global_leaves[i] for i in self.partition[p]])
+
+    def decode_fragment(self, p, payload):
+        c = self.config.codec
+        return codec.decode_and_apply([self.global_leaves[i] for i in self.partition[p]], payload, c.kind, c.block_size)
+
+    def apply_fragment(self, p, leaves, mix_alpha=None):
+        for i, g in zip(self.partition[p], leaves):
+            g = np.asarray(g, np.float32)
+            self.global_leaves[i] = g.copy()
+            self.anchor[i] = g.copy()
+            local = self.params[i]
+            self.params[i] = g.copy() if mix_alpha is None else np.float32(mix_alpha) * local + np.float32(1 - mix_alpha) * g
+
+
+def vector_config(inner_steps, fragments, tau, alpha=0.5, kind="none"):
+    c = default_config()
+    c.islands.solo = island(1, 1, 1, 1, inner_steps)
+    c.outer.update(learning_rate=1.0, momentum=0.0, nesterov=False, fragments=fragments, mix_alpha=alpha)
+    c.outer.overlap_steps = tau
+    c.codec.kind = kind
+    return c
+
+
+def run_vector(config, params, rounds, link=None, **island_kwargs):
+    isl = VectorIsland(config, params, **island_kwargs)
+    coordinator = FragmentedCoordinator(config, params, ["solo"])
+    transport = InProcessTransport(coordinator, {"solo": link} if link else None, config.comm.connections)
+    transport.join("solo", fingerprint_fields(config), checksum(params))
+    sync = StreamingSync(isl, transport, config, link=link)
+    records = [sync.run_round(r) for r in range(rounds)]
+    sync.close()
+    return isl, sync, coordinator, records
+
+
+@pytest.mark.parametrize(
+    "tau, local, anchors",
+    [(1, (0.20, 0.20), (0.45, 0.25)), (0, (0.10, 0.10), (0.40, 0.20))],
+)
+def test_schedule_and_mixing_by_hand(tau, local, anchors):
+    # a and b, one per fragment, start at 1.0; every inner step subtracts 0.1; H = 4, F = 2, alpha = 0.5.
+    config = vector_config(inner_steps=4, fragments=2, tau=tau)
+    params = {"a": np.float32(1.0), "b": np.float32(1.0)}
+    isl, _, coordinator, _ = run_vector(config, params, rounds=3, total_steps=9)
+    assert isl.step == 9
+    assert isl.partition == [[0], [1]]
+    # a went out after steps 2 and 6, b after 4 and 8: two merged rounds each.
+    assert [f.round for f in coordinator.fragments] == [2, 2]
+    np.testing.assert_allclose([float(p) for p in isl.params], local, rtol=0, atol=1e-6)
+    np.testing.assert_allclose([float(p) for p in isl.anchor], anchors, rtol=0, atol=1e-6)
+    assert [float(x) for x in coordinator.view.values()] == [float(x) for x in isl.anchor]
+
+
+def test_contribution_steps():
+    assert fragments_lib.due_fragments(2, 4, 2) == [0] and fragments_lib.due_fragments(4, 4, 2) == [1]
+    assert [fragments_lib.due_fragments(t, 4, 2) for t in (1, 3, 5, 6, 8)] == [[], [], [], [0], [1]]
+    assert [fragments_lib.contribution_step(p, 32, 4) for p in range(4)] == [8, 16, 24, 32]
+    assert [fragments_lib.due_fragments(t, 25, 1) for t in (24, 25, 50)] == [[], [0], [0]]
+    with pytest.raises(ValueError, match="lower outer.fragments or raise the island's inner_steps"):
+        fragments_lib.contribution_step(0, 3, 4)
+
+
+def test_model_leaves_split_into_four_fragments_near_a_quarter_of_the_bytes():
+    config = get_config()
+    config.model.num_layers = 2
+    _, params, _ = init_params(config)
+    sizes = fragments_lib.leaf_bytes(params)
+    groups = fragments_lib.partition(sizes, 4)
+    assert len(groups) == 4 and [i for g in groups for i in g] == list(range(len(sizes)))
+    total = sum(sizes)
+    for g in groups:
+        assert abs(sum(sizes[i] for i in g) - total / 4) <= max(sizes)
+    # a leaf larger than 1/F of the model stays whole
+    assert fragments_lib.partition([10, 100, 10, 10], 2) == [[0, 1], [2, 3]]
+    with pytest.raises(ValueError, match="outer.fragments is 5 but the model has 4 parameter leaves"):
+        fragments_lib.partition([1, 1, 1, 1], 5)
+
+
+def test_auto_overlap_hides_a_three_step_exchange():
+    # Steps of 20 ms; two fragments of 64 KiB over a 0.02 Gbit/s link with 5 ms one way:
+    # each exchange (up and down) takes about 2 x (5 + 26) ms, more than 3 steps.
+    step = 0.02
+    config = vector_config(inner_steps=16, fragments=2, tau="auto")
+    config.comm.connections = 1
+    params = {"a": np.ones(16384, np.float32), "b": np.ones(16384, np.float32)}
+    link = LinkEmulator(0.02, 5.0, 0)
+    isl, sync, coordinator, records = run_vector(config, params, rounds=3, link=link, step_seconds=step)
+    assert [f.round for f in coordinator.fragments] == [3, 2] or [f.round for f in coordinator.fragments] == [3, 3]
+    exchanges = [r["exchange_seconds"] for r in records if r["exchanges"]]
+    assert min(exchanges) > 3 * step
+    assert all(r["overlap_steps"] >= 3 for r in records)
+    assert sum(r["waits"] for r in records) == 0 and sum(r["seconds_blocked"] for r in records) == 0.0
+
+
+def test_events_and_timeline(tmp_path):
+    config = vector_config(inner_steps=4, fragments=2, tau=1)
+    params = {"a": np.float32(1.0), "b": np.float32(1.0)}
+    path = tmp_path / "events_solo.jsonl"
+    isl = VectorIsland(config, params, step_seconds=0.005)
+    coordinator = FragmentedCoordinator(config, params, ["solo"])
+    transport = InProcessTransport(coordinator)
+    transport.join("solo", fingerprint_fields(config), checksum(params))
+    events = EventLog(str(path), "solo")
+    sync = StreamingSync(isl, transport, config, events=events)
+    for r in range(2):
+        sync.run_round(r)
+    sync.drain()
+    sync.close()
+    events.close()
+    rows = [json.loads(line) for line in open(path)]
+    kinds = [r["kind"] for r in rows]
+    assert kinds.count("send") == 4 and kinds.count("receive") == 4
+    sends = sorted((r["round"], r["fragment"]) for r in rows if r["kind"] == "send")
+    assert sends == [(1, 0), (1, 1), (2, 0), (2, 1)]
+    assert all(r["end"] >= r["start"] for r in rows)
+    png = plot_timeline([str(path)], str(tmp_path / "timeline.png"))
+    assert open(png, "rb").read(8) == b"\x89PNG\r\n\x1a\n"
