@@ -166,6 +166,19 @@ class Coordinator:
         self._work: dict | None = None  # the current round's partial merge
         self.history: list[RoundRecord] = []
 
+    def warm_up(self) -> None:
+        """Compiles the chunk program for a merge of every island now, so the first round's merge does
+        not wait for XLA (an island overlapping its exchange with compute would)."""
+        layout, k = self.layouts[0], len(self.islands)
+        values, scales = chunk_step.wire_to_rows(
+            bytes(layout.chunk.nbytes), layout, self.kind, self.block_size, self.num_rows
+        )
+        weights = np.full(k, np.float32(1.0 / k), np.float32)
+        self._step(
+            np.stack([values] * k), np.stack([scales] * k), weights, self._master[0], self._opt[0],
+            self._view_rows[0], self._bf16_rows[0],
+        )
+
     # -- state -----------------------------------------------------------------------------------------------
 
     def _bf16_mask(self, layout: chunk_step.RowLayout) -> np.ndarray:
@@ -639,6 +652,8 @@ class FragmentedCoordinator:
         leaves = jax.tree.leaves(params)
         self.partition = fragments_lib.partition(fragments_lib.leaf_bytes(params), config.outer.fragments)
         parts = [Coordinator(config, [leaves[i] for i in idx], islands, clock) for idx in self.partition]
+        for part in parts:
+            part.warm_up()
         self._setup(parts, jax.tree.structure(params))
 
     @classmethod

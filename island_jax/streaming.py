@@ -226,9 +226,10 @@ class StreamingSync:
         self._reset_round()
         self._exchange_running = bool(self.inflight)
         result = self.island.train_round(after_step=self._after_step)
-        for p in range(self.num_fragments):  # a fragment whose moment passed while the last step ran
-            if p not in self._contributed:
-                self._contribute(p)
+        if self.budget is not None:  # sync = time: a fragment whose moment passed while the last step ran
+            for p in range(self.num_fragments):
+                if p not in self._contributed:
+                    self._contribute(p)
         if drain:
             self.drain()
         wall = time.perf_counter() - start

@@ -48,8 +48,7 @@ class VectorIsland:
         start, times = time.perf_counter(), []
         for k in range(n):
             t = time.perf_counter()
-            for p in self.params:
-                p -= self.lr  # SGD, gradient 1
+            self.params = [np.asarray(p - self.lr, np.float32) for p in self.params]  # SGD, gradient 1
             if self.step_seconds:
                 time.sleep(self.step_seconds)
             times.append(time.perf_counter() - t)
