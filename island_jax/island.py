@@ -184,7 +184,10 @@ class Island:
         self._mix = jax.jit(mix)
 
     def _build_train_step(self, total_steps: int) -> None:
-        """The inner optimizer for `total_steps` steps in all, and the jitted step that uses it."""
+        """The inner optimizer for `total_steps` steps in all, and the jitted step that uses it (its first
+        call compiles)."""
+        self._compile_pending = True
+        self.last_step_compiled = False
         self.tx = tx = inner_optimizer(self.config, total_steps)
         moe_config, seed, graphdef = self.config.moe, self.config.seed, self._graphdef
 
@@ -221,15 +224,32 @@ class Island:
             jax.device_put(windows[:, 1:], self._batch_sharding),
         )
 
-    def train_round(self, num_steps: int | None = None, after_step=None) -> dict:
+    def warm_up(self) -> None:
+        """Compiles the inner step, and the fragments' pseudo-gradient and mixing programs, on throwaway
+        copies, so that the first round's steps are steps (nothing of the island's state changes)."""
+        with self.device_lock, jax.set_mesh(self.mesh):
+            params = jax.tree.map(lambda x: x.copy(), self.params)
+            opt_state = jax.tree.map(lambda x: x.copy(), self.opt_state)
+            inputs, targets = self._batch(self.dataset[self.step])
+            jax.block_until_ready(self._train_step(params, opt_state, inputs, targets, self.step))
+            self._compile_pending = False
+            anchor, local = jax.tree.leaves(self.anchor), jax.tree.leaves(self.params)
+            for idx in self.partition:
+                a, p = [anchor[i] for i in idx], [local[i] for i in idx]
+                jax.block_until_ready(self._pseudo_gradient_list(a, p))
+                jax.block_until_ready(self._mix(p, a, np.float32(self.config.outer.mix_alpha)))
+
+    def train_round(self, num_steps: int | None = None, after_step=None, seconds: float | None = None) -> dict:
         """Runs one round of inner steps from the current parameters.
 
         The round is `num_steps` steps when given; otherwise the planned H
         (`outer.sync` "steps" or "auto"), or as many steps as fit in
         `outer.round_seconds` of wall clock (`outer.sync = "time"`, at least
-        one). With `islands.NAME.simulated_speed` s < 1 the island sleeps
-        (1/s - 1) x each step's time after it, standing for slower hardware;
-        the sleep counts as compute. `after_step(steps_done, elapsed_seconds,
+        one; `seconds`, when given, replaces that budget). With
+        `islands.NAME.simulated_speed` s < 1 the island sleeps (1/s - 1) x each
+        step's time after it, standing for slower hardware; the sleep counts as
+        compute. A step that compiled (the first after the step was built,
+        unless `warm_up` ran) does not sleep, and `last_step_compiled` says so. `after_step(steps_done, elapsed_seconds,
         step_seconds)`, when given, is called after every step (sleep included)
         on this thread: Streaming DiLoCo contributes and applies fragments there
         (island_jax/streaming.py).
@@ -242,8 +262,8 @@ class Island:
           MoE layer), `expert_load` of the last step [num_moe_layers, E], and
           `step_times` (each step's seconds, sleep included).
         """
-        budget = None
-        if num_steps is None and self.config.outer.sync == "time":
+        budget = seconds
+        if budget is None and num_steps is None and self.config.outer.sync == "time":
             budget = self.config.outer.round_seconds
         num_steps = self.inner_steps if num_steps is None else num_steps
         slowdown = 1.0 / self.simulated_speed - 1.0
@@ -264,9 +284,11 @@ class Island:
                     jax.block_until_ready(metrics)
                 step_seconds = time.perf_counter() - step_start
                 busy += step_seconds
-                step_times.append(step_seconds * (1.0 + slowdown))  # what the step costs, sleep included
-                if slowdown > 0:
-                    time.sleep(step_seconds * slowdown)
+                self.last_step_compiled, self._compile_pending = self._compile_pending, False
+                sleep = 0.0 if self.last_step_compiled else step_seconds * slowdown
+                step_times.append(step_seconds + sleep)  # what the step costs, sleep included
+                if sleep > 0:
+                    time.sleep(sleep)
                 history.append(metrics)
                 self.step += 1
                 if after_step is not None:

@@ -227,6 +227,7 @@ def run_island(config: ml_collections.ConfigDict, workdir: str, name: str, addre
     if first >= rounds:
         logging.info("the run is complete (%d of %d rounds); nothing to do", first, rounds)
         return {}
+    island.warm_up()  # compiles before the first round's clock starts
     link = LinkEmulator.from_config(config)
     transport = GrpcTransport(
         address, config.comm.chunk_bytes, config.comm.join_timeout_seconds, config.comm.round_timeout_seconds,
@@ -333,13 +334,14 @@ def run_island(config: ml_collections.ConfigDict, workdir: str, name: str, addre
 
 # What each round's record takes from `StreamingSync.run_round`.
 _ROUND_FIELDS = (
-    "compute_seconds", "seconds_blocked", "idle_seconds", "wall_seconds", "clean_step_seconds", "compute_utilization",
+    "compute_seconds", "seconds_blocked", "idle_seconds", "wall_seconds", "clean_step_seconds", "ideal_compute_seconds",
+    "compute_utilization",
     "overlap_steps", "waits", "exchanges", "bytes_sent", "bytes_received", "payload_bytes", "seconds_transferring",
     "exchange_seconds", "codec_relative_error",
 )
 _SUMMED = (
     "inner_steps", "tokens", "bytes_sent", "bytes_received", "compute_seconds", "seconds_blocked", "idle_seconds",
-    "wall_seconds", "seconds_transferring", "waits",
+    "wall_seconds", "ideal_compute_seconds", "seconds_transferring", "waits",
 )
 
 
@@ -367,12 +369,9 @@ def summarize_island(folder: str) -> dict:
         elif rec.get("kind") == "eval":
             evals[rec["round"]] = rec["eval_loss"]
     summary = {key: sum(rec.get(key, 0) for rec in rounds.values()) for key in _SUMMED}
-    last = rounds[max(rounds)] if rounds else {}
-    # inner steps x the step time measured with no exchange in flight (the run's median), over wall seconds
-    summary["clean_step_seconds"] = last.get("clean_step_seconds", 0.0)
-    summary["compute_utilization"] = (
-        summary["inner_steps"] * summary["clean_step_seconds"] / summary["wall_seconds"] if summary["wall_seconds"] else 0.0
-    )
+    # per round, inner steps x the step time measured with no exchange in flight; over the wall seconds
+    wall = summary["wall_seconds"]
+    summary["compute_utilization"] = summary["ideal_compute_seconds"] / wall if wall else 0.0
     moved = summary["bytes_sent"] + summary["bytes_received"]
     summary["achieved_gbps"] = moved * 8 / summary["seconds_transferring"] / 1e9 if summary["seconds_transferring"] else 0.0
     summary.update(rounds=max(rounds, default=0), checksum=rounds[max(rounds)]["checksum"] if rounds else None)
@@ -419,7 +418,7 @@ def combine_summaries(config: ml_collections.ConfigDict, workdir: str, wall_seco
         checksums_agree=all(s["checksum"] == coordinator["checksum"] for s in islands.values()),
         islands={
             name: dict(
-                {k: s[k] for k in (*_SUMMED, "achieved_gbps", "clean_step_seconds", "compute_utilization")},
+                {k: s[k] for k in (*_SUMMED, "achieved_gbps", "compute_utilization")},
                 # the share of each round's merge, averaged over rounds (0 for a round it missed)
                 mean_weight=sum(r["weights"].get(name, 0.0) for r in merged.values()) / max(len(merged), 1),
                 rounds_merged=sum(name in r["weights"] for r in merged.values()),

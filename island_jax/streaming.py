@@ -153,13 +153,19 @@ class StreamingSync:
         self._steps_at_contribution = [island.step] * self.num_fragments
         self.inflight: dict[int, _Flight] = {}
         self._pool = futures.ThreadPoolExecutor(max_workers=self.num_fragments, thread_name_prefix="fragment-exchange")
-        self.clean_steps: collections.deque = collections.deque(maxlen=512)  # steps with no exchange in flight
-        self.recent_steps: collections.deque = collections.deque(maxlen=64)
+        # Recent steps with no exchange in flight, and recent steps (compiling steps left out): the
+        # step time follows what else runs on the machine, so only recent steps describe a round.
+        self.clean_steps: collections.deque = collections.deque(maxlen=32)
+        self.recent_steps: collections.deque = collections.deque(maxlen=32)
         self.exchange_seconds: collections.deque = collections.deque(maxlen=self.num_fragments)
         self.rejoined_round: int | None = None  # set when a stale round made the island rejoin from the view
         self._planned: int | None = None
         self._exchange_running = False  # an exchange was in flight while the last step ran
         self._round = first_round
+        self._first_round = first_round
+        self._epoch: tuple[float, int] | None = None  # (perf_counter, round): when a drain realigned the islands
+        self._round_start = 0.0
+        self._last_end: float | None = None
         self._contributed: set[int] = set()
         self._last_tau = self.tau
         self._reset_round()
@@ -209,30 +215,50 @@ class StreamingSync:
           drain: wait for and apply every update in flight at the end (before a
             checkpoint, and after the last round).
 
+        Under `outer.sync = "time"` the first round of a process always drains:
+        every island leaves it when the same last update arrives, and round r
+        after a drain ends at the drain's end + (r - drained round) x
+        `round_seconds`, so the islands contribute each fragment at the same
+        moment whatever their step times (a step that runs over shortens the
+        next round).
+
         Returns:
           `island.train_round`'s result, plus `compute_seconds` (steps, sleep
           included), `seconds_blocked`, `wall_seconds`, `idle_seconds` (wall -
-          compute - blocked), `clean_step_seconds`, `compute_utilization`,
+          compute - blocked), `clean_step_seconds` (median of the last 32 steps
+          run with no exchange in flight), `ideal_compute_seconds` (steps x
+          that), `compute_utilization` (ideal compute / wall),
           `overlap_steps` (tau of the last contribution), `waits` (updates the
           island stopped for), and over the exchanges applied this round:
           `exchanges`, `bytes_sent`, `bytes_received`, `payload_bytes`,
           `seconds_transferring`, `exchange_seconds` (mean), `codec_relative_error` (mean).
         """
+        # Wall time runs from the end of the previous round: what the caller did in between (evaluation,
+        # checkpoints, logging) is this round's idle time.
+        start = self._last_end if self._last_end is not None else time.perf_counter()
         if self._planned and self._planned != self.island.inner_steps:  # outer.auto_from = measured
             logging.info("island %s: %d inner steps per round from round %d on", self.island.name, self._planned, round + 1)
             self.island.set_inner_steps(self._planned, self.total_rounds - round)
-        start = time.perf_counter()
+            if hasattr(self.island, "warm_up"):
+                self.island.warm_up()  # the rebuilt step compiles here, not in a timed step
         self._round, self._contributed = round, set()
         self._reset_round()
         self._exchange_running = bool(self.inflight)
-        result = self.island.train_round(after_step=self._after_step)
+        seconds = None
+        self._round_start = now = time.perf_counter()
+        if self.budget is not None and self._epoch is not None:
+            self._round_start = self._epoch[0] + (round - self._epoch[1]) * self.budget
+            seconds = max(self._round_start + self.budget - now, 0.0)
+        result = self.island.train_round(after_step=self._after_step, **({} if seconds is None else dict(seconds=seconds)))
         if self.budget is not None:  # sync = time: a fragment whose moment passed while the last step ran
             for p in range(self.num_fragments):
                 if p not in self._contributed:
                     self._contribute(p)
-        if drain:
+        if drain or (self.budget is not None and round == self._first_round):
             self.drain()
-        wall = time.perf_counter() - start
+            self._epoch = (time.perf_counter(), round + 1)
+        self._last_end = time.perf_counter()
+        wall = self._last_end - start
         compute = float(sum(result["step_times"]))
         clean = self.clean_step_seconds()
         done = self._finished
@@ -243,6 +269,7 @@ class StreamingSync:
             wall_seconds=wall,
             idle_seconds=max(0.0, wall - compute - self._blocked),
             clean_step_seconds=clean,
+            ideal_compute_seconds=result["steps"] * clean,
             compute_utilization=result["steps"] * clean / wall if wall > 0 else 0.0,
             overlap_steps=self._last_tau,
             waits=self._waits,
@@ -259,12 +286,14 @@ class StreamingSync:
     def _after_step(self, steps_done: int, elapsed: float, step_seconds: float) -> None:
         now = time.time()
         self.events.add("compute", now - step_seconds, now, round=self._round + 1)
-        self.recent_steps.append(step_seconds)
-        if not self._exchange_running:
-            self.clean_steps.append(step_seconds)
+        if not getattr(self.island, "last_step_compiled", False):
+            self.recent_steps.append(step_seconds)
+            if not self._exchange_running:
+                self.clean_steps.append(step_seconds)
         if self.budget is None:
             due = fragments_lib.due_fragments(steps_done, self.island.inner_steps, self.num_fragments)
         else:
+            elapsed = time.perf_counter() - self._round_start
             due = [
                 p for p in range(self.num_fragments)
                 if p not in self._contributed and elapsed >= (p + 1) * self.budget / self.num_fragments

@@ -149,6 +149,7 @@ def _train_islands_in_threads(config, workdir, metrics, islands, transport, link
     syncs = {}
     for isl in islands:
         isl.device_lock = device_lock
+        isl.warm_up()
         events = EventLog(os.path.join(workdir, f"events_{isl.name}.jsonl"), isl.name)
         syncs[isl.name] = StreamingSync(isl, transport, config, 0, link=links[isl.name], events=events)
     results: dict[str, dict] = {}
@@ -233,11 +234,10 @@ def _log_round(config, metrics, islands, results, r, totals, transport, eval_bat
         t["tokens"] += result["tokens"]
         t["bytes_sent"] += result.get("payload_bytes", 0)
         t["bytes_received"] += result.get("bytes_received", 0)
-        for k in ("compute_seconds", "seconds_blocked", "idle_seconds", "wall_seconds"):
-            t[k] = t.get(k, 0.0) + result.get(k, 0.0)
-        if "clean_step_seconds" in result:
-            t["clean_step_seconds"] = result["clean_step_seconds"]
-            t["compute_utilization"] = t["inner_steps"] * t["clean_step_seconds"] / t["wall_seconds"]
+        if "wall_seconds" in result:
+            for k in ("compute_seconds", "seconds_blocked", "idle_seconds", "wall_seconds", "ideal_compute_seconds"):
+                t[k] = t.get(k, 0.0) + result[k]
+            t["compute_utilization"] = t["ideal_compute_seconds"] / t["wall_seconds"]
         if "codec_relative_error" in result:
             record.setdefault("codec_relative_error", {})[isl.name] = result["codec_relative_error"]
     if transport is not None:
@@ -283,6 +283,6 @@ def _last_eval(workdir, default):
 
 # Per-island accounting from `StreamingSync.run_round` written into each island_round record.
 _ACCOUNTING = (
-    "compute_seconds", "seconds_blocked", "idle_seconds", "wall_seconds", "clean_step_seconds", "compute_utilization",
-    "overlap_steps", "waits", "exchanges", "exchange_seconds",
+    "compute_seconds", "seconds_blocked", "idle_seconds", "wall_seconds", "clean_step_seconds", "ideal_compute_seconds",
+    "compute_utilization", "overlap_steps", "waits", "exchanges", "exchange_seconds",
 )

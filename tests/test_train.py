@@ -53,7 +53,7 @@ def test_bytes_on_the_wire_and_summary(run):
         # every second of the island is compute, blocked or idle
         total = isl["compute_seconds"] + isl["seconds_blocked"] + isl["idle_seconds"]
         assert total == pytest.approx(isl["wall_seconds"], rel=1e-9)
-        assert isl["compute_utilization"] == isl["inner_steps"] * isl["clean_step_seconds"] / isl["wall_seconds"]
+        assert isl["compute_utilization"] == isl["ideal_compute_seconds"] / isl["wall_seconds"]
     on_disk = json.load(open(workdir / "summary.json"))
     assert on_disk["params"] == p and on_disk["rounds"] == 3 and on_disk["codec"] == "int8"
     assert on_disk["corpus"]["files"] == 30
