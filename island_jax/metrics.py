@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import numbers
 import os
+from concurrent import futures
 from typing import Any
 
 import numpy as np
@@ -48,10 +49,15 @@ class MetricsWriter:
     Args:
       folder: the role's folder in the workdir (created).
       tensorboard: also write event files (`events.out.tfevents.*`) to `folder`.
+      background: write on a thread of its own, in the order given, so that a
+        training loop does not wait for JSON and TensorBoard (`close` waits for
+        every record; an error in a write is raised there or by the next `write`).
     """
 
-    def __init__(self, folder: str, tensorboard: bool = False):
+    def __init__(self, folder: str, tensorboard: bool = False, background: bool = False):
         os.makedirs(folder, exist_ok=True)
+        self._pool = futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="metrics") if background else None
+        self._last: futures.Future | None = None
         self.path = os.path.join(folder, "metrics.jsonl")
         self._file = open(self.path, "a", encoding="utf-8")
         self._tb = None
@@ -61,7 +67,17 @@ class MetricsWriter:
             self._tb = SummaryWriter(logdir=folder, flush_secs=10)
 
     def write(self, record: dict) -> None:
-        """Writes one record; it needs a `kind`, and `step` or `round` for TensorBoard's x axis."""
+        """Writes one record; it needs a `kind`, and `step` or `round` for TensorBoard's x axis.
+
+        With `background`, the record must not change after this call."""
+        if self._pool is None:
+            self._write(record)
+            return
+        if self._last is not None and self._last.done():
+            self._last.result()  # a failed write surfaces here
+        self._last = self._pool.submit(self._write, record)
+
+    def _write(self, record: dict) -> None:
         record = _plain(record)
         self._file.write(json.dumps(record) + "\n")
         self._file.flush()
@@ -72,6 +88,13 @@ class MetricsWriter:
                 self._tb.add_scalar(tag, value, global_step=step)
 
     def close(self) -> None:
+        """Writes what is queued, then closes the files."""
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+            self._pool = None
+            if self._last is not None and self._last.exception() is not None:
+                self._file.close()
+                raise self._last.exception()
         self._file.close()
         if self._tb is not None:
             self._tb.close()

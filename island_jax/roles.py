@@ -65,7 +65,7 @@ def _open_role(config: ml_collections.ConfigDict, folder: str) -> tuple[Checkpoi
     if not os.path.exists(path):  # a resumed role keeps the config it started with
         with open(path, "w", encoding="utf-8") as f:
             f.write(config.to_json_best_effort(indent=2, sort_keys=True))
-    return checkpoints, MetricsWriter(folder, tensorboard=True)
+    return checkpoints, MetricsWriter(folder, tensorboard=True, background=True)
 
 
 def run_coordinator(config: ml_collections.ConfigDict, workdir: str, address: str) -> dict:
@@ -199,13 +199,11 @@ def run_island(config: ml_collections.ConfigDict, workdir: str, name: str, addre
       address: the coordinator's HOST:PORT.
 
     Returns:
-      The role's summary (also in its folder): `inner_steps`, `tokens`,
-      `bytes_sent`, `bytes_received` (frame bytes, handshake excluded),
-      `compute_seconds`, `seconds_blocked` (from the end of a round's inner
-      steps to its update applied: encode, transfer, waiting for the others,
-      decode), `seconds_transferring` (while this island's bytes were moving),
-      `achieved_gbps`, `checksum`, and for the evaluating
-      island `corpus`, `eval_loss_initial`, `eval_loss_final`.
+      The role's summary (also in its folder): `summarize_island`'s totals,
+      `process_seconds` (start-up, compilation and the first evaluation
+      included) and for the evaluating island `corpus`. Rounds are driven by
+      `streaming.StreamingSync` (fragments, overlap, accounting); every span
+      of the island goes to `events.jsonl`.
 
     Raises:
       ConfigError, DataError, HandshakeError, ContributionError, ExchangeError,
@@ -325,7 +323,7 @@ def run_island(config: ml_collections.ConfigDict, workdir: str, name: str, addre
         checkpoints.close()
         transport.close()
     summary = summarize_island(folder)
-    summary.update(wall_seconds=time.perf_counter() - start)
+    summary.update(process_seconds=time.perf_counter() - start)  # start-up, compilation and evaluation included
     if evaluator:
         summary["corpus"] = corpus.fingerprint
     write_json(os.path.join(folder, "summary.json"), summary)
@@ -357,8 +355,11 @@ def summarize_island(folder: str) -> dict:
 
     A round logged twice (after a crash, a resumed run trains it again) counts
     once, with its latest record. Returns `rounds` (completed), the sums of
-    `inner_steps`, `tokens`, `bytes_sent`, `bytes_received` (bytes),
-    `compute_seconds`, `seconds_blocked`, `seconds_transferring` (seconds),
+    `inner_steps`, `tokens`, `bytes_sent`, `bytes_received` (bytes), `waits`,
+    `wall_seconds` (of the rounds; every second is one of `compute_seconds`,
+    `seconds_blocked` or `idle_seconds`), `ideal_compute_seconds` (per round,
+    inner steps x the step time with no exchange in flight),
+    `compute_utilization` (ideal compute / wall), `seconds_transferring`,
     `achieved_gbps` (all bytes moved x 8 / seconds_transferring), the last `checksum`, and when the
     island evaluated, `eval_loss_initial` (round 0) and `eval_loss_final`.
     """
@@ -389,8 +390,9 @@ def combine_summaries(config: ml_collections.ConfigDict, workdir: str, wall_seco
       `wall_seconds` (the caller's), `checksums_agree` (every island's final
       global parameters equal the coordinator's view), and
       `islands.NAME.{inner_steps, tokens, bytes_sent, bytes_received,
-      compute_seconds, seconds_blocked, seconds_transferring, achieved_gbps, mean_weight (its share of a merge,
-      averaged over rounds), rounds_merged}`.
+      compute_seconds, seconds_blocked, idle_seconds, wall_seconds, ideal_compute_seconds, waits,
+      seconds_transferring, achieved_gbps, compute_utilization, mean_weight (its share of a merge,
+      averaged over rounds), rounds_merged}`; and draws `WORKDIR/timeline.png` from the islands' events.
 
     Raises:
       FileNotFoundError: a role left no summary (it did not finish).

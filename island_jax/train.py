@@ -1,8 +1,9 @@
 """`train_and_evaluate(config, workdir)`: every island and the coordinator in one process.
 
-The islands run one after another on their own slices of this process's
-devices and reach the coordinator through the in-process transport; the
-multi-process launch swaps only the transport. Writes to `workdir`:
+The islands run on threads of their own, on their own slices of this
+process's devices (one island's device work at a time), and reach the
+coordinator through the in-process transport; the multi-process launch swaps
+only the transport. Writes to `workdir`:
 `config.json`, `metrics.jsonl` (inner steps, rounds, evaluations) and
 `summary.json`.
 """
@@ -46,6 +47,10 @@ def build_islands(config: ml_collections.ConfigDict, corpus: data_lib.Corpus, gr
 def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
     """Trains the model with the DiLoCo outer loop (or none) and evaluates it.
 
+    With the outer loop, every island trains on a thread of its own, driven by
+    `streaming.StreamingSync` (Streaming DiLoCo's fragments and overlap; plain
+    DiLoCo with `outer.fragments = 1`, `outer.overlap_steps = 0`).
+
     Args:
       config: see `island_jax.config`; validated here before anything compiles.
       workdir: output folder (created).
@@ -54,7 +59,11 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
       The summary, also written to `workdir/summary.json`: `rounds`, `params`,
       `codec`, `block_size`, `corpus` (fingerprint), `eval_loss_initial`,
       `eval_loss_final` (nats per byte on the held-out files), `wall_seconds`,
-      and `islands.NAME.{inner_steps, tokens, bytes_sent, bytes_received}`.
+      and `islands.NAME.{inner_steps, tokens, bytes_sent, bytes_received}`
+      (payload bytes), with the outer loop also `compute_seconds`,
+      `seconds_blocked`, `idle_seconds`, `wall_seconds`, `ideal_compute_seconds`
+      and `compute_utilization` (see `streaming.StreamingSync`). The islands'
+      spans go to `events_NAME.jsonl` and `timeline.png`.
 
     Raises:
       ConfigError: on an invalid config (before compiling).

@@ -234,6 +234,7 @@ class Progress:
             + f" | sent/received per island {first['bytes_sent'] / 1e6:.2f}/{first['bytes_received'] / 1e6:.2f} MB"
             + " | blocked " + " ".join(f"{n}={recs[n]['seconds_blocked']:.2f}s" for n in self.names)
             + " | link " + " ".join(f"{n}={recs[n].get('achieved_gbps', 0.0):.2f}Gbit/s" for n in self.names)
+            + " | utilization " + " ".join(f"{n}={recs[n].get('compute_utilization', 0.0):.2f}" for n in self.names)
             + f" | ETA {eta}"
         )
 
