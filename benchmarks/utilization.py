@@ -7,18 +7,29 @@ step), H = 32, each in its own process with the coordinator in a third
 (`launch/local.py`, gRPC over loopback), under an emulated link set so that
 moving the whole int8 model once, up and back, takes about half a round of
 compute: rate = 2 x payload bytes x 8 / (0.5 x H x step seconds), with 50 ms
-one way. The step time comes from a short calibration run with no link.
+one way.
 
-Then the same run twice:
+The islands run at `simulated_speed` 0.5 (`--simulated_speed`): each step
+sleeps as long as it computed. An island on accelerators leaves its host's
+cores free while it computes, and they run the exchange; on a machine whose
+few cores are the islands' compute devices, the sleep stands for that. With
+1.0 every core computes, and the exchange's own CPU work (encode, merge,
+decode, on the same two cores) slows the steps beside it.
+
+First a calibration run: plain DiLoCo with no link, whose steps never have an
+exchange in flight; its median step time is the reference step. Then the same
+run twice under the link:
   plain      outer.fragments = 1, outer.overlap_steps = 0 (DiLoCo: wait for every update)
   streaming  outer.fragments = 4, outer.overlap_steps = auto (arXiv 2501.18512)
 
-Compute utilization = inner steps x the median step time with no exchange in
-flight / wall seconds (`StreamingSync`), per island, over the rounds after the
-first (which carries compilation) and before the last (which waits for the
-final update: every run must), so it measures the steady state; the whole-run
-figures are printed too. The printed value of a run is the lower of its two
-islands. Last line: `utilization: plain=P streaming=U` (target U >= 0.95, U > P).
+Compute utilization = inner steps x the reference step / wall seconds, per
+island, over the rounds after the first (which carries the islands' start,
+one behind the other) and before the last (which waits for the final update:
+every run must), so it measures the steady state. The whole-run figures, and
+the runs' own `compute_utilization` (from the step time measured in the run
+with no exchange in flight), are printed too. The printed value of a run is
+the lower of its two islands. Last line: `utilization: plain=P streaming=U`
+(target U >= 0.95, U > P).
 """
 
 from __future__ import annotations
@@ -30,16 +41,19 @@ import subprocess
 import sys
 import tempfile
 
+import numpy as np
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIG = os.path.join(ROOT, "experiments", "configs", "two_islands.py")
 H = 32
 
 
-def launch(workdir: str, overrides: list[str]) -> dict:
-    """Runs launch/local.py to completion; returns {island: [round records]} from the islands' metrics."""
+def launch(workdir: str, overrides: list[str], speed: float) -> tuple[dict, dict]:
+    """Runs launch/local.py to completion; returns ({island: [round records]}, the run's summary)."""
     equal = [
         "--config.islands.a.num_devices=2", "--config.islands.a.mesh.data=1", "--config.islands.a.batch_size=4",
         f"--config.islands.a.inner_steps={H}", f"--config.islands.b.inner_steps={H}",
+        f"--config.islands.a.simulated_speed={speed}", f"--config.islands.b.simulated_speed={speed}",
         "--config.eval.every_rounds=1000", "--config.checkpoint.every_rounds=1000",
     ]
     cmd = [sys.executable, os.path.join(ROOT, "launch", "local.py"), f"--config={CONFIG}", f"--workdir={workdir}",
@@ -52,20 +66,21 @@ def launch(workdir: str, overrides: list[str]) -> dict:
         with open(os.path.join(workdir, "islands", name, "metrics.jsonl"), encoding="utf-8") as f:
             rows = [json.loads(line) for line in f]
         records[name] = [r for r in rows if r.get("kind") == "round"]
-    return records
+    with open(os.path.join(workdir, "summary.json"), encoding="utf-8") as f:
+        return records, json.load(f)
 
 
-def utilization(rounds: list[dict], steady: bool) -> float:
-    """inner steps x the run's clean step time / wall seconds, over the steady rounds or all of them."""
+def utilization(rounds: list[dict], step: float, steady: bool) -> float:
+    """inner steps x `step` (seconds) / wall seconds, over the steady rounds or all of them."""
     chosen = rounds[1:-1] if steady else rounds
-    clean = rounds[-1]["clean_step_seconds"]
-    return sum(r["inner_steps"] for r in chosen) * clean / sum(r["wall_seconds"] for r in chosen)
+    return sum(r["inner_steps"] for r in chosen) * step / sum(r["wall_seconds"] for r in chosen)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--rounds", type=int, default=6, help="rounds of each compared run")
     parser.add_argument("--latency_ms", type=float, default=50.0, help="one-way latency of the emulated link")
+    parser.add_argument("--simulated_speed", type=float, default=0.5, help="islands.NAME.simulated_speed of both")
     args = parser.parse_args()
     from island_jax.outer import codec
     from island_jax.params import init_params
@@ -78,11 +93,12 @@ def main() -> None:
     payload = codec.payload_bytes(params, "int8", model_config.codec.block_size)
 
     with tempfile.TemporaryDirectory() as tmp:
-        calibration = launch(os.path.join(tmp, "calibrate"), ["--config.outer.rounds=2"])
-        step = max(r[-1]["clean_step_seconds"] for r in calibration.values())
+        speed = args.simulated_speed
+        calibration, _ = launch(os.path.join(tmp, "calibrate"), ["--config.outer.rounds=3"], speed)
+        step = max(float(np.median([r["step_seconds"] for r in rounds[1:]])) for rounds in calibration.values())
         round_seconds = H * step
         gbps = 2 * payload * 8 / (0.5 * round_seconds) / 1e9
-        print(f"step {step * 1e3:.1f} ms (calibration, no link); round {round_seconds:.2f} s of compute; "
+        print(f"reference step {step * 1e3:.1f} ms (calibration: no link, simulated_speed {speed}); round {round_seconds:.2f} s of compute; "
               f"int8 payload {payload} bytes; link {gbps * 1e3:.2f} Mbit/s, {args.latency_ms:.0f} ms one way "
               f"(whole model up and back: {2 * payload * 8 / gbps / 1e9:.2f} s)")
         link = [f"--config.comm.link.bandwidth_gbps={gbps}", f"--config.comm.link.latency_ms={args.latency_ms}",
@@ -92,14 +108,16 @@ def main() -> None:
             ("plain", ["--config.outer.fragments=1", "--config.outer.overlap_steps=0"]),
             ("streaming", ["--config.outer.fragments=4", "--config.outer.overlap_steps=auto"]),
         ):
-            records = launch(os.path.join(tmp, label), link + extra)
-            steady = {n: utilization(r, steady=True) for n, r in records.items()}
-            whole = {n: utilization(r, steady=False) for n, r in records.items()}
+            records, summary = launch(os.path.join(tmp, label), link + extra, speed)
+            steady = {n: utilization(r, step, steady=True) for n, r in records.items()}
+            whole = {n: utilization(r, step, steady=False) for n, r in records.items()}
+            own = {n: summary["islands"][n]["compute_utilization"] for n in records}
             blocked = {n: sum(x["seconds_blocked"] for x in r) for n, r in records.items()}
             taus = sorted({x["overlap_steps"] for r in records.values() for x in r})
             results[label] = min(steady.values())
             print(f"{label:9s}: steady rounds {' '.join(f'{n}={v:.3f}' for n, v in steady.items())} | whole run "
-                  f"{' '.join(f'{n}={v:.3f}' for n, v in whole.items())} | blocked "
+                  f"{' '.join(f'{n}={v:.3f}' for n, v in whole.items())} | in-run measure "
+                  f"{' '.join(f'{n}={v:.3f}' for n, v in own.items())} | blocked "
                   f"{' '.join(f'{n}={v:.1f}s' for n, v in blocked.items())} | tau {taus}")
     print(f"utilization: plain={results['plain']:.3f} streaming={results['streaming']:.3f}")
 

@@ -47,6 +47,7 @@ from island_jax.coordinator import StaleRoundError
 from island_jax.outer import fragments as fragments_lib
 
 EVENT_KINDS = ("compute", "send", "receive", "wait")
+CLEAN_HORIZON = 128  # inner steps: older steps with no exchange in flight no longer describe the step time
 
 
 class EventLog:
@@ -153,8 +154,9 @@ class StreamingSync:
         self._steps_at_contribution = [island.step] * self.num_fragments
         self.inflight: dict[int, _Flight] = {}
         self._pool = futures.ThreadPoolExecutor(max_workers=self.num_fragments, thread_name_prefix="fragment-exchange")
-        # Recent steps with no exchange in flight, and recent steps (compiling steps left out): the
-        # step time follows what else runs on the machine, so only recent steps describe a round.
+        # (island step, seconds) of recent steps with no exchange in flight, and seconds of the last
+        # steps (compiling steps left out): the step time follows what else runs on the machine, so
+        # only recent steps describe a round.
         self.clean_steps: collections.deque = collections.deque(maxlen=32)
         self.recent_steps: collections.deque = collections.deque(maxlen=32)
         self.exchange_seconds: collections.deque = collections.deque(maxlen=self.num_fragments)
@@ -178,8 +180,11 @@ class StreamingSync:
     # -- the schedule ----------------------------------------------------------------------------------
 
     def clean_step_seconds(self) -> float:
-        """Median inner-step time (seconds, sleep included) of steps run with no exchange in flight."""
-        return _median(self.clean_steps) or _median(self.recent_steps)
+        """Median inner-step time (seconds, sleep included) of the last 32 steps run with no exchange in
+        flight, among the last `CLEAN_HORIZON` steps; when fewer than 8 of those ran with nothing in flight
+        (an island whose exchanges always overlap), the median of its last 32 steps."""
+        recent = [sec for step, sec in self.clean_steps if step > self.island.step - CLEAN_HORIZON]
+        return _median(recent) if len(recent) >= 8 else _median(self.recent_steps)
 
     def current_tau(self, fragment: int) -> int:
         """tau for a contribution of `fragment` now: `outer.overlap_steps`, or the "auto" choice."""
@@ -289,7 +294,7 @@ class StreamingSync:
         if not getattr(self.island, "last_step_compiled", False):
             self.recent_steps.append(step_seconds)
             if not self._exchange_running:
-                self.clean_steps.append(step_seconds)
+                self.clean_steps.append((self.island.step, step_seconds))
         if self.budget is None:
             due = fragments_lib.due_fragments(steps_done, self.island.inner_steps, self.num_fragments)
         else:

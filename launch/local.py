@@ -51,6 +51,12 @@ from pathlib import Path
 from absl import app, flags
 from ml_collections import config_flags
 
+# glibc malloc for the roles: serve buffers up to 32 MiB from the heap and keep freed memory, instead of
+# mapping fresh pages for every large array and unmapping them again. Each inner step and exchange allocates
+# arrays of megabytes; with the defaults the page faults cost about a tenth of the CPU here (measured on
+# two_islands, 2 cores: step time 0.22 -> 0.185 s, system time 9.0 -> 6.6 s).
+MALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": str(32 << 20), "MALLOC_TRIM_THRESHOLD_": str(1 << 30), "MALLOC_TOP_PAD_": str(64 << 20)}
+
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Path to an experiment config (a get_config() file).", lock_config=True)
 _WORKDIR = flags.DEFINE_string("workdir", None, "The run's folder (one subfolder per role).")
 _HOST = flags.DEFINE_string("host", "localhost", "Host the coordinator listens on.")
@@ -273,6 +279,8 @@ def main(argv):
     lock = threading.Lock()
     procs, threads = {}, []
     env = dict(os.environ, PYTHONUNBUFFERED="1")
+    for key, value in MALLOC_ENV.items():  # an explicit setting of the caller wins
+        env.setdefault(key, value)
     for role, cmd in roles:  # every process first: preexec_fn is only safe before threads start
         procs[role] = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
                                        preexec_fn=_die_with_parent)
