@@ -69,7 +69,10 @@ class MetricsWriter:
     def write(self, record: dict) -> None:
         """Writes one record; it needs a `kind`, and `step` or `round` for TensorBoard's x axis.
 
-        With `background`, the record must not change after this call."""
+        A top-level value may be a function of no arguments, called when the
+        record is written (on the writer's thread with `background`): for
+        values slow to compute, such as a checksum. With `background`, the
+        record must not change after this call."""
         if self._pool is None:
             self._write(record)
             return
@@ -78,7 +81,7 @@ class MetricsWriter:
         self._last = self._pool.submit(self._write, record)
 
     def _write(self, record: dict) -> None:
-        record = _plain(record)
+        record = _plain({k: v() if callable(v) else v for k, v in record.items()})
         self._file.write(json.dumps(record) + "\n")
         self._file.flush()
         if self._tb is not None:

@@ -20,6 +20,7 @@ parameters. `combine_summaries` writes `WORKDIR/summary.json` from all roles.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import time
@@ -252,6 +253,8 @@ def run_island(config: ml_collections.ConfigDict, workdir: str, name: str, addre
         if first == 0:
             metrics.write(dict(kind="eval", round=0, eval_loss=eval_loss))
         logging.info("round %d: eval loss %.4f nats/byte", first, eval_loss)
+    # Every island starts its first round at the same moment (the evaluator evaluated first).
+    transport.start_together(name, config_lib.fingerprint_fields(config), island.global_checksum, first)
     timed_start = None
     events = EventLog(os.path.join(folder, "events.jsonl"), name)
     sync = StreamingSync(island, transport, config, first, link=link, events=events)
@@ -288,7 +291,7 @@ def run_island(config: ml_collections.ConfigDict, workdir: str, name: str, addre
                 **{k: result[k] for k in _ROUND_FIELDS},
                 achieved_gbps=(result["bytes_sent"] + result["bytes_received"]) * 8 / result["seconds_transferring"] / 1e9
                 if result["seconds_transferring"] else 0.0,
-                checksum=island.global_checksum,
+                checksum=functools.partial(checksum, island.global_params),  # computed by the metrics thread
                 expert_load=result["expert_load"],
             )
             if evaluator and ((r + 1) % config.eval.every_rounds == 0 or r + 1 == rounds):

@@ -147,3 +147,27 @@ def test_crash_stops_every_process_and_the_rerun_resumes_to_the_same_bits(straig
     again = launch(workdir, corpus)
     assert again.returncode == 1 and "holds a finished run (summary.json); pass a new --workdir" in again.stderr
     assert (workdir / "summary.json").read_text() == summary
+
+
+def test_streaming_fragments_across_processes(corpus, tmp_path):
+    """Two fragments, tau = 1, one process per role: every fragment of every round goes out once, the islands
+    end on the coordinator's view, and the run writes its accounting, events and timeline."""
+    workdir = tmp_path / "streaming"
+    result = launch(workdir, corpus, "--config.outer.fragments=2", "--config.outer.overlap_steps=1")
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    summary = json.load(open(workdir / "summary.json"))
+    assert summary["checksums_agree"] is True
+    coordinator = [r for r in read_jsonl(workdir / "coordinator" / "metrics.jsonl") if r["kind"] == "round"]
+    assert [(r["round"], r["fragment"]) for r in coordinator] == [(1, 0), (1, 1), (2, 0), (2, 1), (3, 0), (3, 1)]
+    for name in ("a", "b"):
+        isl = summary["islands"][name]
+        assert isl["inner_steps"] == 6
+        total = isl["compute_seconds"] + isl["seconds_blocked"] + isl["idle_seconds"]
+        assert total == pytest.approx(isl["wall_seconds"], rel=1e-6)
+        assert isl["compute_utilization"] == pytest.approx(isl["ideal_compute_seconds"] / isl["wall_seconds"])
+        events = read_jsonl(workdir / "islands" / name / "events.jsonl")
+        sends = sorted((e["round"], e["fragment"]) for e in events if e["kind"] == "send")
+        assert sends == [(1, 0), (1, 1), (2, 0), (2, 1), (3, 0), (3, 1)]
+        rounds = [r for r in read_jsonl(workdir / "islands" / name / "metrics.jsonl") if r["kind"] == "round"]
+        assert [r["overlap_steps"] for r in rounds] == [1, 1, 1]
+    assert (workdir / "timeline.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -251,6 +251,26 @@ class GrpcTransport:
         self.view_plan = _plan(list(reply.view_chunk_offsets), reply.view_bytes)
         return dict(round=reply.round, checksum=reply.params_checksum)
 
+    def start_together(self, island: str, config_fingerprint: dict, params_checksum: str, round: int = 0) -> None:
+        """Says the island is ready to train and waits (up to `join_timeout` seconds) until every island
+        of the run has said so, so that all start their first round at the same moment.
+
+        Raises:
+          HandshakeError: the coordinator refused the join (see `join`).
+          ExchangeError: the coordinator did not answer.
+        """
+        request = pb.JoinRequest(
+            island=island, fingerprint_json=json.dumps(config_fingerprint), params_checksum=params_checksum,
+            round=round, ready=True,
+        )
+        try:
+            self._join[0](request, timeout=self.join_timeout)
+        except grpc.RpcError as e:
+            if e.code() != grpc.StatusCode.DEADLINE_EXCEEDED:
+                raise _error(e, "join", self.address) from None
+            logging.warning("island %s: not every island was ready within %.0f s; starting anyway", island,
+                            self.join_timeout)
+
     def contribute(
         self,
         round: int,

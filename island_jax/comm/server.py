@@ -91,6 +91,7 @@ class ExchangeService:
         self.lock = threading.Condition()
         self.fetched: dict[tuple[int, int], set[str]] = {}  # (fragment, round) -> islands that received its update
         self.wire_bytes = {name: dict(received=0, sent=0) for name in c.islands}
+        self.ready: set[str] = set()  # islands that said they are ready to train (Join with ready)
         self._open: dict[tuple[int, int, str], dict] = {}  # (fragment, round, island) -> streams of a contribution
         self._worker = futures.ThreadPoolExecutor(max_workers=4, thread_name_prefix="coordinator")
         # Reads (update chunks, trailers) never queue behind the chunks waiting to merge.
@@ -153,6 +154,14 @@ class ExchangeService:
             )
         except HandshakeError as e:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"HandshakeError: {e}")
+        if request.ready:  # wait for every island to be ready, so that all start their first round together
+            self.ready.add(request.island)
+            await self._call(lambda: None)  # wakes the others
+            while not self.ready >= set(self.coordinator.islands):
+                version = self._version
+                if context.time_remaining() is not None and context.time_remaining() <= 0:
+                    break
+                await self._wait_for_change(version, 1.0)
         c = self.coordinator
         return pb.JoinReply(
             round=reply["round"], params_checksum=reply["checksum"], payload_bytes=self.payload_bytes,
