@@ -85,7 +85,7 @@ def island(
       crash_at_round: fault injection for tests of launchers and recovery: the
         island's process fails at the start of this round (1-based; 0 = never).
       simulated_speed: s in (0, 1]; on one machine, makes the island s times as
-        fast by sleeping (1/s - 1) x each step's time after it.
+        fast by sleeping (1/s - 1) x its recent median step time after each step.
     """
     return ml_collections.ConfigDict(
         dict(

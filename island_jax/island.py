@@ -11,6 +11,7 @@ across rounds, as DiLoCo does.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import functools
 import time
@@ -141,6 +142,7 @@ class Island:
         self._global_checksum: str | None = None
         self.dataset = data_lib.train_dataset(train_bytes, self.seq_len, cfg.batch_size, config.seed)
         self.step = 0  # inner steps taken: also the data position
+        self._compute_times: collections.deque = collections.deque(maxlen=16)  # recent steps' seconds, no sleep
         self.tokens_per_step = cfg.batch_size * self.seq_len
         self._graphdef = graphdef
         self._build_train_step(self.inner_steps * total_rounds)
@@ -246,9 +248,10 @@ class Island:
         (`outer.sync` "steps" or "auto"), or as many steps as fit in
         `outer.round_seconds` of wall clock (`outer.sync = "time"`, at least
         one; `seconds`, when given, replaces that budget). With
-        `islands.NAME.simulated_speed` s < 1 the island sleeps (1/s - 1) x each
-        step's time after it, standing for slower hardware; the sleep counts as
-        compute. A step that compiled (the first after the step was built,
+        `islands.NAME.simulated_speed` s < 1 the island sleeps (1/s - 1) x the
+        median time of its last 16 steps after each step, standing for slower
+        hardware (a median, so that a step slowed by other work on the machine
+        is not slowed twice); the sleep counts as compute. A step that compiled (the first after the step was built,
         unless `warm_up` ran) does not sleep, and `last_step_compiled` says so. `after_step(steps_done, elapsed_seconds,
         step_seconds)`, when given, is called after every step (sleep included)
         on this thread: Streaming DiLoCo contributes and applies fragments there
@@ -285,7 +288,10 @@ class Island:
                 step_seconds = time.perf_counter() - step_start
                 busy += step_seconds
                 self.last_step_compiled, self._compile_pending = self._compile_pending, False
-                sleep = 0.0 if self.last_step_compiled else step_seconds * slowdown
+                sleep = 0.0
+                if not self.last_step_compiled:
+                    self._compute_times.append(step_seconds)
+                    sleep = float(np.median(self._compute_times)) * slowdown
                 step_times.append(step_seconds + sleep)  # what the step costs, sleep included
                 if sleep > 0:
                     time.sleep(sleep)
