@@ -14,6 +14,7 @@ Each process gets one virtual CPU device per device it needs (set from the
 config before JAX starts its backend) unless it runs on accelerators.
 """
 
+import signal
 import sys
 
 from absl import app, flags
@@ -52,6 +53,9 @@ def main(argv):
 
     _quiet_libraries()
 
+    # A stopped role (the launcher stops the others when one fails) unwinds like an error, so that its
+    # checkpoint being written in the background is finished before the process ends.
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     config, role, name = _CONFIG.value, _ROLE.value, _ISLAND.value
     if role == "island" and not name:
         sys.exit("--role=island needs --island=NAME, one of the config's islands")

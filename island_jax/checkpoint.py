@@ -22,7 +22,8 @@ class CheckpointError(RuntimeError):
 
 
 def _host(tree: Any) -> Any:
-    return jax.tree.map(lambda x: np.asarray(jax.device_get(x)), tree)
+    """A host copy of every leaf (NumPy): a background save never sees a later change."""
+    return jax.tree.map(lambda x: np.array(jax.device_get(x), copy=True), tree)
 
 
 class Checkpointer:
@@ -47,7 +48,11 @@ class Checkpointer:
         return self._manager.latest_step()
 
     def save(self, round: int, state: Any, force: bool = False) -> bool:
-        """Saves `state` (arrays on any device; gathered to the host) as of `round` completed rounds.
+        """Saves `state` (arrays on any device; copied to the host here) as of `round` completed rounds.
+
+        The files are written in the background while training goes on; the
+        next `save` and `close` wait for them, and a checkpoint only counts
+        (`latest_round`) once it is complete.
 
         Returns:
           Whether a checkpoint was written (every `every_rounds`, or forced).
@@ -56,8 +61,8 @@ class Checkpointer:
             return False
         if self._manager.latest_step() == round:
             return False
+        self._manager.wait_until_finished()  # the previous save
         self._manager.save(round, args=ocp.args.StandardSave(_host(state)))
-        self._manager.wait_until_finished()
         return True
 
     def restore(self, like: Any, round: int | None = None) -> Any:
