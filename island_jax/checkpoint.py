@@ -10,6 +10,7 @@ classes come back as themselves, bit for bit.
 from __future__ import annotations
 
 import os
+from concurrent import futures
 from typing import Any
 
 import jax
@@ -42,6 +43,9 @@ class Checkpointer:
         self._manager = ocp.CheckpointManager(
             self.directory, options=ocp.CheckpointManagerOptions(max_to_keep=max_to_keep, create=True)
         )
+        # Saves run here, one after another, so that the caller only pays for the host copy.
+        self._writer = futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="checkpoint")
+        self._pending: futures.Future | None = None
 
     def latest_round(self) -> int | None:
         """Completed rounds of the newest checkpoint, or None when there is none."""
@@ -59,10 +63,17 @@ class Checkpointer:
         """
         if not force and round % self.every_rounds:
             return False
+        if self._pending is not None:
+            self._pending.result()  # the previous save, finished (or its error)
         if self._manager.latest_step() == round:
             return False
-        self._manager.wait_until_finished()  # the previous save
-        self._manager.save(round, args=ocp.args.StandardSave(_host(state)))
+        host = _host(state)
+
+        def write():
+            self._manager.save(round, args=ocp.args.StandardSave(host))
+            self._manager.wait_until_finished()
+
+        self._pending = self._writer.submit(write)
         return True
 
     def restore(self, like: Any, round: int | None = None) -> Any:
@@ -95,5 +106,11 @@ class Checkpointer:
         return jax.tree.map(np.asarray, restored)
 
     def close(self) -> None:
-        self._manager.wait_until_finished()
-        self._manager.close()
+        """Waits for the save in progress (raising its error, if any), then closes the manager."""
+        self._writer.shutdown(wait=True)
+        try:
+            if self._pending is not None:
+                self._pending.result()
+        finally:
+            self._manager.wait_until_finished()
+            self._manager.close()
