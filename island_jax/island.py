@@ -393,29 +393,40 @@ class Island:
         c = self.config.codec
         return codec.decode_and_apply(self._global_leaves(fragment), payload, c.kind, c.block_size)
 
-    def apply_fragment(self, fragment: int, global_leaves: list[np.ndarray], mix_alpha: float | None = None) -> None:
+    def place_fragment(self, fragment: int, global_leaves: list[np.ndarray], copies: int) -> list[list[jax.Array]]:
+        """`copies` placements of a fragment's new global leaves on the island's devices, for
+        `apply_fragment` (one for the anchor, one more for the parameters without mixing). Safe on a
+        background thread, so the training thread does not wait for the copies."""
+        shardings = [self._leaf_shardings[i] for i in self.partition[fragment]]
+        placed = [jax.device_put(list(global_leaves), shardings) for _ in range(copies)]
+        return jax.block_until_ready(placed)
+
+    def apply_fragment(
+        self, fragment: int, global_leaves: list[np.ndarray], mix_alpha: float | None = None, placed=None
+    ) -> None:
         """Takes a fragment's new global leaves: they become its anchor, and its parameters become
         `mix_alpha` x local + (1 - mix_alpha) x global (Streaming DiLoCo's mixing), or exactly the
-        global values when `mix_alpha` is None (no overlap)."""
+        global values when `mix_alpha` is None (no overlap). `placed`: `place_fragment`'s copies
+        (two without mixing), when already made."""
         idx = self.partition[fragment]
         host = jax.tree.leaves(self.global_params)
         for i, leaf in zip(idx, global_leaves):
             host[i] = leaf
         self.global_params = jax.tree.unflatten(self._treedef, host)
         self._global_checksum = None
-        shardings = [self._leaf_shardings[i] for i in idx]
+        if placed is None:
+            placed = self.place_fragment(fragment, global_leaves, 1 if mix_alpha is not None else 2)
         anchor, params = jax.tree.leaves(self.anchor), jax.tree.leaves(self.params)
         with self.device_lock, jax.set_mesh(self.mesh):
-            new_anchor = jax.device_put(list(global_leaves), shardings)
+            new_anchor = placed[0]
             if mix_alpha is None:
-                new_params = jax.device_put(list(global_leaves), shardings)
-            else:
+                new_params = placed[1]
+            else:  # dispatched; the next inner step waits for it
                 new_params = self._mix([params[i] for i in idx], new_anchor, np.float32(mix_alpha))
             for k, i in enumerate(idx):
                 anchor[i], params[i] = new_anchor[k], new_params[k]
             self.anchor = jax.tree.unflatten(self._treedef, anchor)
             self.params = jax.tree.unflatten(self._treedef, params)
-            jax.block_until_ready(self.params)
 
     def fragment_codec_relative_error(self, fragment: int) -> float:
         """||sent - intended|| / ||intended|| of the fragment's last payload (0 before the first)."""

@@ -322,7 +322,8 @@ class StreamingSync:
         self._last_tau = tau
         step_seconds = self.clean_step_seconds()
         future = self._pool.submit(
-            self._exchange, fragment, round, max(steps, 1) * island.tokens_per_step, pseudo_gradient, step_seconds
+            self._exchange, fragment, round, max(steps, 1) * island.tokens_per_step, pseudo_gradient, step_seconds,
+            tau,
         )
         self.inflight[fragment] = _Flight(fragment, round, island.step + tau, tau, future)
         self.next_round[fragment] = round + 1
@@ -330,8 +331,11 @@ class StreamingSync:
         if tau == 0:
             self._apply(fragment)
 
-    def _exchange(self, fragment: int, round: int, tokens: int, pseudo_gradient, step_seconds: float) -> dict:
-        """On a background thread: encode, contribute, fetch the update and decode it."""
+    def _exchange(
+        self, fragment: int, round: int, tokens: int, pseudo_gradient, step_seconds: float, tau: int
+    ) -> dict:
+        """On a background thread: encode, contribute, fetch the update, decode it and place it on the
+        island's devices."""
         island, transport = self.island, self.transport
         t0 = time.time()
         encoder = island.encode_fragment(fragment, pseudo_gradient)
@@ -342,6 +346,9 @@ class StreamingSync:
         self.events.add("send", t0, t1, round=round + 1, fragment=fragment)
         update = transport.fetch_update(round, island.name, fragment=fragment)
         new_leaves = island.decode_fragment(fragment, update)
+        placed = None
+        if hasattr(island, "place_fragment"):
+            placed = island.place_fragment(fragment, new_leaves, 2 if tau == 0 else 1)
         t2 = time.time()
         self.events.add("receive", t1, t2, round=round + 1, fragment=fragment)
         stats = transport.stats(round, fragment) if hasattr(transport, "stats") else None
@@ -351,6 +358,7 @@ class StreamingSync:
             round=round,
             status=status,
             new_leaves=new_leaves,
+            placed=placed,
             planned=planned,
             seconds=t2 - t0,
             payload_bytes=encoder.nbytes,
@@ -375,8 +383,13 @@ class StreamingSync:
             self._rejoin()
             return
         self.exchange_seconds.append(done["seconds"])
-        self.island.apply_fragment(fragment, done["new_leaves"], None if flight.tau == 0 else self.alpha)
+        mix = None if flight.tau == 0 else self.alpha
+        if done["placed"] is None:
+            self.island.apply_fragment(fragment, done["new_leaves"], mix)
+        else:
+            self.island.apply_fragment(fragment, done["new_leaves"], mix, placed=done["placed"])
         done.pop("new_leaves")
+        done.pop("placed")
         self._finished.append(done)
         if done["planned"]:
             self._planned = done["planned"]
