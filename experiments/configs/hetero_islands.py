@@ -8,6 +8,12 @@ older hardware). With `outer.sync = "time"` both train for the same
 coordinator weights each contribution by the tokens it reports.
 
   python launch/local.py --config=experiments/configs/hetero_islands.py --workdir=/tmp/hetero_islands
+
+With Streaming DiLoCo (two fragments, each exchanged while the islands keep
+training; see the README's "Streaming fragments"):
+
+  python launch/local.py --config=experiments/configs/hetero_islands.py --workdir=/tmp/hetero_streaming \
+      --config.outer.fragments=2 --config.outer.overlap_steps=auto
 """
 
 from island_jax.config import default_config, island
