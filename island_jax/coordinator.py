@@ -700,10 +700,6 @@ class FragmentedCoordinator:
             self._checksum = (key, checksum(self.view))
         return self._checksum[1]
 
-    def fragment_checksums(self) -> list[str]:
-        """`params.checksum` of each fragment's view (a list of its leaves): what contributions carry."""
-        return [f.checksum for f in self.fragments]
-
     def join(self, island: str, config_fingerprint: dict, params_checksum: str, round: int = 0) -> dict:
         """`Coordinator.join` for every fragment, against the checksum of the whole view.
 

@@ -175,14 +175,12 @@ class Island:
             for idx in self.partition
         ]
         self._leaf_shardings = jax.tree.leaves(self._param_sharding)
-        self._fragment_encoders: dict[int, codec.ChunkEncoder] = {}
         self.device_lock = contextlib.nullcontext()  # held around device work when islands share a process
 
         def mix(local, global_, alpha):
             return [(alpha * l.astype(jnp.float32) + (1.0 - alpha) * g.astype(jnp.float32)).astype(l.dtype)
                     for l, g in zip(local, global_)]
 
-        self._pseudo_gradient_list = jax.jit(pseudo_gradient)
         self._mix = jax.jit(mix)
 
     def _build_train_step(self, total_steps: int) -> None:
@@ -238,7 +236,7 @@ class Island:
             anchor, local = jax.tree.leaves(self.anchor), jax.tree.leaves(self.params)
             for idx in self.partition:
                 a, p = [anchor[i] for i in idx], [local[i] for i in idx]
-                jax.block_until_ready(self._pseudo_gradient_list(a, p))
+                jax.block_until_ready(self._pseudo_gradient(a, p))
                 jax.block_until_ready(self._mix(p, a, np.float32(self.config.outer.mix_alpha)))
 
     def train_round(self, num_steps: int | None = None, after_step=None, seconds: float | None = None) -> dict:
@@ -358,7 +356,7 @@ class Island:
         idx = self.partition[fragment]
         anchor, params = jax.tree.leaves(self.anchor), jax.tree.leaves(self.params)
         with self.device_lock, jax.set_mesh(self.mesh):
-            pg = self._pseudo_gradient_list([anchor[i] for i in idx], [params[i] for i in idx])
+            pg = self._pseudo_gradient([anchor[i] for i in idx], [params[i] for i in idx])
             return jax.block_until_ready(pg)
 
     def encode_fragment(self, fragment: int, pseudo_gradient: list) -> codec.ChunkEncoder:
@@ -372,11 +370,9 @@ class Island:
         if c.error_feedback:
             leaves = jax.tree.leaves(self.residual)
             residual = [leaves[i] for i in self.partition[fragment]]
-        encoder = codec.ChunkEncoder(
+        return codec.ChunkEncoder(
             pseudo_gradient, c.kind, c.block_size, self.fragment_plans[fragment], residual, measure=True
         )
-        self._fragment_encoders[fragment] = encoder
-        return encoder
 
     def fragment_checksum(self, fragment: int) -> str:
         """`params.checksum` of the fragment's global leaves (a list): what its contribution carries."""
@@ -427,11 +423,6 @@ class Island:
                 anchor[i], params[i] = new_anchor[k], new_params[k]
             self.anchor = jax.tree.unflatten(self._treedef, anchor)
             self.params = jax.tree.unflatten(self._treedef, params)
-
-    def fragment_codec_relative_error(self, fragment: int) -> float:
-        """||sent - intended|| / ||intended|| of the fragment's last payload (0 before the first)."""
-        encoder = self._fragment_encoders.get(fragment)
-        return encoder.relative_error if encoder is not None else 0.0
 
     def apply_update(self, payload: bytes) -> None:
         """Applies the coordinator's update to the global view; it becomes anchor and params.

@@ -41,7 +41,7 @@ from island_jax.island import STEP_METRICS, Island
 from island_jax.metrics import MetricsWriter, format_eta, read_jsonl, write_json
 from island_jax.params import checksum, count, init_params
 from island_jax.plots import plot_timeline
-from island_jax.streaming import EventLog, StreamingSync
+from island_jax.streaming import ACCOUNTING_FIELDS, EventLog, StreamingSync
 
 
 def coordinator_dir(workdir: str) -> str:
@@ -288,7 +288,7 @@ def run_island(config: ml_collections.ConfigDict, workdir: str, name: str, addre
                 tokens=result["tokens"],
                 busy_seconds=result["busy_seconds"],
                 step_seconds=result["step_seconds"],
-                **{k: result[k] for k in _ROUND_FIELDS},
+                **{k: result[k] for k in ACCOUNTING_FIELDS},
                 achieved_gbps=(result["bytes_sent"] + result["bytes_received"]) * 8 / result["seconds_transferring"] / 1e9
                 if result["seconds_transferring"] else 0.0,
                 checksum=functools.partial(checksum, island.global_params),  # computed by the metrics thread
@@ -333,13 +333,6 @@ def run_island(config: ml_collections.ConfigDict, workdir: str, name: str, addre
     return summary
 
 
-# What each round's record takes from `StreamingSync.run_round`.
-_ROUND_FIELDS = (
-    "compute_seconds", "seconds_blocked", "idle_seconds", "wall_seconds", "clean_step_seconds", "ideal_compute_seconds",
-    "compute_utilization",
-    "overlap_steps", "waits", "exchanges", "bytes_sent", "bytes_received", "payload_bytes", "seconds_transferring",
-    "exchange_seconds", "codec_relative_error",
-)
 _SUMMED = (
     "inner_steps", "tokens", "bytes_sent", "bytes_received", "compute_seconds", "seconds_blocked", "idle_seconds",
     "wall_seconds", "ideal_compute_seconds", "seconds_transferring", "waits",

@@ -46,7 +46,12 @@ from absl import logging
 from island_jax.coordinator import StaleRoundError
 from island_jax.outer import fragments as fragments_lib
 
-EVENT_KINDS = ("compute", "send", "receive", "wait")
+# What `StreamingSync.run_round` adds to a round's result, as the roles log it.
+ACCOUNTING_FIELDS = (
+    "compute_seconds", "seconds_blocked", "idle_seconds", "wall_seconds", "clean_step_seconds", "ideal_compute_seconds",
+    "compute_utilization", "overlap_steps", "waits", "exchanges", "bytes_sent", "bytes_received", "payload_bytes",
+    "seconds_transferring", "exchange_seconds", "codec_relative_error",
+)
 CLEAN_HORIZON = 128  # inner steps: older steps with no exchange in flight no longer describe the step time
 
 

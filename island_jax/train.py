@@ -29,7 +29,7 @@ from island_jax.metrics import MetricsWriter, format_eta, read_jsonl, write_json
 from island_jax.outer import codec
 from island_jax.params import checksum, count, init_params
 from island_jax.plots import plot_timeline
-from island_jax.streaming import EventLog, StreamingSync
+from island_jax.streaming import ACCOUNTING_FIELDS, EventLog, StreamingSync
 
 
 def build_islands(config: ml_collections.ConfigDict, corpus: data_lib.Corpus, graphdef, params, specs) -> list[Island]:
@@ -235,7 +235,7 @@ def _log_round(config, metrics, islands, results, r, totals, transport, eval_bat
             dict(kind="island_round", island=isl.name, round=r + 1, steps=result["steps"],
                  step_seconds=result["step_seconds"], seconds=result["seconds"], busy_seconds=result["busy_seconds"],
                  tokens=result["tokens"], expert_load=result["expert_load"],
-                 **{k: result[k] for k in _ACCOUNTING if k in result})
+                 **{k: result[k] for k in ACCOUNTING_FIELDS if k in result})
         )
         record["train_loss"][isl.name] = float(np.mean(result["cross_entropy"]))
         t = totals[isl.name]
@@ -289,9 +289,3 @@ def _last_eval(workdir, default):
     evals = [r for r in read_jsonl(os.path.join(workdir, "metrics.jsonl")) if r.get("kind") == "eval"]
     return evals[-1]["eval_loss"] if evals else default
 
-
-# Per-island accounting from `StreamingSync.run_round` written into each island_round record.
-_ACCOUNTING = (
-    "compute_seconds", "seconds_blocked", "idle_seconds", "wall_seconds", "clean_step_seconds", "ideal_compute_seconds",
-    "compute_utilization", "overlap_steps", "waits", "exchanges", "exchange_seconds",
-)
