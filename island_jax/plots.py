@@ -51,21 +51,29 @@ def plot_expert_load(metrics_path: str, png_path: str, island: str | None = None
     return png_path
 
 
-_LANES = (("compute", "tab:green"), ("send", "tab:blue"), ("receive", "tab:orange"), ("wait", "tab:red"))
+# (lane label, event kinds drawn in it, color)
+_LANES = (
+    ("compute", ("compute",), "tab:green"),
+    ("send", ("send",), "tab:blue"),
+    ("receive", ("receive",), "tab:orange"),
+    ("wait", ("wait",), "tab:red"),
+    ("eval, save", ("eval", "checkpoint"), "tab:purple"),
+)
 
 
 def plot_timeline(event_paths, png_path: str, start: float | None = None, end: float | None = None) -> str:
     """Draws when each island computed, sent, received and waited (`streaming.EventLog` files) into a PNG.
 
-    One band per island, four lanes in it: compute (inner steps), send (a
+    One band per island, five lanes in it: compute (inner steps), send (a
     fragment's contribution leaving), receive (waiting for, receiving and
-    decoding its update) and wait (training stopped for a due update). Overlap
+    decoding its update), wait (training stopped for a due update), and
+    eval, save (evaluation and checkpoint saves between rounds). Overlap
     shows as send / receive bars beside compute bars.
 
     Args:
       event_paths: JSON-lines event files (an island's `events.jsonl`, or an
         in-process run's `events_NAME.jsonl`).
-      png_path: where to write the PNG (12 inches wide, 1.6 per island, 100 dpi).
+      png_path: where to write the PNG (12 inches wide, 1.9 per island, 100 dpi).
       start, end: the window to draw, in seconds from the first event (default: all).
 
     Returns:
@@ -81,22 +89,22 @@ def plot_timeline(event_paths, png_path: str, start: float | None = None, end: f
         raise ValueError(f"no events in {list(event_paths)}; nothing to draw")
     t0 = min(e["start"] for e in events)
     islands = sorted({e["island"] for e in events})
-    fig = Figure(figsize=(12, 1.0 + 1.6 * len(islands)), dpi=100)
+    fig = Figure(figsize=(12, 1.0 + 1.9 * len(islands)), dpi=100)
     ax = fig.subplots()
     ticks, labels = [], []
     for i, name in enumerate(islands):
-        for j, (kind, color) in enumerate(_LANES):
+        for j, (label, kinds, color) in enumerate(_LANES):
             y = (len(islands) - 1 - i) * (len(_LANES) + 1) + (len(_LANES) - 1 - j)
-            spans = [(e["start"] - t0, e["end"] - e["start"]) for e in events if e["island"] == name and e["kind"] == kind]
+            spans = [(e["start"] - t0, e["end"] - e["start"]) for e in events if e["island"] == name and e["kind"] in kinds]
             ax.broken_barh(spans, (y + 0.1, 0.8), facecolors=color)
             ticks.append(y + 0.5)
-            labels.append(f"{name}: {kind}")
+            labels.append(f"{name}: {label}")
     ax.set_yticks(ticks)
     ax.set_yticklabels(labels, fontsize=8)
     ax.set_xlabel("seconds since the first event")
     last = max(e["end"] for e in events) - t0
     ax.set_xlim(start if start is not None else 0.0, end if end is not None else last)
-    ax.set_title("islands over time: compute, fragment sends and receives, waits", fontsize=10)
+    ax.set_title("islands over time: compute, fragment sends and receives, waits, evaluation and saves", fontsize=10)
     fig.tight_layout()
     fig.savefig(png_path)
     return png_path

@@ -295,13 +295,16 @@ def run_island(config: ml_collections.ConfigDict, workdir: str, name: str, addre
                 expert_load=result["expert_load"],
             )
             if evaluator and ((r + 1) % config.eval.every_rounds == 0 or r + 1 == rounds):
-                eval_loss = island.evaluate(eval_batches, global_params=True)
+                with sync.between_rounds("eval"):
+                    eval_loss = island.evaluate(eval_batches, global_params=True)
                 metrics.write(dict(kind="eval", round=r + 1, eval_loss=eval_loss))
                 record["eval_loss"] = eval_loss
             metrics.write(record)
             if checkpoint_due:
-                state = island.state(r + 1)
-                if checkpoints.save(r + 1, state, force=r + 1 == rounds):
+                with sync.between_rounds("checkpoint"):
+                    state = island.state(r + 1)
+                    saved = checkpoints.save(r + 1, state, force=r + 1 == rounds)
+                if saved:
                     metrics.write(
                         dict(kind="checkpoint", round=r + 1, checksums={k: checksum(jax.device_get(v)) for k, v in state.items()})
                     )
@@ -310,10 +313,11 @@ def run_island(config: ml_collections.ConfigDict, workdir: str, name: str, addre
                 eta = format_eta((time.perf_counter() - timed_start) / max(r - first, 1) * (rounds - r - 1))
             logging.info(
                 "round %d/%d | loss %.4f | eval %s | sent/received %.2f/%.2f MB | compute %.1f s, blocked %.1f s, "
-                "idle %.1f s | utilization %.3f | tau %d | ETA %s",
+                "idle %.1f s (before it: eval %.1f s, save %.1f s) | utilization %.3f | tau %d | ETA %s",
                 r + 1, rounds, record["train_loss"], f"{eval_loss:.4f}" if eval_loss is not None else "-",
                 record["bytes_sent"] / 1e6, record["bytes_received"] / 1e6, result["compute_seconds"],
-                result["seconds_blocked"], result["idle_seconds"], result["compute_utilization"],
+                result["seconds_blocked"], result["idle_seconds"], result["eval_seconds"], result["checkpoint_seconds"],
+                result["compute_utilization"],
                 result["overlap_steps"], eta,
             )
             if timed_start is None:
@@ -335,7 +339,7 @@ def run_island(config: ml_collections.ConfigDict, workdir: str, name: str, addre
 
 _SUMMED = (
     "inner_steps", "tokens", "bytes_sent", "bytes_received", "compute_seconds", "seconds_blocked", "idle_seconds",
-    "wall_seconds", "ideal_compute_seconds", "seconds_transferring", "waits",
+    "wall_seconds", "ideal_compute_seconds", "seconds_transferring", "waits", "eval_seconds", "checkpoint_seconds",
 )
 
 
@@ -353,7 +357,10 @@ def summarize_island(folder: str) -> dict:
     once, with its latest record. Returns `rounds` (completed), the sums of
     `inner_steps`, `tokens`, `bytes_sent`, `bytes_received` (bytes), `waits`,
     `wall_seconds` (of the rounds; every second is one of `compute_seconds`,
-    `seconds_blocked` or `idle_seconds`), `ideal_compute_seconds` (per round,
+    `seconds_blocked` or `idle_seconds`), `eval_seconds` and
+    `checkpoint_seconds` (between rounds, outside their wall seconds; the
+    evaluation and save after the last round are in `process_seconds` only),
+    `ideal_compute_seconds` (per round,
     inner steps x the step time with no exchange in flight),
     `compute_utilization` (ideal compute / wall), `seconds_transferring`,
     `achieved_gbps` (all bytes moved x 8 / seconds_transferring), the last `checksum`, and when the
@@ -386,7 +393,8 @@ def combine_summaries(config: ml_collections.ConfigDict, workdir: str, wall_seco
       `wall_seconds` (the caller's), `checksums_agree` (every island's final
       global parameters equal the coordinator's view), and
       `islands.NAME.{inner_steps, tokens, bytes_sent, bytes_received,
-      compute_seconds, seconds_blocked, idle_seconds, wall_seconds, ideal_compute_seconds, waits,
+      compute_seconds, seconds_blocked, idle_seconds, wall_seconds, eval_seconds, checkpoint_seconds,
+      ideal_compute_seconds, waits,
       seconds_transferring, achieved_gbps, compute_utilization, mean_weight (its share of a merge,
       averaged over rounds), rounds_merged}`; and draws `WORKDIR/timeline.png` from the islands' events.
 

@@ -25,14 +25,19 @@ Douillard et al., "Streaming DiLoCo with overlapping communication" (arXiv
 
 Every second of the island is accounted for per round: compute (inner steps,
 simulated-speed sleep included), blocked (waiting for an update that is due),
-and idle (the rest: evaluation, checkpoints, logging). Compute utilization is
-inner steps x the median step time measured with no exchange in flight, over
-wall seconds. `EventLog` keeps the spans for `plots.plot_timeline`.
+idle (the rest: the exchange's bookkeeping on the training thread, logging),
+and, between rounds, evaluation and checkpoint saves (`between_rounds`), which
+the run schedules whatever the exchange does. Compute utilization is inner
+steps x the median step time measured with no exchange in flight, over the
+round's wall seconds (compute + blocked + idle; evaluation and saves are
+reported beside it, not in it). `EventLog` keeps the spans for
+`plots.plot_timeline`.
 """
 
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import json
 import threading
@@ -50,8 +55,9 @@ from island_jax.outer import fragments as fragments_lib
 ACCOUNTING_FIELDS = (
     "compute_seconds", "seconds_blocked", "idle_seconds", "wall_seconds", "clean_step_seconds", "ideal_compute_seconds",
     "compute_utilization", "overlap_steps", "waits", "exchanges", "bytes_sent", "bytes_received", "payload_bytes",
-    "seconds_transferring", "exchange_seconds", "codec_relative_error",
+    "seconds_transferring", "exchange_seconds", "codec_relative_error", "eval_seconds", "checkpoint_seconds",
 )
+BETWEEN_ROUNDS = ("eval", "checkpoint")  # work between rounds that is not training: `StreamingSync.between_rounds`
 CLEAN_HORIZON = 128  # inner steps: older steps with no exchange in flight no longer describe the step time
 
 
@@ -60,7 +66,8 @@ class EventLog:
 
     Kinds: "compute" (inner steps; consecutive steps merge into one span),
     "send" (a contribution leaving), "receive" (waiting for, receiving and
-    decoding its update), "wait" (training stopped for a due update).
+    decoding its update), "wait" (training stopped for a due update), "eval"
+    and "checkpoint" (between rounds).
 
     Args:
       path: a JSON-lines file to append to (None: kept in memory only).
@@ -175,6 +182,7 @@ class StreamingSync:
         self._last_end: float | None = None
         self._contributed: set[int] = set()
         self._last_tau = self.tau
+        self._between = dict.fromkeys(BETWEEN_ROUNDS, 0.0)  # seconds since the last round ended
         self._reset_round()
 
     def _reset_round(self) -> None:
@@ -217,6 +225,25 @@ class StreamingSync:
 
     # -- one round -------------------------------------------------------------------------------------
 
+    @contextlib.contextmanager
+    def between_rounds(self, kind: str):
+        """Times work done between rounds that is not training: `kind` "eval" (an evaluation) or
+        "checkpoint" (a save). Its seconds are reported as the next round's `eval_seconds` or
+        `checkpoint_seconds`, left out of that round's `wall_seconds` (and so of its compute utilization,
+        which measures training against the exchange), and drawn as a span of `kind` in the events.
+
+        Raises:
+          ValueError: `kind` is not one of `BETWEEN_ROUNDS`.
+        """
+        if kind not in self._between:
+            raise ValueError(f"between_rounds kind {kind!r} is unknown; use one of {BETWEEN_ROUNDS}")
+        start, wall_start = time.perf_counter(), time.time()
+        try:
+            yield
+        finally:
+            self._between[kind] += time.perf_counter() - start
+            self.events.add(kind, wall_start, time.time(), round=self._round + 1)
+
     def run_round(self, round: int, drain: bool = False) -> dict:
         """Trains round `round` (0-based): its inner steps, with the fragments contributed and applied as due.
 
@@ -234,7 +261,9 @@ class StreamingSync:
 
         Returns:
           `island.train_round`'s result, plus `compute_seconds` (steps, sleep
-          included), `seconds_blocked`, `wall_seconds`, `idle_seconds` (wall -
+          included), `seconds_blocked`, `wall_seconds` (since the previous
+          round ended, less `eval_seconds` and `checkpoint_seconds`: the work
+          timed by `between_rounds` since then), `idle_seconds` (wall -
           compute - blocked), `clean_step_seconds` (median of the last 32 steps
           run with no exchange in flight), `ideal_compute_seconds` (steps x
           that), `compute_utilization` (ideal compute / wall),
@@ -243,8 +272,8 @@ class StreamingSync:
           `exchanges`, `bytes_sent`, `bytes_received`, `payload_bytes`,
           `seconds_transferring`, `exchange_seconds` (mean), `codec_relative_error` (mean).
         """
-        # Wall time runs from the end of the previous round: what the caller did in between (evaluation,
-        # checkpoints, logging) is this round's idle time.
+        # Wall time runs from the end of the previous round: what the caller did in between is this
+        # round's idle time, except evaluation and checkpoint saves timed by `between_rounds`.
         start = self._last_end if self._last_end is not None else time.perf_counter()
         if self._planned and self._planned != self.island.inner_steps:  # outer.auto_from = measured
             logging.info("island %s: %d inner steps per round from round %d on", self.island.name, self._planned, round + 1)
@@ -268,7 +297,8 @@ class StreamingSync:
             self.drain()
             self._epoch = (time.perf_counter(), round + 1)
         self._last_end = time.perf_counter()
-        wall = self._last_end - start
+        between, self._between = self._between, dict.fromkeys(BETWEEN_ROUNDS, 0.0)
+        wall = self._last_end - start - sum(between.values())
         compute = float(sum(result["step_times"]))
         clean = self.clean_step_seconds()
         done = self._finished
@@ -290,6 +320,7 @@ class StreamingSync:
             seconds_transferring=sum(d["seconds_transferring"] for d in done),
             exchange_seconds=float(np.mean([d["seconds"] for d in done])) if done else 0.0,
             codec_relative_error=float(np.mean([d["codec_relative_error"] for d in done])) if done else 0.0,
+            **{f"{kind}_seconds": seconds for kind, seconds in between.items()},
         )
         return out
 

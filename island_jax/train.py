@@ -10,6 +10,7 @@ only the transport. Writes to `workdir`:
 
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
 import time
@@ -61,8 +62,9 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
       `eval_loss_final` (nats per byte on the held-out files), `wall_seconds`,
       and `islands.NAME.{inner_steps, tokens, bytes_sent, bytes_received}`
       (payload bytes), with the outer loop also `compute_seconds`,
-      `seconds_blocked`, `idle_seconds`, `wall_seconds`, `ideal_compute_seconds`
-      and `compute_utilization` (see `streaming.StreamingSync`). The islands'
+      `seconds_blocked`, `idle_seconds`, `wall_seconds`, `ideal_compute_seconds`,
+      `eval_seconds`, `checkpoint_seconds` and `compute_utilization` (see
+      `streaming.StreamingSync`). The islands'
       spans go to `events_NAME.jsonl` and `timeline.png`.
 
     Raises:
@@ -165,12 +167,18 @@ def _train_islands_in_threads(config, workdir, metrics, islands, transport, link
     state = dict(eval_loss=None, start=time.perf_counter(), second=None, round=0)
     errors: list[BaseException] = []
 
+    def evaluating():  # every island waits while one evaluates: evaluation time for each
+        stack = contextlib.ExitStack()
+        for sync in syncs.values():
+            stack.enter_context(sync.between_rounds("eval"))
+        return stack
+
     def after_round():  # one thread runs it while the others wait at the barrier
         r = state["round"]
         in_flight = any(s.inflight for s in syncs.values())
         eval_loss = _log_round(
             config, metrics, islands, dict(results), r, totals, None if in_flight else transport, eval_batches,
-            state, global_params=True,
+            state, global_params=True, evaluating=evaluating,
         )
         if eval_loss is not None:
             state["eval_loss"] = eval_loss
@@ -203,8 +211,12 @@ def _train_islands_in_threads(config, workdir, metrics, islands, transport, link
     return state["eval_loss"]
 
 
-def _log_round(config, metrics, islands, results, r, totals, transport, eval_batches, state=None, global_params=False):
-    """Writes round `r`'s inner-step and round records, evaluates when due; returns the eval loss taken (or None).
+def _log_round(
+    config, metrics, islands, results, r, totals, transport, eval_batches, state=None, global_params=False,
+    evaluating=contextlib.nullcontext,
+):
+    """Writes round `r`'s inner-step and round records, evaluates when due (inside `evaluating()`); returns the
+    eval loss taken (or None).
 
     With `transport` (no update in flight), checks that every island's
     parameters equal the coordinator's view.
@@ -244,7 +256,8 @@ def _log_round(config, metrics, islands, results, r, totals, transport, eval_bat
         t["bytes_sent"] += result.get("payload_bytes", 0)
         t["bytes_received"] += result.get("bytes_received", 0)
         if "wall_seconds" in result:
-            for k in ("compute_seconds", "seconds_blocked", "idle_seconds", "wall_seconds", "ideal_compute_seconds"):
+            for k in ("compute_seconds", "seconds_blocked", "idle_seconds", "wall_seconds", "ideal_compute_seconds",
+                      "eval_seconds", "checkpoint_seconds"):
                 t[k] = t.get(k, 0.0) + result[k]
             t["compute_utilization"] = t["ideal_compute_seconds"] / t["wall_seconds"]
         if "codec_relative_error" in result:
@@ -263,7 +276,8 @@ def _log_round(config, metrics, islands, results, r, totals, transport, eval_bat
                           cosine_similarity=rec.cosine_similarity, update_bytes=sum(x.update_bytes for x in recs))
     eval_loss = None
     if (r + 1) % config.eval.every_rounds == 0 or r + 1 == rounds:
-        eval_loss = islands[0].evaluate(eval_batches, global_params=global_params)
+        with evaluating():
+            eval_loss = islands[0].evaluate(eval_batches, global_params=global_params)
         metrics.write(dict(kind="eval", round=r + 1, eval_loss=eval_loss))
         record["eval_loss"] = eval_loss
     metrics.write(record)

@@ -169,14 +169,31 @@ def test_events_and_timeline(tmp_path):
     transport.join("solo", fingerprint_fields(config), checksum(params))
     events = EventLog(str(path), "solo")
     sync = StreamingSync(isl, transport, config, events=events)
-    for r in range(2):
-        sync.run_round(r)
+    sync.run_round(0)
+    end_of_first = sync._last_end
+    # Evaluation and a save between the rounds: their own seconds, outside the next round's wall seconds.
+    with sync.between_rounds("eval"):
+        time.sleep(0.05)
+    with sync.between_rounds("checkpoint"):
+        time.sleep(0.02)
+    second = sync.run_round(1)
+    assert second["eval_seconds"] >= 0.05 and second["checkpoint_seconds"] >= 0.02
+    assert second["wall_seconds"] + second["eval_seconds"] + second["checkpoint_seconds"] == pytest.approx(
+        sync._last_end - end_of_first, rel=0, abs=1e-9
+    )
+    assert second["wall_seconds"] == pytest.approx(
+        second["compute_seconds"] + second["seconds_blocked"] + second["idle_seconds"], rel=0, abs=1e-9
+    )
+    with pytest.raises(ValueError, match="between_rounds kind 'logging' is unknown; use one of"):
+        with sync.between_rounds("logging"):
+            pass
     sync.drain()
     sync.close()
     events.close()
     rows = [json.loads(line) for line in open(path)]
     kinds = [r["kind"] for r in rows]
     assert kinds.count("send") == 4 and kinds.count("receive") == 4
+    assert [(r["kind"], r["round"]) for r in rows if r["kind"] in ("eval", "checkpoint")] == [("eval", 1), ("checkpoint", 1)]
     sends = sorted((r["round"], r["fragment"]) for r in rows if r["kind"] == "send")
     assert sends == [(1, 0), (1, 1), (2, 0), (2, 1)]
     assert all(r["end"] >= r["start"] for r in rows)
