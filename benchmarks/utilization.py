@@ -9,6 +9,11 @@ moving the whole int8 model once, up and back, takes about half a round of
 compute: rate = 2 x payload bytes x 8 / (0.5 x H x step seconds), with 50 ms
 one way.
 
+Each island runs on a CPU of its own (`launch/local.py --cpus`; the
+coordinator may use either), as each would on its own host. Sharing the
+cores, an island's steps would run faster whenever the other island sleeps,
+and the runs would measure how the islands' steps happen to interleave.
+
 The islands run at `simulated_speed` 0.5 (`--simulated_speed`): each step
 sleeps as long as it computed. An island on accelerators leaves its host's
 cores free while it computes, and they run the exchange; on a machine whose
@@ -50,6 +55,7 @@ import numpy as np
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIG = os.path.join(ROOT, "experiments", "configs", "two_islands.py")
 H = 32
+CPUS = sorted(os.sched_getaffinity(0))[:2] if hasattr(os, "sched_getaffinity") else []  # island a's and b's
 
 
 def launch(workdir: str, overrides: list[str], speed: float) -> tuple[dict, dict]:
@@ -59,6 +65,7 @@ def launch(workdir: str, overrides: list[str], speed: float) -> tuple[dict, dict
         f"--config.islands.a.inner_steps={H}", f"--config.islands.b.inner_steps={H}",
         f"--config.islands.a.simulated_speed={speed}", f"--config.islands.b.simulated_speed={speed}",
         "--config.eval.every_rounds=1000", "--config.checkpoint.every_rounds=1000",
+        *(f"--cpus={name}={cpu}" for name, cpu in zip("ab", CPUS)),
     ]
     cmd = [sys.executable, os.path.join(ROOT, "launch", "local.py"), f"--config={CONFIG}", f"--workdir={workdir}",
            *equal, *overrides]
@@ -105,6 +112,8 @@ def main() -> None:
         step = max(float(np.median([r["step_seconds"] for r in rounds[1:]])) for rounds in calibration.values())
         round_seconds = H * step
         gbps = 2 * payload * 8 / (0.5 * round_seconds) / 1e9
+        if len(CPUS) < 2:
+            print("fewer than 2 CPUs (or no sched_setaffinity): the islands share the CPUs")
         print(f"reference step {step * 1e3:.1f} ms (calibration: no link, simulated_speed {speed}; sizes the link); round {round_seconds:.2f} s of compute; "
               f"int8 payload {payload} bytes; link {gbps * 1e3:.2f} Mbit/s, {args.latency_ms:.0f} ms one way "
               f"(whole model up and back: {2 * payload * 8 / gbps / 1e9:.2f} s)")

@@ -28,7 +28,9 @@ simulated-speed sleep included), blocked (waiting for an update that is due),
 idle (the rest: the exchange's bookkeeping on the training thread, logging),
 and, between rounds, evaluation and checkpoint saves (`between_rounds`), which
 the run schedules whatever the exchange does. Compute utilization is inner
-steps x the median step time measured with no exchange in flight, over the
+steps x the median step time measured with no exchange in flight (none of
+the island's exchanges running when the step started; an update that has
+arrived and waits for its due step takes no CPU and does not count), over the
 round's wall seconds (compute + blocked + idle; evaluation and saves are
 reported beside it, not in it). `EventLog` keeps the spans for
 `plots.plot_timeline`.
@@ -174,7 +176,7 @@ class StreamingSync:
         self.exchange_seconds: collections.deque = collections.deque(maxlen=self.num_fragments)
         self.rejoined_round: int | None = None  # set when a stale round made the island rejoin from the view
         self._planned: int | None = None
-        self._exchange_running = False  # an exchange was in flight while the last step ran
+        self._exchange_running = False  # an exchange was running when the step now running started
         self._round = first_round
         self._first_round = first_round
         self._epoch: tuple[float, int] | None = None  # (perf_counter, round): when a drain realigned the islands
@@ -282,7 +284,7 @@ class StreamingSync:
                 self.island.warm_up()  # the rebuilt step compiles here, not in a timed step
         self._round, self._contributed = round, set()
         self._reset_round()
-        self._exchange_running = bool(self.inflight)
+        self._exchange_running = self._exchanging()
         seconds = None
         self._round_start = now = time.perf_counter()
         if self.budget is not None and self._epoch is not None:
@@ -344,7 +346,12 @@ class StreamingSync:
         for flight in sorted(self.inflight.values(), key=lambda f: f.due_step):
             if flight.due_step <= self.island.step:
                 self._apply(flight.fragment)
-        self._exchange_running = bool(self.inflight)
+        self._exchange_running = self._exchanging()
+
+    def _exchanging(self) -> bool:
+        """Whether an exchange is still running (its update not yet received, decoded and placed). An update
+        that arrived and waits for its due step no longer takes CPU from the steps."""
+        return any(not flight.future.done() for flight in self.inflight.values())
 
     def _contribute(self, fragment: int) -> None:
         if fragment in self.inflight:  # its last update has not been applied yet: it must be first

@@ -39,6 +39,7 @@ Without these flags nothing changes: every role runs in the launcher's namespace
 from __future__ import annotations
 
 import ctypes
+import functools
 import os
 import signal
 import socket
@@ -67,6 +68,11 @@ _NETNS_COORDINATOR = flags.DEFINE_string(
 _NETNS_ISLANDS = flags.DEFINE_string(
     "netns_islands", "", "Comma-separated NAME=NS: island NAME runs in namespace NS; a bare NS places every island "
     "not named; islands not placed run in the coordinator's namespace. Needs --netns_coordinator."
+)
+_CPUS = flags.DEFINE_multi_string(
+    "cpus", [], "ROLE=CPUS, repeatable: run ROLE (`coordinator` or an island's name) on those CPUs only (Linux "
+    "sched_setaffinity; CPUS as taskset writes them, e.g. 0 or 0,2-3), so that islands emulated on one machine do not "
+    "share cores; roles not named may run on any CPU."
 )
 flags.mark_flags_as_required(["config", "workdir"])
 
@@ -117,6 +123,37 @@ def _placement(islands: list[str]) -> tuple[str, dict[str, str]]:
         else:
             named[name] = ns
     return coordinator, {n: named.get(n, every or coordinator) for n in islands}
+
+
+def parse_cpus(specs: list[str], roles: list[str], available: set[int]) -> dict[str, set[int]]:
+    """{role: CPUs} from `--cpus` values ROLE=CPUS, CPUS a comma-separated list of CPU numbers and ranges.
+
+    Raises:
+      ValueError: a value that cannot be read, a role not in `roles`, a role
+        given twice, or a CPU not in `available` (this process's CPUs).
+    """
+    placed: dict[str, set[int]] = {}
+    for spec in specs:
+        role, sep, cpus = spec.partition("=")
+        role = role.strip()
+        if not sep or not role or not cpus.strip():
+            raise ValueError(f"--cpus: cannot read {spec!r}; give ROLE=CPUS, e.g. --cpus=a=0 --cpus=b=1-2")
+        if role not in roles:
+            raise ValueError(f"--cpus: no role {role!r} (roles: {', '.join(roles)})")
+        if role in placed:
+            raise ValueError(f"--cpus: role {role!r} is placed twice")
+        chosen: set[int] = set()
+        for part in cpus.split(","):
+            first, dash, last = part.strip().partition("-")
+            if not first.isdigit() or (dash and not last.isdigit()):
+                raise ValueError(f"--cpus: cannot read CPUs {cpus!r} of {role!r}; write them as in 0,2-3")
+            chosen.update(range(int(first), int(last if dash else first) + 1))
+        missing = sorted(chosen - available)
+        if not chosen or missing:
+            raise ValueError(f"--cpus: CPUs {missing or cpus} of {role!r} are not available here; "
+                             f"this process may use {sorted(available)}")
+        placed[role] = chosen
+    return placed
 
 
 def _namespace_address(ns: str) -> str | None:
@@ -170,6 +207,13 @@ def _die_with_parent() -> None:
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
     except OSError:
         pass
+
+
+def _start_role(cpus: set[int] | None) -> None:
+    """In the child, before it runs the role: die with the launcher, and keep to `cpus` when given."""
+    _die_with_parent()
+    if cpus:
+        os.sched_setaffinity(0, cpus)
 
 
 def _forward(prefix: str, stream, lock: threading.Lock) -> None:
@@ -261,6 +305,14 @@ def main(argv):
                  "first, so that nothing it holds is overwritten")
     names = list(config.islands.keys())
     coordinator_ns, island_ns = _placement(names)  # checked before anything is created or started
+    cpus = {}
+    if _CPUS.value:
+        if not hasattr(os, "sched_setaffinity"):
+            sys.exit("--cpus needs Linux (sched_setaffinity); leave it out on this system")
+        try:
+            cpus = parse_cpus(_CPUS.value, ["coordinator", *names], os.sched_getaffinity(0))
+        except ValueError as e:
+            sys.exit(str(e))
     listen, dial = _addresses(coordinator_ns, island_ns)
     os.makedirs(workdir, exist_ok=True)
     start = time.perf_counter()
@@ -282,10 +334,12 @@ def main(argv):
     for key, value in MALLOC_ENV.items():  # an explicit setting of the caller wins
         env.setdefault(key, value)
     for role, cmd in roles:  # every process first: preexec_fn is only safe before threads start
+        pinned = cpus.get(role.removeprefix("island "))
         procs[role] = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
-                                       preexec_fn=_die_with_parent)
+                                       preexec_fn=functools.partial(_start_role, pinned))
         inside = f" in namespace {where[role]}" if where[role] else ""
-        print(f"[launch] started {role} (pid {procs[role].pid}){inside}", flush=True)
+        on = f" on CPUs {','.join(map(str, sorted(pinned)))}" if pinned else ""
+        print(f"[launch] started {role} (pid {procs[role].pid}){inside}{on}", flush=True)
     for role, p in procs.items():
         threads.append(threading.Thread(target=_forward, args=(role, p.stdout, lock), daemon=True))
         threads[-1].start()
