@@ -153,8 +153,16 @@ def test_streaming_fragments_across_processes(corpus, tmp_path):
     """Two fragments, tau = 1, one process per role: every fragment of every round goes out once, the islands
     end on the coordinator's view, and the run writes its accounting, events and timeline."""
     workdir = tmp_path / "streaming"
-    result = launch(workdir, corpus, "--config.outer.fragments=2", "--config.outer.overlap_steps=1")
+    cpus = sorted(os.sched_getaffinity(0))
+    a_cpu, b_cpu = cpus[0], cpus[-1]  # each island on a CPU of its own where there are two
+    result = launch(
+        workdir, corpus, "--config.outer.fragments=2", "--config.outer.overlap_steps=1", f"--cpus=a={a_cpu}",
+        f"--cpus=b={b_cpu}",
+    )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert re.search(rf"started island a \(pid \d+\) on CPUs {a_cpu}\n", result.stdout)
+    assert re.search(rf"started island b \(pid \d+\) on CPUs {b_cpu}\n", result.stdout)
+    assert re.search(r"started coordinator \(pid \d+\)\n", result.stdout)
     summary = json.load(open(workdir / "summary.json"))
     assert summary["checksums_agree"] is True
     coordinator = [r for r in read_jsonl(workdir / "coordinator" / "metrics.jsonl") if r["kind"] == "round"]
@@ -165,9 +173,29 @@ def test_streaming_fragments_across_processes(corpus, tmp_path):
         total = isl["compute_seconds"] + isl["seconds_blocked"] + isl["idle_seconds"]
         assert total == pytest.approx(isl["wall_seconds"], rel=1e-6)
         assert isl["compute_utilization"] == pytest.approx(isl["ideal_compute_seconds"] / isl["wall_seconds"])
+        # A checkpoint every round, timed apart from the rounds; the only evaluation comes after the last.
+        assert isl["checkpoint_seconds"] > 0 and isl["eval_seconds"] == 0.0
         events = read_jsonl(workdir / "islands" / name / "events.jsonl")
         sends = sorted((e["round"], e["fragment"]) for e in events if e["kind"] == "send")
         assert sends == [(1, 0), (1, 1), (2, 0), (2, 1), (3, 0), (3, 1)]
         rounds = [r for r in read_jsonl(workdir / "islands" / name / "metrics.jsonl") if r["kind"] == "round"]
         assert [r["overlap_steps"] for r in rounds] == [1, 1, 1]
     assert (workdir / "timeline.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--cpus=z=0"], "--cpus: no role 'z' (roles: coordinator, a, b)"),
+        (["--cpus=a"], "--cpus: cannot read 'a'; give ROLE=CPUS"),
+        (["--cpus=a=0-x"], "--cpus: cannot read CPUs '0-x' of 'a'; write them as in 0,2-3"),
+        (["--cpus=a=4096"], "--cpus: CPUs [4096] of 'a' are not available here; this process may use"),
+        (["--cpus=a=0", "--cpus=a=0"], "--cpus: role 'a' is placed twice"),
+    ],
+)
+def test_cpus_flag_refuses_bad_placements_before_starting_anything(corpus, tmp_path, flags, message):
+    workdir = tmp_path / "never"
+    result = launch(workdir, corpus, *flags)
+    assert result.returncode == 1
+    assert message in result.stderr
+    assert not workdir.exists()
