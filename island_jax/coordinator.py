@@ -96,6 +96,15 @@ class RoundRecord:
         return self.view_checksum
 
 
+def _check_params_checksum(island: str, theirs: str, ours: str) -> None:
+    """Raises HandshakeError when an island's initial parameters differ from the coordinator's."""
+    if theirs != ours:
+        raise HandshakeError(
+            f"island {island!r} has parameter checksum {theirs} but the coordinator has "
+            f"{ours}; both must initialise from the same config.seed and model on the CPU backend"
+        )
+
+
 class Coordinator:
     """Holds the global state and merges islands' contributions, chunk by chunk.
 
@@ -281,11 +290,7 @@ class Coordinator:
                 f"island {island!r} joins at round {round} but the coordinator is at round {self.round}; restart "
                 "every role from the same workdir so they resume from checkpoints of the same round"
             )
-        if params_checksum != self.checksum:
-            raise HandshakeError(
-                f"island {island!r} has parameter checksum {params_checksum} but the coordinator has "
-                f"{self.checksum}; both must initialise from the same config.seed and model on the CPU backend"
-            )
+        _check_params_checksum(island, params_checksum, self.checksum)
         self.joined.add(island)
         return dict(round=self.round, checksum=self.checksum)
 
@@ -717,11 +722,7 @@ class FragmentedCoordinator:
             )
         first = self.fragments[0]
         first.join(island, config_fingerprint, first.checksum, round)  # island, fingerprint and round
-        if params_checksum != self.checksum:
-            raise HandshakeError(
-                f"island {island!r} has parameter checksum {params_checksum} but the coordinator has "
-                f"{self.checksum}; both must initialise from the same config.seed and model on the CPU backend"
-            )
+        _check_params_checksum(island, params_checksum, self.checksum)
         for f in self.fragments[1:]:
             f.join(island, config_fingerprint, f.checksum, round)
         return dict(round=self.round, checksum=self.checksum)

@@ -165,7 +165,6 @@ class Island:
         self.residual = jax.tree.map(lambda x: np.zeros(np.shape(x), np.float32), params)
         c = config.codec
         self.plan = codec.chunk_plan(params, c.kind, c.block_size, config.comm.chunk_bytes)
-        self._encoder: codec.ChunkEncoder | None = None
         # Streaming DiLoCo's fragments: leaf indices (jax.tree.leaves order) and each one's chunk plan.
         self._treedef = jax.tree.structure(params)
         self.partition = fragments_lib.partition(fragments_lib.leaf_bytes(params), config.outer.fragments)
@@ -319,20 +318,14 @@ class Island:
 
         With `codec.error_feedback`, what the codec lost in the previous round is
         added first, and what it loses now is kept for the next round.
-        Once the payload is sent, `codec_relative_error` is ||sent - intended|| / ||intended||.
+        Once the payload is sent, the encoder's `relative_error` is ||sent - intended|| / ||intended||.
         """
         c = self.config.codec
         with jax.set_mesh(self.mesh):
             pg = self._pseudo_gradient(self.anchor, self.params)
-            self._encoder = codec.ChunkEncoder(
+            return codec.ChunkEncoder(
                 pg, c.kind, c.block_size, self.plan, self.residual if c.error_feedback else None, measure=True
             )
-        return self._encoder
-
-    @property
-    def codec_relative_error(self) -> float:
-        """||sent - intended|| / ||intended|| of the last pseudo-gradient sent (0 before the first)."""
-        return self._encoder.relative_error if self._encoder is not None else 0.0
 
     @property
     def global_checksum(self) -> str:

@@ -141,7 +141,8 @@ class StreamingSync:
         `name`, `step`, `inner_steps`, `tokens_per_step`, `partition`,
         `fragment_plans`, `train_round(after_step=...)`,
         `fragment_pseudo_gradient`, `encode_fragment`, `fragment_checksum`,
-        `decode_fragment`, `apply_fragment`, `set_inner_steps`, `load_view`).
+        `decode_fragment`, `apply_fragment(fragment, leaves, mix_alpha, placed)`, `set_inner_steps`,
+        `load_view`).
       transport: the island's `Transport` (in process or gRPC; a link emulator under it).
       config: the run's config (`outer.fragments`, `overlap_steps`, `mix_alpha`,
         `sync`, `round_seconds`, `rounds`; `comm.connections`).
@@ -427,12 +428,7 @@ class StreamingSync:
             return
         self.exchange_seconds.append(done["seconds"])
         mix = None if flight.tau == 0 else self.alpha
-        if done["placed"] is None:
-            self.island.apply_fragment(fragment, done["new_leaves"], mix)
-        else:
-            self.island.apply_fragment(fragment, done["new_leaves"], mix, placed=done["placed"])
-        done.pop("new_leaves")
-        done.pop("placed")
+        self.island.apply_fragment(fragment, done.pop("new_leaves"), mix, placed=done.pop("placed"))
         self._finished.append(done)
         if done["planned"]:
             self._planned = done["planned"]

@@ -71,7 +71,7 @@ class VectorIsland:
         c = self.config.codec
         return codec.decode_and_apply([self.global_leaves[i] for i in self.partition[p]], payload, c.kind, c.block_size)
 
-    def apply_fragment(self, p, leaves, mix_alpha=None):
+    def apply_fragment(self, p, leaves, mix_alpha=None, placed=None):
         for i, g in zip(self.partition[p], leaves):
             g = np.asarray(g, np.float32)
             self.global_leaves[i] = g.copy()
