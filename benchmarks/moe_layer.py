@@ -40,12 +40,12 @@ def main(argv):
     from jax.sharding import NamedSharding
     from jax.sharding import PartitionSpec as P
 
-    from island_jax.mesh import island_mesh
+    from island_jax.mesh import BATCH_AXES, EXPERT_AXIS, island_mesh
     from island_jax.models import moe as moe_lib
 
     E, K, D, F, CF = 8, 2, 256, 512, 1.25
     mesh = island_mesh(2, 4, jax.devices()[:8])
-    batch = P(("data", "expert"))
+    batch, experts = P(BATCH_AXES), P(EXPERT_AXIS)
     seq = 256
     b = 8 * _TOKENS.value // seq
     rng = np.random.default_rng(0)
@@ -54,7 +54,7 @@ def main(argv):
 
     layer = moe_lib.MoE(D, E, K, F, capacity_factor=CF, renormalize=True, rngs=nnx.Rngs(0))
     graphdef, state = nnx.split(layer, nnx.Param)
-    specs = {"router": P(), "w_gate": P("expert"), "w_up": P("expert"), "w_down": P("expert")}
+    specs = {"router": P(), "w_gate": experts, "w_up": experts, "w_down": experts}
     moe_w = {k: jax.device_put(v, NamedSharding(mesh, specs[k])) for k, v in nnx.to_pure_dict(state).items()}
 
     def moe_objective(w, x, ct):
@@ -87,21 +87,21 @@ def main(argv):
         dispatch = dispatch.reshape(t, K, E, cap)
         combine = jnp.einsum("tkec,tk->tec", dispatch, top_w)
         buckets = jnp.einsum("tec,td->ecd", jnp.sum(dispatch, axis=1), xt)
-        ep = jax.lax.axis_size("expert")
+        ep = jax.lax.axis_size(EXPERT_AXIS)
         el = E // ep  # the same exchange and expert matmuls as the island_jax layer
-        received = jax.lax.all_to_all(buckets.reshape(ep, el, cap, d), "expert", 0, 2, tiled=True)
+        received = jax.lax.all_to_all(buckets.reshape(ep, el, cap, d), EXPERT_AXIS, 0, 2, tiled=True)
         received = received.reshape(el, ep * cap, d)
         h = jax.nn.silu(jnp.einsum("ecd,edf->ecf", received, w_gate)) * jnp.einsum("ecd,edf->ecf", received, w_up)
         y = jnp.einsum("ecf,efd->ecd", h, w_down).reshape(1, el, ep * cap, d)
-        y = jax.lax.all_to_all(y, "expert", 2, 0, tiled=True).reshape(E, cap, d)
+        y = jax.lax.all_to_all(y, EXPERT_AXIS, 2, 0, tiled=True).reshape(E, cap, d)
         out = jnp.einsum("tec,ecd->td", combine, y)
-        load = jax.lax.psum(jnp.sum(onehot, axis=0), batch[0]) / (t * K * 8)
-        mean_prob = jax.lax.psum(jnp.sum(probs, axis=0), batch[0]) / (t * 8)
-        z = jax.lax.psum(jnp.sum(jax.nn.logsumexp(logits, -1) ** 2), batch[0]) / (t * 8)
+        load = jax.lax.psum(jnp.sum(onehot, axis=0), BATCH_AXES) / (t * K * 8)
+        mean_prob = jax.lax.psum(jnp.sum(probs, axis=0), BATCH_AXES) / (t * 8)
+        z = jax.lax.psum(jnp.sum(jax.nn.logsumexp(logits, -1) ** 2), BATCH_AXES) / (t * 8)
         return out.reshape(bl, s, d), E * jnp.sum(load * mean_prob), z
 
     one_hot_layer = jax.shard_map(
-        one_hot_shard, in_specs=(batch, P(), P("expert"), P("expert"), P("expert")), out_specs=(batch, P(), P())
+        one_hot_shard, in_specs=(batch, P(), experts, experts, experts), out_specs=(batch, P(), P())
     )
 
     def one_hot_objective(w, x, ct):

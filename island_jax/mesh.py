@@ -1,4 +1,4 @@
-"""An island's device mesh."""
+"""An island's device mesh, and the names of its axes."""
 
 from __future__ import annotations
 
@@ -7,7 +7,10 @@ from typing import Sequence
 import jax
 from jax.sharding import AxisType
 
-AXES = ("data", "expert")
+DATA_AXIS = "data"  # splits the batch (and, later, FSDP shards)
+EXPERT_AXIS = "expert"  # holds the experts of every MoE layer; also splits the batch outside them
+AXES = (DATA_AXIS, EXPERT_AXIS)  # the mesh's axes, in order
+BATCH_AXES = AXES  # the batch is split over both axes
 
 
 def island_mesh(data: int, expert: int, devices: Sequence[jax.Device]) -> jax.sharding.Mesh:
@@ -15,6 +18,10 @@ def island_mesh(data: int, expert: int, devices: Sequence[jax.Device]) -> jax.sh
 
     `data` splits the batch (and, later, FSDP shards); `expert` holds the
     experts of every MoE layer and also splits the batch outside them.
+
+    Args:
+      data, expert: the sizes of the `DATA_AXIS` and `EXPERT_AXIS` axes.
+      devices: the island's devices, exactly data x expert of them.
 
     Raises:
       ValueError: if data x expert differs from len(devices).

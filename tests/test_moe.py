@@ -10,17 +10,17 @@ from jax.sharding import PartitionSpec as P
 
 from island_jax.config import default_config
 from island_jax.island import loss_fn
-from island_jax.mesh import island_mesh
+from island_jax.mesh import BATCH_AXES, EXPERT_AXIS, island_mesh
 from island_jax.models import moe as moe_lib
 from island_jax.models.moe import MoE, capacity, routing_bias_update
 from island_jax.models.transformer import Transformer, aggregate_stats
 
 D, F = 32, 64
-BATCH = P(("data", "expert"))
+BATCH, EXPERTS = P(BATCH_AXES), P(EXPERT_AXIS)
 
 
 def _specs(weights):
-    return {k: P("expert") if k.startswith("w_") else P() for k in weights}
+    return {k: EXPERTS if k.startswith("w_") else P() for k in weights}
 
 
 def run(layer, mesh_shape, x, mask=None, cotangent=None, key=None):
@@ -211,13 +211,13 @@ def test_dropless_exchange_traces_with_gradients():
         x, m, key, r, None, *ws, k=2, capacity_factor=0.0, renormalize=True, jitter=0.0, dispatch="dropless",
         compute_dtype=jnp.float32,
     )
-    fn = jax.shard_map(body, mesh=mesh, in_specs=(BATCH, BATCH, P(), P(), P("expert"), P("expert"), P("expert")),
-                       out_specs=(BATCH, {n: P() for n in moe_lib.STATS}))
+    fn = jax.shard_map(body, mesh=mesh, in_specs=(BATCH, BATCH, P(), P(), EXPERTS, EXPERTS, EXPERTS),
+                       out_specs=(BATCH, {n: P() for n in moe_lib.LAYER_METRICS}))
     loss = lambda x, ws: jnp.sum(  # noqa: E731
         fn(x, jax.reshard(jnp.ones(x.shape[:2]), BATCH), jax.random.PRNGKey(0), *ws)[0]
     )
     weights = (w["router"], w["w_gate"], w["w_up"], w["w_down"])
-    specs = (P(), P("expert"), P("expert"), P("expert"))
+    specs = (P(), EXPERTS, EXPERTS, EXPERTS)
     with jax.set_mesh(mesh):
         text = jax.jit(jax.grad(loss, argnums=(0, 1))).lower(
             jax.ShapeDtypeStruct((2, 8, D), jnp.float32, sharding=NamedSharding(mesh, BATCH)),

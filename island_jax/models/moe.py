@@ -17,9 +17,8 @@ shard's assignments in token order; later ones are dropped (zero expert
 output; the token keeps its residual). Padded tokens (mask 0) take no slot. The
 buckets [E, C, D] travel to the experts' owners with `jax.lax.all_to_all` over
 the `expert` mesh axis, the local experts run as one batched einsum over the
-buckets (on XLA:CPU about 4x faster than `jax.lax.ragged_dot` for the same
-work), and a second all_to_all brings the outputs home for the weighted
-combine.
+buckets (docs/benchmarks.md compares it with `jax.lax.ragged_dot`), and a
+second all_to_all brings the outputs home for the weighted combine.
 
 Dispatch (`dispatch="dropless"`): assignments are sorted by expert and the
 experts run as `jax.lax.ragged_dot` over ragged groups (a grouped GEMM on
@@ -27,8 +26,8 @@ GPU/TPU), nothing dropped. With an expert axis above 1 the ragged groups move
 with `jax.lax.ragged_all_to_all`, which XLA:CPU does not implement
 (`check_dispatch` refuses that combination).
 
-Statistics, summed over the whole island batch (every shard) and over real
-tokens only, before any product:
+Statistics (`LAYER_METRICS`), summed over the whole island batch (every shard)
+and over real tokens only, before any product:
   load_balancing_loss = E * sum_i f_i * P_i   (Switch Transformer eq. 4)
      f_i: share of the top-k assignments routed to expert i (before drops),
      P_i: mean router probability of expert i. Its gradient reaches the
@@ -38,6 +37,7 @@ tokens only, before any product:
   router_entropy = mean over tokens of -sum_i p_i log p_i (nats)
   dropped_fraction = dropped assignments / assignments
   capacity = C, the slots per expert and shard in use
+  expert_load = f_i, [E]
 """
 
 from __future__ import annotations
@@ -49,10 +49,13 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
-BATCH_AXES = ("data", "expert")  # the batch is split over both mesh axes
-EXPERT_AXIS = "expert"
-DISPATCH = ("capacity", "dropless")
-STATS = ("load_balancing_loss", "router_z_loss", "router_entropy", "dropped_fraction", "capacity", "expert_load")
+from island_jax.mesh import BATCH_AXES, EXPERT_AXIS
+
+DISPATCH = ("capacity", "dropless")  # values of `moe.dispatch` (see the module docstring)
+# The statistics an MoE layer returns; the first four are scalars whose mean over
+# MoE layers each inner step reports (`transformer.aggregate_stats`).
+MEAN_METRICS = ("load_balancing_loss", "router_z_loss", "router_entropy", "dropped_fraction")
+LAYER_METRICS = MEAN_METRICS + ("capacity", "expert_load")
 
 
 class DispatchError(ValueError):
@@ -66,6 +69,15 @@ def capacity(tokens_per_shard: int, num_experts: int, k: int, capacity_factor: f
     shapes only, clamped to tokens_per_shard: an expert receives each token at
     most once, so more slots could never be filled. capacity_factor <= 0 means
     nothing is ever dropped: worst-case buckets, C = tokens_per_shard.
+
+    Args:
+      tokens_per_shard: tokens (padded ones included) on one device of the batch.
+      num_experts: E, over the whole island.
+      k: experts per token (top-k).
+      capacity_factor: slots per expert over the balanced share tokens x k / E.
+
+    Returns:
+      C, slots per expert in each shard's buckets, in 1..tokens_per_shard.
     """
     if capacity_factor <= 0:
         return tokens_per_shard
@@ -75,6 +87,11 @@ def capacity(tokens_per_shard: int, num_experts: int, k: int, capacity_factor: f
 
 def check_dispatch(dispatch: str, expert_axis_size: int, platform: str) -> None:
     """Refuses a dispatch the backend cannot run.
+
+    Args:
+      dispatch: `moe.dispatch`, one of `DISPATCH`.
+      expert_axis_size: the island's `mesh.expert`.
+      platform: the backend, `jax.default_backend()` ("cpu", "gpu", "tpu").
 
     Raises:
       DispatchError: `dropless` with an expert axis above 1 on CPU (XLA:CPU has
@@ -91,7 +108,10 @@ def check_dispatch(dispatch: str, expert_axis_size: int, platform: str) -> None:
 
 
 def swiglu(x: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array) -> jax.Array:
-    """SwiGLU feed-forward (Shazeer, arXiv 2002.05202): (silu(x W_gate) * x W_up) W_down. x [..., D]."""
+    """SwiGLU feed-forward (Shazeer, arXiv 2002.05202): (silu(x W_gate) * x W_up) W_down.
+
+    x [..., D], w_gate and w_up [D, F], w_down [F, D] -> [..., D], in the inputs' dtype.
+    """
     return (jax.nn.silu(x @ w_gate) * (x @ w_up)) @ w_down
 
 
@@ -112,8 +132,7 @@ def _gather_rows(x, index, inverse):
     `index` is injective on the rows it reads (every row of x is read by at
     most the entries `inverse` names): `inverse` [N, m] lists, for each row of
     x, the positions of the output that read it (the output's length for none).
-    The gradient is then a gather too, not a scatter-add, which is much faster
-    on CPU.
+    The gradient is then a gather too, not a scatter-add.
     """
     return jnp.concatenate([x, jnp.zeros((1, x.shape[1]), x.dtype)])[index]
 
@@ -294,9 +313,13 @@ class MoE(nnx.Module):
 
     Call: x [B, S, D] (B divisible by data x expert), optional mask [B, S]
       (1 real, 0 padded), optional PRNG key (jitter; training only) ->
-      (y [B, S, D], stats: load_balancing_loss [], router_z_loss [],
-      router_entropy [] (nats), dropped_fraction [], capacity [] int32,
-      expert_load [E] (fraction of assignments per expert, before drops)).
+      (y [B, S, D] in x's dtype, stats (`LAYER_METRICS`): load_balancing_loss [],
+      router_z_loss [], router_entropy [] (nats), dropped_fraction [] float32,
+      capacity [] int32, expert_load [E] float32 (fraction of assignments per
+      expert, before drops)).
+
+    Raises (on call):
+      DispatchError: a dispatch the backend and mesh cannot run (`check_dispatch`).
     """
 
     def __init__(
@@ -352,7 +375,7 @@ class MoE(nnx.Module):
         y, stats = jax.shard_map(
             body,
             in_specs=(P(BATCH_AXES), P(BATCH_AXES), P(), P(), P(), P(EXPERT_AXIS), P(EXPERT_AXIS), P(EXPERT_AXIS)),
-            out_specs=(P(BATCH_AXES), {name: P() for name in STATS}),
+            out_specs=(P(BATCH_AXES), {name: P() for name in LAYER_METRICS}),
         )(*self._placed(x, mask, key, bias))
         if self.shared_experts is not None:
             y = y + self.shared_experts(x).astype(y.dtype)
@@ -379,5 +402,8 @@ def routing_bias_update(bias: jax.Array, expert_load: jax.Array, rate: float) ->
       bias: [E] float32 routing bias of one layer.
       expert_load: [E] fraction of that layer's assignments per expert this step.
       rate: gamma, the bias update speed (`moe.routing_bias_update_rate`).
+
+    Returns:
+      The new bias, [E] float32.
     """
     return bias + rate * jnp.sign(jnp.mean(expert_load) - expert_load)

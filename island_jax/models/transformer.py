@@ -5,7 +5,7 @@ or dense SwiGLU -> residual), learned positions, untied output head. Every
 `moe.every_n_layers`-th block has an MoE layer (blocks n-1, 2n-1, ...; n = 1:
 all), the others a dense SwiGLU of width `model.mlp_hidden_dim`. The model
 knows nothing of rounds or islands: it only expects to run under a mesh with
-axes ("data", "expert"), batch split over both.
+the axes of `island_jax.mesh.AXES`, batch split over both.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import ml_collections
 from flax import nnx
 
-from island_jax.models.moe import MoE, SharedExperts, routing_bias_update
+from island_jax.models.moe import MEAN_METRICS, MoE, SharedExperts, routing_bias_update
 
 
 def _dtype(name: str):
@@ -44,7 +44,11 @@ def is_moe_layer(layer: int, every_n_layers: int) -> bool:
 
 
 class Block(nnx.Module):
-    """Pre-norm transformer block with an MoE (or, between MoE layers, dense SwiGLU) feed-forward layer."""
+    """Pre-norm transformer block with an MoE (or, between MoE layers, dense SwiGLU) feed-forward layer.
+
+    Call: x [B, S, D], mask [B, S] or None, PRNG key or None -> (x [B, S, D],
+    the MoE layer's stats (see `MoE`), or None for a dense block).
+    """
 
     def __init__(self, config: ml_collections.ConfigDict, layer: int, *, rngs: nnx.Rngs):
         m, moe = config.model, config.moe
@@ -87,10 +91,10 @@ class Transformer(nnx.Module):
     Call: tokens [B, S] int32 (bytes 0..255), optional mask [B, S] (1 real, 0
     padded), optional PRNG key (router jitter, training only) -> (logits
     [B, S, vocab] float32, stats). With L the number of MoE layers, stats hold
-    per layer `load_balancing_loss`, `router_z_loss`, `router_entropy` (nats),
-    `dropped_fraction` [L] float32, `capacity` [L] int32 and `expert_load`
-    [L, E]; the losses the optimizer sees are their means over layers
-    (`aggregate_stats`).
+    per layer (`moe.LAYER_METRICS`) `load_balancing_loss`, `router_z_loss`,
+    `router_entropy` (nats), `dropped_fraction` [L] float32, `capacity` [L]
+    int32 and `expert_load` [L, E] float32; the losses the optimizer sees are
+    their means over layers (`aggregate_stats`).
     """
 
     def __init__(self, config: ml_collections.ConfigDict, *, rngs: nnx.Rngs):
@@ -128,8 +132,14 @@ def aggregate_stats(per_layer: dict) -> dict:
     The load-balancing loss is computed per layer first and then averaged:
     pooling the layers' statistics before the product would hide imbalance
     (two layers routing everything to different experts pool to a balanced 1.0).
+
+    Args:
+      per_layer: the model's stats, each of `moe.MEAN_METRICS` [L] float32.
+
+    Returns:
+      {name: [] float32} for each of `moe.MEAN_METRICS`.
     """
-    return {k: jnp.mean(per_layer[k]) for k in ("load_balancing_loss", "router_z_loss", "router_entropy", "dropped_fraction")}
+    return {k: jnp.mean(per_layer[k]) for k in MEAN_METRICS}
 
 
 def update_routing_biases(params: dict, expert_load: jax.Array, rate: float) -> dict:
@@ -139,6 +149,9 @@ def update_routing_biases(params: dict, expert_load: jax.Array, rate: float) -> 
       params: `nnx.to_pure_dict` of the model's parameters.
       expert_load: [L, E] per-MoE-layer expert load of the step.
       rate: `moe.routing_bias_update_rate`.
+
+    Returns:
+      A copy of `params` with every MoE layer's `routing_bias` [E] updated.
     """
     params = dict(params, blocks=dict(params["blocks"]))
     moe_blocks = [i for i in sorted(params["blocks"]) if "moe" in params["blocks"][i]]
