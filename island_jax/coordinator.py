@@ -413,7 +413,7 @@ class Coordinator:
                 f"{layout.chunk.nbytes}; the island's comm.chunk_bytes, model or codec differs"
             )
         values, scales = chunk_step.wire_to_rows(data, layout, self.kind, self.block_size, self.num_rows)
-        finite = np.isfinite(scales).all() and (self.kind in ("int8", "int4") or np.isfinite(values).all())
+        finite = np.isfinite(scales).all() and (self.kind in codec.QUANTIZED_KINDS or np.isfinite(values).all())
         if not finite:
             self.refuse(island, f"round {round}'s pseudo-gradient holds NaN or Inf")
             raise ContributionError(

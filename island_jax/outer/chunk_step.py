@@ -45,7 +45,7 @@ import optax
 
 from island_jax.outer import codec
 
-_MAX_CODE = {"int8": 127, "int4": 7}
+_MAX_CODE = codec.MAX_CODE
 _WIRE_DTYPE = {"none": np.dtype("<f4"), "bf16": np.dtype(ml_dtypes.bfloat16), "int8": np.dtype(np.int8), "int4": np.dtype(np.int8)}
 
 

@@ -29,7 +29,7 @@ the update chunk by chunk (Streaming DiLoCo's observation that the outer step
 is elementwise, arXiv 2501.18512), with the same bytes as a whole-payload merge.
 The sizes above do not change: pieces start on block boundaries.
 
-`encode_with_feedback` adds error feedback (as in MuLoCo and SparseLoCo): what
+Error feedback (as in MuLoCo and SparseLoCo; `ChunkEncoder`'s `residual`): what
 the codec lost last round is added to this round's tree before encoding, and
 what it loses now is kept for the next round, so quantization error is
 delayed, never dropped.
@@ -54,8 +54,9 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 
-KINDS = ("none", "bf16", "int8", "int4")
-_MAX_CODE = {"int8": 127, "int4": 7}
+KINDS = ("none", "bf16", "int8", "int4")  # every codec kind (`codec.kind` in the config)
+MAX_CODE = {"int8": 127, "int4": 7}  # the blockwise kinds: largest code magnitude (scale = absmax / MAX_CODE)
+QUANTIZED_KINDS = tuple(MAX_CODE)  # kinds sent as codes and float32 scales
 PIECE_BYTES = 1 << 16  # a full piece carries about this many bytes of codes or values
 PIECE_ELEMENTS = {"none": PIECE_BYTES // 4, "bf16": PIECE_BYTES // 2, "int8": PIECE_BYTES, "int4": 2 * PIECE_BYTES}
 
@@ -70,7 +71,11 @@ def _check_kind(kind: str) -> None:
 
 
 def leaf_bytes(size: int, kind: str, block_size: int) -> int:
-    """Bytes on the wire for one leaf of `size` elements."""
+    """Bytes on the wire for one leaf (or piece) of `size` elements.
+
+    Raises:
+      CodecError: an unknown kind.
+    """
     _check_kind(kind)
     if kind == "none":
         return 4 * size
@@ -82,7 +87,7 @@ def leaf_bytes(size: int, kind: str, block_size: int) -> int:
 
 def piece_elements(kind: str, block_size: int) -> int:
     """Elements of a full piece: about 64 KiB of codes or values, in whole (and for int4 even) blocks."""
-    if kind not in _MAX_CODE:
+    if kind not in MAX_CODE:
         return PIECE_ELEMENTS[kind]
     n = max(1, PIECE_ELEMENTS[kind] // block_size) * block_size
     return 2 * n if kind == "int4" and n % 2 else n
@@ -110,11 +115,16 @@ class Chunk:
 
     @property
     def elements(self) -> int:
+        """Elements (parameters) the chunk's pieces carry."""
         return sum(p.stop - p.start for p in self.pieces)
 
 
 def pieces(like: Any, kind: str, block_size: int) -> list[Piece]:
-    """Every piece of a payload for a pytree shaped like `like`, in payload order."""
+    """Every piece of a payload for a pytree shaped like `like` (arrays or ShapeDtypeStructs), in payload order.
+
+    Raises:
+      CodecError: an unknown kind or a block_size <= 0.
+    """
     _check_kind(kind)
     _check_block_size(block_size)
     step = piece_elements(kind, block_size)
@@ -134,6 +144,9 @@ def chunk_plan(like: Any, kind: str, block_size: int, chunk_bytes: int) -> list[
 
     Both ends derive the same plan from the model, codec and `comm.chunk_bytes`,
     so a chunk is named by its index and byte offset alone.
+
+    Raises:
+      CodecError: an unknown kind or a block_size <= 0.
     """
     plan: list[Chunk] = []
     group: list[Piece] = []
@@ -153,7 +166,11 @@ def chunk_plan(like: Any, kind: str, block_size: int, chunk_bytes: int) -> list[
 
 
 def payload_bytes(like: Any, kind: str, block_size: int) -> int:
-    """Bytes of a whole payload for a pytree shaped like `like` (arrays or ShapeDtypeStructs)."""
+    """Bytes of a whole payload for a pytree shaped like `like` (arrays or ShapeDtypeStructs).
+
+    Raises:
+      CodecError: an unknown kind.
+    """
     return sum(leaf_bytes(int(np.prod(x.shape)), kind, block_size) for x in jax.tree.leaves(like))
 
 
@@ -239,7 +256,7 @@ def _encode_on_device(leaves, residuals, kind, block_size):
             b = intended.astype(jnp.bfloat16)
             parts, sent = (b,), b.astype(jnp.float32)
         else:
-            codes, scale, sent = _quantize_leaf(intended, block_size, _MAX_CODE[kind])
+            codes, scale, sent = _quantize_leaf(intended, block_size, MAX_CODE[kind])
             parts = (codes, scale)
         lost = intended - sent
         wire.append(parts)
@@ -378,6 +395,7 @@ class ChunkEncoder:
 
     @property
     def relative_error(self) -> float:
+        """||intended - sent|| / ||intended|| over the chunks built so far (kept with `measure`)."""
         return float(np.sqrt(self._sums[1]) / max(np.sqrt(self._sums[0]), 1e-30))
 
     def chunk(self, index: int) -> list:
@@ -412,7 +430,7 @@ class ChunkEncoder:
             elif x.size == 0:
                 sent = x
             else:
-                codes, scale = quantize_blocks(x, self.block_size, _MAX_CODE[self.kind], scratch)
+                codes, scale = quantize_blocks(x, self.block_size, MAX_CODE[self.kind], scratch)
                 parts.append(codes if self.kind == "int8" else _pack_int4(codes))
                 parts.append(scale.astype("<f4", copy=False))
                 sent = dequantize_blocks(codes, scale, self.block_size) if self.measure else None
@@ -449,35 +467,14 @@ class ChunkEncoder:
         return b"".join(part for chunk in self.plan for part in self.chunk(chunk.index))
 
 
-def encode_and_measure(
-    tree: Any, residual: Any, kind: str, block_size: int
-) -> tuple[bytes, Any, float]:
-    """Encodes `tree` (+ `residual`, for error feedback) into one payload (see `ChunkEncoder` for where).
+def encode(tree: Any, kind: str, block_size: int) -> bytes:
+    """Encodes a pytree of floating arrays into one payload (see `ChunkEncoder`).
 
     Args:
       tree: pytree of float arrays of any rank and size (scalars, bfloat16
         included); values must be finite.
-      residual: None, or a float32 pytree like `tree` added before encoding.
-      kind: "none", "bf16", "int8" or "int4".
-      block_size: elements per scale of int8 / int4 (ignored by the other kinds).
-
-    Returns:
-      (payload of `payload_bytes(tree, kind, block_size)` bytes, the new
-      residual (intended - sent, float32 NumPy arrays like `tree`; None when
-      `residual` is None), the relative error ||intended - sent|| / ||intended||).
-
-    Raises:
-      CodecError: on an unknown kind or a block_size <= 0.
-    """
-    new_residual = None
-    if residual is not None:
-        new_residual = jax.tree.map(lambda r: np.array(r, np.float32, copy=True), residual)
-    encoder = ChunkEncoder(tree, kind, block_size, residual=new_residual, measure=True)
-    return encoder.tobytes(), new_residual, encoder.relative_error
-
-
-def encode(tree: Any, kind: str, block_size: int) -> bytes:
-    """Encodes a pytree of floating arrays into one payload (see `ChunkEncoder`).
+      kind: one of `KINDS`.
+      block_size: elements per float32 scale of int8 / int4 (ignored by the other kinds).
 
     Returns:
       The payload: `payload_bytes(tree, kind, block_size)` bytes.
@@ -486,22 +483,6 @@ def encode(tree: Any, kind: str, block_size: int) -> bytes:
       CodecError: on an unknown kind or a block_size <= 0.
     """
     return ChunkEncoder(tree, kind, block_size).tobytes()
-
-
-def encode_with_feedback(tree: Any, residual: Any, kind: str, block_size: int) -> tuple[bytes, Any]:
-    """Error-feedback encoding: sends tree + residual, keeps what the codec lost.
-
-    Args:
-      tree: pytree of float arrays (this round's pseudo-gradient).
-      residual: float32 pytree like `tree` (zeros in the first round).
-      kind, block_size: as for `encode`.
-
-    Returns:
-      (payload of `encode(tree + residual)`, new residual = tree + residual -
-      decode(payload)) with the residual as float32 NumPy arrays.
-    """
-    payload, new_residual, _ = encode_and_measure(tree, residual, kind, block_size)
-    return payload, new_residual
 
 
 def _check_payload(payload, like: Any, kind: str, block_size: int) -> None:
@@ -564,6 +545,7 @@ def decode_and_apply(params: Any, payload: bytes, kind: str, block_size: int) ->
     Args:
       params: pytree of NumPy-convertible arrays (any float dtype).
       payload: an update encoded for `params`' structure.
+      kind, block_size: as given to `encode`.
 
     Returns:
       A pytree of NumPy arrays with `params`' dtypes.
@@ -592,8 +574,3 @@ def decode_view(payload: bytes, like: Any) -> Any:
     """
     values = decode(payload, like, "none", 1)
     return jax.tree.map(lambda v, p: v.astype(np.asarray(p).dtype), values, like)
-
-
-def all_finite(tree: Any) -> bool:
-    """True if every element of every leaf is finite."""
-    return all(bool(np.isfinite(np.asarray(x)).all()) for x in jax.tree.leaves(tree))
