@@ -1,7 +1,7 @@
 """Runs one experiment, or one role of it.
 
   python experiments/train.py --config=CONFIG.py --workdir=DIR
-      the coordinator and every island in this process (in-process transport);
+      the coordinator and every island in this process, on threads (in-process transport);
   python experiments/train.py --config=CONFIG.py --workdir=DIR --role=coordinator --coordinator=HOST:PORT
       the coordinator, serving gRPC on HOST:PORT;
   python experiments/train.py --config=CONFIG.py --workdir=DIR --role=island --island=NAME --coordinator=HOST:PORT
@@ -77,17 +77,17 @@ def main(argv):
 
     try:
         if role == "all":
-            from island_jax.train import train_and_evaluate
+            from island_jax.run import run_in_process
 
-            train_and_evaluate(config, _WORKDIR.value)
+            run_in_process(config, _WORKDIR.value)
         elif role == "coordinator":
-            from island_jax.roles import run_coordinator
+            from island_jax.coordinator_main import run_coordinator
 
             run_coordinator(config, _WORKDIR.value, _COORDINATOR.value)
         else:
-            from island_jax.roles import run_island
+            from island_jax.island_main import run_island
 
-            run_island(config, _WORKDIR.value, name, _COORDINATOR.value)
+            run_island(config, _WORKDIR.value, name, _COORDINATOR.value if config.outer.enabled else None)
     except config_lib.ConfigError as e:
         sys.exit(str(e))
     except (DataError, HandshakeError, ContributionError, ExchangeError, CheckpointError, FileExistsError,

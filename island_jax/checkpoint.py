@@ -18,6 +18,11 @@ import numpy as np
 import orbax.checkpoint as ocp
 
 
+# One writer per process: roles that share a process (the in-process run) save one after another, since
+# orbax's background saves of several CheckpointManagers at once in one process collide.
+_WRITER = futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="checkpoint")
+
+
 class CheckpointError(RuntimeError):
     """A checkpoint cannot be restored into this run (other structure or shapes)."""
 
@@ -43,8 +48,6 @@ class Checkpointer:
         self._manager = ocp.CheckpointManager(
             self.directory, options=ocp.CheckpointManagerOptions(max_to_keep=max_to_keep, create=True)
         )
-        # Saves run here, one after another, so that the caller only pays for the host copy.
-        self._writer = futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="checkpoint")
         self._pending: futures.Future | None = None
 
     def latest_round(self) -> int | None:
@@ -73,7 +76,7 @@ class Checkpointer:
             self._manager.save(round, args=ocp.args.StandardSave(host))
             self._manager.wait_until_finished()
 
-        self._pending = self._writer.submit(write)
+        self._pending = _WRITER.submit(write)  # the caller only pays for the host copy
         return True
 
     def restore(self, like: Any, round: int | None = None) -> Any:
@@ -107,7 +110,6 @@ class Checkpointer:
 
     def close(self) -> None:
         """Waits for the save in progress (raising its error, if any), then closes the manager."""
-        self._writer.shutdown(wait=True)
         try:
             if self._pending is not None:
                 self._pending.result()

@@ -223,72 +223,6 @@ def _forward(prefix: str, stream, lock: threading.Lock) -> None:
             sys.stdout.flush()
 
 
-class Progress:
-    """Prints one line per round once every island has logged it (from their metrics.jsonl)."""
-
-    def __init__(self, workdir: str, names: list[str], rounds: int):
-        from island_jax.roles import island_dir
-
-        self.paths = {n: os.path.join(island_dir(workdir, n), "metrics.jsonl") for n in names}
-        self.offsets = dict.fromkeys(names, 0)
-        self.rounds_seen: dict[int, dict[str, dict]] = {}
-        self.names, self.rounds = names, rounds
-        self.next_round, self.timed_from = None, None
-        self.eval_loss = None
-
-    def poll(self) -> list[str]:
-        import json
-
-        for name, path in self.paths.items():
-            if not os.path.exists(path):
-                continue
-            with open(path, encoding="utf-8") as f:
-                f.seek(self.offsets[name])
-                while True:
-                    line = f.readline()
-                    if not line.endswith("\n"):
-                        break
-                    self.offsets[name] = f.tell()
-                    rec = json.loads(line)
-                    if rec.get("kind") == "round":
-                        self.rounds_seen.setdefault(rec["round"], {})[name] = rec
-        lines = []
-        while True:
-            if self.next_round is None:
-                if not self.rounds_seen:
-                    return lines
-                self.next_round = min(self.rounds_seen)
-            recs = self.rounds_seen.get(self.next_round, {})
-            if len(recs) < len(self.names):
-                return lines
-            lines.append(self._line(self.next_round, recs))
-            self.next_round += 1
-
-    def _line(self, r: int, recs: dict[str, dict]) -> str:
-        now = time.perf_counter()
-        eta = "after round 2"
-        if self.timed_from is None:
-            self.timed_from = (r, now)
-        elif r > self.timed_from[0]:
-            from island_jax.metrics import format_eta
-
-            done, since = r - self.timed_from[0], now - self.timed_from[1]
-            eta = format_eta(since / done * (self.rounds - r))
-        for rec in recs.values():
-            self.eval_loss = rec.get("eval_loss", self.eval_loss)
-        first = recs[self.names[0]]
-        return (
-            f"round {r}/{self.rounds} | loss "
-            + " ".join(f"{n}={recs[n]['train_loss']:.4f}" for n in self.names)
-            + (f" | eval {self.eval_loss:.4f}" if self.eval_loss is not None else "")
-            + f" | sent/received per island {first['bytes_sent'] / 1e6:.2f}/{first['bytes_received'] / 1e6:.2f} MB"
-            + " | blocked " + " ".join(f"{n}={recs[n]['seconds_blocked']:.2f}s" for n in self.names)
-            + " | link " + " ".join(f"{n}={recs[n].get('achieved_gbps', 0.0):.2f}Gbit/s" for n in self.names)
-            + " | utilization " + " ".join(f"{n}={recs[n].get('compute_utilization', 0.0):.2f}" for n in self.names)
-            + f" | ETA {eta}"
-        )
-
-
 def main(argv):
     from island_jax import config as config_lib
 
@@ -300,9 +234,12 @@ def main(argv):
     if not config.outer.enabled:
         sys.exit("outer.enabled is False: a run without the outer loop has no coordinator; "
                  "run it in one process with experiments/train.py")
-    if os.path.exists(os.path.join(workdir, "summary.json")):
-        sys.exit(f"{workdir} holds a finished run (summary.json); pass a new --workdir, or move that one away "
-                 "first, so that nothing it holds is overwritten")
+    from island_jax.workdir import refuse_finished
+
+    try:
+        refuse_finished(workdir)
+    except FileExistsError as e:
+        sys.exit(str(e))
     names = list(config.islands.keys())
     coordinator_ns, island_ns = _placement(names)  # checked before anything is created or started
     cpus = {}
@@ -343,6 +280,8 @@ def main(argv):
     for role, p in procs.items():
         threads.append(threading.Thread(target=_forward, args=(role, p.stdout, lock), daemon=True))
         threads[-1].start()
+    from island_jax.progress import Progress
+
     progress = Progress(workdir, list(config.islands.keys()), config.outer.rounds)
     failed, failures = None, []
     try:
@@ -375,7 +314,7 @@ def main(argv):
         t.join(timeout=5)
     for line in progress.poll():
         print(f"[launch] {line}", flush=True)
-    from island_jax.roles import combine_summaries
+    from island_jax.workdir import combine_summaries
 
     summary = combine_summaries(config, workdir, time.perf_counter() - start)
     print(

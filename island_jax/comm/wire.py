@@ -93,6 +93,16 @@ def chunk_frame(index: int, offset: int, data, crc: int | None = None) -> bytes:
     return b"".join((_CHUNK.pack(CHUNK, index, offset, crc), *parts))
 
 
+def contribution_frame_bytes(header: pb.PayloadHeader, plan: list[codec.Chunk], streams: int) -> int:
+    """Bytes of the frames of one contribution: a header frame per stream, then one chunk frame per chunk."""
+    return len(header_frame(header)) * streams + sum(c.nbytes + FRAMING_BYTES for c in plan)
+
+
+def update_frame_bytes(trailer: pb.PayloadHeader, plan: list[codec.Chunk], streams: int) -> int:
+    """Bytes of the frames of one update (no restart): one chunk frame per chunk, a trailer frame per stream."""
+    return sum(c.nbytes + FRAMING_BYTES for c in plan) + len(trailer_frame(trailer)) * streams
+
+
 def parse(frame: bytes):
     """(kind, value) of a frame: a PayloadHeader for 'H' / 'T', (index, offset, crc32, data view) for 'C',
     the generation for 'R'.

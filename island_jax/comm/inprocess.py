@@ -1,0 +1,295 @@
+"""The in-process transport: islands and the coordinator of one process, on threads, with no wire.
+
+`InProcessExchange` is the coordinator's end (what `run_coordinator` serves
+on, as it serves gRPC on an address); `InProcessTransport` is one island's end,
+with the calls of `comm.transport.Transport`, like the gRPC client. So a
+notebook or a test runs the same island, codec, merge, outer step and role
+drivers as a multi-process launch; only the transport differs.
+
+Payloads pass as immutable bytes, so nothing is shared by reference that a
+real wire would copy. Each island's `bytes_sent` and `bytes_received` count
+the frames the gRPC transport would put on the wire for the same payloads
+(`wire.contribution_frame_bytes`, `wire.update_frame_bytes`), so the figures
+of both modes mean the same. With an emulated link, each payload's chunks are
+booked on it (chunk k on connection k % `connections`) and the call returns
+when the last one would have arrived; `seconds_transferring` is that time
+(0 without a link).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+from island_jax.comm import exchange_pb2 as pb
+from island_jax.comm import wire
+from island_jax.comm.client import SyncStats
+from island_jax.comm.link import LinkEmulator
+from island_jax.coordinator import FragmentedCoordinator, UpdateNotReady
+from island_jax.outer import codec
+
+
+class IslandAborted(RuntimeError):
+    """Another role of the same process failed (or the run was stopped); this one stops waiting."""
+
+
+class InProcessExchange:
+    """The coordinator's end of the in-process transport: one coordinator served to the islands' threads.
+
+    Islands may call before the coordinator is served (`serve`): their `join`
+    waits for it. Every call into the coordinator runs under `lock`.
+
+    Attributes:
+      lock: a threading.Condition guarding the coordinator, notified after every change.
+      coordinator: the served `FragmentedCoordinator` (None until `serve`).
+      payload_bytes: bytes of one round of every fragment's update.
+      wire_bytes: {island: {"received", "sent"}}, frame bytes the gRPC service would count.
+      fetched: {(fragment, round): islands that received its update}.
+    """
+
+    def __init__(self):
+        self.lock = threading.Condition()
+        self.coordinator: FragmentedCoordinator | None = None
+        self.payload_bytes = 0
+        self.wire_bytes: dict[str, dict[str, int]] = {}
+        self.fetched: dict[tuple[int, int], set[str]] = {}
+        self.ready: set[str] = set()
+        self.layouts: list[str] = []
+        self.aborted: str | None = None
+
+    @classmethod
+    def serving(cls, coordinator: FragmentedCoordinator) -> "InProcessExchange":
+        """An exchange that already serves `coordinator` (tests and notebooks that drive islands by hand)."""
+        exchange = cls()
+        exchange.serve(coordinator)
+        return exchange
+
+    def serve(self, coordinator: FragmentedCoordinator) -> "InProcessExchange":
+        """Starts serving `coordinator` (wakes islands waiting to join); returns self."""
+        with self.lock:
+            self.coordinator = coordinator
+            self.payload_bytes = sum(f.payload_bytes for f in coordinator.fragments)
+            self.layouts = [codec.layout(f.view, f.kind, f.block_size) for f in coordinator.fragments]
+            self.wire_bytes = {name: dict(received=0, sent=0) for name in coordinator.islands}
+            self.lock.notify_all()
+        return self
+
+    def notify(self) -> None:
+        """Wakes every waiter after the coordinator changed; call it holding `lock`."""
+        self.lock.notify_all()
+
+    def abort(self, reason: str) -> None:
+        """Makes every waiting and later call raise `IslandAborted(reason)` (a role of the run failed)."""
+        with self.lock:
+            self.aborted = self.aborted or reason
+            self.lock.notify_all()
+
+    def check(self) -> None:
+        """Raises `IslandAborted` once the exchange was aborted."""
+        if self.aborted is not None:
+            raise IslandAborted(self.aborted)
+
+    def stop(self, grace: float | None = None) -> None:
+        """Stops serving: the coordinator is gone (`grace` is the gRPC server's; nothing is in flight here)."""
+        del grace
+        with self.lock:
+            self.coordinator = None
+            self.lock.notify_all()
+
+    def wait_until_fetched(self, round: int, islands=None, timeout: float | None = None) -> bool:
+        """Blocks until `islands` (default: all) have received the update of `round` of every fragment;
+        False on timeout (seconds).
+
+        Raises:
+          IslandAborted: the exchange was aborted meanwhile.
+        """
+        c = self.coordinator
+        islands = set(c.islands if islands is None else islands)
+        keys = [(f, round) for f in range(len(c.fragments))]
+        with self.lock:
+            done = self.lock.wait_for(
+                lambda: self.aborted is not None or all(self.fetched.get(k, set()) >= islands for k in keys), timeout
+            )
+            self.check()
+            return done
+
+    def served(self, timeout: float) -> FragmentedCoordinator:
+        """The coordinator, waiting up to `timeout` seconds for `serve`; call it holding `lock`.
+
+        Raises:
+          IslandAborted: the exchange was aborted.
+          TimeoutError: no coordinator was served in time.
+        """
+        self.lock.wait_for(lambda: self.coordinator is not None or self.aborted is not None, timeout)
+        self.check()
+        if self.coordinator is None:
+            raise TimeoutError(
+                f"no coordinator was served within {timeout:.0f} s (comm.join_timeout_seconds); "
+                "start run_coordinator on this exchange"
+            )
+        return self.coordinator
+
+
+class InProcessTransport:
+    """One island's end of an `InProcessExchange`, with the calls of `comm.transport.Transport`.
+
+    Args:
+      exchange: the run's `InProcessExchange` (a `FragmentedCoordinator` is served on one of its own).
+      link: this island's emulated link (None: none).
+      connections: `comm.connections` (how chunks are spread over the link's connections, and how
+        many streams the gRPC frames would use).
+      timeout: seconds `fetch_update` waits for a merge before raising `UpdateNotReady`
+        (`comm.round_timeout_seconds`).
+      join_timeout: seconds `join` and `start_together` wait (`comm.join_timeout_seconds`).
+    """
+
+    def __init__(
+        self,
+        exchange: InProcessExchange | FragmentedCoordinator,
+        link: LinkEmulator | None = None,
+        connections: int = 1,
+        timeout: float = 3600.0,
+        join_timeout: float = 600.0,
+    ):
+        if isinstance(exchange, FragmentedCoordinator):
+            exchange = InProcessExchange.serving(exchange)
+        self.exchange, self.link, self.connections = exchange, link, connections
+        self.timeout, self.join_timeout = timeout, join_timeout
+        self._stats: dict[tuple[int, int], SyncStats] = {}  # (fragment, round) -> its exchange
+
+    def _carry(self, direction: str, fragment: int) -> float:
+        """Books a payload of `fragment` on the link and sleeps until its last chunk arrives; seconds slept."""
+        link = self.link
+        if link is None:
+            return 0.0
+        now = link.clock()
+        plan = self.exchange.coordinator.fragments[fragment].plan
+        last = max((link.arrival(direction, c.index % self.connections, c.nbytes, now=now) for c in plan), default=now)
+        wait = max(0.0, last - link.clock())
+        link.sleep(wait)
+        return wait
+
+    def _streams(self, plan) -> int:
+        return max(1, min(self.connections, len(plan)))
+
+    def join(self, island: str, config_fingerprint: dict, params_checksum: str, round: int = 0) -> dict:
+        """The handshake (`FragmentedCoordinator.join`); waits up to `join_timeout` s for the coordinator.
+
+        Raises:
+          HandshakeError: the coordinator refused. TimeoutError: none was served. IslandAborted.
+        """
+        ex = self.exchange
+        with ex.lock:
+            return ex.served(self.join_timeout).join(island, dict(config_fingerprint), params_checksum, round)
+
+    def start_together(self, island: str, config_fingerprint: dict, params_checksum: str, round: int = 0) -> None:
+        """Says the island is ready and waits (up to `join_timeout` s) for every island of the run."""
+        del config_fingerprint, params_checksum, round
+        ex = self.exchange
+        with ex.lock:
+            c = ex.served(self.join_timeout)
+            ex.ready.add(island)
+            ex.notify()
+            ex.lock.wait_for(lambda: ex.ready >= set(c.islands) or ex.aborted is not None, self.join_timeout)
+            ex.check()
+
+    def contribute(
+        self,
+        round: int,
+        island: str,
+        tokens: int,
+        payload,
+        params_checksum: str | None = None,
+        step_seconds: float | None = None,
+        fragment: int = 0,
+    ) -> str:
+        """Hands one encoded pseudo-gradient (bytes or a `codec.ChunkEncoder`) to the coordinator; returns
+        "accepted" or "discarded". Raises what the coordinator raises (ContributionError), or IslandAborted."""
+        sending = self._carry("up", fragment)
+        payload = bytes(payload) if isinstance(payload, (bytes, bytearray, memoryview)) else payload.tobytes()
+        ex = self.exchange
+        with ex.lock:
+            ex.check()
+            try:
+                status = ex.served(self.join_timeout).contribute(
+                    round, island, tokens, payload, params_checksum, step_seconds, fragment=fragment
+                )
+            finally:
+                ex.notify()
+            plan = ex.coordinator.fragments[fragment].plan
+            n = self._streams(plan)
+            header = pb.PayloadHeader(
+                round=round, island=island, tokens=tokens, layout=ex.layouts[fragment],
+                params_checksum=params_checksum or "", step_seconds=step_seconds or 0.0, streams=n,
+                total_bytes=len(payload), fragment=fragment,
+            )
+            sent = wire.contribution_frame_bytes(header, plan, n)
+            if island in ex.wire_bytes:
+                ex.wire_bytes[island]["received"] += sent
+        self._stats[(fragment, round)] = SyncStats(bytes_sent=sent, seconds_sending=sending)
+        for key in [k for k in self._stats if k[0] == fragment and k[1] < round - 1]:  # keep the last few
+            del self._stats[key]
+        return status
+
+    def fetch_update(self, round: int, island: str, fragment: int = 0) -> bytes:
+        """The round's update bytes; waits up to `timeout` seconds for the merge.
+
+        Raises:
+          UpdateNotReady: not merged in time. StaleRoundError: an older round than the latest (fetch the view).
+          IslandAborted: the exchange was aborted.
+        """
+        ex = self.exchange
+        deadline = time.monotonic() + self.timeout
+        with ex.lock:
+            while True:
+                ex.check()
+                c = ex.served(self.join_timeout)
+                try:
+                    update = bytes(c.fetch_update(round, island, fragment))
+                    break
+                except UpdateNotReady:
+                    if time.monotonic() >= deadline:
+                        raise
+                    if c.poll():  # a quorum's grace window closes the round only when polled
+                        ex.notify()
+                    else:
+                        ex.lock.wait(timeout=0.5)
+            plan = c.fragments[fragment].plan
+            trailer = pb.PayloadHeader(
+                round=round, island=island, layout=ex.layouts[fragment],
+                inner_steps=c.planned_inner_steps(island) or 0, total_bytes=len(update),
+                crc32=wire.fold_crc32(wire.crc32(memoryview(update)[k.offset : k.offset + k.nbytes]) for k in plan),
+                fragment=fragment,
+            )
+            received = wire.update_frame_bytes(trailer, plan, self._streams(plan))
+            if island in ex.wire_bytes:
+                ex.wire_bytes[island]["sent"] += received
+            ex.fetched.setdefault((fragment, round), set()).add(island)
+            ex.notify()
+        receiving = self._carry("down", fragment)
+        stats = self._stats.setdefault((fragment, round), SyncStats())
+        stats.bytes_received, stats.seconds_receiving = received, receiving
+        stats.seconds_transferring = stats.seconds_sending + stats.seconds_receiving
+        if stats.seconds_transferring > 0:
+            stats.achieved_gbps = (stats.bytes_sent + received) * 8 / stats.seconds_transferring / 1e9
+        return update
+
+    def fetch_view(self, island: str) -> tuple[int, bytes]:
+        """(round, the island view as a float32 payload) for an island that fell behind."""
+        ex = self.exchange
+        with ex.lock:
+            round, payload = ex.served(self.join_timeout).fetch_view()
+        return round, bytes(payload)
+
+    def planned_inner_steps(self, island: str) -> int | None:
+        """The island's inner steps per round as planned by the coordinator (None: no plan)."""
+        ex = self.exchange
+        with ex.lock:
+            return ex.served(self.join_timeout).planned_inner_steps(island)
+
+    def stats(self, round: int, fragment: int = 0) -> SyncStats:
+        """The exchange of `round` of `fragment` (after its `fetch_update` returned; empty before)."""
+        return self._stats.get((fragment, round), SyncStats())
+
+    def close(self) -> None:
+        """Nothing to release: there is no connection."""

@@ -1,0 +1,190 @@
+"""`run_coordinator`: the coordinator role's one round loop, over gRPC or in process.
+
+A cluster launch (or `launch/local.py`) runs it in a process of its own,
+serving gRPC on an address; the in-process run (`island_jax.run`) runs it on a
+thread, serving an `InProcessExchange`. Everything else is the same: the
+coordinator's state, its metrics and checkpoints under `WORKDIR/coordinator`,
+and resume from the newest checkpoint.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+import ml_collections
+from absl import logging
+
+from island_jax import config as config_lib
+from island_jax.comm.inprocess import InProcessExchange
+from island_jax.coordinator import FragmentedCoordinator, RoundRecord
+from island_jax.params import checksum, count, init_params
+from island_jax.workdir import RoleFolder, coordinator_dir, due, open_role
+from island_jax.metrics import write_json
+
+
+class _GrpcEndpoint:
+    """The gRPC service and server seen as the exchange the loop serves (like an `InProcessExchange`)."""
+
+    def __init__(self, coordinator: FragmentedCoordinator, address: str, chunk_bytes: int):
+        from island_jax.comm.server import serve
+
+        self.server, self.service, self.port = serve(coordinator, address, chunk_bytes)
+        self.lock, self.payload_bytes, self.wire_bytes = self.service.lock, self.service.payload_bytes, self.service.wire_bytes
+        self.where = f"{address.rsplit(':', 1)[0]}:{self.port}"
+
+    def notify(self) -> None:
+        self.service.notify()
+
+    def check(self) -> None:
+        """Nothing aborts a gRPC exchange from outside: islands that fail stop contributing."""
+
+    def wait_until_fetched(self, round: int, islands, timeout: float) -> bool:
+        return self.service.wait_until_fetched(round, islands, timeout)
+
+    def stop(self, grace: float) -> None:
+        self.server.stop(grace=grace)
+
+
+def _serve(coordinator: FragmentedCoordinator, exchange, config: ml_collections.ConfigDict):
+    """The endpoint islands reach: gRPC on `exchange` ("HOST:PORT") or the given `InProcessExchange`."""
+    if isinstance(exchange, InProcessExchange):
+        exchange.where = "in process"
+        return exchange.serve(coordinator)
+    return _GrpcEndpoint(coordinator, exchange, config.comm.chunk_bytes)
+
+
+def run_coordinator(config: ml_collections.ConfigDict, workdir: str, exchange: str | InProcessExchange) -> dict:
+    """Serves the exchange until every island has the last round's update.
+
+    Per round and fragment it waits for the merge (a quorum's grace window is
+    closed by polling), logs the round record, and checkpoints when due
+    (`checkpoint.every_rounds`, and after the last round).
+
+    Args:
+      config: the run's config (validated here).
+      workdir: the run's folder; this role writes under `workdir/coordinator`.
+      exchange: HOST:PORT to serve gRPC on (port 0: any free port, logged), or
+        the `InProcessExchange` the islands of this process use.
+
+    Returns:
+      The role's summary (also `coordinator/summary.json`): `rounds`, `params`,
+      `codec`, `block_size`, `update_bytes` (payload bytes per round),
+      `wire_bytes.NAME.{sent, received}` (frame bytes, handshake excluded),
+      `checksum` (of the view), `wall_seconds`. Empty if the run was complete.
+
+    Raises:
+      ConfigError, FileExistsError, CheckpointError; TimeoutError if a round is
+      not merged within `comm.round_timeout_seconds`; IslandAborted when an
+      in-process exchange is aborted.
+    """
+    config_lib.validate(config)
+    start = time.perf_counter()
+    role = open_role(config, coordinator_dir(workdir))
+    names, rounds = list(config.islands.keys()), config.outer.rounds
+    try:
+        _, params, _ = init_params(config)
+        coordinator = FragmentedCoordinator(config, params, names)
+        if role.checkpoints.latest_round() is not None:
+            coordinator.load_state(role.checkpoints.restore(coordinator.state()))
+            logging.info("resumed from the checkpoint of round %d (view checksum %s)", coordinator.round,
+                         coordinator.checksum)
+        if coordinator.round >= rounds:
+            logging.info("the run is complete (%d of %d rounds); nothing to do", coordinator.round, rounds)
+            return {}
+        endpoint = _serve(coordinator, exchange, config)
+        logging.info(
+            "coordinator serving on %s for islands %s (%d parameters, %s payloads of %d bytes)",
+            endpoint.where, names, count(params), config.codec.kind, endpoint.payload_bytes,
+        )
+        try:
+            _serve_rounds(config, coordinator, endpoint, role)
+        finally:
+            endpoint.stop(grace=5.0)
+    finally:
+        role.close()
+    summary = dict(
+        rounds=rounds, params=count(params), codec=config.codec.kind, block_size=config.codec.block_size,
+        update_bytes=endpoint.payload_bytes, wire_bytes=endpoint.wire_bytes, checksum=coordinator.checksum,
+        wall_seconds=time.perf_counter() - start,
+    )
+    write_json(os.path.join(role.path, "summary.json"), summary)
+    logging.info("coordinator done after %d rounds in %.1f s", rounds, summary["wall_seconds"])
+    return summary
+
+
+def _serve_rounds(config, coordinator: FragmentedCoordinator, endpoint, role: RoleFolder) -> None:
+    """The round loop: every fragment's merge of every round, logged and checkpointed."""
+    rounds, names = config.outer.rounds, list(config.islands.keys())
+    last = time.perf_counter()
+    for r in range(coordinator.round, rounds):
+        for p, fragment in enumerate(coordinator.fragments):
+            rec, received = _wait_for_merge(config, coordinator, endpoint, r, p)
+            now = time.perf_counter()
+            role.metrics.write(_round_record(rec, r, p, received, now - last))
+            last = now
+            logging.info(
+                "round %d/%d%s merged | weights %s | pseudo-gradient norms %s | cosine %s",
+                r + 1, rounds, f" fragment {p}" if len(coordinator) > 1 else "",
+                " ".join(f"{k}={v:.3f}" for k, v in rec.weights.items()),
+                " ".join(f"{k}={v:.4f}" for k, v in rec.pseudo_gradient_norm.items()),
+                " ".join(f"{k}={v:.3f}" for k, v in rec.cosine_similarity.items()) or "-",
+            )
+        if due(r + 1, config.checkpoint.every_rounds, rounds):
+            _checkpoint(coordinator, endpoint, role, r + 1, force=r + 1 == rounds)
+    # Every island that contributed to the last round receives its update (a quorum may have left some out).
+    last_contributors = {n for f in coordinator.fragments for n in f.history[-1].contributors}
+    if not endpoint.wait_until_fetched(rounds - 1, last_contributors, timeout=config.comm.round_timeout_seconds):
+        raise TimeoutError(f"not every island fetched the update of round {rounds} in time; of {names}")
+
+
+def _wait_for_merge(config, coordinator, endpoint, r: int, p: int) -> tuple[RoundRecord, dict]:
+    """Waits until fragment `p` merged round `r` (0-based); its record and the frame bytes received so far.
+
+    Raises:
+      TimeoutError: not merged within `comm.round_timeout_seconds`.
+    """
+    fragment = coordinator.fragments[p]
+    with endpoint.lock:
+        deadline = time.monotonic() + config.comm.round_timeout_seconds
+        while fragment.round <= r and time.monotonic() < deadline:
+            endpoint.check()
+            if coordinator.poll():  # closes a round once a quorum's grace window has passed
+                endpoint.notify()
+            else:
+                endpoint.lock.wait(timeout=0.5)
+        endpoint.check()
+        if fragment.round <= r:
+            raise TimeoutError(
+                f"round {r + 1} of fragment {p} was not merged within comm.round_timeout_seconds="
+                f"{config.comm.round_timeout_seconds}; contributions came from {sorted(fragment._pending)} of "
+                f"{list(config.islands.keys())}"
+            )
+        rec = next(h for h in reversed(fragment.history) if h.round == r)
+        return rec, {k: v["received"] for k, v in endpoint.wire_bytes.items()}
+
+
+def _round_record(rec: RoundRecord, r: int, p: int, received: dict, seconds: float) -> dict:
+    """The coordinator's metrics record of round `r` (0-based) of fragment `p`."""
+    return dict(
+        kind="round", round=r + 1, fragment=p, contributors=rec.contributors, tokens=rec.tokens, weights=rec.weights,
+        pseudo_gradient_norm=rec.pseudo_gradient_norm, cosine_similarity=rec.cosine_similarity,
+        update_bytes=rec.update_bytes, update_codec_relative_error=rec.update_codec_relative_error,
+        wire_bytes_received=received, checksum=rec.checksum, seconds=seconds,
+    )
+
+
+def _checkpoint(coordinator, endpoint, role: RoleFolder, rounds_done: int, force: bool) -> None:
+    """Saves the coordinator's state after `rounds_done` rounds, with the checksums of what it holds."""
+    with endpoint.lock:
+        # Islands apply every update of a checkpoint round before they contribute again, so no fragment
+        # has moved on yet.
+        moved_on = max(f.round for f in coordinator.fragments) != rounds_done
+        state = None if coordinator.round != rounds_done or moved_on else coordinator.state()
+    if state is None:
+        logging.warning("round %d: a fragment moved on before the checkpoint; not saved", rounds_done)
+    elif role.checkpoints.save(rounds_done, state, force=force):
+        checksums = {
+            f"fragments/{p}/{k}": checksum(v) for p, part in enumerate(state["fragments"]) for k, v in part.items()
+        }
+        role.metrics.write(dict(kind="checkpoint", round=rounds_done, checksums=checksums))

@@ -1,0 +1,230 @@
+"""`run_island`: an island's one round loop, over gRPC, in process, or with no outer loop.
+
+A cluster launch (or `launch/local.py`) runs it in a process of its own,
+reaching the coordinator's address over gRPC; the in-process run
+(`island_jax.run`) runs it on a thread over an `InProcessExchange`; the
+data-parallel baseline (`outer.enabled = False`) runs it with no exchange at
+all. The island, its rounds (`StreamingSync`: fragments, overlap,
+accounting), its metrics and checkpoints under `WORKDIR/islands/NAME`, and
+resume from the newest checkpoint are the same in every case.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import os
+import time
+from typing import Sequence
+
+import jax
+import ml_collections
+import numpy as np
+from absl import logging
+
+from island_jax import config as config_lib
+from island_jax import data as data_lib
+from island_jax.comm.inprocess import InProcessExchange, InProcessTransport
+from island_jax.comm.link import LinkEmulator
+from island_jax.island import STEP_METRICS, Island
+from island_jax.metrics import write_json
+from island_jax.params import checksum, count, init_params
+from island_jax.progress import Eta
+from island_jax.island import ACCOUNTING_FIELDS, EventLog, StreamingSync
+from island_jax.workdir import RoleFolder, due, island_dir, open_role, summarize_island
+
+
+def connect(config: ml_collections.ConfigDict, exchange: str | InProcessExchange | None):
+    """Island's transport to `exchange`: gRPC to "HOST:PORT", in process to an `InProcessExchange`, or None
+    (no outer loop). An emulated link (`comm.link_*`) sits under either transport."""
+    if exchange is None:
+        return None
+    link, c = LinkEmulator.from_config(config), config.comm
+    if isinstance(exchange, InProcessExchange):
+        return InProcessTransport(exchange, link, c.connections, c.round_timeout_seconds, c.join_timeout_seconds)
+    from island_jax.comm.client import GrpcTransport
+
+    return GrpcTransport(
+        exchange, c.chunk_bytes, c.join_timeout_seconds, c.round_timeout_seconds, connections=c.connections,
+        pipeline=c.pipeline, link=link,
+    )
+
+
+def run_island(
+    config: ml_collections.ConfigDict,
+    workdir: str,
+    name: str,
+    exchange: str | InProcessExchange | None,
+    devices: Sequence[jax.Device] | None = None,
+    device_lock=None,
+) -> dict:
+    """Trains island `name` for the run's rounds, exchanging with the coordinator at `exchange`.
+
+    The first island of `config.islands` also evaluates the global parameters
+    (the local ones without an outer loop) after round 0, every
+    `eval.every_rounds` and after the last round.
+
+    Args:
+      config: the run's config (validated here).
+      workdir: the run's folder; this role writes under `workdir/islands/NAME`.
+      name: a key of `config.islands`.
+      exchange: the coordinator's "HOST:PORT" (gRPC), the run's `InProcessExchange`, or None (no outer
+        loop: the data-parallel baseline).
+      devices: the island's `num_devices` devices (default: the first ones of `jax.devices()`).
+      device_lock: held around the island's device work when islands share a process (XLA:CPU's
+        in-process collectives must not interleave).
+
+    Returns:
+      The role's summary (also in its folder): `workdir.summarize_island`'s
+      totals, `params`, `codec`, `block_size`, `process_seconds` (start-up,
+      compilation and the first evaluation included) and, for the evaluating
+      island, `corpus`. Empty if the run was complete.
+
+    Raises:
+      ConfigError, DataError, HandshakeError, ContributionError, ExchangeError,
+      FileExistsError, CheckpointError; RuntimeError at `crash_at_round`;
+      IslandAborted when an in-process exchange is aborted.
+    """
+    cfg = config.islands[name]
+    devices = list(devices) if devices is not None else jax.devices()[: cfg.num_devices]
+    config_lib.validate(config, num_available_devices=len(devices), island=name)
+    start = time.perf_counter()
+    role = open_role(config, island_dir(workdir, name))
+    names, rounds = list(config.islands.keys()), config.outer.rounds
+    transport = events = sync = None
+    try:
+        corpus = data_lib.load_corpus(config.data.files, config.data.eval_fraction, names)
+        graphdef, params, specs = init_params(config)
+        island = Island(name, config, devices, graphdef, params, specs, corpus.train_bytes[name], rounds)
+        island.device_lock = device_lock or contextlib.nullcontext()
+        first = 0
+        if role.checkpoints.latest_round() is not None:
+            first = island.load_state(role.checkpoints.restore(island.state(0)))
+            logging.info("island %s resumed from the checkpoint of round %d (step %d)", name, first, island.step)
+        if first >= rounds:
+            logging.info("the run is complete (%d of %d rounds); nothing to do", first, rounds)
+            return {}
+        island.warm_up()  # compiles before the first round's clock starts
+        transport = connect(config, exchange)
+        evaluator = _Evaluator(config, corpus, island, role, global_params=transport is not None) if name == names[0] else None
+        _join(config, island, transport, first, evaluator)
+        events = EventLog(os.path.join(role.path, "events.jsonl"), name)
+        sync = StreamingSync(island, transport, config, first, link=getattr(transport, "link", None), events=events)
+        _train_rounds(config, island, sync, role, evaluator, first)
+    finally:
+        for part in (sync, events, transport):
+            if part is not None:
+                part.close()
+        role.close()
+    summary = summarize_island(role.path)
+    summary.update(
+        params=count(params), codec=config.codec.kind, block_size=config.codec.block_size,
+        process_seconds=time.perf_counter() - start,  # start-up, compilation and evaluation included
+    )
+    if evaluator is not None:
+        summary["corpus"] = corpus.fingerprint
+    write_json(os.path.join(role.path, "summary.json"), summary)
+    return summary
+
+
+class _Evaluator:
+    """The first island's evaluations of the held-out files (nats per byte), written as `eval` records."""
+
+    def __init__(self, config, corpus: data_lib.Corpus, island: Island, role: RoleFolder, global_params: bool):
+        self.island, self.role, self.global_params = island, role, global_params
+        self.batches = data_lib.eval_batches(
+            corpus.eval_bytes, config.model.seq_len, config.eval.batch_size, config.eval.num_batches
+        )
+
+    def __call__(self, round: int, write: bool = True) -> float:
+        loss = self.island.evaluate(self.batches, global_params=self.global_params)
+        if write:
+            self.role.metrics.write(dict(kind="eval", round=round, eval_loss=loss))
+        return loss
+
+
+def _join(config, island: Island, transport, first: int, evaluator: _Evaluator | None) -> None:
+    """The handshake, the evaluation of round `first`, and the start every island makes together."""
+    name, cfg = island.name, config.islands[island.name]
+    fingerprint = config_lib.fingerprint_fields(config)
+    link = getattr(transport, "link", None)
+    if link is not None:
+        logging.info(
+            "island %s: emulated link %.3g Gbit/s, %.3g ms one way, window %d bytes (one connection: %.3g Gbit/s; "
+            "%d connections fill it, comm.connections=%d)", name, link.bandwidth_gbps, link.latency_ms,
+            link.window_bytes, link.one_connection_gbps(), link.connections_needed(), config.comm.connections,
+        )
+    if transport is not None:
+        transport.join(name, fingerprint, island.global_checksum, first)
+    logging.info(
+        "island %s %s at round %d: %d devices (data=%d x expert=%d), batch %d, H=%d", name,
+        "joined the coordinator" if transport is not None else "trains alone (no outer loop)", first,
+        cfg.num_devices, cfg.mesh.data, cfg.mesh.expert, cfg.batch_size, island.inner_steps,
+    )
+    if evaluator is not None:
+        loss = evaluator(first, write=first == 0)
+        logging.info("round %d: eval loss %.4f nats/byte", first, loss)
+    if transport is not None:  # every island starts its first round at the same moment (the evaluator evaluated first)
+        transport.start_together(name, fingerprint, island.global_checksum, first)
+
+
+def _train_rounds(config, island: Island, sync: StreamingSync, role: RoleFolder, evaluator, first: int) -> None:
+    """The round loop: train, log, evaluate and checkpoint when due."""
+    name, rounds, cfg = island.name, config.outer.rounds, config.islands[island.name]
+    eta = Eta(rounds)
+    r = first  # the round being trained (0-based)
+    while r < rounds:
+        if cfg.crash_at_round == r + 1:
+            raise RuntimeError(f"island {name} crashes at round {r + 1} on purpose (islands.{name}.crash_at_round)")
+        step0 = island.step
+        checkpoint_due = due(r + 1, config.checkpoint.every_rounds, rounds)
+        # A checkpoint holds no exchange in flight: every update of the round is applied first.
+        result = sync.run_round(r, drain=checkpoint_due)
+        for j in range(result["steps"]):
+            role.metrics.write(dict(
+                kind="inner", round=r + 1, step=step0 + j + 1, **{k: result[k][j] for k in STEP_METRICS},
+                moe=result["layers"][j], tokens_per_second=result["tokens"] / result["seconds"],
+            ))
+        if sync.rejoined_round is not None:  # more than a round behind: rejoined from the view
+            r, sync.rejoined_round = sync.rejoined_round - 1, None  # the rounds completed are now the view's
+        record = _round_record(island, result, r)
+        if evaluator is not None and due(r + 1, config.eval.every_rounds, rounds):
+            with sync.between_rounds("eval"):
+                record["eval_loss"] = evaluator(r + 1)
+        role.metrics.write(record)
+        if checkpoint_due:
+            with sync.between_rounds("checkpoint"):
+                state = island.state(r + 1)
+                saved = role.checkpoints.save(r + 1, state, force=r + 1 == rounds)
+            if saved:
+                checksums = {k: checksum(jax.device_get(v)) for k, v in state.items()}
+                role.metrics.write(dict(kind="checkpoint", round=r + 1, checksums=checksums))
+        logging.info(
+            "island %s round %d/%d | loss %.4f | eval %s | sent/received %.2f/%.2f MB | compute %.1f s, blocked "
+            "%.1f s, idle %.1f s (before it: eval %.1f s, save %.1f s) | utilization %.3f | tau %d | ETA %s",
+            name, r + 1, rounds, record["train_loss"], f"{record['eval_loss']:.4f}" if "eval_loss" in record else "-",
+            record["bytes_sent"] / 1e6, record["bytes_received"] / 1e6, result["compute_seconds"],
+            result["seconds_blocked"], result["idle_seconds"], result["eval_seconds"], result["checkpoint_seconds"],
+            result["compute_utilization"], result["overlap_steps"], eta.after(r + 1),
+        )
+        r += 1
+
+
+def _round_record(island: Island, result: dict, r: int) -> dict:
+    """The island's metrics record of round `r` (0-based); see `StreamingSync.run_round` for the fields."""
+    moved = result["bytes_sent"] + result["bytes_received"]
+    transferring = result["seconds_transferring"]
+    params = island.global_params if result["exchanges"] or island.config.outer.enabled else island.params
+    return dict(
+        kind="round",
+        round=r + 1,
+        inner_steps=result["steps"],
+        train_loss=float(np.mean(result["cross_entropy"])),
+        tokens=result["tokens"],
+        busy_seconds=result["busy_seconds"],
+        step_seconds=result["step_seconds"],
+        **{k: result[k] for k in ACCOUNTING_FIELDS},
+        achieved_gbps=moved * 8 / transferring / 1e9 if transferring else 0.0,
+        checksum=functools.partial(checksum, params),  # computed by the metrics thread
+        expert_load=result["expert_load"],
+    )

@@ -1,0 +1,98 @@
+"""`run_in_process(config, workdir)`: every role of a run in this process, on threads.
+
+The coordinator (`run_coordinator`) and every island (`run_island`) run the
+same drivers as in a multi-process launch, on threads of their own, over an
+`InProcessExchange` instead of gRPC; each island on its own consecutive slice
+of this process's devices. One lock keeps a single island's device work
+running at a time (XLA:CPU's in-process collectives must not interleave), so
+here the islands' compute is serialized and only a multi-process launch shows
+real overlap. The workdir is the one every mode writes (`island_jax.workdir`),
+and running again with the same workdir resumes every role from its newest
+checkpoint.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import jax
+import ml_collections
+from absl import logging
+
+from island_jax import config as config_lib
+from island_jax.comm.inprocess import InProcessExchange, IslandAborted
+from island_jax.coordinator_main import run_coordinator
+from island_jax.island_main import run_island
+from island_jax.progress import Progress
+from island_jax.workdir import combine_summaries, refuse_finished
+
+
+def run_in_process(config: ml_collections.ConfigDict, workdir: str) -> dict:
+    """Trains the run's islands with the DiLoCo outer loop (or one island without it) and evaluates.
+
+    Args:
+      config: see `island_jax.config`; validated here, before anything compiles.
+      workdir: the run's folder (created; an unfinished run in it is resumed).
+
+    Returns:
+      `workdir.combine_summaries`'s summary, also in `workdir/summary.json`.
+
+    Raises:
+      ConfigError: an invalid config, or more devices asked for than this process has.
+      FileExistsError: `workdir` holds a finished run.
+      The first role's error when a role fails (the others are stopped first,
+      their checkpoints in progress finished); KeyboardInterrupt or SystemExit
+      likewise stops every role before it propagates.
+    """
+    config_lib.validate(config, num_available_devices=len(jax.devices()))
+    refuse_finished(workdir)
+    start = time.perf_counter()
+    exchange = InProcessExchange() if config.outer.enabled else None
+    device_lock = threading.Lock()
+    devices, offset = jax.devices(), 0
+    roles = []
+    if exchange is not None:
+        roles.append(("coordinator", run_coordinator, (config, workdir, exchange)))
+    for name, cfg in config.islands.items():
+        island_devices = devices[offset : offset + cfg.num_devices]
+        offset += cfg.num_devices
+        roles.append((f"island {name}", run_island, (config, workdir, name, exchange, island_devices, device_lock)))
+    errors: list[tuple[str, BaseException]] = []
+
+    def work(role, fn, args):
+        try:
+            fn(*args)
+        except BaseException as e:  # noqa: BLE001 - reported on the caller's thread
+            errors.append((role, e))
+            if exchange is not None:
+                exchange.abort(f"{role} failed: {e!r}")
+
+    threads = [threading.Thread(target=work, args=role, name=role[0].replace(" ", "-")) for role in roles]
+    for t in threads:
+        t.start()
+    progress = Progress(workdir, list(config.islands.keys()), config.outer.rounds)
+    try:
+        while any(t.is_alive() for t in threads):
+            threads[0].join(timeout=1.0)
+            for line in progress.poll():
+                logging.info("%s", line)
+    except BaseException as e:  # a signal or Ctrl-C: every role unwinds, saves in progress finish
+        if exchange is not None:
+            exchange.abort(f"the run was stopped ({e!r})")
+        for t in threads:
+            t.join()
+        raise
+    for t in threads:
+        t.join()
+    for line in progress.poll():
+        logging.info("%s", line)
+    real = [(role, e) for role, e in errors if not isinstance(e, IslandAborted)]
+    if real or errors:
+        raise (real or errors)[0][1]
+    summary = combine_summaries(config, workdir, time.perf_counter() - start)
+    logging.info(
+        "done in %.1f s: eval loss %.4f -> %.4f nats/byte; global parameters agree: %s",
+        summary["wall_seconds"], summary["eval_loss_initial"], summary["eval_loss_final"], summary["checksums_agree"],
+    )
+    return summary

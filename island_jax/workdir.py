@@ -1,0 +1,198 @@
+"""A run's workdir: the one tree every way of running writes, and what is read back from it.
+
+  WORKDIR/coordinator/     config.json, metrics.jsonl, TensorBoard events,
+                           checkpoints/ (master, outer optimizer state, view, round),
+                           summary.json
+  WORKDIR/islands/NAME/    config.json, metrics.jsonl, events.jsonl (spans for the
+                           timeline), TensorBoard events, checkpoints/ (params, anchor,
+                           AdamW state, data position, round), summary.json
+  WORKDIR/summary.json     every role's summary combined (`combine_summaries`)
+  WORKDIR/timeline.png     when each island computed, sent, received, waited, evaluated, saved
+
+The in-process run (`island_jax.run`) and a multi-process launch write the
+same files with the same records, and both resume from the same workdir:
+every role restarts from its newest checkpoint.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+
+import ml_collections
+
+from island_jax.checkpoint import Checkpointer
+from island_jax.metrics import MetricsWriter, read_jsonl, write_json
+from island_jax.plots import plot_timeline
+
+
+def coordinator_dir(workdir: str) -> str:
+    """The coordinator's folder of a workdir."""
+    return os.path.join(workdir, "coordinator")
+
+
+def island_dir(workdir: str, name: str) -> str:
+    """Island `name`'s folder of a workdir."""
+    return os.path.join(workdir, "islands", name)
+
+
+def due(rounds_done: int, every_rounds: int, rounds: int) -> bool:
+    """Whether the run evaluates or checkpoints after `rounds_done` completed rounds: every
+    `every_rounds` rounds (`eval.every_rounds`, `checkpoint.every_rounds`) and after the last."""
+    return rounds_done % every_rounds == 0 or rounds_done == rounds
+
+
+def refuse_finished(workdir: str) -> None:
+    """Refuses a workdir whose run finished, so nothing it holds is overwritten.
+
+    Raises:
+      FileExistsError: `WORKDIR/summary.json` exists.
+    """
+    if os.path.exists(os.path.join(workdir, "summary.json")):
+        raise FileExistsError(
+            f"{workdir} holds a finished run (summary.json); pass a new --workdir, or move that one away first, "
+            "so that nothing it holds is overwritten"
+        )
+
+
+@dataclasses.dataclass
+class RoleFolder:
+    """One role's folder: its checkpoints and metrics (`open_role`)."""
+
+    path: str
+    checkpoints: Checkpointer
+    metrics: MetricsWriter
+
+    def close(self) -> None:
+        """Finishes the save in progress and the metrics (both wait for their background writes)."""
+        try:
+            self.metrics.close()
+        finally:
+            self.checkpoints.close()
+
+
+def open_role(config: ml_collections.ConfigDict, path: str) -> RoleFolder:
+    """Opens (creating) a role's folder: its `Checkpointer`, `MetricsWriter` and `config.json`.
+
+    A resumed role keeps the `config.json` it started with.
+
+    Raises:
+      FileExistsError: the folder holds metrics of a run but no checkpoint to resume from.
+    """
+    os.makedirs(path, exist_ok=True)
+    checkpoints = Checkpointer(
+        os.path.join(path, "checkpoints"), config.checkpoint.every_rounds, config.checkpoint.max_to_keep
+    )
+    if checkpoints.latest_round() is None and os.path.exists(os.path.join(path, "metrics.jsonl")):
+        checkpoints.close()
+        raise FileExistsError(
+            f"{path} holds metrics of a run but no checkpoint to resume from; pass a new --workdir, or move that "
+            "one away first, so that nothing it holds is overwritten"
+        )
+    config_path = os.path.join(path, "config.json")
+    if not os.path.exists(config_path):
+        with open(config_path, "w", encoding="utf-8") as f:
+            f.write(config.to_json_best_effort(indent=2, sort_keys=True))
+    return RoleFolder(path, checkpoints, MetricsWriter(path, tensorboard=True, background=True))
+
+
+# Round-record fields an island's summary sums over its rounds.
+SUMMED = (
+    "inner_steps", "tokens", "bytes_sent", "bytes_received", "compute_seconds", "seconds_blocked", "idle_seconds",
+    "wall_seconds", "ideal_compute_seconds", "seconds_transferring", "waits", "eval_seconds", "checkpoint_seconds",
+)
+
+
+def summarize_island(folder: str) -> dict:
+    """Totals of an island's `metrics.jsonl` over the whole run, resumed parts included.
+
+    A round logged twice (after a crash, a resumed run trains it again) counts
+    once, with its latest record. Returns `rounds` (completed), the sums of
+    `SUMMED`: `inner_steps`, `tokens`, `bytes_sent` and `bytes_received`
+    (frame bytes, see `comm.inprocess`), `waits`, `wall_seconds` (of the rounds;
+    every second is one of `compute_seconds`, `seconds_blocked` or
+    `idle_seconds`), `eval_seconds` and `checkpoint_seconds` (between rounds,
+    outside their wall seconds; the evaluation and save after the last round
+    are in `process_seconds` only), `ideal_compute_seconds` (per round, inner
+    steps x the step time with no exchange in flight), `seconds_transferring`;
+    then `compute_utilization` (ideal compute / wall), `achieved_gbps` (all
+    bytes moved x 8 / seconds_transferring / 1e9), the last `checksum`, and
+    when the island evaluated, `eval_loss_initial` (round 0) and `eval_loss_final`.
+    """
+    rounds, evals = {}, {}
+    for rec in read_jsonl(os.path.join(folder, "metrics.jsonl")):
+        if rec.get("kind") == "round":
+            rounds[rec["round"]] = rec
+        elif rec.get("kind") == "eval":
+            evals[rec["round"]] = rec["eval_loss"]
+    summary = {key: sum(rec.get(key, 0) for rec in rounds.values()) for key in SUMMED}
+    wall = summary["wall_seconds"]
+    summary["compute_utilization"] = summary["ideal_compute_seconds"] / wall if wall else 0.0
+    moved = summary["bytes_sent"] + summary["bytes_received"]
+    transferring = summary["seconds_transferring"]
+    summary["achieved_gbps"] = moved * 8 / transferring / 1e9 if transferring else 0.0
+    summary.update(rounds=max(rounds, default=0), checksum=rounds[max(rounds)]["checksum"] if rounds else None)
+    if evals:
+        summary.update(eval_loss_initial=evals.get(0), eval_loss_final=evals[max(evals)])
+    return summary
+
+
+def _read_json(path: str) -> dict:
+    with open(path, encoding="utf-8") as f:
+        return json.load(f)
+
+
+def combine_summaries(config: ml_collections.ConfigDict, workdir: str, wall_seconds: float) -> dict:
+    """Writes `WORKDIR/summary.json` from every role's folder, and `WORKDIR/timeline.png`.
+
+    Returns:
+      `rounds`, `params`, `codec`, `block_size`, `corpus`, `eval_loss_initial`,
+      `eval_loss_final` (nats per byte, from the evaluating island),
+      `wall_seconds` (the caller's), `checksums_agree` (every island's final
+      global parameters equal the coordinator's view; without an outer loop,
+      True), and `islands.NAME`: the island's `SUMMED` totals,
+      `achieved_gbps`, `compute_utilization`, `mean_weight` (its share of a
+      merge, averaged over rounds) and `rounds_merged`.
+
+    Raises:
+      FileNotFoundError: a role left no summary (it did not finish).
+    """
+    names = list(config.islands.keys())
+    islands = {name: _read_json(os.path.join(island_dir(workdir, name), "summary.json")) for name in names}
+    evaluator = islands[names[0]]
+    merged = {}  # round -> the coordinator's record (a resumed run logs some rounds twice)
+    if config.outer.enabled:
+        coordinator = _read_json(os.path.join(coordinator_dir(workdir), "summary.json"))
+        for rec in read_jsonl(os.path.join(coordinator_dir(workdir), "metrics.jsonl")):
+            if rec.get("kind") == "round":
+                merged[rec["round"]] = rec
+        agree = all(s["checksum"] == coordinator["checksum"] for s in islands.values())
+    else:  # one island, no exchange: it describes the run itself
+        coordinator, agree = evaluator, True
+    summary = dict(
+        rounds=coordinator["rounds"],
+        params=coordinator["params"],
+        codec=coordinator["codec"],
+        block_size=coordinator["block_size"],
+        corpus=evaluator.get("corpus"),
+        eval_loss_initial=evaluator.get("eval_loss_initial"),
+        eval_loss_final=evaluator.get("eval_loss_final"),
+        wall_seconds=wall_seconds,
+        checksums_agree=agree,
+        islands={
+            name: dict(
+                {k: s[k] for k in (*SUMMED, "achieved_gbps", "compute_utilization")},
+                # the share of each round's merge, averaged over rounds (0 for a round it missed)
+                mean_weight=sum(r["weights"].get(name, 0.0) for r in merged.values()) / max(len(merged), 1),
+                rounds_merged=sum(name in r["weights"] for r in merged.values()),
+            )
+            for name, s in islands.items()
+        },
+    )
+    write_json(os.path.join(workdir, "summary.json"), summary)
+    events = [os.path.join(island_dir(workdir, n), "events.jsonl") for n in names]
+    events = [p for p in events if os.path.exists(p) and os.path.getsize(p)]
+    if events:
+        plot_timeline(events, os.path.join(workdir, "timeline.png"))
+    return summary
