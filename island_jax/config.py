@@ -1,40 +1,28 @@
 """The configuration schema of a run, and its validation.
 
-A run is described by one `ml_collections.ConfigDict`, nested by concern:
+This module is where the schema is documented: every key, with its meaning,
+units and default, is in `default_config` (one helper per section) and, for an
+island's entry, in `island`. A run is described by one
+`ml_collections.ConfigDict`, nested by concern:
 
-  seed      int, seeds parameter initialisation and data order.
-  model     decoder-only transformer shapes and dtypes.
-  moe       Mixture-of-Experts feed-forward layers (Switch Transformer, arXiv
-            2101.03961; ST-MoE router z-loss, arXiv 2202.08906).
-  islands   a ConfigDict keyed by island name, so `--config.islands.b.batch_size=8`
-            works; each island has `num_devices`, `mesh.data`, `mesh.expert`,
-            `batch_size` (sequences per inner step), `inner_steps` (H) and
-            `hardware` (a name such as "cpu").
-  inner     AdamW inner optimizer, warm-up + cosine schedule over all inner steps,
-            gradient clipping.
-  outer     DiLoCo outer loop (arXiv 2311.08105): `rounds`, SGD `learning_rate`,
-            `momentum`, `nesterov`; `sync` and `reference_island` plan each
-            island's inner steps (island_jax/planning.py); `enabled=False`
-            trains a single island with no outer loop (the data-parallel baseline).
-            Streaming DiLoCo (arXiv 2501.18512): `fragments` (F parameter
-            groups, each synced once per round at its own offset),
-            `overlap_steps` (tau inner steps of training before a fragment's
-            update is applied, or "auto") and `mix_alpha` (island_jax/streaming.py).
-  codec     pseudo-gradient wire format: `kind` in {int8, int4, bf16, none},
-            the `block_size` of int8 / int4 (elements per float32 scale) and
-            `error_feedback`.
-  data      corpus (`files`, a glob; empty means the interpreter's standard
-            library) and the held-out split.
-  eval      `every_rounds`, `batch_size`, `num_batches`.
-  comm      the gRPC exchange between islands and the coordinator: `chunk_bytes`
-            (largest chunk of a streamed payload), `connections` (parallel
-            gRPC channels, each its own TCP connection, per island),
-            `pipeline` (merge and stream the update back chunk by chunk),
-            `join_timeout_seconds`, `round_timeout_seconds`, and `link`, the
-            emulated WAN path of every island (island_jax/comm/link.py):
-            `bandwidth_gbps` (0 = not emulated), one-way `latency_ms` and the
-            TCP `window_bytes` of one connection (0 = unlimited).
-  checkpoint  orbax checkpoints of every role: `every_rounds`, `max_to_keep`.
+  seed        seeds parameter initialisation and data order.
+  model       decoder-only transformer shapes and dtypes (`_model`).
+  moe         Mixture-of-Experts feed-forward layers (Switch Transformer, arXiv
+              2101.03961; ST-MoE router z-loss, arXiv 2202.08906) (`_moe`).
+  islands     a ConfigDict keyed by island name, so `--config.islands.b.batch_size=8`
+              works; each entry is made by `island(...)`, whose arguments
+              document its keys. Empty by default: experiment configs add islands.
+  inner       AdamW inner optimizer, warm-up + cosine schedule over all inner
+              steps, gradient clipping (`_inner`).
+  outer       the DiLoCo outer loop (arXiv 2311.08105), round planning
+              (island_jax/planning.py), quorum, and Streaming DiLoCo fragments
+              (arXiv 2501.18512) (`_outer`).
+  codec       the pseudo-gradient wire format (island_jax/outer/codec.py) (`_codec`).
+  data        the corpus and its held-out split (island_jax/data.py) (`_data`).
+  eval        held-out evaluation between rounds (`_eval`).
+  comm        the gRPC exchange between islands and the coordinator, and the
+              emulated WAN link of every island (island_jax/comm/link.py) (`_comm`).
+  checkpoint  orbax checkpoints of every role (island_jax/checkpoint.py) (`_checkpoint`).
 
 `validate(config)` checks everything that can be checked before JAX compiles
 anything and raises `ConfigError` naming the field and the fix.
@@ -45,14 +33,15 @@ from __future__ import annotations
 import ml_collections
 
 from island_jax.hardware import CATALOG
+from island_jax.models.moe import DISPATCH
+from island_jax.outer.codec import KINDS as CODEC_KINDS
 
-CODECS = ("int8", "int4", "bf16", "none")
-DISPATCH = ("capacity", "dropless")
-SYNC = ("steps", "auto", "time")
+SYNC = ("steps", "auto", "time")  # values of outer.sync (island_jax/planning.py)
+AUTO_FROM = ("catalog", "measured")  # values of outer.auto_from
 MIB = 1 << 20
 MAX_CHUNK_BYTES = 64 * MIB  # far below protobuf's 2 GiB message ceiling
 MAX_CONNECTIONS = 256
-DTYPES = ("float32", "bfloat16")
+DTYPES = ("float32", "bfloat16")  # values of model.param_dtype and model.compute_dtype
 
 
 class ConfigError(ValueError):
@@ -72,16 +61,19 @@ def island(
     crash_at_round: int = 0,
     simulated_speed: float = 1.0,
 ) -> ml_collections.ConfigDict:
-    """One island's entry for `config.islands`.
+    """One island's entry for `config.islands` (keys as the arguments; `data` and `expert` under `mesh`).
 
     Args:
       num_devices: devices in the island's mesh; must equal data x expert.
       data: size of the `data` mesh axis (batch / FSDP).
       expert: size of the `expert` mesh axis (expert parallelism; also splits
         the batch outside MoE layers).
-      batch_size: sequences per inner step for the whole island.
-      inner_steps: H, inner AdamW steps per round.
-      hardware: hardware kind of the island's devices (e.g. "cpu", "h100").
+      batch_size: sequences per inner step for the whole island, a multiple of
+        num_devices.
+      inner_steps: H, inner AdamW steps per round (with `outer.sync = "time"`,
+        the expected steps per round, which sets the learning-rate schedule's length).
+      hardware: hardware kind of the island's devices, a name in the catalog of
+        island_jax/hardware.py (e.g. "cpu", "h100").
       crash_at_round: fault injection for tests of launchers and recovery: the
         island's process fails at the start of this round (1-based; 0 = never).
       simulated_speed: s in (0, 1]; on one machine, makes the island s times as
@@ -103,54 +95,80 @@ def island(
 def default_config() -> ml_collections.ConfigDict:
     """Defaults for every field; experiment configs start from this and add islands."""
     c = ml_collections.ConfigDict()
-    c.seed = 0
-    c.model = dict(
-        vocab_size=256,  # byte-level
+    c.seed = 0  # seeds parameter initialisation (on the CPU backend) and the data order
+    c.model = _model()
+    c.moe = _moe()
+    c.islands = ml_collections.ConfigDict()  # name -> island(...); none by default
+    c.inner = _inner()
+    c.outer = _outer()
+    c.codec = _codec()
+    c.data = _data()
+    c.eval = _eval()
+    c.comm = _comm()
+    c.checkpoint = _checkpoint()
+    return c
+
+
+def _model() -> dict:
+    """`model`: the decoder-only byte-level transformer (island_jax/models/transformer.py)."""
+    return dict(
+        vocab_size=256,  # tokens in the vocabulary; 256 = byte-level
         seq_len=128,  # tokens (bytes) per sequence
-        num_layers=4,
-        d_model=128,
-        num_heads=4,
-        param_dtype="float32",
-        compute_dtype="float32",
+        num_layers=4,  # transformer blocks
+        d_model=128,  # residual stream width D
+        num_heads=4,  # attention heads; must divide d_model
+        param_dtype="float32",  # dtype the parameters are stored in: float32 | bfloat16 (routers stay float32)
+        compute_dtype="float32",  # dtype of activations and matmuls: float32 | bfloat16
         mlp_hidden_dim=512,  # SwiGLU width of the dense feed-forward layers between MoE layers
     )
-    c.moe = dict(
-        num_experts=4,
-        num_experts_per_token=2,  # top-k
+
+
+def _moe() -> dict:
+    """`moe`: the Mixture-of-Experts feed-forward layers (island_jax/models/moe.py)."""
+    return dict(
+        num_experts=4,  # E routed experts per MoE layer; a multiple of every island's mesh.expert
+        num_experts_per_token=2,  # top-k, in 1..num_experts
         expert_hidden_dim=256,  # SwiGLU hidden width per expert
-        capacity_factor=1.0,  # slots per expert = ceil(cf * tokens_per_shard * k / E)
+        capacity_factor=1.0,  # slots per expert = ceil(cf * tokens_per_shard * k / E); <= 0: nothing dropped
         renormalize=True,  # rescale the top-k router weights to sum to 1
-        load_balancing_loss_coef=0.01,
-        router_z_loss_coef=1e-3,
+        load_balancing_loss_coef=0.01,  # weight of the load-balancing loss in the training loss (Switch eq. 4)
+        router_z_loss_coef=1e-3,  # weight of the router z-loss in the training loss (ST-MoE eq. 5)
         dispatch="capacity",  # capacity buckets + all_to_all; "dropless": ragged_dot (+ ragged_all_to_all off CPU)
         jitter_noise=0.0,  # eps of U(1 - eps, 1 + eps) on the router input while training (Switch: 0.01)
         num_shared_experts=0,  # experts every token passes through (DeepSeekMoE)
         routing_bias_update_rate=0.0,  # gamma of auxiliary-loss-free balancing (DeepSeek-V3: 0.001); 0 = off
         every_n_layers=1,  # an MoE layer in every n-th block, dense SwiGLU in the others
     )
-    c.islands = ml_collections.ConfigDict()
-    c.inner = dict(
+
+
+def _inner() -> dict:
+    """`inner`: each island's AdamW, warm-up then cosine decay over its inner steps of the whole run."""
+    return dict(
         learning_rate=3e-3,  # peak AdamW learning rate
         warmup_steps=50,  # of each island's inner steps, counted over all rounds
         min_learning_rate_ratio=0.1,  # cosine decays to peak * ratio
-        b1=0.9,
-        b2=0.95,
-        eps=1e-8,
-        weight_decay=0.1,
-        grad_clip_norm=1.0,
+        b1=0.9,  # AdamW first-moment decay
+        b2=0.95,  # AdamW second-moment decay
+        eps=1e-8,  # AdamW denominator epsilon
+        weight_decay=0.1,  # decoupled weight decay, on matrices only (rank >= 2)
+        grad_clip_norm=1.0,  # clip gradients to this global L2 norm
     )
-    c.outer = dict(
-        enabled=True,
-        rounds=20,
-        learning_rate=0.7,  # DiLoCo default
-        momentum=0.9,
-        nesterov=True,
+
+
+def _outer() -> dict:
+    """`outer`: the DiLoCo outer loop, round planning, quorum and Streaming DiLoCo."""
+    return dict(
+        enabled=True,  # False: one island trains alone with no outer loop (the data-parallel baseline)
+        rounds=20,  # outer steps (rounds) of the run
+        learning_rate=0.7,  # outer SGD learning rate (DiLoCo default)
+        momentum=0.9,  # outer SGD momentum (DiLoCo default)
+        nesterov=True,  # Nesterov momentum for the outer SGD
         sync="steps",  # steps: each island's inner_steps; auto: scaled by devices x catalog peak; time: round_seconds
         reference_island="",  # with sync=auto, the island whose inner_steps is kept ("" = the first)
         auto_from="catalog",  # with sync=auto: "catalog" peaks, or "measured" step times of round 0
         round_seconds=10.0,  # with sync=time: wall-clock seconds of training per round
         min_islands=0,  # quorum: merge once this many islands contributed and grace_seconds passed (0 = all)
-        grace_seconds=60.0,  # how long a reached quorum waits for the remaining islands
+        grace_seconds=60.0,  # seconds a reached quorum waits for the remaining islands
         # Streaming DiLoCo (arXiv 2501.18512): fragments synced on a staggered schedule, overlapped with compute.
         fragments=1,  # F groups of whole leaves, each synced once per round at its own offset (1: plain DiLoCo)
         # tau: inner steps an island keeps training before applying a fragment's update (0: wait for it);
@@ -158,33 +176,56 @@ def default_config() -> ml_collections.ConfigDict:
         overlap_steps=ml_collections.FieldReference(0, field_type=object),
         mix_alpha=0.5,  # with tau >= 1: local <- alpha x local + (1 - alpha) x global for the updated fragment
     )
-    c.codec = dict(
-        kind="int8",  # int8 | int4 | bf16 | none
+
+
+def _codec() -> dict:
+    """`codec`: how pseudo-gradients and updates are encoded for the wire."""
+    return dict(
+        kind="int8",  # int8 | int4 (blockwise absmax) | bf16 | none (float32)
         block_size=256,  # elements per float32 scale of int8 / int4
         error_feedback=False,  # islands add what the codec lost last round before encoding
     )
-    c.data = dict(
+
+
+def _data() -> dict:
+    """`data`: the text corpus, split by file into held-out and per-island training bytes."""
+    return dict(
         files="",  # glob of text files; "" = the running interpreter's stdlib *.py
-        eval_fraction=0.02,  # share of files held out for evaluation
+        eval_fraction=0.02,  # share of files held out for evaluation, in (0, 1)
     )
-    c.eval = dict(every_rounds=5, batch_size=32, num_batches=8)
-    c.comm = dict(
+
+
+def _eval() -> dict:
+    """`eval`: held-out loss of the global parameters."""
+    return dict(
+        every_rounds=5,  # evaluate after every this many rounds (and after the last)
+        batch_size=32,  # sequences per evaluation batch; a multiple of every island's num_devices
+        num_batches=8,  # fixed batches per evaluation
+    )
+
+
+def _comm() -> dict:
+    """`comm`: the exchange between islands and the coordinator, and the emulated WAN link."""
+    return dict(
         chunk_bytes=MIB,  # largest chunk of a streamed payload, bytes (gRPC's default message limit is 4 MiB)
         join_timeout_seconds=300.0,  # how long an island waits for the coordinator to answer its join
-        round_timeout_seconds=3600.0,  # how long an island waits for a round's update
+        round_timeout_seconds=3600.0,  # how long an island waits for a round's update, seconds
         connections=16,  # parallel gRPC channels per island; one TCP connection carries about window / RTT
         pipeline=True,  # merge, step and send the update back chunk by chunk while contributions arrive
-        link=dict(
+        link=dict(  # the emulated WAN path between each island and the coordinator (island_jax/comm/link.py)
             bandwidth_gbps=0.0,  # emulated WAN rate of each island's link, Gbit/s each way (0: not emulated)
             latency_ms=0.0,  # one-way latency, ms (RTT = 2x)
             window_bytes=0,  # bytes in flight per connection (a TCP window; 0: unlimited)
         ),
     )
-    c.checkpoint = dict(
-        every_rounds=10,  # also after the last round
-        max_to_keep=2,
+
+
+def _checkpoint() -> dict:
+    """`checkpoint`: orbax checkpoints of every role, in its folder of the workdir."""
+    return dict(
+        every_rounds=10,  # save after every this many rounds (and after the last)
+        max_to_keep=2,  # newest checkpoints kept per role
     )
-    return c
 
 
 def _require(ok: bool, message: str) -> None:
@@ -198,7 +239,7 @@ def validate(
     """Checks a run's config before anything compiles.
 
     Args:
-      config: the run's config (see the module docstring for the schema).
+      config: the run's config (see `default_config` and `island` for the schema).
       num_available_devices: devices this process can use; when given, the
         islands' total `num_devices` (or, with `island`, that island's) must
         not exceed it.
@@ -208,8 +249,21 @@ def validate(
     Raises:
       ConfigError: naming the first invalid field and what to do about it.
     """
-    m, moe = config.model, config.moe
     _require(len(config.islands) > 0, "islands is empty; add at least one island with island_jax.config.island(...)")
+    _check_model(config.model)
+    _check_moe(config.moe, config.model)
+    _check_codec(config.codec)
+    _check_outer(config.outer, config.islands)
+    _check_comm(config.comm)
+    _check_checkpoint(config.checkpoint)
+    _check_eval(config.eval)
+    _check_data(config.data)
+    for name, isl in config.islands.items():
+        _check_island(config, name, isl)
+    _check_devices(config, num_available_devices, island)
+
+
+def _check_model(m: ml_collections.ConfigDict) -> None:
     for name in ("vocab_size", "seq_len", "num_layers", "d_model", "num_heads"):
         _require(m[name] > 0, f"model.{name} is {m[name]}; it must be a positive integer")
     _require(
@@ -218,6 +272,10 @@ def validate(
     )
     for name in ("param_dtype", "compute_dtype"):
         _require(m[name] in DTYPES, f"model.{name} is {m[name]!r}; choose one of {DTYPES}")
+    _require(m.mlp_hidden_dim > 0, f"model.mlp_hidden_dim is {m.mlp_hidden_dim}; it must be positive")
+
+
+def _check_moe(moe: ml_collections.ConfigDict, m: ml_collections.ConfigDict) -> None:
     _require(moe.num_experts > 0, f"moe.num_experts is {moe.num_experts}; it must be positive")
     _require(
         1 <= moe.num_experts_per_token <= moe.num_experts,
@@ -237,145 +295,175 @@ def validate(
         f"moe.every_n_layers is {moe.every_n_layers} but model.num_layers is {m.num_layers}; use 1..num_layers "
         "so that at least one block has an MoE layer",
     )
-    _require(m.mlp_hidden_dim > 0, f"model.mlp_hidden_dim is {m.mlp_hidden_dim}; it must be positive")
+
+
+def _check_codec(codec: ml_collections.ConfigDict) -> None:
+    _require(codec.kind in CODEC_KINDS, f"codec.kind is {codec.kind!r}, an unknown codec; choose one of {CODEC_KINDS}")
     _require(
-        config.codec.kind in CODECS,
-        f"codec.kind is {config.codec.kind!r}, an unknown codec; choose one of {CODECS}",
+        codec.block_size > 0,
+        f"codec.block_size is {codec.block_size}; it must be a positive number of elements (e.g. 256)",
+    )
+
+
+def _check_outer(outer: ml_collections.ConfigDict, islands: ml_collections.ConfigDict) -> None:
+    _require(outer.rounds > 0, f"outer.rounds is {outer.rounds}; it must be at least 1")
+    _require(
+        0 <= outer.min_islands <= len(islands),
+        f"outer.min_islands is {outer.min_islands} but there are {len(islands)} islands; use 0 (all) "
+        f"or 1..{len(islands)}",
+    )
+    _require(outer.round_seconds > 0, f"outer.round_seconds is {outer.round_seconds}; it must be positive")
+    _require(outer.grace_seconds >= 0, f"outer.grace_seconds is {outer.grace_seconds}; use 0 or more")
+    _require(
+        outer.auto_from in AUTO_FROM,
+        f"outer.auto_from is {outer.auto_from!r}; choose 'catalog' or 'measured' (with outer.sync='auto')",
     )
     _require(
-        config.codec.block_size > 0,
-        f"codec.block_size is {config.codec.block_size}; it must be a positive number of elements (e.g. 256)",
+        outer.fragments >= 1,
+        f"outer.fragments is {outer.fragments}; use 1 (plain DiLoCo) or more fragments (Streaming DiLoCo)",
     )
-    _require(config.outer.rounds > 0, f"outer.rounds is {config.outer.rounds}; it must be at least 1")
-    _require(
-        0 <= config.outer.min_islands <= len(config.islands),
-        f"outer.min_islands is {config.outer.min_islands} but there are {len(config.islands)} islands; use 0 (all) "
-        f"or 1..{len(config.islands)}",
-    )
-    _require(config.outer.round_seconds > 0, f"outer.round_seconds is {config.outer.round_seconds}; it must be positive")
-    _require(config.outer.grace_seconds >= 0, f"outer.grace_seconds is {config.outer.grace_seconds}; use 0 or more")
-    _require(
-        config.outer.auto_from in ("catalog", "measured"),
-        f"outer.auto_from is {config.outer.auto_from!r}; choose 'catalog' or 'measured' (with outer.sync='auto')",
-    )
-    _require(
-        config.outer.fragments >= 1,
-        f"outer.fragments is {config.outer.fragments}; use 1 (plain DiLoCo) or more fragments (Streaming DiLoCo)",
-    )
-    tau = config.outer.overlap_steps
+    tau = outer.overlap_steps
     _require(
         tau == "auto" or (isinstance(tau, int) and not isinstance(tau, bool) and tau >= 0),
         f"outer.overlap_steps is {tau!r}; use an integer >= 0 (inner steps; 0 applies each update at once) or 'auto'",
     )
     _require(
-        0.0 <= config.outer.mix_alpha <= 1.0,
-        f"outer.mix_alpha is {config.outer.mix_alpha}; use a weight in [0, 1] (the local side of the mix)",
+        0.0 <= outer.mix_alpha <= 1.0,
+        f"outer.mix_alpha is {outer.mix_alpha}; use a weight in [0, 1] (the local side of the mix)",
     )
-    _require(config.outer.sync in SYNC, f"outer.sync is {config.outer.sync!r}; choose one of {SYNC}")
-    ref = config.outer.reference_island
+    _require(outer.sync in SYNC, f"outer.sync is {outer.sync!r}; choose one of {SYNC}")
+    ref = outer.reference_island
     _require(
-        ref == "" or ref in config.islands,
+        ref == "" or ref in islands,
         f"outer.reference_island is {ref!r}, not an island of this config; choose one of "
-        f"{list(config.islands.keys())} or leave it empty for the first",
+        f"{list(islands.keys())} or leave it empty for the first",
     )
     _require(
-        config.outer.enabled or len(config.islands) == 1,
-        f"outer.enabled is False but there are {len(config.islands)} islands; "
+        outer.enabled or len(islands) == 1,
+        f"outer.enabled is False but there are {len(islands)} islands; "
         "without the outer loop only one island can train",
     )
+
+
+def _check_comm(comm: ml_collections.ConfigDict) -> None:
     _require(
-        1024 <= config.comm.chunk_bytes <= MAX_CHUNK_BYTES,
-        f"comm.chunk_bytes is {config.comm.chunk_bytes}; use 1024..{MAX_CHUNK_BYTES} bytes (64 MiB), far below "
+        1024 <= comm.chunk_bytes <= MAX_CHUNK_BYTES,
+        f"comm.chunk_bytes is {comm.chunk_bytes}; use 1024..{MAX_CHUNK_BYTES} bytes (64 MiB), far below "
         "protobuf's 2 GiB message ceiling (default 1 MiB)",
     )
     for name in ("join_timeout_seconds", "round_timeout_seconds"):
-        _require(config.comm[name] > 0, f"comm.{name} is {config.comm[name]}; it must be a positive number of seconds")
+        _require(comm[name] > 0, f"comm.{name} is {comm[name]}; it must be a positive number of seconds")
     _require(
-        1 <= config.comm.connections <= MAX_CONNECTIONS,
-        f"comm.connections is {config.comm.connections}; use 1..{MAX_CONNECTIONS} gRPC channels per island",
+        1 <= comm.connections <= MAX_CONNECTIONS,
+        f"comm.connections is {comm.connections}; use 1..{MAX_CONNECTIONS} gRPC channels per island",
     )
-    link = config.comm.link
+    link = comm.link
     _require(
         link.bandwidth_gbps >= 0,
         f"comm.link.bandwidth_gbps is {link.bandwidth_gbps}; use a rate in Gbit/s, or 0 for no emulated link",
     )
     _require(link.latency_ms >= 0, f"comm.link.latency_ms is {link.latency_ms}; use a one-way latency >= 0 ms")
     _require(
-        link.window_bytes == 0 or link.window_bytes >= config.comm.chunk_bytes,
+        link.window_bytes == 0 or link.window_bytes >= comm.chunk_bytes,
         f"comm.link.window_bytes is {link.window_bytes}; use 0 (unlimited) or at least comm.chunk_bytes "
-        f"({config.comm.chunk_bytes})",
+        f"({comm.chunk_bytes})",
     )
     _require(
         link.bandwidth_gbps > 0 or (link.latency_ms == 0 and link.window_bytes == 0),
         "comm.link.latency_ms and window_bytes only apply to an emulated link; set comm.link.bandwidth_gbps too",
     )
+
+
+def _check_checkpoint(ckpt: ml_collections.ConfigDict) -> None:
     _require(
-        config.checkpoint.every_rounds > 0,
-        f"checkpoint.every_rounds is {config.checkpoint.every_rounds}; it must be at least 1 (checkpoints are also "
+        ckpt.every_rounds > 0,
+        f"checkpoint.every_rounds is {ckpt.every_rounds}; it must be at least 1 (checkpoints are also "
         "written after the last round)",
     )
-    _require(config.checkpoint.max_to_keep > 0, f"checkpoint.max_to_keep is {config.checkpoint.max_to_keep}; keep at least 1")
-    _require(config.eval.every_rounds > 0, f"eval.every_rounds is {config.eval.every_rounds}; it must be at least 1")
-    _require(0.0 < config.data.eval_fraction < 1.0, f"data.eval_fraction is {config.data.eval_fraction}; use a value in (0, 1)")
+    _require(ckpt.max_to_keep > 0, f"checkpoint.max_to_keep is {ckpt.max_to_keep}; keep at least 1")
 
-    total = 0
-    for name, isl in config.islands.items():
-        p = f"islands.{name}"
-        mesh_devices = isl.mesh.data * isl.mesh.expert
+
+def _check_eval(evaluation: ml_collections.ConfigDict) -> None:
+    _require(evaluation.every_rounds > 0, f"eval.every_rounds is {evaluation.every_rounds}; it must be at least 1")
+
+
+def _check_data(data: ml_collections.ConfigDict) -> None:
+    _require(0.0 < data.eval_fraction < 1.0, f"data.eval_fraction is {data.eval_fraction}; use a value in (0, 1)")
+
+
+def _check_island(config: ml_collections.ConfigDict, name: str, isl: ml_collections.ConfigDict) -> None:
+    """One island's entry, against the model, the round plan and the evaluation batch."""
+    p = f"islands.{name}"
+    _check_island_mesh(p, isl, config.moe)
+    _check_island_rounds(p, isl, config)
+    _require(
+        0 < isl.simulated_speed <= 1,
+        f"{p}.simulated_speed is {isl.simulated_speed}; use a value in (0, 1] (0.5: half as fast)",
+    )
+    _require(isl.crash_at_round >= 0, f"{p}.crash_at_round is {isl.crash_at_round}; use 0 (never) or a round")
+    _require(
+        config.eval.batch_size % isl.num_devices == 0,
+        f"eval.batch_size={config.eval.batch_size} is not divisible by {p}'s {isl.num_devices} devices; "
+        "use a multiple of every island's device count",
+    )
+
+
+def _check_island_mesh(p: str, isl: ml_collections.ConfigDict, moe: ml_collections.ConfigDict) -> None:
+    """The mesh against the device count, the experts and the batch."""
+    mesh_devices = isl.mesh.data * isl.mesh.expert
+    _require(
+        isl.mesh.data > 0 and isl.mesh.expert > 0,
+        f"{p}.mesh has data={isl.mesh.data}, expert={isl.mesh.expert}; both axes must be at least 1",
+    )
+    _require(
+        mesh_devices == isl.num_devices,
+        f"{p}.mesh has data={isl.mesh.data}, expert={isl.mesh.expert} ({mesh_devices} devices) but "
+        f"{p}.num_devices is {isl.num_devices}; make data x expert equal num_devices",
+    )
+    _require(
+        moe.num_experts % isl.mesh.expert == 0,
+        f"moe.num_experts={moe.num_experts} is not divisible by {p}.mesh.expert={isl.mesh.expert}; "
+        "choose num_experts as a multiple of every island's expert axis",
+    )
+    _require(
+        isl.batch_size > 0 and isl.batch_size % mesh_devices == 0,
+        f"{p}.batch_size={isl.batch_size} is not divisible by data x expert = {mesh_devices}; "
+        "use a positive multiple of the island's device count",
+    )
+
+
+def _check_island_rounds(p: str, isl: ml_collections.ConfigDict, config: ml_collections.ConfigDict) -> None:
+    """Inner steps against fragments and overlap, and the hardware the round plan reads."""
+    outer, tau = config.outer, config.outer.overlap_steps
+    _require(isl.inner_steps > 0, f"{p}.inner_steps is {isl.inner_steps}; it must be at least 1")
+    if outer.sync == "steps":
         _require(
-            isl.mesh.data > 0 and isl.mesh.expert > 0,
-            f"{p}.mesh has data={isl.mesh.data}, expert={isl.mesh.expert}; both axes must be at least 1",
+            isl.inner_steps >= outer.fragments,
+            f"{p}.inner_steps is {isl.inner_steps} but outer.fragments is {outer.fragments}; every fragment "
+            "needs its own inner step of the round: raise inner_steps or lower outer.fragments",
         )
         _require(
-            mesh_devices == isl.num_devices,
-            f"{p}.mesh has data={isl.mesh.data}, expert={isl.mesh.expert} ({mesh_devices} devices) but "
-            f"{p}.num_devices is {isl.num_devices}; make data x expert equal num_devices",
+            tau == "auto" or tau < isl.inner_steps,
+            f"outer.overlap_steps is {tau} but {p}.inner_steps is {isl.inner_steps}; a fragment's update must land "
+            "before its next contribution: use fewer than inner_steps overlap steps, or 'auto'",
         )
+    _require(
+        isl.hardware in CATALOG,
+        f"{p}.hardware is {isl.hardware!r}, not in the hardware catalog; choose one of {sorted(CATALOG)}",
+    )
+    if outer.sync == "auto" and outer.auto_from == "catalog":
+        ref = config.islands[outer.reference_island or next(iter(config.islands.keys()))]
         _require(
-            moe.num_experts % isl.mesh.expert == 0,
-            f"moe.num_experts={moe.num_experts} is not divisible by {p}.mesh.expert={isl.mesh.expert}; "
-            "choose num_experts as a multiple of every island's expert axis",
+            isl.batch_size * ref.num_devices == ref.batch_size * isl.num_devices,
+            f"outer.sync='auto' plans inner steps for equal per-device batch, but {p} has "
+            f"{isl.batch_size}/{isl.num_devices} sequences per device and the reference island "
+            f"{ref.batch_size}/{ref.num_devices}; make them equal or use outer.sync='steps'",
         )
-        _require(
-            isl.batch_size > 0 and isl.batch_size % mesh_devices == 0,
-            f"{p}.batch_size={isl.batch_size} is not divisible by data x expert = {mesh_devices}; "
-            "use a positive multiple of the island's device count",
-        )
-        _require(isl.inner_steps > 0, f"{p}.inner_steps is {isl.inner_steps}; it must be at least 1")
-        if config.outer.sync == "steps":
-            _require(
-                isl.inner_steps >= config.outer.fragments,
-                f"{p}.inner_steps is {isl.inner_steps} but outer.fragments is {config.outer.fragments}; every fragment "
-                "needs its own inner step of the round: raise inner_steps or lower outer.fragments",
-            )
-            _require(
-                tau == "auto" or tau < isl.inner_steps,
-                f"outer.overlap_steps is {tau} but {p}.inner_steps is {isl.inner_steps}; a fragment's update must land "
-                "before its next contribution: use fewer than inner_steps overlap steps, or 'auto'",
-            )
-        _require(
-            isl.hardware in CATALOG,
-            f"{p}.hardware is {isl.hardware!r}, not in the hardware catalog; choose one of {sorted(CATALOG)}",
-        )
-        if config.outer.sync == "auto" and config.outer.auto_from == "catalog":
-            ref_isl = config.islands[ref or next(iter(config.islands.keys()))]
-            _require(
-                isl.batch_size * ref_isl.num_devices == ref_isl.batch_size * isl.num_devices,
-                f"outer.sync='auto' plans inner steps for equal per-device batch, but {p} has "
-                f"{isl.batch_size}/{isl.num_devices} sequences per device and the reference island "
-                f"{ref_isl.batch_size}/{ref_isl.num_devices}; make them equal or use outer.sync='steps'",
-            )
-        _require(
-            0 < isl.simulated_speed <= 1,
-            f"{p}.simulated_speed is {isl.simulated_speed}; use a value in (0, 1] (0.5: half as fast)",
-        )
-        _require(isl.crash_at_round >= 0, f"{p}.crash_at_round is {isl.crash_at_round}; use 0 (never) or a round")
-        _require(
-            config.eval.batch_size % mesh_devices == 0,
-            f"eval.batch_size={config.eval.batch_size} is not divisible by {p}'s {mesh_devices} devices; "
-            "use a multiple of every island's device count",
-        )
-        total += isl.num_devices
+
+
+def _check_devices(config: ml_collections.ConfigDict, num_available_devices: int | None, island: str | None) -> None:
+    """The devices this process needs (all islands', or `island`'s) against those it has."""
+    total = total_devices(config)
     if island is not None:
         _require(
             island in config.islands,
@@ -416,11 +504,3 @@ def fingerprint_differences(mine: dict, theirs: dict) -> list[str]:
     """Fields in which two `fingerprint_fields` differ, as "field (theirs X, here Y)"."""
     keys = sorted(set(mine) | set(theirs))
     return [f"{k} (theirs {theirs.get(k)!r}, here {mine.get(k)!r})" for k in keys if mine.get(k) != theirs.get(k)]
-
-
-def fingerprint(config: ml_collections.ConfigDict) -> str:
-    """SHA-256 (16 hex digits) of `fingerprint_fields(config)`."""
-    import hashlib
-    import json
-
-    return hashlib.sha256(json.dumps(fingerprint_fields(config), sort_keys=True).encode()).hexdigest()[:16]

@@ -35,6 +35,15 @@ def test_two_islands_is_valid():
         (lambda c: c.islands.b.update(inner_steps=0), r"islands\.b\.inner_steps is 0"),
         (lambda c: c.model.update(num_heads=3), r"model\.d_model=128 is not divisible by model\.num_heads=3"),
         (lambda c: c.outer.update(enabled=False), r"outer\.enabled is False but there are 2 islands"),
+        (lambda c: c.moe.update(dispatch="ragged"),
+         r"moe\.dispatch is 'ragged'; choose one of \('capacity', 'dropless'\)"),
+        (lambda c: c.outer.update(overlap_steps=25), r"outer\.overlap_steps is 25 but islands\.a\.inner_steps is 25"),
+        (lambda c: c.comm.update(connections=0), r"comm\.connections is 0; use 1\.\.256 gRPC channels per island"),
+        (lambda c: c.comm.link.update(latency_ms=5.0),
+         r"comm\.link\.latency_ms and window_bytes only apply to an emulated link"),
+        (lambda c: c.checkpoint.update(max_to_keep=0), r"checkpoint\.max_to_keep is 0; keep at least 1"),
+        (lambda c: c.eval.update(batch_size=6), r"eval\.batch_size=6 is not divisible by islands\.a's 4 devices"),
+        (lambda c: c.data.update(eval_fraction=1.0), r"data\.eval_fraction is 1\.0; use a value in \(0, 1\)"),
     ],
 )
 def test_rules(edit, message):
@@ -63,3 +72,30 @@ def test_cli_refuses_bad_config_before_compiling(tmp_path):
     assert proc.returncode == 1
     assert "ConfigError: moe.num_experts=5 is not divisible by islands.a.mesh.expert=2" in proc.stderr
     assert not workdir.exists()  # stopped before anything was written or compiled
+
+
+def test_every_key_is_documented_in_the_config_module():
+    """The config module is the schema's one documentation: a comment on (or above) every default, and
+    every key of an island's entry in `island`'s docstring."""
+    import inspect
+    import re
+
+    from island_jax import config as config_lib
+
+    defaults = inspect.getsource(config_lib).replace(inspect.getsource(config_lib.island), "")
+    lines = defaults.splitlines()
+
+    def leaves(tree, prefix=""):
+        for k, v in tree.items():
+            if hasattr(v, "items"):
+                yield from leaves(v, prefix + k + ".")
+            else:
+                yield k, prefix + k
+
+    for key, path in leaves(default_config()):
+        found = [i for i, line in enumerate(lines) if re.match(rf"\s*(c\.)?{key}\s*=", line)]
+        assert found, path
+        for i in found:
+            assert "#" in lines[i] or lines[i - 1].strip().startswith("#"), f"{path}: no comment on line {i + 1}"
+    for key, path in leaves(island(4, 2, 2, 16, 25)):
+        assert f"  {key}: " in config_lib.island.__doc__, path
