@@ -21,7 +21,6 @@ dense layer's expert FLOPs, so 1.25 is the compute floor. Last line:
 """
 
 import statistics
-import time
 
 from absl import app, flags
 
@@ -29,47 +28,21 @@ _PAIRS = flags.DEFINE_integer("pairs", 30, "Alternating MoE / dense pairs to tim
 _TOKENS = flags.DEFINE_integer("tokens_per_device", 512, "Tokens on each of the 8 devices.")
 
 
-def main(argv):
-    del argv
-    import jax
+E, K, D, F, CF = 8, 2, 256, 512, 1.25  # experts, top-k, d_model, expert hidden width, capacity factor
 
-    jax.config.update("jax_num_cpu_devices", 8)
+
+def _one_hot_layer():
+    """GShard-style one-hot einsum dispatch and combine, with the island_jax layer's exchange and expert matmuls.
+
+    Returns a shard_map'd function (x [B, S, D], router [D, E], w_gate and w_up
+    [E, D, F], w_down [E, F, D]) -> (y [B, S, D], load-balancing loss [], router z-loss []).
+    """
+    import jax
     import jax.numpy as jnp
-    import numpy as np
-    from flax import nnx
-    from jax.sharding import NamedSharding
     from jax.sharding import PartitionSpec as P
 
-    from island_jax.mesh import BATCH_AXES, EXPERT_AXIS, island_mesh
+    from island_jax.mesh import BATCH_AXES, EXPERT_AXIS
     from island_jax.models import moe as moe_lib
-
-    E, K, D, F, CF = 8, 2, 256, 512, 1.25
-    mesh = island_mesh(2, 4, jax.devices()[:8])
-    batch, experts = P(BATCH_AXES), P(EXPERT_AXIS)
-    seq = 256
-    b = 8 * _TOKENS.value // seq
-    rng = np.random.default_rng(0)
-    x = jax.device_put(rng.normal(size=(b, seq, D)).astype(np.float32), NamedSharding(mesh, batch))
-    ct = jax.device_put(rng.normal(size=(b, seq, D)).astype(np.float32), NamedSharding(mesh, batch))
-
-    layer = moe_lib.MoE(D, E, K, F, capacity_factor=CF, renormalize=True, rngs=nnx.Rngs(0))
-    graphdef, state = nnx.split(layer, nnx.Param)
-    specs = {"router": P(), "w_gate": experts, "w_up": experts, "w_down": experts}
-    moe_w = {k: jax.device_put(v, NamedSharding(mesh, specs[k])) for k, v in nnx.to_pure_dict(state).items()}
-
-    def moe_objective(w, x, ct):
-        out, stats = nnx.merge(graphdef, nnx.State(w))(x)
-        return jnp.sum(out * ct) + 0.01 * stats["load_balancing_loss"] + 1e-3 * stats["router_z_loss"]
-
-    init = jax.nn.initializers.lecun_normal()
-    keys = jax.random.split(jax.random.PRNGKey(1), 3)
-    dense_w = {
-        "w_gate": init(keys[0], (D, K * F)), "w_up": init(keys[1], (D, K * F)), "w_down": init(keys[2], (K * F, D))
-    }
-    dense_w = {k: jax.device_put(v, NamedSharding(mesh, P())) for k, v in dense_w.items()}
-
-    def dense_objective(w, x, ct):
-        return jnp.sum(moe_lib.swiglu(x, w["w_gate"], w["w_up"], w["w_down"]) * ct)
 
     def one_hot_shard(x, router, w_gate, w_up, w_down):
         bl, s, d = x.shape
@@ -100,9 +73,77 @@ def main(argv):
         z = jax.lax.psum(jnp.sum(jax.nn.logsumexp(logits, -1) ** 2), BATCH_AXES) / (t * 8)
         return out.reshape(bl, s, d), E * jnp.sum(load * mean_prob), z
 
-    one_hot_layer = jax.shard_map(
+    batch, experts = P(BATCH_AXES), P(EXPERT_AXIS)
+    return jax.shard_map(
         one_hot_shard, in_specs=(batch, P(), experts, experts, experts), out_specs=(batch, P(), P())
     )
+
+
+def _call_times(variants: dict, x, ct, pairs: int) -> dict[str, list[float]]:
+    """Seconds per call of each variant {name: (jitted gradient, weights)}: 3 warm-up calls each, then
+    `pairs` rounds calling every variant once, in alternation."""
+    import time
+
+    import jax
+
+    def call(name):
+        fn, w = variants[name]
+        start = time.perf_counter()
+        jax.block_until_ready(fn(w, x, ct))
+        return time.perf_counter() - start
+
+    for name in variants:  # compile and warm up
+        for _ in range(3):
+            call(name)
+    times = {name: [] for name in variants}
+    for _ in range(pairs):
+        for name in variants:
+            times[name].append(call(name))
+    return times
+
+
+def main(argv):
+    del argv
+    import jax
+
+    jax.config.update("jax_num_cpu_devices", 8)
+    import jax.numpy as jnp
+    import numpy as np
+    from flax import nnx
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    from island_jax.mesh import BATCH_AXES, EXPERT_AXIS, island_mesh
+    from island_jax.models import moe as moe_lib
+
+    mesh = island_mesh(2, 4, jax.devices()[:8])
+    batch, experts = P(BATCH_AXES), P(EXPERT_AXIS)
+    seq = 256
+    b = 8 * _TOKENS.value // seq
+    rng = np.random.default_rng(0)
+    x = jax.device_put(rng.normal(size=(b, seq, D)).astype(np.float32), NamedSharding(mesh, batch))
+    ct = jax.device_put(rng.normal(size=(b, seq, D)).astype(np.float32), NamedSharding(mesh, batch))
+
+    layer = moe_lib.MoE(D, E, K, F, capacity_factor=CF, renormalize=True, rngs=nnx.Rngs(0))
+    graphdef, state = nnx.split(layer, nnx.Param)
+    specs = {"router": P(), "w_gate": experts, "w_up": experts, "w_down": experts}
+    moe_w = {k: jax.device_put(v, NamedSharding(mesh, specs[k])) for k, v in nnx.to_pure_dict(state).items()}
+
+    def moe_objective(w, x, ct):
+        out, stats = nnx.merge(graphdef, nnx.State(w))(x)
+        return jnp.sum(out * ct) + 0.01 * stats["load_balancing_loss"] + 1e-3 * stats["router_z_loss"]
+
+    init = jax.nn.initializers.lecun_normal()
+    keys = jax.random.split(jax.random.PRNGKey(1), 3)
+    dense_w = {
+        "w_gate": init(keys[0], (D, K * F)), "w_up": init(keys[1], (D, K * F)), "w_down": init(keys[2], (K * F, D))
+    }
+    dense_w = {k: jax.device_put(v, NamedSharding(mesh, P())) for k, v in dense_w.items()}
+
+    def dense_objective(w, x, ct):
+        return jnp.sum(moe_lib.swiglu(x, w["w_gate"], w["w_up"], w["w_down"]) * ct)
+
+    one_hot_layer = _one_hot_layer()
 
     def one_hot_objective(w, x, ct):
         out, lb, z = one_hot_layer(x, w["router"], w["w_gate"], w["w_up"], w["w_down"])
@@ -115,19 +156,7 @@ def main(argv):
         "one_hot": (grad(one_hot_objective), moe_w),
     }
     with jax.set_mesh(mesh):
-        def call(name):
-            fn, w = variants[name]
-            start = time.perf_counter()
-            jax.block_until_ready(fn(w, x, ct))
-            return time.perf_counter() - start
-
-        for name in variants:  # compile and warm up
-            for _ in range(3):
-                call(name)
-        times = {name: [] for name in variants}
-        for _ in range(max(_PAIRS.value, 20)):
-            for name in variants:
-                times[name].append(call(name))
+        times = _call_times(variants, x, ct, max(_PAIRS.value, 20))
     ratio = {name: statistics.median(t / d for t, d in zip(times[name], times["dense"])) for name in ("moe", "one_hot")}
     for name, t in times.items():
         print(f"{name:8s} median {statistics.median(t) * 1e3:8.2f} ms per call ({len(t)} calls)")

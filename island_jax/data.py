@@ -57,7 +57,13 @@ def find_files(pattern: str = "") -> tuple[Path, list[Path]]:
 
 @dataclass(frozen=True)
 class Corpus:
-    """Held-out evaluation bytes and one training shard per island (uint8 arrays)."""
+    """Held-out evaluation bytes and one training shard per island.
+
+    Attributes:
+      eval_bytes: uint8 [n], the held-out files' bytes, concatenated.
+      train_bytes: {island name: uint8 [n]}, each island's disjoint shard.
+      fingerprint: see `load_corpus`.
+    """
 
     eval_bytes: np.ndarray
     train_bytes: dict[str, np.ndarray]
@@ -107,7 +113,15 @@ def load_corpus(pattern: str, eval_fraction: float, island_names: Sequence[str])
 
 
 class Windows:
-    """Random-access source: item i is bytes [i*L, i*L + L + 1) of `data`, L = seq_len."""
+    """Random-access source: item i is bytes [i*L, i*L + L + 1) of `data`, L = seq_len.
+
+    Args:
+      data: uint8 [n] bytes.
+      seq_len: L, tokens (bytes) per input sequence; an item is uint8 [L + 1].
+
+    Raises:
+      DataError: fewer than L + 1 bytes.
+    """
 
     def __init__(self, data: np.ndarray, seq_len: int):
         self.data, self.seq_len = data, seq_len
@@ -127,6 +141,15 @@ def train_dataset(data: np.ndarray, seq_len: int, batch_size: int, seed: int) ->
     """Shuffled, repeating batches: `ds[step]` is a uint8 array [batch_size, seq_len + 1].
 
     Indexing by step makes the data position one integer (the inner step count).
+
+    Args:
+      data: uint8 [n], an island's shard.
+      seq_len: bytes per input sequence (each row has one more, the last target).
+      batch_size: sequences per batch.
+      seed: shuffle seed (`config.seed`).
+
+    Raises:
+      DataError: fewer than seq_len + 1 bytes.
     """
     return (
         grain.MapDataset.source(Windows(data, seq_len))
@@ -142,6 +165,9 @@ def eval_batches(data: np.ndarray, seq_len: int, batch_size: int, num_batches: i
     Returns:
       `num_batches` uint8 arrays [batch_size, seq_len + 1] (fewer windows than
       asked are reused cyclically).
+
+    Raises:
+      DataError: fewer than seq_len + 1 bytes.
     """
     source = Windows(data, seq_len)
     wanted = batch_size * num_batches

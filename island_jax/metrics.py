@@ -72,7 +72,11 @@ class MetricsWriter:
         A top-level value may be a function of no arguments, called when the
         record is written (on the writer's thread with `background`): for
         values slow to compute, such as a checksum. With `background`, the
-        record must not change after this call."""
+        record must not change after this call.
+
+        Raises:
+          With `background`, whatever an earlier write raised.
+        """
         if self._pool is None:
             self._write(record)
             return

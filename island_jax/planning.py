@@ -50,6 +50,9 @@ def plan_from_step_times(config: ml_collections.ConfigDict, step_seconds: dict[s
       config: the run's config (`outer.reference_island`, the reference's `inner_steps`).
       step_seconds: median seconds per inner step of each island that reported one.
         Islands that did not report keep their catalog plan.
+
+    Raises:
+      KeyError: an island names hardware outside the catalog.
     """
     plan = plan_inner_steps(config)
     ref_name = config.outer.reference_island or next(iter(config.islands.keys()))

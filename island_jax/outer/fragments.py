@@ -78,7 +78,11 @@ def contribution_step(p: int, inner_steps: int, num_fragments: int) -> int:
 
 
 def due_fragments(step: int, inner_steps: int, num_fragments: int) -> list[int]:
-    """Fragments contributed at the end of inner step `step` (1-based, over the run) under `sync = steps`."""
+    """Fragments contributed at the end of inner step `step` (1-based, over the run) under `sync = steps`.
+
+    Raises:
+      ValueError: H < F (see `contribution_step`).
+    """
     offset = (step - 1) % inner_steps + 1
     return [p for p in range(num_fragments) if contribution_step(p, inner_steps, num_fragments) == offset]
 
@@ -93,6 +97,9 @@ def auto_overlap_steps(exchange_seconds: float, step_seconds: float, max_steps: 
       exchange_seconds: from a contribution leaving to its update decoded, seconds.
       step_seconds: one inner step, seconds (> 0).
       max_steps: the largest tau allowed (H - 1 under `sync = steps`).
+
+    Returns:
+      tau, inner steps.
     """
     tau = math.ceil(exchange_seconds / step_seconds) + 1 if step_seconds > 0 else 1
     return int(min(max(tau, 1), max(max_steps, 0)))
