@@ -63,6 +63,9 @@ class Checkpointer:
 
         Returns:
           Whether a checkpoint was written (every `every_rounds`, or forced).
+
+        Raises:
+          Whatever the previous save raised, if it failed.
         """
         if not force and round % self.every_rounds:
             return False
