@@ -63,10 +63,10 @@ def _params():
 
 def coordinator_role() -> None:
     from island_jax.comm.server import serve
-    from island_jax.coordinator import Coordinator
+    from island_jax.coordinator import FragmentedCoordinator
 
     c = _config()
-    server, service, port = serve(Coordinator(c, _params(), ["a"]), f"{COORD_IP}:0", c.comm.chunk_bytes)
+    server, service, port = serve(FragmentedCoordinator(c, _params(), ["a"]), f"{COORD_IP}:0", c.comm.chunk_bytes)
     print(f"PORT {port}", flush=True)
     service.wait_until_fetched(_REPEATS.value, timeout=600)
     server.stop(1)

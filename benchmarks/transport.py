@@ -42,42 +42,38 @@ WINDOW_BYTES = 4 << 20
 
 
 class Sink:
-    """Duck-types the coordinator calls the exchange makes, copying chunks into one buffer."""
+    """Duck-types a one-fragment `FragmentedCoordinator` (it is its own fragment) for the calls the exchange
+    makes, copying every chunk into one preallocated buffer."""
 
     def __init__(self, num_bytes: int, chunk_bytes: int):
         import jax
         import numpy as np
 
-        from island_jax.config import default_config, fingerprint_fields
         from island_jax.outer import codec
 
-        self.config = default_config()
         self.kind, self.block_size = "none", 256
         self.view = {"w": jax.ShapeDtypeStruct((num_bytes // 4,), np.float32)}
         self.plan = codec.chunk_plan(self.view, "none", 256, chunk_bytes)
         self.payload_bytes = num_bytes
         self.islands, self.round, self.checksum = ["a"], 0, "-"
-        self.fingerprint = fingerprint_fields(self.config)
+        self.fragments = [self]
         self.buffer = bytearray(num_bytes)
-        self._pending: dict = {}
 
     def join(self, island, fields, params_checksum, round=0):
         return dict(round=0, checksum=self.checksum)
 
     def begin_contribution(self, round, island, tokens, params_checksum=None, step_seconds=None):
-        self._pending[island] = 0
         return "accepted"
 
     def add_chunk(self, round, island, index, data):
         chunk = self.plan[index]
         self.buffer[chunk.offset : chunk.offset + chunk.nbytes] = data
-        self._pending[island] += 1
 
     def end_contribution(self, round, island):
         return "accepted"
 
     def abandon(self, island, reason):
-        self._pending.pop(island, None)
+        pass
 
 
 BARE_METHOD = "/island_jax.bench.Bare/Count"

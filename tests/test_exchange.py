@@ -15,7 +15,7 @@ from island_jax.comm import wire
 from island_jax.comm.client import GrpcTransport
 from island_jax.comm.server import serve
 from island_jax.config import default_config, fingerprint_fields, island
-from island_jax.coordinator import Coordinator, HandshakeError
+from island_jax.coordinator import FragmentedCoordinator, HandshakeError
 from island_jax.outer import codec
 from island_jax.params import checksum
 
@@ -31,8 +31,8 @@ def _contribute_raw(transport: GrpcTransport, frames) -> pb.ContributeReply:
 
 
 def _frames(transport: GrpcTransport, island: str, payload: bytes, tokens: int = 10) -> list[bytes]:
-    header = pb.PayloadHeader(round=0, island=island, tokens=tokens, layout=transport.layout, total_bytes=len(payload), streams=1)
-    return [wire.header_frame(header)] + [frame for _, frame in wire.chunk_frames(payload, transport.plan)]
+    header = pb.PayloadHeader(round=0, island=island, tokens=tokens, layout=transport.layouts[0], total_bytes=len(payload), streams=1)
+    return [wire.header_frame(header)] + [frame for _, frame in wire.chunk_frames(payload, transport.plans[0])]
 
 
 @pytest.fixture(scope="module")
@@ -76,7 +76,7 @@ def test_five_megabyte_payload_crosses_processes_intact(server_process):
     reply = _contribute_raw(transports["a"], frames)
     assert reply.bytes_received == 5_000_000
     view = memoryview(payloads["a"])
-    assert reply.crc32 == wire.fold_crc32(wire.crc32(view[k.offset : k.offset + k.nbytes]) for k in transports["a"].plan)
+    assert reply.crc32 == wire.fold_crc32(wire.crc32(view[k.offset : k.offset + k.nbytes]) for k in transports["a"].plans[0])
     transports["b"].contribute(0, "b", 100, payloads["b"], start)
     # SGD lr 1 on the token-weighted mean: the update is -(pg_a + pg_b) / 2, exactly.
     expected = -(pg["a"]["w"] + pg["b"]["w"]) / np.float32(2)
@@ -103,7 +103,7 @@ def _small_config(kind="none"):
 @pytest.fixture
 def local_server():
     c = _small_config()
-    coordinator = Coordinator(c, {"w": np.zeros(100_000, np.float32)}, ["a", "b"])
+    coordinator = FragmentedCoordinator(c, {"w": np.zeros(100_000, np.float32)}, ["a", "b"])
     server, service, port = serve(coordinator, "localhost:0", c.comm.chunk_bytes)
     yield c, coordinator, f"localhost:{port}"
     server.stop(grace=0)
@@ -128,11 +128,11 @@ def test_chunk_with_flipped_byte_is_refused_and_never_merged(local_server):
         _contribute_raw(a, frames)
     assert refused.value.code() == grpc.StatusCode.DATA_LOSS
     assert "CRC-32C mismatch in chunk 3 (offset 196608, 65536 bytes)" in refused.value.details()
-    assert coordinator._pending == {} and coordinator.round == 0
+    assert coordinator.fragments[0].pending == {} and coordinator.round == 0
     # The same island then sends the intact payload, and only it is merged.
     a.contribute(0, "a", 10, good, start)
     b.contribute(0, "b", 10, codec.encode(pg_b, "none", 256), start)
-    update = codec.decode(a.fetch_update(0, "a"), coordinator.master, "none", 256)["w"]
+    update = codec.decode(a.fetch_update(0, "a"), coordinator.view, "none", 256)["w"]
     np.testing.assert_array_equal(update, np.full(100_000, -2.0, np.float32))
 
 
@@ -144,7 +144,7 @@ def test_payload_of_the_wrong_size_is_refused(local_server):
         _contribute_raw(a, _frames(a, "a", b"\0" * 400_004))
     assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert "payload of 400004 bytes from island 'a', round 0, fragment 0, but it should be 400000 bytes" in refused.value.details()
-    assert coordinator._pending == {}
+    assert coordinator.fragments[0].pending == {}
 
 
 def test_handshake_names_the_field_that_differs(local_server):
@@ -154,7 +154,7 @@ def test_handshake_names_the_field_that_differs(local_server):
     t = GrpcTransport(address, c.comm.chunk_bytes, join_timeout=30)
     with pytest.raises(HandshakeError, match=r"codec.block_size \(theirs 128, here 256\)"):
         t.join("a", fingerprint_fields(other), coordinator.checksum)
-    assert coordinator.joined == set()
+    assert coordinator.fragments[0].joined == set()
 
 
 def test_four_connections_reassemble_byte_exact_in_any_order():

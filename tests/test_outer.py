@@ -44,7 +44,7 @@ def test_sgd_lr1_is_parameter_averaging():
     config = _config(1.0, 0.0, False)
     coord = _coordinator(config, [1.0, 1.0])
     _round(coord, config, ([0.5, 1.5], [0.7, 1.1]))
-    np.testing.assert_allclose(coord.master["w"], [0.6, 1.3], rtol=1e-6)
+    np.testing.assert_allclose(coord.state()["master"]["w"], [0.6, 1.3], rtol=1e-6)
     np.testing.assert_allclose(coord.view["w"], [0.6, 1.3], rtol=1e-6)
 
 
@@ -52,18 +52,18 @@ def test_nesterov_momentum_survives_between_rounds():
     config = _config(0.7, 0.9, True)
     coord = _coordinator(config, [1.0, 1.0])
     _round(coord, config, ([0.5, 1.5], [0.7, 1.1]))
-    np.testing.assert_allclose(coord.master["w"], [0.468, 1.399], rtol=1e-6)
+    np.testing.assert_allclose(coord.state()["master"]["w"], [0.468, 1.399], rtol=1e-6)
     # The same pseudo-gradients again, relative to the new anchor.
     anchor = coord.view["w"]
     _round(coord, config, (anchor - [0.5, -0.5], anchor - [0.3, -0.1]))
-    np.testing.assert_allclose(coord.master["w"], [-0.2908, 1.9681], rtol=1e-6)
+    np.testing.assert_allclose(coord.state()["master"]["w"], [-0.2908, 1.9681], rtol=1e-6)
 
 
 def test_token_weighting():
     config = _config(1.0, 0.0, False)
     coord = _coordinator(config, [1.0])
     _round(coord, config, ([0.4], [0.7]), tokens=(4096, 2048))
-    np.testing.assert_allclose(coord.master["w"], [0.5], rtol=1e-6)  # uniform would give 0.55
+    np.testing.assert_allclose(coord.state()["master"]["w"], [0.5], rtol=1e-6)  # uniform would give 0.55
 
 
 def test_same_update_bytes_for_every_island_and_view_follows_them():
@@ -75,7 +75,7 @@ def test_same_update_bytes_for_every_island_and_view_follows_them():
     island_view = codec.decode_and_apply(island_view, payload, "int8", config.codec.block_size)
     assert checksum(island_view) == checksum(coord.view)
     # What int8 lost is still in master - view, to be sent next round.
-    assert np.abs(coord.master["w"] - coord.view["w"]).max() > 0
+    assert np.abs(coord.state()["master"]["w"] - coord.view["w"]).max() > 0
 
 
 def test_refuses_non_finite_and_wrong_round():
@@ -90,7 +90,7 @@ def test_refuses_non_finite_and_wrong_round():
         coord.contribute(0, "a", 10, b"\0" * 4)
     with pytest.raises(UpdateNotReady):
         coord.fetch_update(0, "a")
-    assert coord._pending == {}
+    assert coord.pending == {}
 
 
 def test_different_seed_is_refused_with_reason():
@@ -121,7 +121,7 @@ def test_contribution_from_other_parameters_is_refused():
     payload = codec.encode({"w": np.ones(2, np.float32)}, "none", 256)
     with pytest.raises(ContributionError, match="trained round 0 from parameters with checksum 0123456789abcdef"):
         coord.contribute(0, "a", 10, payload, "0123456789abcdef")
-    assert coord._pending == {}
+    assert coord.pending == {}
 
 
 def test_update_codec_relative_error_is_logged():

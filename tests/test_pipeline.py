@@ -11,7 +11,7 @@ from island_jax.comm.client import GrpcTransport
 from island_jax.comm.link import LinkEmulator
 from island_jax.comm.server import serve
 from island_jax.config import default_config, fingerprint_fields, island
-from island_jax.coordinator import ContributionError, Coordinator
+from island_jax.coordinator import ContributionError, Coordinator, FragmentedCoordinator
 from island_jax.outer import codec
 from island_jax.params import checksum
 
@@ -35,7 +35,7 @@ def _run(pipeline: bool, connections: int, link_gbps: float = 0.0):
     """Three rounds of two islands; returns (update bytes per round, master, island parameters, stats)."""
     c = _config(pipeline, connections)
     params = _params()
-    coordinator = Coordinator(c, params, ["a", "b"])
+    coordinator = FragmentedCoordinator(c, params, ["a", "b"])
     server, _, port = serve(coordinator, "localhost:0", c.comm.chunk_bytes)
     islands = {}
     for name in ("a", "b"):
@@ -77,7 +77,8 @@ def _run(pipeline: bool, connections: int, link_gbps: float = 0.0):
             isl["transport"].close()
         server.stop(0)
     assert checksum(islands["a"]["params"]) == checksum(islands["b"]["params"]) == coordinator.checksum
-    return updates, coordinator.master, islands["a"]["params"], [isl["stats"] for isl in islands.values()]
+    master = jax.tree.unflatten(jax.tree.structure(params), coordinator.fragments[0].state()["master"])
+    return updates, master, islands["a"]["params"], [isl["stats"] for isl in islands.values()]
 
 
 def test_pipelined_and_whole_payload_sync_give_identical_bytes():
@@ -101,12 +102,14 @@ def test_update_chunks_flow_back_while_contributions_still_go_out():
     assert all(s.seconds_overlapped < 0.005 for per_island in stats for s in per_island)
 
 
-def _two_island_coordinator(kind="none"):
+def _two_island_coordinator(kind=Coordinator, min_islands=0, grace_seconds=60.0, clock=None):
+    """A `kind` of coordinator of one leaf for islands a and b (both joined), and its parameters."""
     c = _config(pipeline=True, connections=1)
-    c.codec.kind = kind
+    c.codec.kind = "none"
     c.outer.update(learning_rate=1.0, momentum=0.0, nesterov=False)
+    c.outer.update(min_islands=min_islands, grace_seconds=grace_seconds)
     params = {"w": np.zeros(40_000, np.float32)}  # "none": 3 chunks of 65,536, 65,536 and 28,928 bytes
-    coordinator = Coordinator(c, params, ["a", "b"])
+    coordinator = kind(c, params, ["a", "b"], **({} if clock is None else dict(clock=clock)))
     for name in ("a", "b"):
         coordinator.join(name, fingerprint_fields(c), coordinator.checksum)
     return coordinator, params
@@ -139,14 +142,12 @@ def test_a_chunk_refused_mid_round_restarts_the_merge_without_that_island():
     assert coordinator.history[-1].contributors == ["a"]
     update = np.frombuffer(coordinator.fetch_update(0, "a"), "<f4")
     np.testing.assert_array_equal(update, np.full(40_000, -0.3, np.float32))
-    np.testing.assert_array_equal(coordinator.master["w"], np.full(40_000, -0.3, np.float32))
+    np.testing.assert_array_equal(coordinator.state()["master"]["w"], np.full(40_000, -0.3, np.float32))
 
 
 def test_a_quorum_that_closes_after_chunks_were_merged_restarts_without_the_late_island():
-    coordinator, _ = _two_island_coordinator()
-    coordinator.min_islands, coordinator.grace_seconds = 1, 5.0
     now = [0.0]
-    coordinator.clock = lambda: now[0]
+    coordinator, _ = _two_island_coordinator(min_islands=1, grace_seconds=5.0, clock=lambda: now[0])
     a, b = _chunks(coordinator, 0.3), _chunks(coordinator, 0.1)
     coordinator.begin_contribution(0, "a", 100)
     coordinator.begin_contribution(0, "b", 100)
@@ -169,9 +170,9 @@ def test_an_island_fetching_through_a_restart_gets_the_final_update_only():
     from island_jax.comm import exchange_pb2 as pb
     from island_jax.comm import wire
 
-    coordinator, params = _two_island_coordinator()
-    c = coordinator.config
-    server, _, port = serve(coordinator, "localhost:0", c.comm.chunk_bytes)
+    run, params = _two_island_coordinator(kind=FragmentedCoordinator)
+    coordinator, c = run.fragments[0], run.config
+    server, _, port = serve(run, "localhost:0", c.comm.chunk_bytes)
     try:
         a = GrpcTransport(f"localhost:{port}", c.comm.chunk_bytes, 30, 60, 1, True)
         b = GrpcTransport(f"localhost:{port}", c.comm.chunk_bytes, 30, 60, 1, True)
@@ -181,7 +182,7 @@ def test_an_island_fetching_through_a_restart_gets_the_final_update_only():
         good = _chunks(coordinator, 0.1)
         bad = np.frombuffer(good[1], "<f4").copy()
         bad[7] = np.inf
-        header = pb.PayloadHeader(round=0, island="b", tokens=100, layout=b.layout, total_bytes=160_000, streams=1)
+        header = pb.PayloadHeader(round=0, island="b", tokens=100, layout=b.layouts[0], total_bytes=160_000, streams=1)
         frames = [
             wire.header_frame(header),
             wire.chunk_frame(0, 0, good[0]),  # merged with a's chunk 0, and sent to a

@@ -21,6 +21,7 @@ SERVING while the coordinator runs.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import threading
 from concurrent import futures
@@ -63,13 +64,170 @@ async def _settle(call: asyncio.Future | None) -> None:
             pass
 
 
+@dataclasses.dataclass
+class _Open:
+    """A contribution being streamed in: the coordinator's answer to its header, its streams and how many ended."""
+
+    status: str  # "accepted" or "discarded"
+    streams: int
+    ended: int = 0
+
+
+class _OpenContributions:
+    """The contributions in flight, keyed by (fragment, round, island), each over one or more streams.
+
+    The first stream's header opens the contribution at the fragment's
+    coordinator and the last stream's end closes it. Every method runs under
+    the service's lock, on its worker threads.
+    """
+
+    def __init__(self, coordinator: FragmentedCoordinator):
+        self.coordinator = coordinator
+        self._open: dict[tuple[int, int, str], _Open] = {}
+
+    def begin(self, header: pb.PayloadHeader) -> _Open:
+        key = (header.fragment, header.round, header.island)
+        entry = self._open.get(key)
+        if entry is None:
+            c = self.coordinator.fragments[header.fragment]
+            status = c.begin_contribution(
+                header.round, header.island, header.tokens, header.params_checksum or None, header.step_seconds or None
+            )
+            entry = self._open[key] = _Open(status, max(header.streams, 1))
+            for old in [k for k in self._open if k[0] == header.fragment and k[1] < c.round - 1]:
+                del self._open[old]
+        return entry
+
+    def add_chunks(self, header: pb.PayloadHeader, chunks: list) -> None:
+        c = self.coordinator.fragments[header.fragment]
+        for index, data in chunks:
+            c.add_chunk(header.round, header.island, index, data)
+
+    def end(self, header: pb.PayloadHeader, entry: _Open) -> str:
+        entry.ended += 1
+        if entry.status == "discarded" or entry.ended < entry.streams:
+            return entry.status
+        return self.coordinator.fragments[header.fragment].end_contribution(header.round, header.island)
+
+    def abandon(self, header: pb.PayloadHeader, reason: str) -> None:
+        self._open.pop((header.fragment, header.round, header.island), None)
+        c = self.coordinator.fragments[header.fragment]
+        if header.round == c.round:
+            c.abandon(header.island, reason)
+
+
+def _check_header(header: pb.PayloadHeader, c: Coordinator, layout: str) -> None:
+    """Raises WireError (INVALID_ARGUMENT) for a header whose payload size or layout is not the fragment's."""
+    if header.total_bytes != c.payload_bytes:
+        raise wire.WireError(
+            f"payload of {header.total_bytes} bytes from island {header.island!r}, round "
+            f"{header.round}, fragment {header.fragment}, but it should be {c.payload_bytes} bytes; "
+            "the island's model or codec differs from the coordinator's"
+        )
+    if header.layout != layout:
+        raise wire.WireError(
+            f"island {header.island!r} encoded round {header.round} for payload layout {header.layout}, "
+            f"but the coordinator expects {layout} (leaf shapes, codec, block size differ); refused"
+        )
+
+
+def _check_chunk(header: pb.PayloadHeader, c: Coordinator, index: int, offset: int, crc: int, data) -> None:
+    """Raises WireError for a chunk off the fragment's plan (INVALID_ARGUMENT) or with a bad CRC-32C (DATA_LOSS)."""
+    if not 0 <= index < len(c.plan) or c.plan[index].offset != offset or c.plan[index].nbytes != len(data):
+        raise wire.WireError(
+            f"chunk {index} at offset {offset} with {len(data)} bytes does not fit this round's payload of "
+            f"{c.payload_bytes} bytes in {len(c.plan)} chunks; the island's model, codec or "
+            "comm.chunk_bytes differs from the coordinator's"
+        )
+    if wire.crc32(data) != crc:
+        raise wire.WireError(
+            f"CRC-32C mismatch in chunk {index} (offset {offset}, {len(data)} bytes) of island "
+            f"{header.island!r}, round {header.round}: the data was corrupted in transit and the payload "
+            "was refused",
+            code="DATA_LOSS",
+        )
+
+
+class _ContributionStream:
+    """One Contribute stream as it is read: its header, the chunks it has counted, those queued for the coordinator.
+
+    Chunks go to the coordinator in batches, one batch at a time per stream, so
+    the stream keeps reading while they merge and pays one thread hop per batch.
+    """
+
+    def __init__(self, service: "ExchangeService"):
+        self.service = service
+        self.header: pb.PayloadHeader | None = None
+        self.fragment: Coordinator | None = None  # set once the header names a fragment this run has
+        self.entry: _Open | None = None
+        self.received, self.crcs = 0, []  # chunk bytes and CRC-32Cs, in arrival order
+        self._queued: list = []
+        self._taking: asyncio.Future | None = None  # the batch the coordinator is taking
+
+    async def take(self, frame: bytes) -> None:
+        """Checks one frame and hands it on; raises WireError or the coordinator's ContributionError."""
+        kind, value = wire.parse(frame)
+        if self.header is None:
+            if kind != wire.HEADER:
+                raise wire.WireError("a contribution stream must start with its header frame")
+            await self._open(value)
+        elif kind != wire.CHUNK:
+            raise wire.WireError(f"a {kind!r} frame arrived inside a contribution; only chunks may follow the header")
+        else:
+            await self._chunk(*value)
+
+    async def _open(self, header: pb.PayloadHeader) -> None:
+        s = self.service
+        self.header = header
+        self.fragment = s._fragment(header.fragment, f"island {header.island!r}'s contribution")
+        _check_header(header, self.fragment, s.layouts[header.fragment])
+        self.entry = await s._call(s._contributions.begin, header)
+
+    async def _chunk(self, index: int, offset: int, crc: int, data) -> None:
+        _check_chunk(self.header, self.fragment, index, offset, crc, data)
+        self.received += len(data)
+        self.crcs.append(crc)
+        if self.entry.status == "discarded":
+            return
+        self._queued.append((index, data))
+        taking = self._taking
+        if taking is not None and not taking.done() and len(self._queued) >= _CHUNKS_QUEUED:
+            await asyncio.wait([taking])
+        if taking is None or taking.done():
+            if taking is not None:
+                taking.result()  # the coordinator's error, if it refused a chunk
+            self._taking = asyncio.ensure_future(self._hand_on())
+
+    def _hand_on(self):
+        queued, self._queued = self._queued, []
+        return self.service._call(self.service._contributions.add_chunks, self.header, queued)
+
+    async def finish(self) -> str:
+        """After the last frame: hands on what is queued and ends this stream's part; "accepted" or "discarded"."""
+        if self.header is None:
+            raise wire.WireError("the stream ended before a payload header arrived", code="DATA_LOSS")
+        if self._taking is not None:
+            await self._taking
+            self._taking = None
+        if self._queued:
+            await self._hand_on()
+        return await self.service._call(self.service._contributions.end, self.header, self.entry)
+
+    async def settle(self) -> None:
+        """Waits for the batch the coordinator is taking, ignoring its errors (the stream is failing)."""
+        await _settle(self._taking)
+
+
 class ExchangeService:
     """Serves one coordinator to the islands.
 
     Args:
       coordinator: the run's `FragmentedCoordinator` (no gRPC knowledge of its
-        own); a single `Coordinator` is served as one fragment.
+        own; `outer.fragments = 1` serves plain DiLoCo as one fragment).
       chunk_bytes: `comm.chunk_bytes`.
+
+    Raises:
+      TypeError: `coordinator` has no `fragments` (a single fragment's `Coordinator`).
 
     Attributes:
       lock: a threading.Condition guarding the coordinator; notified after every
@@ -78,9 +236,12 @@ class ExchangeService:
       wire_bytes: {island: {"received", "sent"}}, frame bytes per island.
     """
 
-    def __init__(self, coordinator: FragmentedCoordinator | Coordinator, chunk_bytes: int):
-        if not isinstance(coordinator, FragmentedCoordinator):
-            coordinator = FragmentedCoordinator.wrap(coordinator)
+    def __init__(self, coordinator: FragmentedCoordinator, chunk_bytes: int):
+        if not hasattr(coordinator, "fragments"):
+            raise TypeError(
+                f"the exchange serves a FragmentedCoordinator, not a {type(coordinator).__name__}; build "
+                "FragmentedCoordinator(config, params, islands) (outer.fragments = 1 is plain DiLoCo)"
+            )
         self.coordinator = c = coordinator
         self.chunk_bytes = chunk_bytes
         self.layouts = [codec.layout(f.view, f.kind, f.block_size) for f in c.fragments]
@@ -92,7 +253,7 @@ class ExchangeService:
         self.fetched: dict[tuple[int, int], set[str]] = {}  # (fragment, round) -> islands that received its update
         self.wire_bytes = {name: dict(received=0, sent=0) for name in c.islands}
         self.ready: set[str] = set()  # islands that said they are ready to train (Join with ready)
-        self._open: dict[tuple[int, int, str], dict] = {}  # (fragment, round, island) -> streams of a contribution
+        self._contributions = _OpenContributions(c)
         self._worker = futures.ThreadPoolExecutor(max_workers=4, thread_name_prefix="coordinator")
         # Reads (update chunks, trailers) never queue behind the chunks waiting to merge.
         self._reader = futures.ThreadPoolExecutor(max_workers=2, thread_name_prefix="coordinator-read")
@@ -141,6 +302,21 @@ class ExchangeService:
         except asyncio.TimeoutError:
             pass
 
+    def _fragment(self, fragment: int, what: str) -> Coordinator:
+        """The coordinator of `fragment`; WireError (INVALID_ARGUMENT) for one this run does not have."""
+        if not 0 <= fragment < len(self.coordinator.fragments):
+            raise wire.WireError(
+                f"{what} names fragment {fragment}, but this run has {len(self.coordinator.fragments)} "
+                "(outer.fragments); run every role with the same config",
+                code="INVALID_ARGUMENT",
+            )
+        return self.coordinator.fragments[fragment]
+
+    def close(self) -> None:
+        """Stops the worker threads (after the server stopped)."""
+        self._worker.shutdown(wait=False)
+        self._reader.shutdown(wait=False)
+
     # -- methods -----------------------------------------------------------------------------------------
 
     async def Join(self, request: pb.JoinRequest, context) -> pb.JoinReply:
@@ -173,122 +349,26 @@ class ExchangeService:
             ],
         )
 
-    def _begin(self, header: pb.PayloadHeader) -> dict:
-        key = (header.fragment, header.round, header.island)
-        entry = self._open.get(key)
-        if entry is None:
-            c = self.coordinator.fragments[header.fragment]
-            status = c.begin_contribution(
-                header.round, header.island, header.tokens, header.params_checksum or None, header.step_seconds or None
-            )
-            entry = self._open[key] = dict(status=status, streams=max(header.streams, 1), ended=0)
-            for old in [k for k in self._open if k[0] == header.fragment and k[1] < c.round - 1]:
-                del self._open[old]
-        return entry
-
-    def _add_chunks(self, header: pb.PayloadHeader, chunks: list) -> None:
-        c = self.coordinator.fragments[header.fragment]
-        for index, data in chunks:
-            c.add_chunk(header.round, header.island, index, data)
-
-    def _end(self, header: pb.PayloadHeader, entry: dict) -> str:
-        entry["ended"] += 1
-        if entry["status"] == "discarded" or entry["ended"] < entry["streams"]:
-            return entry["status"]
-        return self.coordinator.fragments[header.fragment].end_contribution(header.round, header.island)
-
-    def _abandon(self, header: pb.PayloadHeader, reason: str) -> None:
-        self._open.pop((header.fragment, header.round, header.island), None)
-        c = self.coordinator.fragments[header.fragment]
-        if header.round == c.round:
-            c.abandon(header.island, reason)
-
-    def _fragment(self, fragment: int, what: str) -> Coordinator:
-        """The coordinator of `fragment`; WireError (INVALID_ARGUMENT) for one this run does not have."""
-        if not 0 <= fragment < len(self.coordinator.fragments):
-            raise wire.WireError(
-                f"{what} names fragment {fragment}, but this run has {len(self.coordinator.fragments)} "
-                "(outer.fragments); run every role with the same config",
-                code="INVALID_ARGUMENT",
-            )
-        return self.coordinator.fragments[fragment]
-
     async def Contribute(self, request_iterator, context) -> pb.ContributeReply:
-        header, entry, received, crcs = None, None, 0, []
-        # Chunks go to the coordinator in batches, one batch at a time per stream, so
-        # the stream keeps reading while they merge and pays one thread hop per batch.
-        queued: list = []
-        taking: asyncio.Future | None = None  # the batch the coordinator is taking
-        c = None
+        stream = _ContributionStream(self)
         try:
             async for frame in request_iterator:
-                kind, value = wire.parse(frame)
-                if header is None:
-                    if kind != wire.HEADER:
-                        raise wire.WireError("a contribution stream must start with its header frame")
-                    header = value
-                    c = self._fragment(header.fragment, f"island {header.island!r}'s contribution")
-                    if header.total_bytes != c.payload_bytes:
-                        raise wire.WireError(
-                            f"payload of {header.total_bytes} bytes from island {header.island!r}, round "
-                            f"{header.round}, fragment {header.fragment}, but it should be {c.payload_bytes} bytes; "
-                            "the island's model or codec differs from the coordinator's"
-                        )
-                    if header.layout != self.layouts[header.fragment]:
-                        raise wire.WireError(
-                            f"island {header.island!r} encoded round {header.round} for payload layout {header.layout}, "
-                            f"but the coordinator expects {self.layouts[header.fragment]} (leaf shapes, codec, block "
-                            "size differ); refused"
-                        )
-                    entry = await self._call(self._begin, header)
-                    continue
-                if kind != wire.CHUNK:
-                    raise wire.WireError(f"a {kind!r} frame arrived inside a contribution; only chunks may follow the header")
-                index, offset, crc, data = value
-                if not 0 <= index < len(c.plan) or c.plan[index].offset != offset or c.plan[index].nbytes != len(data):
-                    raise wire.WireError(
-                        f"chunk {index} at offset {offset} with {len(data)} bytes does not fit this round's payload of "
-                        f"{c.payload_bytes} bytes in {len(c.plan)} chunks; the island's model, codec or "
-                        "comm.chunk_bytes differs from the coordinator's"
-                    )
-                if wire.crc32(data) != crc:
-                    raise wire.WireError(
-                        f"CRC-32C mismatch in chunk {index} (offset {offset}, {len(data)} bytes) of island "
-                        f"{header.island!r}, round {header.round}: the data was corrupted in transit and the payload "
-                        "was refused",
-                        code="DATA_LOSS",
-                    )
-                received += len(data)
-                crcs.append(crc)
-                if entry["status"] != "discarded":
-                    queued.append((index, data))
-                    if taking is not None and not taking.done() and len(queued) >= _CHUNKS_QUEUED:
-                        await asyncio.wait([taking])
-                    if taking is None or taking.done():
-                        if taking is not None:
-                            taking.result()  # the coordinator's error, if it refused a chunk
-                        taking = asyncio.ensure_future(self._call(self._add_chunks, header, queued))
-                        queued = []
-            if header is None:
-                raise wire.WireError("the stream ended before a payload header arrived", code="DATA_LOSS")
-            if taking is not None:
-                await taking
-                taking = None
-            if queued:
-                await self._call(self._add_chunks, header, queued)
-            status = await self._call(self._end, header, entry)
+                await stream.take(frame)
+            status = await stream.finish()
         except wire.WireError as e:
-            await _settle(taking)
-            if header is not None and c is not None:
-                await self._call(self._abandon, header, str(e))
+            await stream.settle()
+            if stream.fragment is not None:
+                await self._call(self._contributions.abandon, stream.header, str(e))
             await context.abort(grpc.StatusCode[e.code], f"WireError: {e}")
         except ContributionError as e:
-            await _settle(taking)
+            await stream.settle()
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"ContributionError: {e}")
+        header = stream.header
         if header.island in self.wire_bytes:
-            self.wire_bytes[header.island]["received"] += received
+            self.wire_bytes[header.island]["received"] += stream.received
         return pb.ContributeReply(
-            round=header.round, bytes_received=received, crc32=wire.fold_crc32(crcs), discarded=status == "discarded"
+            round=header.round, bytes_received=stream.received, crc32=wire.fold_crc32(stream.crcs),
+            discarded=status == "discarded",
         )
 
     async def FetchUpdate(self, request: pb.FetchRequest, context):
@@ -324,12 +404,15 @@ class ExchangeService:
                 await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, f"round {request.round} is not merged yet")
         trailer = await self._call(self._update_trailer, request, changes=False)
         yield trailer
-        sent += len(trailer)
+        self._count_fetched(request, connections, sent + len(trailer))
+
+    def _count_fetched(self, request: pb.FetchRequest, connections: int, sent: int) -> None:
+        """Books an update stream's `sent` frame bytes; the island has the update once all its streams ended."""
         with self.lock:
             if request.island in self.wire_bytes:
                 self.wire_bytes[request.island]["sent"] += sent
             done = self._streams_done.setdefault((request.fragment, request.round, request.island), set())
-            done.add(connection)
+            done.add(request.connection)
             if len(done) == connections:
                 self.fetched.setdefault((request.fragment, request.round), set()).add(request.island)
             self.notify()
@@ -437,18 +520,22 @@ class ExchangeServer:
         asyncio.run_coroutine_threadsafe(self.server.stop(grace), self.loop).result()
         self.loop.call_soon_threadsafe(self.loop.stop)
         self._thread.join(timeout=10)
-        self.service._worker.shutdown(wait=False)
-        self.service._reader.shutdown(wait=False)
+        self.service.close()
 
 
-def serve(coordinator: FragmentedCoordinator | Coordinator, address: str, chunk_bytes: int) -> tuple[ExchangeServer, ExchangeService, int]:
+def serve(coordinator: FragmentedCoordinator, address: str, chunk_bytes: int) -> tuple[ExchangeServer, ExchangeService, int]:
     """Starts the exchange and health services on `address` ("HOST:PORT"; port 0 picks a free one).
+
+    Args:
+      coordinator: the run's `FragmentedCoordinator`.
+      address: where to listen; chunk_bytes: `comm.chunk_bytes`.
 
     Returns:
       (server, service, port): stop with `server.stop(grace_seconds)`.
 
     Raises:
       RuntimeError: if the address cannot be bound (port in use).
+      TypeError: `coordinator` is not a `FragmentedCoordinator`.
     """
     service = ExchangeService(coordinator, chunk_bytes)
     server = ExchangeServer(service, address, chunk_bytes)

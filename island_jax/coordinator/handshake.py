@@ -1,0 +1,57 @@
+"""The handshake: an island joins only with the coordinator's fingerprint, round and initial parameters.
+
+Every island must hold bit-identical global parameters (DiLoCo, arXiv
+2311.08105, starts every replica from the same theta(0)); the checks here name
+what differs, so a misconfigured island fails at join rather than after a
+round of training.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+from island_jax.config import fingerprint_differences
+from island_jax.coordinator.errors import HandshakeError
+
+
+def check_island(
+    island: str, islands: Sequence[str], ours: dict, theirs: dict, round: int, our_round: int
+) -> None:
+    """Checks an island's name, `config.fingerprint_fields` and round against the coordinator's.
+
+    Args:
+      island: the joining island's name.
+      islands: the run's island names (`config.islands`).
+      ours, theirs: the coordinator's and the island's `fingerprint_fields`.
+      round: the round the island will train next; `our_round` the coordinator's.
+
+    Raises:
+      HandshakeError: an unknown island, fingerprint fields that differ (each
+        named with both values), or another round.
+    """
+    if island not in islands:
+        raise HandshakeError(f"island {island!r} is not in this run's config (islands: {list(islands)})")
+    differences = fingerprint_differences(ours, dict(theirs))
+    if differences:
+        raise HandshakeError(
+            f"island {island!r} differs from the coordinator in {', '.join(differences)}; model shapes, "
+            "codec, block_size, chunk_bytes and seed must match: run every role with the same config and overrides"
+        )
+    if round != our_round:
+        raise HandshakeError(
+            f"island {island!r} joins at round {round} but the coordinator is at round {our_round}; restart "
+            "every role from the same workdir so they resume from checkpoints of the same round"
+        )
+
+
+def check_params_checksum(island: str, theirs: str, ours: str) -> None:
+    """Checks an island's `params.checksum` (16 hex digits) against the coordinator's island view.
+
+    Raises:
+      HandshakeError: the checksums differ.
+    """
+    if theirs != ours:
+        raise HandshakeError(
+            f"island {island!r} has parameter checksum {theirs} but the coordinator has "
+            f"{ours}; both must initialise from the same config.seed and model on the CPU backend"
+        )
