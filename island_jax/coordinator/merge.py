@@ -32,6 +32,7 @@ from island_jax.config import fingerprint_fields
 from island_jax.coordinator import handshake
 from island_jax.coordinator.errors import ContributionError, StaleRoundError, UpdateNotReady
 from island_jax.coordinator.state import FragmentState
+from island_jax.outer import codec
 from island_jax.planning import plan_from_step_times
 
 
@@ -401,7 +402,7 @@ class Coordinator:
             raise ContributionError(f"island {island!r} sent a chunk of round {round} without an open contribution")
         contribution.check_chunk(round, index, len(data), self.plan)
         values, scales = self._state.decode(index, data)
-        finite = np.isfinite(scales).all() and (self.kind in ("int8", "int4") or np.isfinite(values).all())
+        finite = np.isfinite(scales).all() and (self.kind in codec.QUANTIZED_KINDS or np.isfinite(values).all())
         if not finite:
             self._refuse(island, f"round {round}'s pseudo-gradient holds NaN or Inf")
             raise ContributionError(
