@@ -13,6 +13,8 @@ from tiny_config import get_config, write_corpus
 from island_jax.metrics import read_jsonl
 from island_jax.params import count, init_params
 
+pytestmark = pytest.mark.slow  # every test here starts processes
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIG = os.path.join(ROOT, "tests", "tiny_config.py")
 
@@ -63,16 +65,38 @@ def test_launcher_summary_bytes_and_agreement(straight, corpus):
     assert re.search(r"^\[island b\] .*round 3/3", stdout, re.M)
 
 
+def _names(folder):
+    """Files below `folder` by relative path; TensorBoard event files by kind (their names carry host and time),
+    checkpoints down to each round's top level (orbax names its data files at random)."""
+    names = set()
+    for path in folder.rglob("*"):
+        rel = path.relative_to(folder)
+        if rel.name.startswith("events.out.tfevents."):
+            rel = rel.with_name("events.out.tfevents")
+        if "checkpoints" in rel.parts and len(rel.parts) - rel.parts.index("checkpoints") > 3:
+            continue
+        names.add(str(rel))
+    return names
+
+
 def test_multi_process_run_equals_the_in_process_run(straight, corpus, tmp_path):
-    from island_jax.train import train_and_evaluate
+    from island_jax.run import run_in_process
 
     workdir, _ = straight
     config = get_config()
     config.data.files = corpus
-    train_and_evaluate(config, str(tmp_path / "in_process"))
-    in_process = [r for r in read_jsonl(tmp_path / "in_process" / "metrics.jsonl") if r["kind"] == "round"]
-    coordinator = [r for r in read_jsonl(workdir / "coordinator" / "metrics.jsonl") if r["kind"] == "round"]
-    assert [r["checksums"]["coordinator"] for r in in_process] == [r["checksum"] for r in coordinator]
+    in_process = tmp_path / "in_process"
+    run_in_process(config, str(in_process))
+    for role in ("coordinator", "islands/a", "islands/b"):
+        ours = [r for r in read_jsonl(in_process / role / "metrics.jsonl") if r["kind"] == "round"]
+        theirs = [r for r in read_jsonl(workdir / role / "metrics.jsonl") if r["kind"] == "round"]
+        assert [r["checksum"] for r in ours] == [r["checksum"] for r in theirs]
+        if role != "coordinator":  # the in-process transport counts the frames gRPC sends
+            assert [(r["bytes_sent"], r["bytes_received"]) for r in ours] == [
+                (r["bytes_sent"], r["bytes_received"]) for r in theirs]
+    for part in ("coordinator", "islands"):
+        assert _names(in_process / part) == _names(workdir / part)
+    assert {p.name for p in in_process.iterdir()} == {p.name for p in workdir.iterdir()}
 
 
 def test_tensorboard_reads_back_the_logged_losses(straight):

@@ -59,20 +59,20 @@ def test_auto_needs_equal_per_device_batch_and_known_hardware():
 def test_time_rounds_give_a_half_speed_island_about_half_its_tokens(tmp_path):
     """hetero_islands in short form, in one process: b trains at simulated_speed 0.5 for the same wall clock."""
     from island_jax.metrics import read_jsonl
-    from island_jax.train import train_and_evaluate
+    from island_jax.run import run_in_process
     from tiny_config import get_config, write_corpus
 
     c = get_config()
     c.data.files = write_corpus(tmp_path / "corpus")
     c.islands.b.simulated_speed = 0.5
     c.outer.update(sync="time", round_seconds=2.0, rounds=3)
-    train_and_evaluate(c, str(tmp_path / "run"))
-    records = read_jsonl(tmp_path / "run" / "metrics.jsonl")
-    b_rounds = [r for r in records if r["kind"] == "island_round" and r["island"] == "b"][1:]  # after compiling
-    for r in b_rounds:
-        full_speed_steps = c.outer.round_seconds / (r["busy_seconds"] / r["steps"])
-        assert 0.35 < r["steps"] / full_speed_steps < 0.65, r
-    for rec in [r for r in records if r["kind"] == "round"]:
+    run_in_process(c, str(tmp_path / "run"))
+    b_rounds = [r for r in read_jsonl(tmp_path / "run" / "islands" / "b" / "metrics.jsonl") if r["kind"] == "round"]
+    for r in b_rounds[1:]:  # after compiling
+        full_speed_steps = c.outer.round_seconds / (r["busy_seconds"] / r["inner_steps"])
+        assert 0.35 < r["inner_steps"] / full_speed_steps < 0.65, r
+    merged = read_jsonl(tmp_path / "run" / "coordinator" / "metrics.jsonl")
+    for rec in [r for r in merged if r["kind"] == "round"]:
         total = sum(rec["tokens"].values())
         assert rec["weights"] == {k: v / total for k, v in rec["tokens"].items()}
 
@@ -96,7 +96,7 @@ def test_measured_plan_from_round_zero_step_times():
 
 def test_measured_plan_in_a_run(tmp_path):
     from island_jax.metrics import read_jsonl
-    from island_jax.train import train_and_evaluate
+    from island_jax.run import run_in_process
     from tiny_config import get_config, write_corpus
 
     c = get_config()
@@ -104,10 +104,12 @@ def test_measured_plan_in_a_run(tmp_path):
     c.islands.a.inner_steps = 4
     c.islands.b.simulated_speed = 0.25
     c.outer.update(sync="auto", auto_from="measured", rounds=3)
-    train_and_evaluate(c, str(tmp_path / "run"))
-    rounds = [r for r in read_jsonl(tmp_path / "run" / "metrics.jsonl") if r["kind"] == "island_round"]
-    first = {r["island"]: r for r in rounds if r["round"] == 1}
-    expected_b = max(1, round(4 * first["a"]["step_seconds"] / first["b"]["step_seconds"]))
-    assert first["b"]["steps"] == 2  # round 0: the catalog plan, round(4 x 2 devices / 4 devices)
-    assert [r["steps"] for r in rounds if r["island"] == "b" and r["round"] > 1] == [expected_b, expected_b]
-    assert [r["steps"] for r in rounds if r["island"] == "a"] == [4, 4, 4]
+    run_in_process(c, str(tmp_path / "run"))
+    rounds = {
+        name: [r for r in read_jsonl(tmp_path / "run" / "islands" / name / "metrics.jsonl") if r["kind"] == "round"]
+        for name in ("a", "b")
+    }
+    expected_b = max(1, round(4 * rounds["a"][0]["step_seconds"] / rounds["b"][0]["step_seconds"]))
+    assert rounds["b"][0]["inner_steps"] == 2  # round 0: the catalog plan, round(4 x 2 devices / 4 devices)
+    assert [r["inner_steps"] for r in rounds["b"][1:]] == [expected_b, expected_b]
+    assert [r["inner_steps"] for r in rounds["a"]] == [4, 4, 4]

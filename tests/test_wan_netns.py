@@ -18,6 +18,7 @@ PREFIX = f"ijtest{os.getpid()}"
 COORD, ISLAND = f"{PREFIX}-coord", f"{PREFIX}-island"
 
 pytestmark = [
+    pytest.mark.slow,  # starts processes in network namespaces
     pytest.mark.skipif(shutil.which("ip") is None, reason="needs the `ip` command (iproute2)"),
     pytest.mark.skipif(os.geteuid() != 0, reason="network namespaces and qdiscs need root (CAP_NET_ADMIN)"),
 ]
