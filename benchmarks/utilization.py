@@ -27,17 +27,17 @@ that sizes the link. Then two runs under that link:
   streaming  outer.fragments = 4, outer.overlap_steps = auto (arXiv 2501.18512)
 
 Compute utilization, per island, is the runs' own accounting (see
-`island_jax/streaming.py`): inner steps x the step time measured in the same
-run with no exchange in flight (the median of the island's last 32 such
+`island_jax/island/accounting.py`): inner steps x the step time measured in
+the same run with no exchange in flight (the median of the island's last 32 such
 steps, per round), over wall seconds. The benchmark sums it over the rounds
 after the first (which carries the islands' start, one behind the other) and
 before the last (which waits for the final update: every run must), so it
 measures the steady state; the whole-run figure (`summary.json`'s
 `compute_utilization`) and the figure against the calibration run's step
 time are printed beside it. The reference comes from the compared run itself
-because separate runs of the same program on a shared machine differ by 10 to
-15% in step time, more than the effect measured. The printed value of a run
-is the lower of its two islands. Last line:
+because separate runs of the same program on a shared machine differ in step
+time by more than the effect measured (the figures are in docs/benchmarks.md).
+The printed value of a run is the lower of its two islands. Last line:
 `utilization: plain=P streaming=U` (target U >= 0.95, U > P).
 """
 

@@ -62,7 +62,7 @@ _LANES = (
 
 
 def plot_timeline(event_paths, png_path: str, start: float | None = None, end: float | None = None) -> str:
-    """Draws when each island computed, sent, received and waited (`streaming.EventLog` files) into a PNG.
+    """Draws when each island computed, sent, received and waited (`island.EventLog` files) into a PNG.
 
     One band per island, five lanes in it: compute (inner steps), send (a
     fragment's contribution leaving), receive (waiting for, receiving and

@@ -3,26 +3,27 @@
 import json
 import time
 
+import jax
 import numpy as np
 import pytest
 from tiny_config import get_config
 
 from island_jax.comm.link import LinkEmulator
-from island_jax.comm.transport import InProcessTransport
+from island_jax.comm.inprocess import InProcessTransport
 from island_jax.config import default_config, fingerprint_fields, island
 from island_jax.coordinator import FragmentedCoordinator
+from island_jax.island import EventLog, Island, OuterLoopIsland, StreamingSync
 from island_jax.outer import codec
 from island_jax.outer import fragments as fragments_lib
 from island_jax.params import checksum, init_params
 from island_jax.plots import plot_timeline
-from island_jax.streaming import EventLog, StreamingSync
 
 
 class VectorIsland:
     """A test island whose inner step is plain SGD with a constant gradient: every parameter drops by `lr`.
 
-    It has the fragment methods `StreamingSync` drives and the real codec
-    behind them; `step_seconds` of sleep stands for each step's compute.
+    It implements `OuterLoopIsland`, with the real codec behind its fragment
+    methods; `step_seconds` of sleep stands for each step's compute.
     """
 
     def __init__(self, config, params: dict, lr: float = 0.1, step_seconds: float = 0.0, total_steps: int = 10**9):
@@ -31,6 +32,7 @@ class VectorIsland:
         self.tokens_per_step = 1
         self.lr, self.step_seconds, self.total_steps = np.float32(lr), step_seconds, total_steps
         self.step = 0
+        self.last_step_compiled = False
         self.keys = sorted(params)
         self.params = [np.array(params[k], np.float32) for k in self.keys]
         self.anchor = [p.copy() for p in self.params]
@@ -43,8 +45,8 @@ class VectorIsland:
             for idx in self.partition
         ]
 
-    def train_round(self, after_step=None):
-        n = min(self.inner_steps, self.total_steps - self.step)
+    def train_round(self, num_steps=None, after_step=None, seconds=None):
+        n = min(self.inner_steps if num_steps is None else num_steps, self.total_steps - self.step)
         start, times = time.perf_counter(), []
         for k in range(n):
             t = time.perf_counter()
@@ -71,6 +73,15 @@ class VectorIsland:
         c = self.config.codec
         return codec.decode_and_apply([self.global_leaves[i] for i in self.partition[p]], payload, c.kind, c.block_size)
 
+    def set_inner_steps(self, inner_steps, rounds_left):
+        self.inner_steps = inner_steps
+
+    def warm_up(self):
+        pass
+
+    def place_fragment(self, p, leaves, copies):
+        return [[np.array(g, np.float32) for g in leaves] for _ in range(copies)]
+
     def apply_fragment(self, p, leaves, mix_alpha=None, placed=None):
         for i, g in zip(self.partition[p], leaves):
             g = np.asarray(g, np.float32)
@@ -78,6 +89,22 @@ class VectorIsland:
             self.anchor[i] = g.copy()
             local = self.params[i]
             self.params[i] = g.copy() if mix_alpha is None else np.float32(mix_alpha) * local + np.float32(1 - mix_alpha) * g
+
+    def load_view(self, payload):
+        self.global_leaves = [np.asarray(g, np.float32) for g in codec.decode_view(payload, self.global_leaves)]
+        self.anchor = [g.copy() for g in self.global_leaves]
+        self.params = [g.copy() for g in self.global_leaves]
+
+
+def test_the_real_island_and_the_stand_in_have_what_the_outer_loop_needs():
+    config = get_config()
+    config.outer.fragments = 2
+    graphdef, params, specs = init_params(config)
+    shard = (np.arange(4096) % 251).astype(np.uint8)
+    real = Island("a", config, jax.devices()[:4], graphdef, params, specs, shard, config.outer.rounds)
+    stand_in = VectorIsland(vector_config(4, 2, 1), {"a": np.float32(1.0), "b": np.float32(1.0)})
+    assert isinstance(real, OuterLoopIsland) and isinstance(stand_in, OuterLoopIsland)
+    assert len(real.partition) == len(real.fragment_plans) == 2 and real.last_step_compiled is False
 
 
 def vector_config(inner_steps, fragments, tau, alpha=0.5, kind="none"):
@@ -92,7 +119,7 @@ def vector_config(inner_steps, fragments, tau, alpha=0.5, kind="none"):
 def run_vector(config, params, rounds, link=None, **island_kwargs):
     isl = VectorIsland(config, params, **island_kwargs)
     coordinator = FragmentedCoordinator(config, params, ["solo"])
-    transport = InProcessTransport(coordinator, {"solo": link} if link else None, config.comm.connections)
+    transport = InProcessTransport(coordinator, link, config.comm.connections)
     transport.join("solo", fingerprint_fields(config), checksum(params))
     sync = StreamingSync(isl, transport, config, link=link)
     records = [sync.run_round(r) for r in range(rounds)]
@@ -170,7 +197,7 @@ def test_events_and_timeline(tmp_path):
     events = EventLog(str(path), "solo")
     sync = StreamingSync(isl, transport, config, events=events)
     sync.run_round(0)
-    end_of_first = sync._last_end
+    end_of_first = sync.clock.last_end
     # Evaluation and a save between the rounds: their own seconds, outside the next round's wall seconds.
     with sync.between_rounds("eval"):
         time.sleep(0.05)
@@ -179,7 +206,7 @@ def test_events_and_timeline(tmp_path):
     second = sync.run_round(1)
     assert second["eval_seconds"] >= 0.05 and second["checkpoint_seconds"] >= 0.02
     assert second["wall_seconds"] + second["eval_seconds"] + second["checkpoint_seconds"] == pytest.approx(
-        sync._last_end - end_of_first, rel=0, abs=1e-9
+        sync.clock.last_end - end_of_first, rel=0, abs=1e-9
     )
     assert second["wall_seconds"] == pytest.approx(
         second["compute_seconds"] + second["seconds_blocked"] + second["idle_seconds"], rel=0, abs=1e-9
@@ -204,25 +231,25 @@ def test_events_and_timeline(tmp_path):
 def test_two_islands_stream_two_fragments_in_one_process(tmp_path):
     from tiny_config import write_corpus
 
-    from island_jax.train import train_and_evaluate
+    from island_jax.metrics import read_jsonl
+    from island_jax.run import run_in_process
 
     config = get_config()
     config.data.files = write_corpus(tmp_path / "corpus")
     config.outer.fragments = 2
     config.outer.overlap_steps = 1
-    summary = train_and_evaluate(config, str(tmp_path / "run"))
-    records = [json.loads(line) for line in open(tmp_path / "run" / "metrics.jsonl")]
-    rounds = [r for r in records if r["kind"] == "round"]
-    # Only the last round has no update in flight at its end: every island then holds the coordinator's view.
-    assert ["checksums" in r for r in rounds] == [False, False, True]
-    assert len(set(rounds[-1]["checksums"].values())) == 1
+    workdir = tmp_path / "run"
+    summary = run_in_process(config, str(workdir))
+    last = {}
     for name in ("a", "b"):
-        isl = summary["islands"][name]
-        assert isl["inner_steps"] == 6 and isl["bytes_sent"] == isl["bytes_received"]
-        steps = [r for r in records if r["kind"] == "island_round" and r["island"] == name]
-        assert [r["overlap_steps"] for r in steps] == [1, 1, 1]
-    events = [json.loads(line) for line in open(tmp_path / "run" / "events_a.jsonl")]
-    sends = sorted((e["round"], e["fragment"]) for e in events if e["kind"] == "send")
-    assert sends == [(1, 0), (1, 1), (2, 0), (2, 1), (3, 0), (3, 1)]
-    assert (tmp_path / "run" / "timeline.png").exists()
+        folder = workdir / "islands" / name
+        rounds = [r for r in read_jsonl(folder / "metrics.jsonl") if r["kind"] == "round"]
+        assert [r["overlap_steps"] for r in rounds] == [1, 1, 1] and summary["islands"][name]["inner_steps"] == 6
+        last[name] = rounds[-1]["checksum"]
+        events = read_jsonl(folder / "events.jsonl")
+        sends = sorted((e["round"], e["fragment"]) for e in events if e["kind"] == "send")
+        assert sends == [(1, 0), (1, 1), (2, 0), (2, 1), (3, 0), (3, 1)]
+    # after the last round no update is in flight: both islands hold the same global parameters
+    assert last["a"] == last["b"]
+    assert (workdir / "timeline.png").exists()
     assert summary["eval_loss_final"] < summary["eval_loss_initial"]

@@ -1,0 +1,22 @@
+"""An island: its jitted programs (`step`), its state (`island.Island`), its outer loop
+(`outer_loop.StreamingSync`, Streaming DiLoCo arXiv 2501.18512; plain DiLoCo arXiv 2311.08105 with one
+fragment and no overlap) and where its seconds go (`accounting`)."""
+
+from island_jax.island.accounting import ACCOUNTING_FIELDS, BETWEEN_ROUNDS, EventLog
+from island_jax.island.island import Island
+from island_jax.island.outer_loop import OuterLoopIsland, StreamingSync
+from island_jax.island.step import LAYER_METRICS, STEP_METRICS, cross_entropy, inner_optimizer, loss_fn
+
+__all__ = [
+    "ACCOUNTING_FIELDS",
+    "BETWEEN_ROUNDS",
+    "EventLog",
+    "Island",
+    "LAYER_METRICS",
+    "OuterLoopIsland",
+    "STEP_METRICS",
+    "StreamingSync",
+    "cross_entropy",
+    "inner_optimizer",
+    "loss_fn",
+]

@@ -1,0 +1,405 @@
+"""An island: one JAX mesh training a full replica of the model on its own data.
+
+Per round (DiLoCo, arXiv 2311.08105, Algorithm 1): H jitted inner AdamW steps
+from the anchor (the global parameters of the round's start), then the
+pseudo-gradient anchor - params over `nnx.Param`s, fragment by fragment
+(Streaming DiLoCo, arXiv 2501.18512, Algorithm 1; one fragment is plain
+DiLoCo), encoded for the wire. When the coordinator's update of a fragment
+arrives, the island applies it to its host copy of the global parameters with
+the shared `codec.decode_and_apply`, and those exact bits become the
+fragment's new anchor and, without overlap, its new local parameters. The
+AdamW state is kept across rounds, as DiLoCo does. The programs are in
+`step.py`; the schedule that calls these methods is `outer_loop.StreamingSync`.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import dataclasses
+import time
+from typing import Any, Sequence
+
+import jax
+import ml_collections
+import numpy as np
+from flax import nnx
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from island_jax import data as data_lib
+from island_jax.island import step as step_lib
+from island_jax.mesh import BATCH_AXES, island_mesh
+from island_jax.models.moe import check_dispatch
+from island_jax.outer import codec
+from island_jax.outer import fragments as fragments_lib
+from island_jax.params import checksum
+from island_jax.planning import plan_inner_steps
+
+
+
+@dataclasses.dataclass(frozen=True)
+class FragmentLeaves:
+    """Streaming DiLoCo's fragments as leaf indices of the parameter tree.
+
+    Attributes:
+      treedef: the parameter tree's structure.
+      partition: per fragment, its leaf indices in `jax.tree.leaves` order (`outer.fragments.partition`).
+    """
+
+    treedef: Any
+    partition: list[list[int]]
+
+    def take(self, tree, fragment: int) -> list:
+        """The fragment's leaves of `tree` (a parameter-shaped pytree), in order."""
+        leaves = jax.tree.leaves(tree)
+        return [leaves[i] for i in self.partition[fragment]]
+
+    def put(self, tree, fragment: int, new_leaves: Sequence) -> Any:
+        """`tree` with the fragment's leaves replaced by `new_leaves` (a new tree; `tree` is unchanged)."""
+        leaves = jax.tree.leaves(tree)
+        for i, leaf in zip(self.partition[fragment], new_leaves):
+            leaves[i] = leaf
+        return jax.tree.unflatten(self.treedef, leaves)
+
+
+class Shardings:
+    """Where an island's arrays live on its mesh: parameters by their partition specs, batches split over
+    `mesh.BATCH_AXES`."""
+
+    def __init__(self, mesh: jax.sharding.Mesh, specs: dict):
+        self.params = jax.tree.map(lambda s: NamedSharding(mesh, s), specs, is_leaf=lambda x: isinstance(x, P))
+        self.leaves = jax.tree.leaves(self.params)
+        self.batch = NamedSharding(mesh, P(BATCH_AXES))
+
+    def place(self, host_params: dict) -> dict:
+        """The parameters (a NumPy pytree) on the devices, sharded."""
+        return jax.device_put(host_params, self.params)
+
+    def place_leaves(self, indices: Sequence[int], leaves: Sequence[np.ndarray]) -> list[jax.Array]:
+        """Parameter leaves number `indices` (`jax.tree.leaves` order) on the devices, sharded."""
+        return jax.device_put(list(leaves), [self.leaves[i] for i in indices])
+
+    def batch_of(self, windows: np.ndarray) -> tuple[jax.Array, jax.Array]:
+        """uint8 [B, S + 1] windows -> int32 (inputs, targets) [B, S] each, on the devices."""
+        windows = windows.astype(np.int32)
+        return jax.device_put(windows[:, :-1], self.batch), jax.device_put(windows[:, 1:], self.batch)
+
+
+class SimulatedSpeed:
+    """Sleep standing for slower hardware: (1/s - 1) x the median compute seconds of the last 16 steps,
+    after each step (`islands.NAME.simulated_speed` s; 1.0 never sleeps). A median, so that a step slowed
+    by other work on the machine is not slowed twice."""
+
+    STEPS_KEPT = 16
+
+    def __init__(self, speed: float):
+        self.slowdown = 1.0 / speed - 1.0
+        self._compute_times: collections.deque = collections.deque(maxlen=self.STEPS_KEPT)
+
+    def sleep_seconds(self, compute_seconds: float) -> float:
+        """Records a (not compiling) step's compute seconds; returns how long to sleep after it, s."""
+        self._compute_times.append(compute_seconds)
+        return float(np.median(self._compute_times)) * self.slowdown
+
+
+class Island:
+    """One island: its mesh, parameters, AdamW state, anchor and data shard.
+
+    Parameters, anchor and optimizer state live on the island's devices,
+    sharded by `specs`; `global_params` is the host copy (NumPy) of the global
+    view, the anchor's exact bits.
+
+    Args:
+      name: the island's key in `config.islands`.
+      config: the run's validated config.
+      devices: this island's own devices (len = islands.NAME.num_devices).
+      graphdef, params, specs: from `params.init_params(config)` (params are
+        the seeded initial values as NumPy arrays).
+      train_bytes: the island's training shard (uint8 [N]).
+      total_rounds: rounds in the run, for the learning-rate schedule.
+
+    Raises:
+      ValueError: `moe.dispatch` cannot run on these devices (`models.moe.check_dispatch`).
+
+    Attributes:
+      step: inner steps taken over the run; also the data position.
+      inner_steps: H, inner steps per round.
+      tokens_per_step: batch_size x seq_len tokens per inner step.
+      partition: per fragment (`outer.fragments`), its leaf indices in `jax.tree.leaves` order.
+      fragment_plans: per fragment, its payload's `codec.Chunk`s (`comm.chunk_bytes` each at most).
+      last_step_compiled: the last inner step compiled (its seconds are no step time).
+      device_lock: held around device work; a shared `threading.Lock` when islands share a process.
+    """
+
+    def __init__(
+        self,
+        name: str,
+        config: ml_collections.ConfigDict,
+        devices: Sequence[jax.Device],
+        graphdef: nnx.GraphDef,
+        params: dict,
+        specs: dict,
+        train_bytes: np.ndarray,
+        total_rounds: int,
+    ):
+        cfg = config.islands[name]
+        self.name, self.config = name, config
+        self.inner_steps = plan_inner_steps(config)[name]
+        self.batch_size = cfg.batch_size
+        self.tokens_per_step = cfg.batch_size * config.model.seq_len
+        self._speed = SimulatedSpeed(cfg.simulated_speed)
+        check_dispatch(config.moe.dispatch, cfg.mesh.expert, devices[0].platform)
+        self.mesh = island_mesh(cfg.mesh.data, cfg.mesh.expert, devices)
+        self.shardings = Shardings(self.mesh, specs)
+        self.global_params = params  # host copy of the global view (NumPy): the anchor
+        self._global_checksum: str | None = None
+        self.dataset = data_lib.train_dataset(train_bytes, config.model.seq_len, cfg.batch_size, config.seed)
+        self.step = 0
+        self._graphdef = graphdef
+        self._build_train_step(self.inner_steps * total_rounds)
+        self._eval_step = step_lib.build_eval_step(graphdef)
+        with jax.set_mesh(self.mesh):
+            self.params = self.shardings.place(params)
+            self.anchor = self.shardings.place(params)
+            self.opt_state = jax.jit(self.tx.init)(self.params)
+        # Error feedback's memory of what the codec lost (float32 NumPy, like the parameters).
+        self.residual = jax.tree.map(lambda x: np.zeros(np.shape(x), np.float32), params)
+        c = config.codec
+        self.partition = fragments_lib.partition(fragments_lib.leaf_bytes(params), config.outer.fragments)
+        self.fragments = FragmentLeaves(jax.tree.structure(params), self.partition)
+        self.fragment_plans = [
+            codec.chunk_plan(self.fragments.take(params, f), c.kind, c.block_size, config.comm.chunk_bytes)
+            for f in range(len(self.partition))
+        ]
+        self.device_lock = contextlib.nullcontext()
+
+    def _build_train_step(self, total_steps: int) -> None:
+        """The inner optimizer for `total_steps` steps in all, and the jitted step that uses it (its first
+        call compiles)."""
+        self._compile_pending = True
+        self.last_step_compiled = False
+        self.tx = step_lib.inner_optimizer(self.config, total_steps)
+        self._train_step = step_lib.build_train_step(self.config, self._graphdef, self.tx)
+
+    def set_inner_steps(self, inner_steps: int, rounds_left: int) -> None:
+        """A new H for the remaining rounds (a plan from measured step times).
+
+        The learning-rate schedule is rebuilt to end after the steps left
+        (warm-up and cosine keep their shape; the AdamW state carries over).
+        """
+        self.inner_steps = inner_steps
+        self._build_train_step(self.step + inner_steps * rounds_left)
+
+    def warm_up(self) -> None:
+        """Compiles the inner step, and the fragments' pseudo-gradient and mixing programs, on throwaway
+        copies, so that the first round's steps are steps (nothing of the island's state changes)."""
+        with self.device_lock, jax.set_mesh(self.mesh):
+            params = jax.tree.map(lambda x: x.copy(), self.params)
+            opt_state = jax.tree.map(lambda x: x.copy(), self.opt_state)
+            inputs, targets = self.shardings.batch_of(self.dataset[self.step])
+            jax.block_until_ready(self._train_step(params, opt_state, inputs, targets, self.step))
+            self._compile_pending = False
+            for f in range(len(self.partition)):
+                a, p = self.fragments.take(self.anchor, f), self.fragments.take(self.params, f)
+                jax.block_until_ready(step_lib.pseudo_gradient(a, p))
+                jax.block_until_ready(step_lib.mix(p, a, np.float32(self.config.outer.mix_alpha)))
+
+    def train_round(self, num_steps: int | None = None, after_step=None, seconds: float | None = None) -> dict:
+        """Runs one round of inner steps from the current parameters.
+
+        The round is `num_steps` steps when given; otherwise the planned H
+        (`outer.sync` "steps" or "auto"), or as many steps as fit in
+        `outer.round_seconds` of wall clock (`outer.sync = "time"`, at least
+        one; `seconds`, when given, replaces that budget). With
+        `islands.NAME.simulated_speed` < 1 the island sleeps after each step
+        (`SimulatedSpeed`); the sleep counts as compute. A step that compiled (the first after the step was built,
+        unless `warm_up` ran) does not sleep, and `last_step_compiled` says so. `after_step(steps_done, elapsed_seconds,
+        step_seconds)`, when given, is called after every step (sleep included)
+        on this thread: Streaming DiLoCo contributes and applies fragments there
+        (`outer_loop.StreamingSync`).
+
+        Returns:
+          dict with `steps`, `tokens` (processed this round), `seconds` (wall,
+          sleeps included), `busy_seconds` (steps only), `step_seconds` (the
+          median step, sleep included: robust to the first step's compilation), per-step lists of the
+          STEP_METRICS scalars, `layers` (per step, the LAYER_METRICS arrays per
+          MoE layer), `expert_load` of the last step [num_moe_layers, E], and
+          `step_times` (each step's seconds, sleep included).
+        """
+        budget = seconds
+        if budget is None and num_steps is None and self.config.outer.sync == "time":
+            budget = self.config.outer.round_seconds
+        num_steps = self.inner_steps if num_steps is None else num_steps
+        start = time.perf_counter()
+        history, busy, step_times = [], 0.0, []
+        with jax.set_mesh(self.mesh):
+            while (len(history) < num_steps) if budget is None else (
+                not history or time.perf_counter() - start < budget
+            ):
+                step_start = time.perf_counter()
+                inputs, targets = self.shardings.batch_of(self.dataset[self.step])
+                with self.device_lock:
+                    self.params, self.opt_state, metrics = self._train_step(
+                        self.params, self.opt_state, inputs, targets, self.step
+                    )
+                    # One step in flight at a time: XLA:CPU's in-process collectives can
+                    # deadlock when consecutive steps' all-to-alls interleave across devices.
+                    jax.block_until_ready(metrics)
+                step_seconds = time.perf_counter() - step_start
+                busy += step_seconds
+                self.last_step_compiled, self._compile_pending = self._compile_pending, False
+                sleep = 0.0 if self.last_step_compiled else self._speed.sleep_seconds(step_seconds)
+                step_times.append(step_seconds + sleep)  # what the step costs, sleep included
+                if sleep > 0:
+                    time.sleep(sleep)
+                history.append(metrics)
+                self.step += 1
+                if after_step is not None:
+                    after_step(len(history), time.perf_counter() - start, step_times[-1])
+            history = jax.device_get(history)
+        seconds = time.perf_counter() - start
+        out = {k: [float(m[k]) for m in history] for k in step_lib.STEP_METRICS}
+        out["layers"] = [{k: np.asarray(m["layers"][k]) for k in step_lib.LAYER_METRICS} for m in history]
+        out.update(
+            steps=len(history),
+            tokens=len(history) * self.tokens_per_step,
+            seconds=seconds,
+            busy_seconds=busy,
+            step_seconds=float(np.median(step_times)) if step_times else 0.0,
+            expert_load=out["layers"][-1]["expert_load"] if history else None,
+            step_times=step_times,
+        )
+        return out
+
+    @property
+    def global_checksum(self) -> str:
+        """`params.checksum` of the global parameters (the anchors), computed when first asked for."""
+        if self._global_checksum is None:
+            self._global_checksum = checksum(self.global_params)
+        return self._global_checksum
+
+    # -- fragments (Streaming DiLoCo) ------------------------------------------------------------------
+
+    def fragment_pseudo_gradient(self, fragment: int) -> list[jax.Array]:
+        """anchor - params (float32, each leaf's shape and sharding) over the fragment's leaves, on the
+        island's devices.
+
+        Runs on the calling (training) thread and waits for the result, so the
+        next inner step may take (donate) the parameters.
+        """
+        anchor, params = self.fragments.take(self.anchor, fragment), self.fragments.take(self.params, fragment)
+        with self.device_lock, jax.set_mesh(self.mesh):
+            return jax.block_until_ready(step_lib.pseudo_gradient(anchor, params))
+
+    def encode_fragment(self, fragment: int, pseudo_gradient: list) -> codec.ChunkEncoder:
+        """The fragment's pseudo-gradient for the wire (`codec.ChunkEncoder` over `fragment_plans[fragment]`,
+        `config.codec` kind and block size; its `nbytes` is the payload's bytes).
+
+        Safe on a background thread. With `codec.error_feedback`, what the codec
+        lost last time is added first, and the fragment's residual leaves are
+        updated in place. Once the payload is sent, the encoder's
+        `relative_error` is ||sent - intended|| / ||intended||.
+        """
+        c = self.config.codec
+        residual = self.fragments.take(self.residual, fragment) if c.error_feedback else None
+        return codec.ChunkEncoder(
+            pseudo_gradient, c.kind, c.block_size, self.fragment_plans[fragment], residual, measure=True
+        )
+
+    def fragment_checksum(self, fragment: int) -> str:
+        """`params.checksum` of the fragment's global leaves (a list): what its contribution carries. With one
+        fragment it equals `global_checksum`."""
+        return checksum(self.fragments.take(self.global_params, fragment))
+
+    def decode_fragment(self, fragment: int, payload: bytes) -> list[np.ndarray]:
+        """The fragment's new global leaves: its update applied with `codec.decode_and_apply` (host NumPy,
+        each leaf's shape and dtype).
+
+        Safe on a background thread (reads only this fragment's global leaves).
+
+        Raises:
+          CodecError: if the payload does not fit the fragment.
+        """
+        c = self.config.codec
+        return codec.decode_and_apply(self.fragments.take(self.global_params, fragment), payload, c.kind, c.block_size)
+
+    def place_fragment(self, fragment: int, global_leaves: list[np.ndarray], copies: int) -> list[list[jax.Array]]:
+        """`copies` placements of a fragment's new global leaves on the island's devices, for
+        `apply_fragment` (one for the anchor, one more for the parameters without mixing). Safe on a
+        background thread, so the training thread does not wait for the copies."""
+        placed = [self.shardings.place_leaves(self.partition[fragment], global_leaves) for _ in range(copies)]
+        return jax.block_until_ready(placed)
+
+    def apply_fragment(
+        self, fragment: int, global_leaves: list[np.ndarray], mix_alpha: float | None = None, placed=None
+    ) -> None:
+        """Takes a fragment's new global leaves: they become its anchor, and its parameters become
+        `mix_alpha` x local + (1 - mix_alpha) x global (Streaming DiLoCo's mixing), or exactly the
+        global values when `mix_alpha` is None (no overlap). `placed`: `place_fragment`'s copies
+        (two without mixing), when already made."""
+        fragments = self.fragments
+        self.global_params = fragments.put(self.global_params, fragment, global_leaves)
+        self._global_checksum = None
+        if placed is None:
+            placed = self.place_fragment(fragment, global_leaves, 1 if mix_alpha is not None else 2)
+        with self.device_lock, jax.set_mesh(self.mesh):
+            new_anchor = placed[0]
+            if mix_alpha is None:
+                new_params = placed[1]
+            else:  # dispatched; the next inner step waits for it
+                local = fragments.take(self.params, fragment)
+                new_params = step_lib.mix(local, new_anchor, np.float32(mix_alpha))
+            self.anchor = fragments.put(self.anchor, fragment, new_anchor)
+            self.params = fragments.put(self.params, fragment, new_params)
+
+    def load_view(self, payload: bytes) -> None:
+        """Replaces the global parameters with the coordinator's view, sent whole (`Coordinator.fetch_view`,
+        a float32 "none" payload); it becomes both anchor and parameters.
+
+        Raises:
+          CodecError: if the payload does not fit the model.
+        """
+        self.global_params = codec.decode_view(payload, self.global_params)
+        self._global_checksum = None
+        with jax.set_mesh(self.mesh):
+            self.params = self.shardings.place(self.global_params)
+            self.anchor = self.shardings.place(self.global_params)
+
+    # -- checkpoints and evaluation --------------------------------------------------------------------
+
+    def state(self, round: int) -> dict:
+        """What a checkpoint holds after `round` completed rounds: `params`, `anchor`,
+        `opt_state` (AdamW), `residual` (error feedback, float32 NumPy), `step` (inner steps taken,
+        also the data position; int64 []) and `round` (int64 [])."""
+        return dict(
+            params=self.params,
+            anchor=self.anchor,
+            opt_state=self.opt_state,
+            residual=self.residual,
+            step=np.asarray(self.step, np.int64),
+            round=np.asarray(round, np.int64),
+        )
+
+    def load_state(self, state: dict) -> int:
+        """Continues from a checkpointed `state()`; returns its round (completed rounds)."""
+        opt_sharding = jax.tree.map(lambda x: x.sharding, self.opt_state)
+        self.global_params = state["anchor"]
+        self._global_checksum = None
+        with jax.set_mesh(self.mesh):
+            self.params = self.shardings.place(state["params"])
+            self.anchor = self.shardings.place(state["anchor"])
+            self.opt_state = jax.device_put(state["opt_state"], opt_sharding)
+        self.residual = jax.tree.map(lambda x: np.array(x, np.float32, copy=True), state["residual"])
+        self.step = int(state["step"])
+        return int(state["round"])
+
+    def evaluate(self, batches: Sequence[np.ndarray], global_params: bool = False) -> float:
+        """Mean cross-entropy (nats per byte) over fixed batches (uint8 [B, S + 1] each), of the island's
+        parameters or (with `global_params`) of the global ones, its anchors (the same once every update
+        is applied without overlap)."""
+        params = self.anchor if global_params else self.params
+        with self.device_lock, jax.set_mesh(self.mesh):
+            # One batch in flight at a time, as in train_round (XLA:CPU rendezvous).
+            losses = [float(self._eval_step(params, *self.shardings.batch_of(b))) for b in batches]
+            return float(np.mean(np.asarray(losses, np.float32)))

@@ -1,0 +1,470 @@
+"""Streaming DiLoCo for one island: fragments exchanged on background threads while inner steps run.
+
+Douillard et al., "Streaming DiLoCo with overlapping communication" (arXiv
+2501.18512), Algorithm 1 with its overlap (Section 2.3):
+
+  * The parameters are split into F fragments (`outer/fragments.py`). Under
+    `outer.sync = "steps"` fragment p is contributed after inner step
+    o_p = (p + 1) x H // F of every round; under `"time"` once (p + 1) / F of
+    the round's `outer.round_seconds` has passed. A contribution is the
+    fragment's pseudo-gradient, anchor - params, with the tokens trained
+    since its last one.
+  * The exchange (encode, send, wait for the merge, receive, decode) runs on a
+    background thread while the jitted inner steps go on. The update is
+    applied at the end of inner step t + tau (tau = `outer.overlap_steps`): the
+    fragment's anchor becomes the global value and its parameters
+    alpha x local + (1 - alpha) x global (alpha = `outer.mix_alpha`). With
+    tau = 0 the island waits for the update at once and takes the global
+    values exactly; with F = 1 as well this is DiLoCo (arXiv 2311.08105), by
+    the same code.
+  * tau = "auto" is ceil(exchange seconds / step seconds) + 1 (clipped below a
+    fragment's next contribution): before the first exchange from the emulated
+    link (bytes both ways at its rate, plus a round trip), then from the
+    slowest of the last F measured exchanges, so the exchange hides behind
+    compute.
+
+Where the island's seconds go is `accounting.py`'s; what the loop needs of an
+island is `OuterLoopIsland`.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import dataclasses
+import time
+from concurrent import futures
+from typing import Callable, Protocol, runtime_checkable
+
+import numpy as np
+from absl import logging
+
+from island_jax.coordinator import StaleRoundError
+from island_jax.island.accounting import BetweenRounds, EventLog, RoundAccounting, StepTimes
+from island_jax.outer import codec
+from island_jax.outer import fragments as fragments_lib
+
+
+@runtime_checkable
+class OuterLoopIsland(Protocol):
+    """What `StreamingSync` needs of an island. `island.Island` implements it; so may a test's stand-in.
+
+    Attributes:
+      name: the island's key in `config.islands`.
+      step: inner steps taken over the run (also the data position).
+      inner_steps: H, inner steps per round.
+      tokens_per_step: tokens one inner step trains on (batch size x sequence length).
+      partition: per fragment, its leaf indices in `jax.tree.leaves` order.
+      fragment_plans: per fragment, its payload's `codec.Chunk`s (their `nbytes` sum to the payload's bytes).
+      last_step_compiled: the last inner step compiled, so its seconds say nothing of the step time.
+    """
+
+    name: str
+    step: int
+    inner_steps: int
+    tokens_per_step: int
+    partition: list[list[int]]
+    fragment_plans: list[list[codec.Chunk]]
+    last_step_compiled: bool
+
+    def train_round(
+        self, num_steps: int | None = None, after_step: Callable[[int, float, float], None] | None = None,
+        seconds: float | None = None,
+    ) -> dict:
+        """One round of inner steps; calls `after_step(steps_done, elapsed_seconds, step_seconds)` after each.
+        Returns at least `steps` and `step_times` (s, one per step)."""
+
+    def set_inner_steps(self, inner_steps: int, rounds_left: int) -> None:
+        """A new H for the rounds left."""
+
+    def warm_up(self) -> None:
+        """Compiles the island's programs without changing its state."""
+
+    def fragment_pseudo_gradient(self, fragment: int) -> list:
+        """anchor - params over the fragment's leaves (float32), ready before the next inner step."""
+
+    def encode_fragment(self, fragment: int, pseudo_gradient: list) -> codec.ChunkEncoder:
+        """The fragment's pseudo-gradient for the wire (called on an exchange thread)."""
+
+    def fragment_checksum(self, fragment: int) -> str:
+        """`params.checksum` of the fragment's global leaves (called on an exchange thread)."""
+
+    def decode_fragment(self, fragment: int, payload: bytes) -> list[np.ndarray]:
+        """The fragment's new global leaves from the update (called on an exchange thread)."""
+
+    def place_fragment(self, fragment: int, global_leaves: list[np.ndarray], copies: int) -> list:
+        """`copies` device placements of the new global leaves (called on an exchange thread)."""
+
+    def apply_fragment(
+        self, fragment: int, global_leaves: list[np.ndarray], mix_alpha: float | None = None, placed=None
+    ) -> None:
+        """The new global leaves become the fragment's anchor; its parameters mix with them (or take them)."""
+
+    def load_view(self, payload: bytes) -> None:
+        """Replaces every global parameter with the coordinator's view (a float32 "none" payload)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class _Settings:
+    """The outer loop's part of the run's config."""
+
+    fragments: int  # F
+    mix_alpha: float  # alpha
+    auto: bool  # outer.overlap_steps = "auto"
+    tau: int  # outer.overlap_steps when fixed (0 under "auto")
+    round_seconds: float | None  # outer.sync = "time": each round's wall-clock budget, s; None: by steps
+    rounds: int  # outer.rounds
+    connections: int  # comm.connections
+
+    @classmethod
+    def from_config(cls, config, fragments: int) -> "_Settings":
+        o = config.outer
+        auto = o.overlap_steps == "auto"
+        return cls(
+            fragments=fragments,
+            mix_alpha=float(o.mix_alpha),
+            auto=auto,
+            tau=0 if auto else int(o.overlap_steps),
+            round_seconds=float(o.round_seconds) if o.sync == "time" else None,
+            rounds=int(o.rounds),
+            connections=int(config.comm.connections),
+        )
+
+
+@dataclasses.dataclass
+class _Schedule:
+    """Where each fragment stands, and what the schedule is planned from."""
+
+    next_round: list[int]  # per fragment: the round of its next contribution
+    steps_at_contribution: list[int]  # per fragment: the island's step at its last contribution
+    exchange_seconds: collections.deque  # the last F exchanges' seconds (encode to placed), for tau = "auto"
+    last_tau: int  # tau of the last contribution
+    contributed: set[int] = dataclasses.field(default_factory=set)  # fragments contributed this round
+    planned_inner_steps: int | None = None  # H planned by the coordinator from measured step times
+
+
+@dataclasses.dataclass
+class _RoundClock:
+    """When rounds run (`time.perf_counter()` seconds)."""
+
+    round: int  # the round being trained (the last one trained, between rounds)
+    first_round: int  # this process's first round
+    start: float = 0.0  # when the round's fragment schedule started (sync = time: aligned on the epoch)
+    last_end: float | None = None  # when the last round ended
+    epoch: tuple[float, int] | None = None  # (when, round): a drain realigned the islands there
+
+    def begin(self, round: int, round_seconds: float | None) -> float | None:
+        """Starts `round`. Returns its training seconds when rounds are aligned on a drain (sync = time:
+        the round ends at epoch + (round - epoch round + 1) x round_seconds), else None."""
+        self.round = round
+        self.start = now = time.perf_counter()
+        if round_seconds is None or self.epoch is None:
+            return None
+        self.start = self.epoch[0] + (round - self.epoch[1]) * round_seconds
+        return max(self.start + round_seconds - now, 0.0)
+
+
+@dataclasses.dataclass
+class _Flight:
+    """One fragment's exchange in flight."""
+
+    fragment: int
+    round: int
+    due_step: int  # apply at the end of this inner step (island.step, counted over the run)
+    tau: int
+    future: futures.Future
+
+
+class StreamingSync:
+    """Drives one island's rounds with fragments, overlap and accounting (Streaming DiLoCo, arXiv 2501.18512,
+    Algorithm 1; see the module docstring).
+
+    Args:
+      island: the island (`OuterLoopIsland`: in the runs, an `island.Island`).
+      transport: the island's `comm.transport.Transport` (in process or gRPC; a link emulator under it), or
+        None: no outer loop (the data-parallel baseline trains its rounds and exchanges nothing).
+      config: the run's config (`outer.fragments`, `overlap_steps`, `mix_alpha`,
+        `sync`, `round_seconds`, `rounds`; `comm.connections`).
+      first_round: the round the island trains next (0, or a resumed checkpoint's).
+      link: the island's emulated link (`comm.link.LinkEmulator`), for tau = "auto" before the first exchange.
+      events: where spans go (default: an in-memory `EventLog`).
+
+    Attributes:
+      inflight: {fragment: its exchange in flight}; empty when every update is applied.
+      rejoined_round: set when a stale round made the island rejoin from the coordinator's view (the
+        view's round); the caller resets it to None once it has taken note.
+      events: the `EventLog`.
+
+    Raises (from `run_round`, `drain`): the exchange's errors (ContributionError,
+    ExchangeError, CodecError), on the training thread when the update is applied.
+    """
+
+    def __init__(
+        self, island: OuterLoopIsland, transport, config, first_round: int = 0, link=None,
+        events: EventLog | None = None,
+    ):
+        self.island, self.transport, self.link = island, transport, link
+        self.settings = settings = _Settings.from_config(config, len(island.partition))
+        self.events = events if events is not None else EventLog(island=island.name)
+        self.schedule = _Schedule(
+            next_round=[first_round] * settings.fragments,
+            steps_at_contribution=[island.step] * settings.fragments,
+            exchange_seconds=collections.deque(maxlen=settings.fragments),
+            last_tau=settings.tau,
+        )
+        self.clock = _RoundClock(round=first_round, first_round=first_round)
+        self.step_times = StepTimes()
+        self.accounting = RoundAccounting()
+        self.inflight: dict[int, _Flight] = {}
+        self.rejoined_round: int | None = None
+        self._between = BetweenRounds()  # seconds since the last round ended
+        self._exchange_running = False  # an exchange was running when the step now running started
+        self._pool = futures.ThreadPoolExecutor(max_workers=settings.fragments, thread_name_prefix="fragment-exchange")
+
+    # -- the schedule ----------------------------------------------------------------------------------
+
+    def clean_step_seconds(self) -> float:
+        """Median inner-step time (seconds, sleep included) of the recent steps run with no exchange in
+        flight (`accounting.StepTimes.clean_step_seconds`)."""
+        return self.step_times.clean_step_seconds(self.island.step)
+
+    def current_tau(self, fragment: int) -> int:
+        """tau (inner steps) for a contribution of `fragment` now: `outer.overlap_steps`, or the "auto" choice,
+        at most one less than the steps in a round (at least 1)."""
+        s = self.settings
+        if not s.auto:
+            return s.tau
+        step = self.clean_step_seconds()
+        if s.round_seconds is None:
+            cap = self.island.inner_steps - 1
+        else:
+            cap = int(s.round_seconds / step) - 1 if step > 0 else 1
+        exchanges = self.schedule.exchange_seconds
+        exchange = max(exchanges) if exchanges else self._link_estimate(fragment)
+        return fragments_lib.auto_overlap_steps(exchange, step, max(cap, 1))
+
+    def _link_estimate(self, fragment: int) -> float:
+        """Seconds to move the fragment's payload up and the update down over the emulated link (0: none)."""
+        link = self.link
+        if link is None:
+            return 0.0
+        nbytes = sum(c.nbytes for c in self.island.fragment_plans[fragment])
+        rate = min(link.bandwidth_gbps, max(1, self.settings.connections) * link.one_connection_gbps()) * 1e9
+        return 2 * (link.latency_ms / 1e3 + nbytes * 8 / rate)
+
+    def _due_fragments(self, steps_done: int) -> list[int]:
+        """The fragments to contribute now, `steps_done` inner steps into the round."""
+        s = self.settings
+        if s.round_seconds is None:
+            return fragments_lib.due_fragments(steps_done, self.island.inner_steps, s.fragments)
+        elapsed = time.perf_counter() - self.clock.start
+        return [
+            p for p in range(s.fragments)
+            if p not in self.schedule.contributed and elapsed >= (p + 1) * s.round_seconds / s.fragments
+        ]
+
+    # -- one round -------------------------------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def between_rounds(self, kind: str):
+        """Times work done between rounds that is not training: `kind` "eval" (an evaluation) or
+        "checkpoint" (a save). Its seconds are reported as the next round's `eval_seconds` or
+        `checkpoint_seconds`, left out of that round's `wall_seconds` (and so of its compute utilization,
+        which measures training against the exchange), and drawn as a span of `kind` in the events.
+
+        Raises:
+          ValueError: `kind` is not one of `accounting.BETWEEN_ROUNDS` (before the work runs).
+        """
+        BetweenRounds.check(kind)
+        start, wall_start = time.perf_counter(), time.time()
+        try:
+            yield
+        finally:
+            self._between.add(kind, time.perf_counter() - start)
+            self.events.add(kind, wall_start, time.time(), round=self.clock.round + 1)
+
+    def run_round(self, round: int, drain: bool = False) -> dict:
+        """Trains round `round` (0-based): its inner steps, with the fragments contributed and applied as due.
+
+        Args:
+          round: the round being trained.
+          drain: wait for and apply every update in flight at the end (before a
+            checkpoint, and after the last round).
+
+        Under `outer.sync = "time"` the first round of a process always drains:
+        every island leaves it when the same last update arrives, and round r
+        after a drain ends at the drain's end + (r - drained round) x
+        `round_seconds`, so the islands contribute each fragment at the same
+        moment whatever their step times (a step that runs over shortens the
+        next round).
+
+        Returns:
+          `island.train_round`'s result, plus `compute_seconds` (steps, sleep
+          included), `seconds_blocked`, `wall_seconds` (since the previous
+          round ended, less `eval_seconds` and `checkpoint_seconds`: the work
+          timed by `between_rounds` since then), `idle_seconds` (wall -
+          compute - blocked), `clean_step_seconds` (median of the last 32 steps
+          run with no exchange in flight), `ideal_compute_seconds` (steps x
+          that), `compute_utilization` (ideal compute / wall),
+          `overlap_steps` (tau of the last contribution), `waits` (updates the
+          island stopped for), and over the exchanges applied this round:
+          `exchanges`, `bytes_sent`, `bytes_received`, `payload_bytes`,
+          `seconds_transferring`, `exchange_seconds` (mean), `codec_relative_error` (mean)
+          (`accounting.ACCOUNTING_FIELDS`; seconds are wall-clock s, bytes are bytes).
+
+        Raises:
+          The exchange's errors (ContributionError, ExchangeError, CodecError), when an update is applied.
+        """
+        # Wall time runs from the end of the previous round: what the caller did in between is this
+        # round's idle time, except evaluation and checkpoint saves timed by `between_rounds`.
+        clock, timed = self.clock, self.settings.round_seconds is not None
+        start = clock.last_end if clock.last_end is not None else time.perf_counter()
+        self._take_planned_inner_steps(round)
+        self.schedule.contributed = set()
+        self.accounting = RoundAccounting()
+        self._exchange_running = self._exchanging()
+        seconds = clock.begin(round, self.settings.round_seconds)
+        budget = {} if seconds is None else dict(seconds=seconds)
+        result = self.island.train_round(after_step=self._after_step, **budget)
+        if timed and self.transport is not None:  # sync = time: a fragment whose moment passed in the last step
+            for p in range(self.settings.fragments):
+                if p not in self.schedule.contributed:
+                    self._contribute(p)
+        if drain or (timed and round == clock.first_round):
+            self.drain()
+            clock.epoch = (time.perf_counter(), round + 1)
+        clock.last_end = time.perf_counter()
+        between = self._between.take()
+        wall = clock.last_end - start - sum(between.values())
+        out = dict(result)
+        out.update(self.accounting.report(result, wall, between, self.clean_step_seconds(), self.schedule.last_tau))
+        return out
+
+    def _take_planned_inner_steps(self, round: int) -> None:
+        """Adopts the coordinator's plan of H (`outer.auto_from = measured`) from `round` on, when it changed."""
+        planned = self.schedule.planned_inner_steps
+        if planned and planned != self.island.inner_steps:
+            logging.info("island %s: %d inner steps per round from round %d on", self.island.name, planned, round + 1)
+            self.island.set_inner_steps(planned, self.settings.rounds - round)
+            self.island.warm_up()  # the rebuilt step compiles here, not in a timed step
+
+    def _after_step(self, steps_done: int, elapsed: float, step_seconds: float) -> None:
+        now = time.time()
+        self.events.add("compute", now - step_seconds, now, round=self.clock.round + 1)
+        if not self.island.last_step_compiled:
+            self.step_times.add(self.island.step, step_seconds, clean=not self._exchange_running)
+        if self.transport is None:  # no outer loop (the data-parallel baseline): nothing is exchanged
+            return
+        for p in self._due_fragments(steps_done):
+            self._contribute(p)
+        self._apply_due(self.island.step)
+        self._exchange_running = self._exchanging()
+
+    def _exchanging(self) -> bool:
+        """Whether an exchange is still running (its update not yet received, decoded and placed). An update
+        that arrived and waits for its due step no longer takes CPU from the steps."""
+        return any(not flight.future.done() for flight in self.inflight.values())
+
+    # -- the exchange ----------------------------------------------------------------------------------
+
+    def _contribute(self, fragment: int) -> None:
+        if fragment in self.inflight:  # its last update has not been applied yet: it must be first
+            self._apply(fragment)
+        island, schedule = self.island, self.schedule
+        round = schedule.next_round[fragment]
+        steps = island.step - schedule.steps_at_contribution[fragment]
+        schedule.steps_at_contribution[fragment] = island.step
+        pseudo_gradient = island.fragment_pseudo_gradient(fragment)
+        tau = self.current_tau(fragment)
+        schedule.last_tau = tau
+        step_seconds = self.clean_step_seconds()
+        tokens = max(steps, 1) * island.tokens_per_step
+        future = self._pool.submit(self._exchange, fragment, round, tokens, pseudo_gradient, step_seconds, tau)
+        self.inflight[fragment] = _Flight(fragment, round, island.step + tau, tau, future)
+        schedule.next_round[fragment] = round + 1
+        schedule.contributed.add(fragment)
+        if tau == 0:
+            self._apply(fragment)
+
+    def _exchange(
+        self, fragment: int, round: int, tokens: int, pseudo_gradient, step_seconds: float, tau: int
+    ) -> dict:
+        """On a background thread: encode, contribute, fetch the update, decode it and place it on the
+        island's devices."""
+        island, transport = self.island, self.transport
+        t0 = time.time()
+        encoder = island.encode_fragment(fragment, pseudo_gradient)
+        status = transport.contribute(
+            round, island.name, tokens, encoder, island.fragment_checksum(fragment), step_seconds, fragment=fragment
+        )
+        t1 = time.time()
+        self.events.add("send", t0, t1, round=round + 1, fragment=fragment)
+        update = transport.fetch_update(round, island.name, fragment=fragment)
+        new_leaves = island.decode_fragment(fragment, update)
+        placed = island.place_fragment(fragment, new_leaves, 2 if tau == 0 else 1)
+        t2 = time.time()
+        self.events.add("receive", t1, t2, round=round + 1, fragment=fragment)
+        # until InProcessTransport.stats lands: without `stats`, the payload's bytes and no transfer seconds
+        stats = transport.stats(round, fragment) if hasattr(transport, "stats") else None
+        planned = transport.planned_inner_steps(island.name)
+        return dict(
+            fragment=fragment,
+            round=round,
+            status=status,
+            new_leaves=new_leaves,
+            placed=placed,
+            planned=planned,
+            seconds=t2 - t0,
+            payload_bytes=encoder.nbytes,
+            bytes_sent=stats.bytes_sent if stats is not None else encoder.nbytes,
+            bytes_received=stats.bytes_received if stats is not None else len(update),
+            seconds_transferring=stats.seconds_transferring if stats is not None else 0.0,
+            codec_relative_error=encoder.relative_error,
+        )
+
+    def _apply(self, fragment: int) -> None:
+        flight = self.inflight.pop(fragment)
+        if not flight.future.done():
+            t0 = time.time()
+            futures.wait([flight.future])
+            t1 = time.time()
+            self.accounting.seconds_blocked += t1 - t0
+            self.accounting.waits += 1
+            self.events.add("wait", t0, t1, round=flight.round + 1, fragment=fragment)
+        try:
+            done = flight.future.result()
+        except StaleRoundError:
+            self._rejoin()
+            return
+        self.schedule.exchange_seconds.append(done["seconds"])
+        mix = None if flight.tau == 0 else self.settings.mix_alpha
+        self.island.apply_fragment(fragment, done.pop("new_leaves"), mix, placed=done.pop("placed"))
+        self.accounting.exchanges.append(done)
+        if done["planned"]:
+            self.schedule.planned_inner_steps = done["planned"]
+
+    def _apply_due(self, step: int | None = None) -> None:
+        """Applies the updates due by inner step `step` (every one when None), in the order they are due."""
+        for flight in sorted(self.inflight.values(), key=lambda f: f.due_step):
+            if flight.fragment in self.inflight and (step is None or flight.due_step <= step):
+                self._apply(flight.fragment)
+
+    def _rejoin(self) -> None:
+        """More than a round behind: every fragment restarts from the coordinator's view, sent whole."""
+        for flight in list(self.inflight.values()):
+            futures.wait([flight.future])
+        self.inflight.clear()
+        view_round, view = self.transport.fetch_view(self.island.name)
+        self.island.load_view(view)
+        logging.warning("island %s fell behind; rejoined from the view at round %d", self.island.name, view_round)
+        self.schedule.next_round = [view_round] * self.settings.fragments
+        self.rejoined_round = view_round
+
+    def drain(self) -> None:
+        """Waits for every exchange in flight and applies its update (in the order they are due)."""
+        self._apply_due()
+
+    def close(self) -> None:
+        """Stops the exchange threads (after `drain`) and flushes the events."""
+        self._pool.shutdown(wait=False, cancel_futures=True)
+        self.events.flush()

@@ -1,0 +1,154 @@
+"""An island's jitted programs and the pure pieces they are made of.
+
+The inner step (DiLoCo, arXiv 2311.08105, Algorithm 1, the inner loop): one
+AdamW step on cross-entropy plus the MoE auxiliary losses (load balancing,
+Switch Transformer arXiv 2101.03961; router z-loss, ST-MoE arXiv 2202.08906).
+Beside it: evaluation, the pseudo-gradient anchor - params, and Streaming
+DiLoCo's mixing of local and global values (arXiv 2501.18512, Algorithm 1).
+Nothing here knows of rounds, fragments or transports.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+import optax
+from flax import nnx
+
+from island_jax.models.moe import LAYER_METRICS, MEAN_METRICS
+from island_jax.models.transformer import aggregate_stats, update_routing_biases
+
+# Scalars each inner step reports (see `Island.train_round`); the MoE ones are means over MoE layers.
+# Per MoE layer, a step also reports the `models.moe.LAYER_METRICS` arrays: [L] each, expert_load [L, E].
+STEP_METRICS = ("loss", "cross_entropy", *MEAN_METRICS, "grad_norm")
+
+
+def inner_optimizer(config: ml_collections.ConfigDict, total_steps: int) -> optax.GradientTransformation:
+    """AdamW with global-norm clipping and warm-up + cosine decay over `total_steps` inner steps.
+
+    The schedule rises linearly from 0 to `inner.learning_rate` over
+    `inner.warmup_steps` (at most `total_steps - 1`), then decays by a cosine
+    to `learning_rate x inner.min_learning_rate_ratio` at `total_steps`.
+    Weight decay applies to matrices only (rank >= 2), not to norms' scales.
+    """
+    i = config.inner
+    schedule = optax.warmup_cosine_decay_schedule(
+        init_value=0.0,
+        peak_value=i.learning_rate,
+        warmup_steps=min(i.warmup_steps, max(total_steps - 1, 0)),
+        decay_steps=max(total_steps, 1),
+        end_value=i.learning_rate * i.min_learning_rate_ratio,
+    )
+    return optax.chain(
+        optax.clip_by_global_norm(i.grad_clip_norm),
+        optax.adamw(
+            schedule,
+            b1=i.b1,
+            b2=i.b2,
+            eps=i.eps,
+            weight_decay=i.weight_decay,
+            mask=lambda p: jax.tree.map(lambda x: x.ndim >= 2, p),
+        ),
+    )
+
+
+def cross_entropy(logits: jax.Array, targets: jax.Array, mask: jax.Array | None = None) -> jax.Array:
+    """Mean next-byte cross-entropy in nats over real tokens.
+
+    Args:
+      logits: float32 [B, S, V].
+      targets: int32 [B, S].
+      mask: optional [B, S], 1 for a real token and 0 for padding.
+
+    Returns:
+      A float32 scalar.
+    """
+    losses = optax.softmax_cross_entropy_with_integer_labels(logits, targets)
+    if mask is None:
+        return jnp.mean(losses)
+    return jnp.sum(losses * mask) / jnp.maximum(jnp.sum(mask), 1)
+
+
+def loss_fn(graphdef, params, inputs, targets, moe_config, mask=None, key=None, cross_entropy_coef=1.0):
+    """Training loss: cross-entropy + load-balancing and router z-loss terms (means over MoE layers).
+
+    Args:
+      graphdef, params: the model (`nnx.split`) and its parameters (pure dict).
+      inputs, targets: int32 [B, S]; mask: optional [B, S] (1 real, 0 padded).
+      moe_config: `config.moe` (the two loss coefficients).
+      key: PRNG key for router jitter (training), or None.
+      cross_entropy_coef: weight of the language-model loss (1; 0 isolates the auxiliary losses).
+
+    Returns:
+      (loss [], metrics): the STEP_METRICS scalars (but grad_norm) and, per MoE
+      layer, `layers`: the LAYER_METRICS arrays.
+    """
+    logits, per_layer = nnx.merge(graphdef, nnx.State(params))(inputs, mask, key)
+    stats = aggregate_stats(per_layer)
+    ce = cross_entropy(logits, targets, mask)
+    loss = (
+        cross_entropy_coef * ce
+        + moe_config.load_balancing_loss_coef * stats["load_balancing_loss"]
+        + moe_config.router_z_loss_coef * stats["router_z_loss"]
+    )
+    return loss, dict(stats, cross_entropy=ce, loss=loss, layers=per_layer)
+
+
+def build_train_step(
+    config: ml_collections.ConfigDict, graphdef: nnx.GraphDef, tx: optax.GradientTransformation
+) -> Callable:
+    """The jitted inner step `(params, opt_state, inputs, targets, step) -> (params, opt_state, metrics)`.
+
+    `inputs`, `targets` are int32 [B, S]; `step` (an int, the island's inner
+    steps so far) seeds the router jitter when `moe.jitter_noise` > 0. The
+    parameters and optimizer state are donated. `metrics` holds the
+    STEP_METRICS scalars and `layers` (the LAYER_METRICS arrays). With
+    `moe.routing_bias_update_rate` > 0 the routing biases move outside the
+    optimizer, by the step's expert load (DeepSeek-V3, arXiv 2412.19437).
+    """
+    moe_config, seed = config.moe, config.seed
+
+    def train_step(params, opt_state, inputs, targets, step):
+        key = jax.random.fold_in(jax.random.PRNGKey(seed), step) if moe_config.jitter_noise > 0 else None
+        grad_fn = jax.value_and_grad(functools.partial(loss_fn, graphdef), has_aux=True)
+        (_, metrics), grads = grad_fn(params, inputs, targets, moe_config, None, key)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        params = optax.apply_updates(params, updates)
+        if moe_config.routing_bias_update_rate > 0:
+            params = update_routing_biases(
+                params, metrics["layers"]["expert_load"], moe_config.routing_bias_update_rate
+            )
+        return params, opt_state, dict(metrics, grad_norm=optax.tree.norm(grads))
+
+    return jax.jit(train_step, donate_argnums=(0, 1))
+
+
+def build_eval_step(graphdef: nnx.GraphDef) -> Callable:
+    """The jitted `(params, inputs, targets) -> cross-entropy` (nats per byte, float32 scalar), no router jitter."""
+
+    def eval_step(params, inputs, targets):
+        logits, _ = nnx.merge(graphdef, nnx.State(params))(inputs)
+        return cross_entropy(logits, targets)
+
+    return jax.jit(eval_step)
+
+
+@jax.jit
+def pseudo_gradient(anchor, params):
+    """DiLoCo's outer gradient, anchor - params, in float32 (any pytree, leaves of any float dtype)."""
+    return jax.tree.map(lambda a, p: a.astype(jnp.float32) - p.astype(jnp.float32), anchor, params)
+
+
+@jax.jit
+def mix(local: list, global_: list, alpha: jax.Array) -> list:
+    """Streaming DiLoCo's merge of an updated fragment: alpha x local + (1 - alpha) x global per leaf.
+
+    Computed in float32 and cast back to each local leaf's dtype; `alpha` is a
+    float32 scalar (`outer.mix_alpha`).
+    """
+    return [(alpha * l.astype(jnp.float32) + (1.0 - alpha) * g.astype(jnp.float32)).astype(l.dtype)
+            for l, g in zip(local, global_)]
