@@ -154,6 +154,69 @@ class _Fetch:
         return self.trailers[0], payload
 
 
+class _Upload:
+    """One payload going out over `n` streams: chunk k on stream k % n, each stream's header first.
+
+    With a link emulator every chunk is booked on the link in chunk order (so
+    the coordinator can merge in that order) and held until it would have
+    arrived. A `codec.ChunkEncoder` payload is encoded chunk by chunk by the
+    threads that send it, while the chunks before are on the wire.
+
+    Raises:
+      ExchangeError: the encoder's chunk plan is not the coordinator's.
+    """
+
+    def __init__(
+        self, transport: "GrpcTransport", plan: list[codec.Chunk], n: int, header: bytes, payload, start: float
+    ):
+        self.transport, self.plan, self.n, self.header = transport, plan, n, header
+        self.arrivals = {}
+        if transport.link is not None:
+            for chunk in plan:
+                frame_bytes = wire.FRAMING_BYTES + chunk.nbytes
+                self.arrivals[chunk.index] = transport.link.arrival("up", chunk.index % n, frame_bytes, now=start)
+        self.encoder = None if isinstance(payload, (bytes, bytearray, memoryview)) else payload
+        if self.encoder is not None and [c.offset for c in self.encoder.plan] != [c.offset for c in plan]:
+            raise ExchangeError(
+                "contribute: the encoder's chunk plan differs from the coordinator's; build it with "
+                "codec.chunk_plan(params, kind, block_size, comm.chunk_bytes) of the run's config"
+            )
+        self.view = memoryview(payload) if self.encoder is None else None
+        if self.encoder is not None:
+            self.encoder.start()  # one thread encodes the chunks in the order they go out
+        self.bytes_sent = len(header) * n + len(payload) + wire.FRAMING_BYTES * len(plan)  # frame bytes
+        self.crcs: list[list[int]] = [[] for _ in range(n)]
+        self.last_frame_out = [start] * n  # when gRPC took each stream's last frame
+
+    def frames(self, conn: int):
+        """Stream `conn`'s frames: the header, then its chunks (each CRC-32C recorded)."""
+        t = self.transport
+        yield self.header
+        for chunk in self.plan[conn :: self.n]:
+            if self.encoder is None:
+                parts = [self.view[chunk.offset : chunk.offset + chunk.nbytes]]
+            else:  # encoded here, while the chunks before it are on the wire
+                parts = self.encoder.chunk(chunk.index)
+            crc = wire.crc32_parts(parts)
+            self.crcs[conn].append(crc)
+            frame = wire.chunk_frame(chunk.index, chunk.offset, parts, crc)
+            if t.link is not None:
+                t.link_sleep(self.arrivals[chunk.index])
+            yield frame
+        self.last_frame_out[conn] = t.clock()
+
+    def check(self, replies: list[pb.ContributeReply]) -> None:
+        """Raises ExchangeError if a stream's reply counts other bytes or another CRC-32C than it sent."""
+        for i, reply in enumerate(replies):
+            sent = sum(k.nbytes for k in self.plan[i :: self.n])
+            crc = wire.fold_crc32(self.crcs[i])
+            if reply.bytes_received != sent or reply.crc32 != crc:
+                raise ExchangeError(
+                    f"connection {i}: the coordinator took {reply.bytes_received} bytes (CRC of chunk CRCs "
+                    f"{reply.crc32:08x}) of the {sent} sent ({crc:08x})"
+                )
+
+
 class GrpcTransport:
     """The island's connections to the coordinator at `address` ("HOST:PORT").
 
@@ -206,26 +269,9 @@ class GrpcTransport:
         self._fetches: dict[tuple[int, int, str], _Fetch] = {}
         self._send_spans: dict[tuple[int, int], tuple[float, float]] = {}
 
-    @property
-    def plan(self) -> list[codec.Chunk]:
-        """The chunk plan of fragment 0's payload (the whole model's with one fragment)."""
-        return self.plans[0]
-
-    @property
-    def layout(self) -> str:
-        return self.layouts[0]
-
     def stats(self, round: int, fragment: int = 0) -> SyncStats:
         """The exchange of `round` of `fragment` (after its `fetch_update` returned; empty before)."""
         return self._stats.get((fragment, round), SyncStats())
-
-    @property
-    def last_bytes_sent(self) -> int:
-        return self.last_stats.bytes_sent
-
-    @property
-    def last_bytes_received(self) -> int:
-        return self.last_stats.bytes_received
 
     def link_sleep(self, until: float) -> None:
         self.link.sleep(max(0.0, until - self.clock()))
@@ -272,14 +318,8 @@ class GrpcTransport:
                             self.join_timeout)
 
     def contribute(
-        self,
-        round: int,
-        island: str,
-        tokens: int,
-        payload: bytes,
-        params_checksum: str | None = None,
-        step_seconds: float | None = None,
-        fragment: int = 0,
+        self, round: int, island: str, tokens: int, payload: bytes, params_checksum: str | None = None,
+        step_seconds: float | None = None, fragment: int = 0,
     ) -> str:
         """Streams one encoded pseudo-gradient over every connection; returns "accepted" or "discarded".
 
@@ -294,7 +334,6 @@ class GrpcTransport:
         """
         if not 0 <= fragment < len(self.plans):
             raise ExchangeError(f"contribute: fragment {fragment} of {len(self.plans)}; join first, with the run's config")
-        plan = self.plans[fragment]
         start = self.clock()
         if self.pipeline:
             self._fetches[(fragment, round, island)] = self._open_fetch(round, island, fragment)
@@ -306,56 +345,14 @@ class GrpcTransport:
                 total_bytes=len(payload), fragment=fragment,
             )
         )
-        arrivals = {}
-        if self.link is not None:  # booked in chunk order, so the coordinator can merge in that order
-            for chunk in plan:
-                frame_bytes = wire.FRAMING_BYTES + chunk.nbytes
-                arrivals[chunk.index] = self.link.arrival("up", chunk.index % n, frame_bytes, now=start)
-        encoder = None if isinstance(payload, (bytes, bytearray, memoryview)) else payload
-        if encoder is not None and [c.offset for c in encoder.plan] != [c.offset for c in plan]:
-            raise ExchangeError(
-                "contribute: the encoder's chunk plan differs from the coordinator's; build it with "
-                "codec.chunk_plan(params, kind, block_size, comm.chunk_bytes) of the run's config"
-            )
-        view = memoryview(payload) if encoder is None else None
-        if encoder is not None:
-            encoder.start()  # one thread encodes the chunks in the order they go out
-        crcs: list[list[int]] = [[] for _ in range(n)]
-        last_frame_out = [start] * n  # when gRPC took each stream's last frame
-
-        def stream(conn: int):
-            yield header
-            for chunk in plan[conn::n]:
-                if encoder is None:
-                    parts = [view[chunk.offset : chunk.offset + chunk.nbytes]]
-                else:  # encoded here, while the chunks before it are on the wire
-                    parts = encoder.chunk(chunk.index)
-                crc = wire.crc32_parts(parts)
-                crcs[conn].append(crc)
-                frame = wire.chunk_frame(chunk.index, chunk.offset, parts, crc)
-                if self.link is not None:
-                    self.link_sleep(arrivals[chunk.index])
-                yield frame
-            last_frame_out[conn] = self.clock()
-
-        calls = [self._pool.submit(self._contribute[i], stream(i), timeout=self.round_timeout) for i in range(n)]
+        upload = _Upload(self, self.plans[fragment], n, header, payload, start)
+        calls = [self._pool.submit(self._contribute[i], upload.frames(i), timeout=self.round_timeout) for i in range(n)]
         try:
             replies = [c.result() for c in calls]
         except grpc.RpcError as e:
             raise _error(e, "contribute", self.address) from None
-        for i, reply in enumerate(replies):
-            sent = sum(k.nbytes for k in plan[i::n])
-            crc = wire.fold_crc32(crcs[i])
-            if reply.bytes_received != sent or reply.crc32 != crc:
-                raise ExchangeError(
-                    f"connection {i}: the coordinator took {reply.bytes_received} bytes (CRC of chunk CRCs "
-                    f"{reply.crc32:08x}) of the {sent} sent ({crc:08x})"
-                )
-        self._send_spans[(fragment, round)] = (start, max(last_frame_out))
-        self._stats[(fragment, round)] = SyncStats(bytes_sent=len(header) * n + len(payload) + wire.FRAMING_BYTES * len(plan))
-        for key in [k for k in self._stats if k[0] == fragment and k[1] < round - 1]:  # keep the last few
-            self._stats.pop(key, None)
-            self._send_spans.pop(key, None)
+        upload.check(replies)
+        self._sent(fragment, round, start, upload)
         discarded = any(r.discarded for r in replies)
         if discarded:
             logging.warning(
@@ -363,6 +360,14 @@ class GrpcTransport:
                 "fetching that round's update", island, round,
             )
         return "discarded" if discarded else "accepted"
+
+    def _sent(self, fragment: int, round: int, start: float, upload: "_Upload") -> None:
+        """Books a finished contribution's send span and frame bytes; keeps the last few rounds' stats."""
+        self._send_spans[(fragment, round)] = (start, max(upload.last_frame_out))
+        self._stats[(fragment, round)] = SyncStats(bytes_sent=upload.bytes_sent)
+        for key in [k for k in self._stats if k[0] == fragment and k[1] < round - 1]:
+            self._stats.pop(key, None)
+            self._send_spans.pop(key, None)
 
     def _streams(self, fragment: int = 0) -> int:
         """Connections a payload of `fragment` uses: one per chunk, up to `connections`."""
