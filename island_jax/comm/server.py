@@ -243,7 +243,6 @@ class ExchangeService:
                 "FragmentedCoordinator(config, params, islands) (outer.fragments = 1 is plain DiLoCo)"
             )
         self.coordinator = c = coordinator
-        self.chunk_bytes = chunk_bytes
         self.layouts = [codec.layout(f.view, f.kind, f.block_size) for f in c.fragments]
         self.payload_bytes = sum(f.payload_bytes for f in c.fragments)  # one round of every fragment
         first = c.fragments[0]

@@ -12,15 +12,13 @@ plain methods of `FragmentedCoordinator` and of its fragments.
 
 from island_jax.coordinator.coordinator import FragmentedCoordinator
 from island_jax.coordinator.errors import ContributionError, HandshakeError, StaleRoundError, UpdateNotReady
-from island_jax.coordinator.merge import Contribution, Coordinator, Quorum, RoundRecord
+from island_jax.coordinator.merge import Coordinator, RoundRecord
 
 __all__ = [
-    "Contribution",
     "ContributionError",
     "Coordinator",
     "FragmentedCoordinator",
     "HandshakeError",
-    "Quorum",
     "RoundRecord",
     "StaleRoundError",
     "UpdateNotReady",

@@ -113,6 +113,7 @@ class PartialMerge:
 
     @classmethod
     def start(cls, contributions: list[Contribution], state: FragmentState) -> "PartialMerge":
+        """A merge of `contributions` (in run order) from the fragment's current rows, weighted by tokens."""
         total = sum(c.tokens for c in contributions)
         return cls(
             contributors=[c.island for c in contributions],
@@ -218,12 +219,12 @@ class Quorum:
     grace_seconds: float
     clock: Callable[[], float] = time.monotonic
 
-    def closing(self, round: RoundState, islands: Sequence[str], num_chunks: int) -> list[str] | None:
-        """None while `round` must wait; else the expected islands it closes without ([] when all are in).
+    def closing(self, current: RoundState, islands: Sequence[str], num_chunks: int) -> list[str] | None:
+        """None while the `current` round must wait; else the expected islands it closes without ([]: all in).
 
-        Starts the grace window (`round.quorum_since`) when the quorum is first reached.
+        Starts the grace window (`current.quorum_since`) when the quorum is first reached.
         """
-        expected, complete = round.expected(islands), round.complete(islands, num_chunks)
+        expected, complete = current.expected(islands), current.complete(islands, num_chunks)
         if not complete:
             return None
         if len(complete) == len(expected):
@@ -231,9 +232,9 @@ class Quorum:
         if len(complete) < self.min_islands:
             return None
         now = self.clock()
-        if round.quorum_since is None:
-            round.quorum_since = now
-        if now - round.quorum_since < self.grace_seconds:
+        if current.quorum_since is None:
+            current.quorum_since = now
+        if now - current.quorum_since < self.grace_seconds:
             return None
         return [n for n in expected if n not in complete]
 

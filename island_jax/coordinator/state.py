@@ -68,7 +68,7 @@ class FragmentState:
             self._step.place(chunk_step.gather_rows(leaves, lay, self.block_size, self.num_rows)) for lay in self.layouts
         ]
 
-    def tree_of(self, rows: list, dtypes: bool) -> Any:
+    def _tree_of(self, rows: list, dtypes: bool) -> Any:
         """A pytree of NumPy arrays from per-chunk rows, in the leaves' dtypes (or float32)."""
         leaves = [np.empty(shape, dtype if dtypes else np.float32) for shape, dtype in self._leaf_specs]
         for chunk_rows, lay in zip(rows, self.layouts):
@@ -129,7 +129,7 @@ class FragmentState:
         """The island view (what every island holds after the latest update): a pytree of NumPy arrays
         in the parameters' dtypes, laid out from the rows when first asked for after each round."""
         if self._view is None:
-            self._view = self.tree_of(self.view_rows, dtypes=True)
+            self._view = self._tree_of(self.view_rows, dtypes=True)
         return self._view
 
     @property
@@ -145,11 +145,11 @@ class FragmentState:
 
     def checksum_of(self, view_rows: list) -> str:
         """`params.checksum` of the view held in `view_rows` (the current view's, or an older round's)."""
-        return self.checksum if self.view_rows is view_rows else checksum(self.tree_of(view_rows, True))
+        return self.checksum if self.view_rows is view_rows else checksum(self._tree_of(view_rows, True))
 
     def state(self) -> dict:
         """`master` (float32 pytree), `opt_state` (one optax state per chunk) and `view` (pytree)."""
-        return dict(master=self.tree_of(self.master_rows, dtypes=False), opt_state=self.opt, view=self.view)
+        return dict(master=self._tree_of(self.master_rows, dtypes=False), opt_state=self.opt, view=self.view)
 
     def load_state(self, state: dict) -> None:
         """Continues from a `state()` (as restored from a checkpoint)."""

@@ -45,7 +45,6 @@ import optax
 
 from island_jax.outer import codec
 
-_MAX_CODE = codec.MAX_CODE
 _WIRE_DTYPE = {"none": np.dtype("<f4"), "bf16": np.dtype(ml_dtypes.bfloat16), "int8": np.dtype(np.int8), "int4": np.dtype(np.int8)}
 
 
@@ -181,7 +180,7 @@ class ChunkStep:
             codes = delta.astype(jnp.bfloat16)
             update_scales, sent = jnp.ones(shape[1], jnp.float32), codes.astype(jnp.float32)
         else:
-            max_code = _MAX_CODE[self.kind]
+            max_code = codec.MAX_CODE[self.kind]
             update_scales = jnp.max(jnp.abs(delta), axis=1) / max_code
             safe = jnp.where(update_scales > 0, update_scales, 1.0)
             codes = jnp.clip(jnp.round(delta / safe[:, None]), -max_code, max_code)

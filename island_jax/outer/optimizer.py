@@ -8,7 +8,6 @@ coordinator applies it chunk by chunk (island_jax/outer/chunk_step.py).
 
 from __future__ import annotations
 
-
 import ml_collections
 import optax
 
