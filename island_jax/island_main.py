@@ -214,7 +214,8 @@ def _round_record(island: Island, result: dict, r: int) -> dict:
     """The island's metrics record of round `r` (0-based); see `StreamingSync.run_round` for the fields."""
     moved = result["bytes_sent"] + result["bytes_received"]
     transferring = result["seconds_transferring"]
-    params = island.global_params if result["exchanges"] or island.config.outer.enabled else island.params
+    # Without an outer loop the run's parameters are the island's own (copied now: the next step donates them).
+    params = island.global_params if island.config.outer.enabled else jax.device_get(island.params)
     return dict(
         kind="round",
         round=r + 1,
