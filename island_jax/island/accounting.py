@@ -175,7 +175,17 @@ class RoundAccounting:
     def report(
         self, result: dict, wall: float, between: dict[str, float], clean_step: float, overlap_steps: int
     ) -> dict:
-        """The ACCOUNTING_FIELDS of a round.
+        """The ACCOUNTING_FIELDS of a round (seconds are wall-clock s, bytes are bytes).
+
+        `compute_seconds` (steps, sleep included), `seconds_blocked`,
+        `wall_seconds` (`wall`), `idle_seconds` (wall - compute - blocked),
+        `clean_step_seconds` (`clean_step`), `ideal_compute_seconds` (steps x
+        clean step), `compute_utilization` (ideal compute / wall; 0 when wall is
+        0), `overlap_steps`, `waits`, over the exchanges applied this round:
+        `exchanges`, `bytes_sent`, `bytes_received` (frame bytes),
+        `payload_bytes`, `seconds_transferring`, `exchange_seconds` (mean),
+        `codec_relative_error` (mean); and `eval_seconds`, `checkpoint_seconds`
+        (`between`).
 
         Args:
           result: `Island.train_round`'s result (`steps`, `step_times` in s).

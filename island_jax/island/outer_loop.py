@@ -23,8 +23,8 @@ Douillard et al., "Streaming DiLoCo with overlapping communication" (arXiv
     slowest of the last F measured exchanges, so the exchange hides behind
     compute.
 
-Where the island's seconds go is `accounting.py`'s; what the loop needs of an
-island is `OuterLoopIsland`.
+What the loop needs of an island is `OuterLoopIsland`; how it accounts for
+the island's seconds is in `accounting.py`.
 """
 
 from __future__ import annotations
@@ -39,6 +39,7 @@ from typing import Callable, Protocol, runtime_checkable
 import numpy as np
 from absl import logging
 
+from island_jax.comm.transport import Transport
 from island_jax.coordinator import StaleRoundError
 from island_jax.island.accounting import BetweenRounds, EventLog, RoundAccounting, StepTimes
 from island_jax.outer import codec
@@ -200,7 +201,7 @@ class StreamingSync:
     """
 
     def __init__(
-        self, island: OuterLoopIsland, transport, config, first_round: int = 0, link=None,
+        self, island: OuterLoopIsland, transport: Transport | None, config, first_round: int = 0, link=None,
         events: EventLog | None = None,
     ):
         self.island, self.transport, self.link = island, transport, link
@@ -299,18 +300,9 @@ class StreamingSync:
         next round).
 
         Returns:
-          `island.train_round`'s result, plus `compute_seconds` (steps, sleep
-          included), `seconds_blocked`, `wall_seconds` (since the previous
-          round ended, less `eval_seconds` and `checkpoint_seconds`: the work
-          timed by `between_rounds` since then), `idle_seconds` (wall -
-          compute - blocked), `clean_step_seconds` (median of the last 32 steps
-          run with no exchange in flight), `ideal_compute_seconds` (steps x
-          that), `compute_utilization` (ideal compute / wall),
-          `overlap_steps` (tau of the last contribution), `waits` (updates the
-          island stopped for), and over the exchanges applied this round:
-          `exchanges`, `bytes_sent`, `bytes_received`, `payload_bytes`,
-          `seconds_transferring`, `exchange_seconds` (mean), `codec_relative_error` (mean)
-          (`accounting.ACCOUNTING_FIELDS`; seconds are wall-clock s, bytes are bytes).
+          `island.train_round`'s result, plus the round's `accounting.ACCOUNTING_FIELDS`
+          (`accounting.RoundAccounting.report`). `wall_seconds` runs from the end of the
+          previous round, less the work timed by `between_rounds` since then.
 
         Raises:
           The exchange's errors (ContributionError, ExchangeError, CodecError), when an update is applied.
@@ -404,8 +396,7 @@ class StreamingSync:
         placed = island.place_fragment(fragment, new_leaves, 2 if tau == 0 else 1)
         t2 = time.time()
         self.events.add("receive", t1, t2, round=round + 1, fragment=fragment)
-        # until InProcessTransport.stats lands: without `stats`, the payload's bytes and no transfer seconds
-        stats = transport.stats(round, fragment) if hasattr(transport, "stats") else None
+        stats = transport.stats(round, fragment)
         planned = transport.planned_inner_steps(island.name)
         return dict(
             fragment=fragment,
@@ -416,9 +407,9 @@ class StreamingSync:
             planned=planned,
             seconds=t2 - t0,
             payload_bytes=encoder.nbytes,
-            bytes_sent=stats.bytes_sent if stats is not None else encoder.nbytes,
-            bytes_received=stats.bytes_received if stats is not None else len(update),
-            seconds_transferring=stats.seconds_transferring if stats is not None else 0.0,
+            bytes_sent=stats.bytes_sent,
+            bytes_received=stats.bytes_received,
+            seconds_transferring=stats.seconds_transferring,
             codec_relative_error=encoder.relative_error,
         )
 
