@@ -109,7 +109,8 @@ def run_island(
         evaluator = _Evaluator(config, corpus, island, role, global_params=transport is not None) if name == names[0] else None
         _join(config, island, transport, first, evaluator)
         events = EventLog(os.path.join(role.path, "events.jsonl"), name)
-        sync = StreamingSync(island, transport, config, first, link=getattr(transport, "link", None), events=events)
+        link = transport.link if transport is not None else None
+        sync = StreamingSync(island, transport, config, first, link=link, events=events)
         _train_rounds(config, island, sync, role, evaluator, first)
     finally:
         for part in (sync, events, transport):
@@ -147,7 +148,7 @@ def _join(config, island: Island, transport, first: int, evaluator: _Evaluator |
     """The handshake, the evaluation of round `first`, and the start every island makes together."""
     name, cfg = island.name, config.islands[island.name]
     fingerprint = config_lib.fingerprint_fields(config)
-    link = getattr(transport, "link", None)
+    link = transport.link if transport is not None else None
     if link is not None:
         logging.info(
             "island %s: emulated link %.3g Gbit/s, %.3g ms one way, window %d bytes (one connection: %.3g Gbit/s; "

@@ -15,9 +15,17 @@ from __future__ import annotations
 
 from typing import Protocol
 
+from island_jax.comm.link import LinkEmulator
+
 
 class Transport(Protocol):
-    """What an island needs from the path to the coordinator."""
+    """What an island needs from the path to the coordinator.
+
+    Attributes:
+      link: the `LinkEmulator` under the transport (None: no emulated link).
+    """
+
+    link: LinkEmulator | None
 
     def join(self, island: str, config_fingerprint: dict, params_checksum: str, round: int = 0) -> dict:
         """The handshake: {"round", "checksum"} of the coordinator. Raises HandshakeError on a mismatch."""
