@@ -42,7 +42,7 @@ def _one_hot_layer():
     from jax.sharding import PartitionSpec as P
 
     from island_jax.mesh import BATCH_AXES, EXPERT_AXIS
-    from island_jax.models import moe as moe_lib
+    from island_jax.model import moe as moe_lib
 
     def one_hot_shard(x, router, w_gate, w_up, w_down):
         bl, s, d = x.shape
@@ -114,7 +114,7 @@ def main(argv):
     from jax.sharding import PartitionSpec as P
 
     from island_jax.mesh import BATCH_AXES, EXPERT_AXIS, island_mesh
-    from island_jax.models import moe as moe_lib
+    from island_jax.model import moe as moe_lib
 
     mesh = island_mesh(2, 4, jax.devices()[:8])
     batch, experts = P(BATCH_AXES), P(EXPERT_AXIS)

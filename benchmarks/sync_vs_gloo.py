@@ -62,7 +62,7 @@ def _params():
 
 
 def coordinator_role() -> None:
-    from island_jax.comm.server import serve
+    from island_jax.comm.grpc_server import serve
     from island_jax.coordinator import FragmentedCoordinator
 
     c = _config()
@@ -76,10 +76,10 @@ def island_role(port: int) -> None:
     import jax
     import numpy as np
 
-    from island_jax.comm.client import GrpcTransport
+    from island_jax.comm.grpc_client import GrpcTransport
     from island_jax.config import fingerprint_fields
     from island_jax.outer import codec
-    from island_jax.params import checksum
+    from island_jax.model.init import checksum
 
     c = _config()
     params = _params()

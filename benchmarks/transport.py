@@ -96,7 +96,7 @@ def _bare_handler():
 def receiver(num_bytes: int) -> None:
     import asyncio
 
-    from island_jax.comm.server import serve
+    from island_jax.comm.grpc_server import serve
     from island_jax.config import default_config
 
     chunk_bytes = default_config().comm.chunk_bytes
@@ -146,7 +146,7 @@ def _tcp_seconds(port: int, payload: bytes) -> float:
 
 
 def _transport(port: int, connections: int, link=None):
-    from island_jax.comm.client import GrpcTransport
+    from island_jax.comm.grpc_client import GrpcTransport
     from island_jax.config import default_config, fingerprint_fields
 
     config = default_config()

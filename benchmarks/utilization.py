@@ -97,7 +97,7 @@ def main() -> None:
     parser.add_argument("--simulated_speed", type=float, default=0.5, help="islands.NAME.simulated_speed of both")
     args = parser.parse_args()
     from island_jax.outer import codec
-    from island_jax.params import init_params
+    from island_jax.model.init import init_params
 
     exec_globals: dict = {}
     with open(CONFIG, encoding="utf-8") as f:

@@ -71,7 +71,7 @@ def main(argv):
     jax.config.update("jax_num_cpu_devices", max(devices, 1))
 
     from island_jax.checkpoint import CheckpointError
-    from island_jax.comm.client import ExchangeError
+    from island_jax.comm.grpc_client import ExchangeError
     from island_jax.coordinator import ContributionError, HandshakeError
     from island_jax.data import DataError
 
@@ -81,11 +81,11 @@ def main(argv):
 
             run_in_process(config, _WORKDIR.value)
         elif role == "coordinator":
-            from island_jax.coordinator_main import run_coordinator
+            from island_jax.coordinator.main import run_coordinator
 
             run_coordinator(config, _WORKDIR.value, _COORDINATOR.value)
         else:
-            from island_jax.island_main import run_island
+            from island_jax.island.main import run_island
 
             run_island(config, _WORKDIR.value, name, _COORDINATOR.value if config.outer.enabled else None)
     except config_lib.ConfigError as e:

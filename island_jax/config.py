@@ -33,7 +33,7 @@ from __future__ import annotations
 import ml_collections
 
 from island_jax.hardware import CATALOG
-from island_jax.models.moe import DISPATCH
+from island_jax.model.moe import DISPATCH
 from island_jax.outer.codec import KINDS as CODEC_KINDS
 
 SYNC = ("steps", "auto", "time")  # values of outer.sync (island_jax/planning.py)
@@ -110,7 +110,7 @@ def default_config() -> ml_collections.ConfigDict:
 
 
 def _model() -> dict:
-    """`model`: the decoder-only byte-level transformer (island_jax/models/transformer.py)."""
+    """`model`: the decoder-only byte-level transformer (island_jax/model/transformer.py)."""
     return dict(
         vocab_size=256,  # tokens in the vocabulary; 256 = byte-level
         seq_len=128,  # tokens (bytes) per sequence
@@ -124,7 +124,7 @@ def _model() -> dict:
 
 
 def _moe() -> dict:
-    """`moe`: the Mixture-of-Experts feed-forward layers (island_jax/models/moe.py)."""
+    """`moe`: the Mixture-of-Experts feed-forward layers (island_jax/model/moe.py)."""
     return dict(
         num_experts=4,  # E routed experts per MoE layer; a multiple of every island's mesh.expert
         num_experts_per_token=2,  # top-k, in 1..num_experts

@@ -22,8 +22,8 @@ from absl import logging
 
 from island_jax import config as config_lib
 from island_jax.comm.inprocess import InProcessExchange, IslandAborted
-from island_jax.coordinator_main import run_coordinator
-from island_jax.island_main import run_island
+from island_jax.coordinator.main import run_coordinator
+from island_jax.island.main import run_island
 from island_jax.progress import Progress
 from island_jax.workdir import combine_summaries, refuse_finished
 

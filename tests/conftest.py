@@ -1,8 +1,22 @@
-"""Eight virtual CPU devices for every test, set before JAX starts its backend."""
+"""Eight virtual CPU devices for every test, set before JAX starts its backend, and a persistent JAX
+compilation cache in `.pytest_cache/jax-compilation` (cleared with `pytest --cache-clear`).
+
+Most of the suite's time is XLA compiling the same small programs again: for every in-process run, and
+in every process a test starts (they inherit the environment). With the cache, each program compiles
+once per machine; a cached executable is the one compiled, so results are the same bits. Cache entries
+are written under a file lock (`filelock`), so concurrent processes share the folder safely.
+"""
 
 import os
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 os.environ["XLA_FLAGS"] = " ".join(
     f for f in [os.environ.get("XLA_FLAGS", ""), "--xla_force_host_platform_device_count=8"] if f
 )
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = os.path.join(ROOT, ".pytest_cache", "jax-compilation")
+    os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
+    os.environ["JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES"] = "0"
+    os.environ["JAX_COMPILATION_CACHE_MAX_SIZE"] = str(1 << 30)  # bytes; also turns on the file lock

@@ -32,7 +32,7 @@ def main():
     import jax
 
     jax.config.update("jax_num_cpu_devices", 1)
-    from island_jax.comm.server import serve
+    from island_jax.comm.grpc_server import serve
     from island_jax.coordinator import FragmentedCoordinator
 
     c = config()

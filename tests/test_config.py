@@ -62,6 +62,7 @@ def test_error_text_starts_with_its_kind():
     assert str(ConfigError("x")) == "ConfigError: x"
 
 
+@pytest.mark.slow  # starts experiments/train.py
 def test_cli_refuses_bad_config_before_compiling(tmp_path):
     workdir = tmp_path / "run"
     proc = subprocess.run(

@@ -12,12 +12,12 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from island_jax.comm import exchange_pb2 as pb
 from island_jax.comm import wire
-from island_jax.comm.client import GrpcTransport
-from island_jax.comm.server import serve
+from island_jax.comm.grpc_client import GrpcTransport
+from island_jax.comm.grpc_server import serve
 from island_jax.config import default_config, fingerprint_fields, island
 from island_jax.coordinator import FragmentedCoordinator, HandshakeError
 from island_jax.outer import codec
-from island_jax.params import checksum
+from island_jax.model.init import checksum
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -49,6 +49,7 @@ def server_process():
     proc.wait()
 
 
+@pytest.mark.slow  # starts the coordinator's process
 def test_health_service_reports_serving(server_process):
     _, address = server_process
     with grpc.insecure_channel(address) as channel:
@@ -58,6 +59,7 @@ def test_health_service_reports_serving(server_process):
             assert reply.status == health_pb2.HealthCheckResponse.SERVING
 
 
+@pytest.mark.slow  # starts the coordinator's process
 def test_five_megabyte_payload_crosses_processes_intact(server_process):
     proc, address = server_process
     c = exchange_server.config()

@@ -11,7 +11,7 @@ import pytest
 from tiny_config import get_config, write_corpus
 
 from island_jax.metrics import read_jsonl
-from island_jax.params import count, init_params
+from island_jax.model.init import count, init_params
 
 pytestmark = pytest.mark.slow  # every test here starts processes
 
@@ -125,7 +125,7 @@ sys.path.insert(0, {tests!r})
 from tiny_config import get_config
 from island_jax.checkpoint import Checkpointer
 from island_jax.coordinator import FragmentedCoordinator
-from island_jax.params import checksum, init_params
+from island_jax.model.init import checksum, init_params
 config = get_config()
 _, params, _ = init_params(config)
 like = FragmentedCoordinator(config, params, list(config.islands.keys())).state()

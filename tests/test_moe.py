@@ -11,9 +11,9 @@ from jax.sharding import PartitionSpec as P
 from island_jax.config import default_config
 from island_jax.island import loss_fn
 from island_jax.mesh import BATCH_AXES, EXPERT_AXIS, island_mesh
-from island_jax.models import moe as moe_lib
-from island_jax.models.moe import MoE, capacity, routing_bias_update
-from island_jax.models.transformer import Transformer, aggregate_stats
+from island_jax.model import moe as moe_lib
+from island_jax.model.moe import MoE, capacity, routing_bias_update
+from island_jax.model.transformer import Transformer, aggregate_stats
 
 D, F = 32, 64
 BATCH, EXPERTS = P(BATCH_AXES), P(EXPERT_AXIS)

@@ -11,7 +11,7 @@ from island_jax.coordinator import (
     UpdateNotReady,
 )
 from island_jax.outer import codec
-from island_jax.params import checksum
+from island_jax.model.init import checksum
 
 
 def _config(lr, momentum, nesterov, kind="none"):

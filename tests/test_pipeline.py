@@ -7,13 +7,13 @@ import pytest
 import jax
 import numpy as np
 
-from island_jax.comm.client import GrpcTransport
+from island_jax.comm.grpc_client import GrpcTransport
 from island_jax.comm.link import LinkEmulator
-from island_jax.comm.server import serve
+from island_jax.comm.grpc_server import serve
 from island_jax.config import default_config, fingerprint_fields, island
 from island_jax.coordinator import ContributionError, Coordinator, FragmentedCoordinator
 from island_jax.outer import codec
-from island_jax.params import checksum
+from island_jax.model.init import checksum
 
 
 def _config(pipeline: bool, connections: int):

@@ -12,7 +12,7 @@ from island_jax.coordinator import (
     UpdateNotReady,
 )
 from island_jax.outer import codec
-from island_jax.params import checksum
+from island_jax.model.init import checksum
 
 
 class Clock:

@@ -15,7 +15,7 @@ from island_jax.coordinator import FragmentedCoordinator
 from island_jax.island import Island
 from island_jax.metrics import read_jsonl
 from island_jax.outer import codec
-from island_jax.params import checksum, count, init_params
+from island_jax.model.init import checksum, count, init_params
 from island_jax.run import run_in_process
 
 ROUNDS = 4

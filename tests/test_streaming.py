@@ -15,7 +15,7 @@ from island_jax.coordinator import FragmentedCoordinator
 from island_jax.island import EventLog, Island, OuterLoopIsland, StreamingSync
 from island_jax.outer import codec
 from island_jax.outer import fragments as fragments_lib
-from island_jax.params import checksum, init_params
+from island_jax.model.init import checksum, init_params
 from island_jax.plots import plot_timeline
 
 

@@ -23,7 +23,7 @@ import time
 
 from island_jax.comm import exchange_pb2 as pb
 from island_jax.comm import wire
-from island_jax.comm.client import SyncStats
+from island_jax.comm.grpc_client import SyncStats
 from island_jax.comm.link import LinkEmulator
 from island_jax.coordinator import FragmentedCoordinator, UpdateNotReady
 from island_jax.outer import codec
@@ -156,6 +156,7 @@ class InProcessTransport:
         self.exchange, self.link, self.connections = exchange, link, connections
         self.timeout, self.join_timeout = timeout, join_timeout
         self._stats: dict[tuple[int, int], SyncStats] = {}  # (fragment, round) -> its exchange
+        self._planned: dict[str, int] = {}
 
     def _carry(self, direction: str, fragment: int) -> float:
         """Books a payload of `fragment` on the link and sleeps until its last chunk arrives; seconds slept."""
@@ -261,6 +262,8 @@ class InProcessTransport:
                 crc32=wire.fold_crc32(wire.crc32(memoryview(update)[k.offset : k.offset + k.nbytes]) for k in plan),
                 fragment=fragment,
             )
+            if trailer.inner_steps:  # the plan travels with the update, as in the gRPC trailer
+                self._planned[island] = trailer.inner_steps
             received = wire.update_frame_bytes(trailer, plan, self._streams(plan))
             if island in ex.wire_bytes:
                 ex.wire_bytes[island]["sent"] += received
@@ -282,10 +285,9 @@ class InProcessTransport:
         return round, bytes(payload)
 
     def planned_inner_steps(self, island: str) -> int | None:
-        """The island's inner steps per round as planned by the coordinator (None: no plan)."""
-        ex = self.exchange
-        with ex.lock:
-            return ex.served(self.join_timeout).planned_inner_steps(island)
+        """The island's inner steps per round as planned by the coordinator when its last update was fetched
+        (None: no plan)."""
+        return self._planned.get(island)
 
     def stats(self, round: int, fragment: int = 0) -> SyncStats:
         """The exchange of `round` of `fragment` (after its `fetch_update` returned; empty before)."""

@@ -7,7 +7,7 @@ gRPC); `comm.link.LinkEmulator` sits under either one.
 `fragment` names the parameter group a payload encodes (Streaming DiLoCo,
 `outer.fragments`; 0 for plain DiLoCo), and rounds are counted per fragment.
 `config_fingerprint` is `config.fingerprint_fields(config)`, so a mismatch can
-be named field by field; `params_checksum` is `params.checksum` of the
+be named field by field; `params_checksum` is `model.init.checksum` of the
 island's global parameters (at the start of the round, for `contribute`).
 """
 

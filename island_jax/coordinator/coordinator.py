@@ -21,7 +21,7 @@ from island_jax.coordinator.errors import HandshakeError
 from island_jax.coordinator.merge import Coordinator
 from island_jax.outer import codec
 from island_jax.outer import fragments as fragments_lib
-from island_jax.params import checksum
+from island_jax.model.init import checksum
 
 
 class FragmentedCoordinator:
@@ -38,7 +38,7 @@ class FragmentedCoordinator:
       config: the run's validated config (outer, codec, comm.chunk_bytes,
         comm.pipeline, model, seed).
       params: the seeded initial parameters (a pytree of float32 or bfloat16
-        NumPy arrays, as from `params.init_params`); the master copy is
+        NumPy arrays, as from `model.init.init_params`); the master copy is
         float32, the view keeps the parameters' dtypes.
       islands: names of the islands expected to contribute every round.
       clock: seconds, monotonic (injectable for the quorum's grace window).
@@ -84,7 +84,7 @@ class FragmentedCoordinator:
 
     @property
     def checksum(self) -> str:
-        """`params.checksum` of the whole island view (kept until a fragment merges again)."""
+        """`model.init.checksum` of the whole island view (kept until a fragment merges again)."""
         key = tuple((f.round, f.generation) for f in self.fragments)
         if self._checksum is None or self._checksum[0] != key:
             self._checksum = (key, checksum(self.view))
@@ -96,7 +96,7 @@ class FragmentedCoordinator:
         Args:
           island: the island's name in `config.islands`.
           config_fingerprint: the island's `config.fingerprint_fields(config)`.
-          params_checksum: `params.checksum` of the island's global parameters.
+          params_checksum: `model.init.checksum` of the island's global parameters.
           round: the round the island will train next (0 on a fresh start; the
             checkpointed round when it resumes).
 

@@ -45,7 +45,7 @@ def check_island(
 
 
 def check_params_checksum(island: str, theirs: str, ours: str) -> None:
-    """Checks an island's `params.checksum` (16 hex digits) against the coordinator's island view.
+    """Checks an island's `model.init.checksum` (16 hex digits) against the coordinator's island view.
 
     Raises:
       HandshakeError: the checksums differ.

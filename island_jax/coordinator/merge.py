@@ -80,7 +80,7 @@ class RoundRecord:
 
     @property
     def checksum(self) -> str:
-        """`params.checksum` of the island view after this round's update.
+        """`model.init.checksum` of the island view after this round's update.
 
         Computed when first asked for; the coordinator keeps a round's view
         only until the next round is merged, so a checksum not asked for by
@@ -289,15 +289,13 @@ class Coordinator:
 
     @property
     def checksum(self) -> str:
-        """`params.checksum` of the island view (16 hex digits), computed when first asked for after each round."""
+        """`model.init.checksum` of the island view (16 hex digits), computed when first asked for after each round."""
         return self._state.checksum
 
     @property
     def pending(self) -> dict[str, Contribution]:
         """The current round's open and complete contributions, by island."""
         return self._round.pending
-
-    _pending = pending  # the name the coordinator role's timeout message reads
 
     def state(self) -> dict:
         """What a checkpoint holds: `master` (float32), `opt_state` (per chunk), `view` and `round` (0-d int64)."""

@@ -11,7 +11,7 @@ import numpy as np
 
 from island_jax.outer import chunk_step, codec
 from island_jax.outer.optimizer import outer_optimizer
-from island_jax.params import checksum
+from island_jax.model.init import checksum
 
 
 class FragmentState:
@@ -134,7 +134,7 @@ class FragmentState:
 
     @property
     def checksum(self) -> str:
-        """`params.checksum` of the island view, computed when first asked for after each round.
+        """`model.init.checksum` of the island view, computed when first asked for after each round.
 
         (SHA-256 over every parameter takes a while for a large model: left out
         of the merge, it never delays an update.)
@@ -144,7 +144,7 @@ class FragmentState:
         return self._checksum
 
     def checksum_of(self, view_rows: list) -> str:
-        """`params.checksum` of the view held in `view_rows` (the current view's, or an older round's)."""
+        """`model.init.checksum` of the view held in `view_rows` (the current view's, or an older round's)."""
         return self.checksum if self.view_rows is view_rows else checksum(self._tree_of(view_rows, True))
 
     def state(self) -> dict:

@@ -30,10 +30,10 @@ from jax.sharding import PartitionSpec as P
 from island_jax import data as data_lib
 from island_jax.island import step as step_lib
 from island_jax.mesh import BATCH_AXES, island_mesh
-from island_jax.models.moe import check_dispatch
+from island_jax.model.moe import check_dispatch
 from island_jax.outer import codec
 from island_jax.outer import fragments as fragments_lib
-from island_jax.params import checksum
+from island_jax.model.init import checksum
 from island_jax.planning import plan_inner_steps
 
 
@@ -114,13 +114,13 @@ class Island:
       name: the island's key in `config.islands`.
       config: the run's validated config.
       devices: this island's own devices (len = islands.NAME.num_devices).
-      graphdef, params, specs: from `params.init_params(config)` (params are
+      graphdef, params, specs: from `model.init.init_params(config)` (params are
         the seeded initial values as NumPy arrays).
       train_bytes: the island's training shard (uint8 [N]).
       total_rounds: rounds in the run, for the learning-rate schedule.
 
     Raises:
-      ValueError: `moe.dispatch` cannot run on these devices (`models.moe.check_dispatch`).
+      ValueError: `moe.dispatch` cannot run on these devices (`model.moe.check_dispatch`).
 
     Attributes:
       step: inner steps taken over the run; also the data position.
@@ -274,7 +274,7 @@ class Island:
 
     @property
     def global_checksum(self) -> str:
-        """`params.checksum` of the global parameters (the anchors), computed when first asked for."""
+        """`model.init.checksum` of the global parameters (the anchors), computed when first asked for."""
         if self._global_checksum is None:
             self._global_checksum = checksum(self.global_params)
         return self._global_checksum
@@ -308,7 +308,7 @@ class Island:
         )
 
     def fragment_checksum(self, fragment: int) -> str:
-        """`params.checksum` of the fragment's global leaves (a list): what its contribution carries. With one
+        """`model.init.checksum` of the fragment's global leaves (a list): what its contribution carries. With one
         fragment it equals `global_checksum`."""
         return checksum(self.fragments.take(self.global_params, fragment))
 

@@ -88,7 +88,7 @@ class OuterLoopIsland(Protocol):
         """The fragment's pseudo-gradient for the wire (called on an exchange thread)."""
 
     def fragment_checksum(self, fragment: int) -> str:
-        """`params.checksum` of the fragment's global leaves (called on an exchange thread)."""
+        """`model.init.checksum` of the fragment's global leaves (called on an exchange thread)."""
 
     def decode_fragment(self, fragment: int, payload: bytes) -> list[np.ndarray]:
         """The fragment's new global leaves from the update (called on an exchange thread)."""

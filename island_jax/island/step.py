@@ -19,11 +19,11 @@ import ml_collections
 import optax
 from flax import nnx
 
-from island_jax.models.moe import LAYER_METRICS, MEAN_METRICS
-from island_jax.models.transformer import aggregate_stats, update_routing_biases
+from island_jax.model.moe import LAYER_METRICS, MEAN_METRICS
+from island_jax.model.transformer import aggregate_stats, update_routing_biases
 
 # Scalars each inner step reports (see `Island.train_round`); the MoE ones are means over MoE layers.
-# Per MoE layer, a step also reports the `models.moe.LAYER_METRICS` arrays: [L] each, expert_load [L, E].
+# Per MoE layer, a step also reports the `model.moe.LAYER_METRICS` arrays: [L] each, expert_load [L, E].
 STEP_METRICS = ("loss", "cross_entropy", *MEAN_METRICS, "grad_norm")
 
 

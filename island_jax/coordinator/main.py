@@ -18,7 +18,7 @@ from absl import logging
 from island_jax import config as config_lib
 from island_jax.comm.inprocess import InProcessExchange
 from island_jax.coordinator import FragmentedCoordinator, RoundRecord
-from island_jax.params import checksum, count, init_params
+from island_jax.model.init import checksum, count, init_params
 from island_jax.workdir import RoleFolder, coordinator_dir, due, open_role
 from island_jax.metrics import write_json
 
@@ -27,7 +27,7 @@ class _GrpcEndpoint:
     """The gRPC service and server seen as the exchange the loop serves (like an `InProcessExchange`)."""
 
     def __init__(self, coordinator: FragmentedCoordinator, address: str, chunk_bytes: int):
-        from island_jax.comm.server import serve
+        from island_jax.comm.grpc_server import serve
 
         self.server, self.service, self.port = serve(coordinator, address, chunk_bytes)
         self.lock, self.payload_bytes, self.wire_bytes = self.service.lock, self.service.payload_bytes, self.service.wire_bytes
@@ -157,7 +157,7 @@ def _wait_for_merge(config, coordinator, endpoint, r: int, p: int) -> tuple[Roun
         if fragment.round <= r:
             raise TimeoutError(
                 f"round {r + 1} of fragment {p} was not merged within comm.round_timeout_seconds="
-                f"{config.comm.round_timeout_seconds}; contributions came from {sorted(fragment._pending)} of "
+                f"{config.comm.round_timeout_seconds}; contributions came from {sorted(fragment.pending)} of "
                 f"{list(config.islands.keys())}"
             )
         rec = next(h for h in reversed(fragment.history) if h.round == r)

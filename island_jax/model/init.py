@@ -10,7 +10,7 @@ import ml_collections
 import numpy as np
 from flax import nnx
 
-from island_jax.models.transformer import Transformer, partition_specs
+from island_jax.model.transformer import Transformer, partition_specs
 
 
 def init_params(config: ml_collections.ConfigDict) -> tuple[nnx.GraphDef, dict, dict]:

@@ -28,7 +28,7 @@ from island_jax.comm.inprocess import InProcessExchange, InProcessTransport
 from island_jax.comm.link import LinkEmulator
 from island_jax.island import STEP_METRICS, Island
 from island_jax.metrics import write_json
-from island_jax.params import checksum, count, init_params
+from island_jax.model.init import checksum, count, init_params
 from island_jax.progress import Eta
 from island_jax.island import ACCOUNTING_FIELDS, EventLog, StreamingSync
 from island_jax.workdir import RoleFolder, due, island_dir, open_role, summarize_island
@@ -42,7 +42,7 @@ def connect(config: ml_collections.ConfigDict, exchange: str | InProcessExchange
     link, c = LinkEmulator.from_config(config), config.comm
     if isinstance(exchange, InProcessExchange):
         return InProcessTransport(exchange, link, c.connections, c.round_timeout_seconds, c.join_timeout_seconds)
-    from island_jax.comm.client import GrpcTransport
+    from island_jax.comm.grpc_client import GrpcTransport
 
     return GrpcTransport(
         exchange, c.chunk_bytes, c.join_timeout_seconds, c.round_timeout_seconds, connections=c.connections,

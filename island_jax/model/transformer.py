@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import ml_collections
 from flax import nnx
 
-from island_jax.models.moe import MEAN_METRICS, MoE, SharedExperts, routing_bias_update
+from island_jax.model.moe import MEAN_METRICS, MoE, SharedExperts, routing_bias_update
 
 
 def _dtype(name: str):

@@ -1,0 +1,1 @@
+"""The model: a decoder-only transformer whose feed-forward layers are expert-parallel MoE."""

@@ -1,1 +1,0 @@
-"""Models: a decoder-only transformer whose feed-forward layers are expert-parallel MoE."""
