@@ -77,6 +77,7 @@ def island_role(port: int) -> None:
     import numpy as np
 
     from island_jax.comm.grpc_client import GrpcTransport
+    from island_jax.coordinator import ContributionHeader
     from island_jax.config import fingerprint_fields
     from island_jax.outer import codec
     from island_jax.model.init import checksum
@@ -95,7 +96,7 @@ def island_role(port: int) -> None:
         start = time.perf_counter()
         payload = codec.ChunkEncoder(pseudo_gradient, "int8", 256, plan)  # encodes as it is sent
         encoded = time.perf_counter()
-        t.contribute(r, "a", 1000, payload)
+        t.contribute(ContributionHeader(r, "a", 1000), payload)
         update = t.fetch_update(r, "a")
         received = time.perf_counter()
         params = codec.decode_and_apply(params, update, "int8", 256)

@@ -62,7 +62,7 @@ class Sink:
     def join(self, island, fields, params_checksum, round=0):
         return dict(round=0, checksum=self.checksum)
 
-    def begin_contribution(self, round, island, tokens, params_checksum=None, step_seconds=None):
+    def begin_contribution(self, header):
         return "accepted"
 
     def add_chunk(self, round, island, index, data):
@@ -156,8 +156,10 @@ def _transport(port: int, connections: int, link=None):
 
 
 def _grpc_seconds(transport, payload: bytes) -> float:
+    from island_jax.coordinator import ContributionHeader
+
     start = time.perf_counter()
-    transport.contribute(0, "a", 1, payload)
+    transport.contribute(ContributionHeader(0, "a", 1), payload)
     return time.perf_counter() - start
 
 

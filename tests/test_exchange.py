@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from island_jax.coordinator import ContributionHeader
 from island_jax.comm import exchange_pb2 as pb
 from island_jax.comm import wire
 from island_jax.comm.grpc_client import GrpcTransport
@@ -79,7 +80,7 @@ def test_five_megabyte_payload_crosses_processes_intact(server_process):
     assert reply.bytes_received == 5_000_000
     view = memoryview(payloads["a"])
     assert reply.crc32 == wire.fold_crc32(wire.crc32(view[k.offset : k.offset + k.nbytes]) for k in transports["a"].plans[0])
-    transports["b"].contribute(0, "b", 100, payloads["b"], start)
+    transports["b"].contribute(ContributionHeader(0, "b", 100, start), payloads["b"])
     # SGD lr 1 on the token-weighted mean: the update is -(pg_a + pg_b) / 2, exactly.
     expected = -(pg["a"]["w"] + pg["b"]["w"]) / np.float32(2)
     for n, t in transports.items():
@@ -132,8 +133,8 @@ def test_chunk_with_flipped_byte_is_refused_and_never_merged(local_server):
     assert "CRC-32C mismatch in chunk 3 (offset 196608, 65536 bytes)" in refused.value.details()
     assert coordinator.fragments[0].pending == {} and coordinator.round == 0
     # The same island then sends the intact payload, and only it is merged.
-    a.contribute(0, "a", 10, good, start)
-    b.contribute(0, "b", 10, codec.encode(pg_b, "none", 256), start)
+    a.contribute(ContributionHeader(0, "a", 10, start), good)
+    b.contribute(ContributionHeader(0, "b", 10, start), codec.encode(pg_b, "none", 256))
     update = codec.decode(a.fetch_update(0, "a"), coordinator.view, "none", 256)["w"]
     np.testing.assert_array_equal(update, np.full(100_000, -2.0, np.float32))
 

@@ -6,6 +6,7 @@ import time
 
 import pytest
 
+from island_jax.coordinator import ContributionHeader
 from island_jax.comm.link import LinkEmulator
 from island_jax.config import default_config
 
@@ -163,24 +164,27 @@ def test_concurrent_callers_lose_no_reservation():
     assert link.arrival("up", 0, 0, now=0.0) == pytest.approx(8 * 200 * 1000 * 8 / 1e9 + 0.01, rel=1e-9)
 
 
-def test_transfer_sleeps_until_arrival():
+def test_sleep_until_arrival():
     link, clock = _link(1.0, latency_ms=25, start=100.0)
-    t = link.transfer("up", 0, MIB)
+    t = link.arrival("up", 0, MIB)
+    assert link.sleep_until(t) == pytest.approx(t - 100.0, rel=1e-12)
     expected = 100.0 + MIB * 8 / 1e9 + 0.025
     assert t == pytest.approx(expected, rel=1e-12)
     assert len(clock.sleeps) == 1
     assert clock.sleeps[0] == pytest.approx(expected - 100.0, rel=1e-12)
     assert clock() == pytest.approx(t, rel=1e-12)
-    # A transfer whose arrival time has already passed does not sleep backwards.
+    # An arrival time that has already passed does not sleep backwards.
     clock.t = 200.0
-    assert link.transfer("up", 0, 0, now=150.0) == pytest.approx(150.025, rel=1e-12)
-    assert clock.sleeps[-1] == 0.0
+    t = link.arrival("up", 0, 0, now=150.0)
+    assert t == pytest.approx(150.025, rel=1e-12)
+    assert link.sleep_until(t) == 0.0 and clock.sleeps[-1] == 0.0
 
 
-def test_transfer_real_clock():
+def test_sleep_until_on_the_real_clock():
     link = LinkEmulator(100.0, latency_ms=5)
     start = time.monotonic()
-    t = link.transfer("down", 0, 1000)
+    t = link.arrival("down", 0, 1000)
+    link.sleep_until(t)
     assert time.monotonic() >= t >= start + 0.005
 
 
@@ -196,7 +200,7 @@ def test_from_config():
     assert isinstance(link, LinkEmulator)
     assert (link.bandwidth_gbps, link.latency_ms, link.window_bytes) == (1.0, 30.0, 2 * MIB)
     assert link.clock is clock
-    link.transfer("up", 0, 1000)
+    link.sleep_until(link.arrival("up", 0, 1000))
     assert clock.sleeps == [pytest.approx(1000 * 8 / 1e9 + 0.03, rel=1e-12)]
 
 
@@ -235,7 +239,7 @@ def test_call_errors():
     with pytest.raises(ValueError, match="connection is -1"):
         link.arrival("up", -1, 10)
     with pytest.raises(ValueError, match="nbytes is -5"):
-        link.transfer("down", 0, -5)
+        link.arrival("down", 0, -5)
     with pytest.raises(ValueError, match="bandwidth_gbps"):
         config = default_config()
         config.comm.link.bandwidth_gbps = -1.0
@@ -260,7 +264,7 @@ def test_the_in_process_transport_carries_payloads_over_the_emulated_link():
     coordinator = FragmentedCoordinator(c, params, ["a"])
     transport = InProcessTransport(coordinator, link, connections=4)
     transport.join("a", fingerprint_fields(c), coordinator.checksum)
-    transport.contribute(0, "a", 10, codec.encode(params, "none", 256))
+    transport.contribute(ContributionHeader(0, "a", 10), codec.encode(params, "none", 256))
     assert clock.t == pytest.approx(0.05 + 1_000_000 * 8 / 1e8, rel=1e-9)  # 1 MB at 100 Mbit/s, 50 ms one way
     transport.fetch_update(0, "a")
     assert clock.t == pytest.approx(2 * (0.05 + 1_000_000 * 8 / 1e8), rel=1e-9)

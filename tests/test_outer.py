@@ -3,6 +3,7 @@
 import numpy as np
 import pytest
 
+from island_jax.coordinator import ContributionHeader
 from island_jax.config import default_config, fingerprint_fields, island
 from island_jax.coordinator import (
     ContributionError,
@@ -36,7 +37,7 @@ def _round(coord, config, ends, tokens=(1000, 1000)):
     anchor = coord.view["w"]
     for name, end, t in zip(("a", "b"), ends, tokens):
         pg = {"w": anchor - np.asarray(end, np.float32)}
-        coord.contribute(r, name, t, codec.encode(pg, config.codec.kind, config.codec.block_size))
+        coord.contribute(ContributionHeader(r, name, t), codec.encode(pg, config.codec.kind, config.codec.block_size))
     return coord.fetch_update(r, "a")
 
 
@@ -83,11 +84,11 @@ def test_refuses_non_finite_and_wrong_round():
     coord = _coordinator(config, [1.0, 1.0])
     bad = codec.encode({"w": np.array([np.nan, 0.0], np.float32)}, "none", 256)
     with pytest.raises(ContributionError, match="NaN or Inf"):
-        coord.contribute(0, "a", 10, bad)
+        coord.contribute(ContributionHeader(0, "a", 10), bad)
     with pytest.raises(ContributionError, match="round 3 but the coordinator is at round 0"):
-        coord.contribute(3, "a", 10, codec.encode({"w": np.zeros(2, np.float32)}, "none", 256))
+        coord.contribute(ContributionHeader(3, "a", 10), codec.encode({"w": np.zeros(2, np.float32)}, "none", 256))
     with pytest.raises(ContributionError, match="is 4 bytes"):
-        coord.contribute(0, "a", 10, b"\0" * 4)
+        coord.contribute(ContributionHeader(0, "a", 10), b"\0" * 4)
     with pytest.raises(UpdateNotReady):
         coord.fetch_update(0, "a")
     assert coord.pending == {}
@@ -120,7 +121,7 @@ def test_contribution_from_other_parameters_is_refused():
     coord = _coordinator(config, [0.0, 0.0])
     payload = codec.encode({"w": np.ones(2, np.float32)}, "none", 256)
     with pytest.raises(ContributionError, match="trained round 0 from parameters with checksum 0123456789abcdef"):
-        coord.contribute(0, "a", 10, payload, "0123456789abcdef")
+        coord.contribute(ContributionHeader(0, "a", 10, "0123456789abcdef"), payload)
     assert coord.pending == {}
 
 
@@ -156,7 +157,7 @@ def test_view_of_bfloat16_and_float32_leaves_is_what_islands_compute(kind):
     for r in range(3):
         for name, shift in (("a", 0.01), ("b", -0.02)):
             pg = {k: (rng.normal(size=np.shape(v)) * shift).astype(np.float32) for k, v in params.items()}
-            coord.contribute(r, name, 100, codec.encode(pg, kind, config.codec.block_size))
+            coord.contribute(ContributionHeader(r, name, 100), codec.encode(pg, kind, config.codec.block_size))
         island_view = codec.decode_and_apply(island_view, coord.fetch_update(r, "a"), kind, config.codec.block_size)
         assert {k: v.dtype for k, v in coord.view.items()} == {"w": ml_dtypes.bfloat16, "b": np.float32}
         assert checksum(coord.view) == checksum(island_view) == coord.history[-1].checksum

@@ -7,6 +7,7 @@ import pytest
 import jax
 import numpy as np
 
+from island_jax.coordinator import ContributionHeader
 from island_jax.comm.grpc_client import GrpcTransport
 from island_jax.comm.link import LinkEmulator
 from island_jax.comm.grpc_server import serve
@@ -60,7 +61,7 @@ def _run(pipeline: bool, connections: int, link_gbps: float = 0.0):
                     payload = codec.ChunkEncoder(pseudo_gradients[name], "int8", 256, plan)
                 else:
                     payload = codec.encode(pseudo_gradients[name], "int8", 256)
-                isl["transport"].contribute(r, name, 300 if name == "a" else 100, payload, checksum(isl["params"]))
+                isl["transport"].contribute(ContributionHeader(r, name, 300 if name == "a" else 100, checksum(isl["params"])), payload)
                 got[name] = isl["transport"].fetch_update(r, name)
                 isl["params"] = codec.decode_and_apply(isl["params"], got[name], "int8", 256)
                 isl["stats"].append(isl["transport"].last_stats)
@@ -124,8 +125,8 @@ def test_a_chunk_refused_mid_round_restarts_the_merge_without_that_island():
     coordinator, _ = _two_island_coordinator()
     a, b = _chunks(coordinator, 0.3), _chunks(coordinator, 0.1)
     assert len(coordinator.plan) == 3
-    coordinator.begin_contribution(0, "a", 100)
-    coordinator.begin_contribution(0, "b", 100)
+    coordinator.begin_contribution(ContributionHeader(0, "a", 100))
+    coordinator.begin_contribution(ContributionHeader(0, "b", 100))
     for k in range(3):
         coordinator.add_chunk(0, "a", k, a[k])
     coordinator.add_chunk(0, "b", 0, b[0])
@@ -149,8 +150,8 @@ def test_a_quorum_that_closes_after_chunks_were_merged_restarts_without_the_late
     now = [0.0]
     coordinator, _ = _two_island_coordinator(min_islands=1, grace_seconds=5.0, clock=lambda: now[0])
     a, b = _chunks(coordinator, 0.3), _chunks(coordinator, 0.1)
-    coordinator.begin_contribution(0, "a", 100)
-    coordinator.begin_contribution(0, "b", 100)
+    coordinator.begin_contribution(ContributionHeader(0, "a", 100))
+    coordinator.begin_contribution(ContributionHeader(0, "b", 100))
     coordinator.add_chunk(0, "b", 0, b[0])
     for k in range(3):
         coordinator.add_chunk(0, "a", k, a[k])
@@ -178,7 +179,7 @@ def test_an_island_fetching_through_a_restart_gets_the_final_update_only():
         b = GrpcTransport(f"localhost:{port}", c.comm.chunk_bytes, 30, 60, 1, True)
         a.join("a", fingerprint_fields(c), coordinator.checksum)
         b.join("b", fingerprint_fields(c), coordinator.checksum)
-        a.contribute(0, "a", 100, codec.encode({"w": np.full(40_000, 0.3, np.float32)}, "none", 256))
+        a.contribute(ContributionHeader(0, "a", 100), codec.encode({"w": np.full(40_000, 0.3, np.float32)}, "none", 256))
         good = _chunks(coordinator, 0.1)
         bad = np.frombuffer(good[1], "<f4").copy()
         bad[7] = np.inf

@@ -3,6 +3,7 @@
 import numpy as np
 import pytest
 
+from island_jax.coordinator import ContributionHeader
 from island_jax import config as config_lib
 from island_jax.config import default_config, fingerprint_fields, island
 from island_jax.coordinator import Coordinator
@@ -40,7 +41,7 @@ def test_auto_steps_scale_with_devices_times_peak_and_merge_by_tokens():
         coordinator.join(name, fingerprint_fields(c), coordinator.checksum)
     for name, pg in (("fast", [1.0, 0.0]), ("slow", [0.0, 1.0])):
         tokens = plan[name] * c.islands[name].batch_size * c.model.seq_len
-        coordinator.contribute(0, name, tokens, codec.encode({"w": np.asarray(pg, np.float32)}, "none", 256))
+        coordinator.contribute(ContributionHeader(0, name, tokens), codec.encode({"w": np.asarray(pg, np.float32)}, "none", 256))
     rec = coordinator.history[-1]
     assert rec.weights == {"fast": 317 / 417, "slow": 100 / 417}
 
@@ -88,9 +89,9 @@ def test_measured_plan_from_round_zero_step_times():
     for name in ("a", "b"):
         coordinator.join(name, fingerprint_fields(c), coordinator.checksum)
     pg = codec.encode({"w": np.ones(2, np.float32)}, "none", 256)
-    coordinator.contribute(0, "a", 100, pg, None, 0.1)
+    coordinator.contribute(ContributionHeader(0, "a", 100, None, 0.1), pg)
     assert coordinator.planned_inner_steps("b") is None
-    coordinator.contribute(0, "b", 100, pg, None, 0.25)
+    coordinator.contribute(ContributionHeader(0, "b", 100, None, 0.25), pg)
     assert coordinator.plan_steps == {"a": 10, "b": 4}  # round(10 x 0.1 / 0.25)
 
 

@@ -3,6 +3,7 @@
 import numpy as np
 import pytest
 
+from island_jax.coordinator import ContributionHeader
 from island_jax.config import default_config, fingerprint_fields, island
 from island_jax.coordinator import (
     ContributionError,
@@ -44,8 +45,8 @@ def _pg(value):
 def test_quorum_merges_after_the_grace_window_and_discards_the_late_island(caplog):
     coordinator, clock = _three_islands()
     start = coordinator.view
-    assert coordinator.contribute(0, "a", 1000, _pg(0.3)) == "accepted"
-    assert coordinator.contribute(0, "b", 1000, _pg(0.1)) == "accepted"  # quorum reached at t=100
+    assert coordinator.contribute(ContributionHeader(0, "a", 1000), _pg(0.3)) == "accepted"
+    assert coordinator.contribute(ContributionHeader(0, "b", 1000), _pg(0.1)) == "accepted"  # quorum reached at t=100
     clock.now = 109.9
     assert not coordinator.poll() and coordinator.round == 0
     with pytest.raises(UpdateNotReady, match=r"waiting for \['c'\]"):
@@ -56,7 +57,7 @@ def test_quorum_merges_after_the_grace_window_and_discards_the_late_island(caplo
     assert rec.contributors == ["a", "b"] and rec.weights == {"a": 0.5, "b": 0.5}
     # Merged pseudo-gradient [0.2] (c's tokens are not in the divisor): SGD lr 1 moves w from 0 to -0.2.
     np.testing.assert_array_equal(coordinator.state()["master"]["w"], np.asarray([-0.2], np.float32))
-    assert coordinator.contribute(0, "c", 1000, _pg(0.5)) == "discarded"
+    assert coordinator.contribute(ContributionHeader(0, "c", 1000), _pg(0.5)) == "discarded"
     assert "island c's contribution to round 0 arrived after the round closed (at 1); discarded" in caplog.text
     np.testing.assert_array_equal(coordinator.state()["master"]["w"], np.asarray([-0.2], np.float32))
     update = coordinator.fetch_update(0, "c")  # the late island applies the same update as a and b
@@ -64,14 +65,14 @@ def test_quorum_merges_after_the_grace_window_and_discards_the_late_island(caplo
     assert checksum(c_view) == checksum(coordinator.view)
     # Round 1 goes on with all three.
     for name in ("a", "b", "c"):
-        coordinator.contribute(1, name, 1000, _pg(0.0), checksum(c_view))
+        coordinator.contribute(ContributionHeader(1, name, 1000, checksum(c_view)), _pg(0.0))
     assert coordinator.round == 2
 
 
 def test_all_reporting_early_merges_at_once():
     coordinator, clock = _three_islands()
     for name, v in (("a", 0.3), ("b", 0.1), ("c", 0.2)):
-        coordinator.contribute(0, name, 1000, _pg(v))
+        coordinator.contribute(ContributionHeader(0, name, 1000), _pg(v))
     assert coordinator.round == 1 and coordinator.history[-1].contributors == ["a", "b", "c"]
     np.testing.assert_allclose(coordinator.state()["master"]["w"], [-0.2], rtol=1e-6)
 
@@ -79,10 +80,10 @@ def test_all_reporting_early_merges_at_once():
 def test_nan_contribution_is_refused_and_the_round_merges_the_others(caplog):
     coordinator, _ = _three_islands(min_islands=0)
     with pytest.raises(ContributionError, match="island 'a', round 0: the pseudo-gradient holds NaN"):
-        coordinator.contribute(0, "a", 1000, _pg(float("nan")))
+        coordinator.contribute(ContributionHeader(0, "a", 1000), _pg(float("nan")))
     assert "island a: round 0's pseudo-gradient holds NaN or Inf; refused" in caplog.text
-    coordinator.contribute(0, "b", 1000, _pg(0.1))
-    coordinator.contribute(0, "c", 3000, _pg(0.5))
+    coordinator.contribute(ContributionHeader(0, "b", 1000), _pg(0.1))
+    coordinator.contribute(ContributionHeader(0, "c", 3000), _pg(0.5))
     assert coordinator.round == 1 and coordinator.history[-1].contributors == ["b", "c"]
     assert coordinator.history[-1].weights == {"b": 0.25, "c": 0.75}
     np.testing.assert_allclose(coordinator.state()["master"]["w"], [-0.4], rtol=1e-6)
@@ -93,13 +94,13 @@ def test_island_several_rounds_behind_rejoins_from_the_view():
     start = coordinator.view
     for r in range(2):  # a and b close rounds 0 and 1 without c
         for name in ("a", "b"):
-            coordinator.contribute(r, name, 1000, _pg(0.1 * (r + 1)), coordinator.checksum)
+            coordinator.contribute(ContributionHeader(r, name, 1000, coordinator.checksum), _pg(0.1 * (r + 1)))
     assert coordinator.round == 2
-    assert coordinator.contribute(0, "c", 1000, _pg(0.5)) == "discarded"
+    assert coordinator.contribute(ContributionHeader(0, "c", 1000), _pg(0.5)) == "discarded"
     with pytest.raises(StaleRoundError, match="older than the latest merged round 1; it rejoins from the island view"):
         coordinator.fetch_update(0, "c")
     round, payload = coordinator.fetch_view()
     assert round == 2 and len(payload) == 4  # one float32, whole
     view = codec.decode_view(payload, start)
     assert checksum(view) == coordinator.checksum
-    coordinator.contribute(2, "c", 1000, _pg(0.0), checksum(view))  # c carries on from the same bits
+    coordinator.contribute(ContributionHeader(2, "c", 1000, checksum(view)), _pg(0.0))  # c carries on from the same bits

@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 from tiny_config import get_config, write_corpus
 
+from island_jax.coordinator import ContributionHeader
 from island_jax import data as data_lib
 from island_jax.comm import exchange_pb2 as pb
 from island_jax.comm import wire
@@ -177,7 +178,7 @@ def test_one_fragment_without_overlap_is_plain_diloco(run):
         for isl in islands:
             result = isl.train_round()
             encoder = isl.encode_fragment(0, isl.fragment_pseudo_gradient(0))
-            coordinator.contribute(r, isl.name, result["tokens"], encoder.tobytes(), isl.global_checksum)
+            coordinator.contribute(ContributionHeader(r, isl.name, result["tokens"], isl.global_checksum), encoder.tobytes())
         for isl in islands:
             isl.apply_fragment(0, isl.decode_fragment(0, coordinator.fetch_update(r, isl.name)))
         by_hand.append(islands[0].global_checksum)

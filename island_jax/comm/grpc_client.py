@@ -26,7 +26,6 @@ on threads of its own (Streaming DiLoCo overlap, island_jax/streaming.py).
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import logging
 import threading
@@ -38,8 +37,9 @@ import grpc
 from island_jax.comm import exchange_pb2 as pb
 from island_jax.comm import wire
 from island_jax.comm.link import LinkEmulator
+from island_jax.comm.transport import SyncStats
 from island_jax.comm.grpc_server import SERVICE_NAME, channel_options
-from island_jax.coordinator import ContributionError, HandshakeError, StaleRoundError
+from island_jax.coordinator import ContributionError, ContributionHeader, HandshakeError, StaleRoundError
 from island_jax.outer import codec
 
 
@@ -65,30 +65,6 @@ def _error(e: grpc.RpcError, what: str, address: str) -> Exception:
 def _plan(offsets, total: int) -> list[codec.Chunk]:
     ends = [*offsets[1:], total]
     return [codec.Chunk(i, o, e - o, ()) for i, (o, e) in enumerate(zip(offsets, ends))]
-
-
-@dataclasses.dataclass
-class SyncStats:
-    """One round's exchange, as the island saw it.
-
-    Attributes:
-      bytes_sent, bytes_received: frame bytes of the contribution and the update.
-      seconds_sending: from the first contribution frame until gRPC took the last one, s.
-      seconds_receiving: from the first update chunk to the last one's arrival, s.
-      seconds_transferring: time any of this island's bytes were moving (the
-        union of the two spans above), s.
-      seconds_overlapped: while update chunks came back and contribution chunks
-        were still going out (pipelining), s.
-      achieved_gbps: (bytes_sent + bytes_received) x 8 / seconds_transferring / 1e9.
-    """
-
-    bytes_sent: int = 0
-    bytes_received: int = 0
-    seconds_sending: float = 0.0
-    seconds_receiving: float = 0.0
-    seconds_transferring: float = 0.0
-    seconds_overlapped: float = 0.0
-    achieved_gbps: float = 0.0
 
 
 class _Fetch:
@@ -150,7 +126,7 @@ class _Fetch:
         except wire.WireError as e:
             raise ExchangeError(f"{self.what}: {e}") from None
         if t.link is not None:
-            t.link_sleep(self.last_arrival)
+            t.link.sleep_until(self.last_arrival)
         return self.trailers[0], payload
 
 
@@ -201,7 +177,7 @@ class _Upload:
             self.crcs[conn].append(crc)
             frame = wire.chunk_frame(chunk.index, chunk.offset, parts, crc)
             if t.link is not None:
-                t.link_sleep(self.arrivals[chunk.index])
+                t.link.sleep_until(self.arrivals[chunk.index])
             yield frame
         self.last_frame_out[conn] = t.clock()
 
@@ -273,9 +249,6 @@ class GrpcTransport:
         """The exchange of `round` of `fragment` (after its `fetch_update` returned; empty before)."""
         return self._stats.get((fragment, round), SyncStats())
 
-    def link_sleep(self, until: float) -> None:
-        self.link.sleep(max(0.0, until - self.clock()))
-
     def join(self, island: str, config_fingerprint: dict, params_checksum: str, round: int = 0) -> dict:
         """Handshake on every connection; waits up to `join_timeout` seconds for the coordinator to come up.
 
@@ -317,14 +290,11 @@ class GrpcTransport:
             logging.warning("island %s: not every island was ready within %.0f s; starting anyway", island,
                             self.join_timeout)
 
-    def contribute(
-        self, round: int, island: str, tokens: int, payload: bytes, params_checksum: str | None = None,
-        step_seconds: float | None = None, fragment: int = 0,
-    ) -> str:
+    def contribute(self, header: ContributionHeader, payload) -> str:
         """Streams one encoded pseudo-gradient over every connection; returns "accepted" or "discarded".
 
         `payload` is bytes, or a `codec.ChunkEncoder` over the fragment's chunk plan,
-        whose chunks are then encoded by the threads that send them. `fragment`
+        whose chunks are then encoded by the threads that send them. `header.fragment`
         names the fragment whose leaves it encodes (0 with one fragment).
 
         Raises:
@@ -332,20 +302,15 @@ class GrpcTransport:
           ExchangeError: transfer failed, or a stream's byte count or CRC-32C
             differs from what was sent.
         """
+        round, island, fragment = header.round, header.island, header.fragment
         if not 0 <= fragment < len(self.plans):
             raise ExchangeError(f"contribute: fragment {fragment} of {len(self.plans)}; join first, with the run's config")
         start = self.clock()
         if self.pipeline:
             self._fetches[(fragment, round, island)] = self._open_fetch(round, island, fragment)
         n = self._streams(fragment)
-        header = wire.header_frame(
-            pb.PayloadHeader(
-                round=round, island=island, tokens=tokens, layout=self.layouts[fragment],
-                params_checksum=params_checksum or "", step_seconds=step_seconds or 0.0, streams=n,
-                total_bytes=len(payload), fragment=fragment,
-            )
-        )
-        upload = _Upload(self, self.plans[fragment], n, header, payload, start)
+        frame = wire.header_frame(wire.payload_header(header, self.layouts[fragment], n, len(payload)))
+        upload = _Upload(self, self.plans[fragment], n, frame, payload, start)
         calls = [self._pool.submit(self._contribute[i], upload.frames(i), timeout=self.round_timeout) for i in range(n)]
         try:
             replies = [c.result() for c in calls]
@@ -394,12 +359,10 @@ class GrpcTransport:
         receiving = max(0.0, end - receive_start)
         sending = max(0.0, send_end - send_start)
         overlapped = max(0.0, min(send_end, end) - max(send_start, receive_start))
-        transferring = sending + receiving - overlapped
         stats = self._stats.setdefault((fragment, round), SyncStats())
-        stats.seconds_overlapped = overlapped
         stats.bytes_received = fetch.assembler.wire_bytes
-        stats.seconds_sending, stats.seconds_receiving, stats.seconds_transferring = sending, receiving, transferring
-        stats.achieved_gbps = (stats.bytes_sent + stats.bytes_received) * 8 / max(transferring, 1e-9) / 1e9
+        stats.seconds_sending, stats.seconds_receiving, stats.seconds_overlapped = sending, receiving, overlapped
+        stats.seconds_transferring = sending + receiving - overlapped
         self.last_stats = stats
         return payload
 

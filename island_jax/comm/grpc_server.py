@@ -33,6 +33,7 @@ from island_jax.comm import exchange_pb2 as pb
 from island_jax.comm import wire
 from island_jax.coordinator import (
     ContributionError,
+    ContributionHeader,
     Coordinator,
     FragmentedCoordinator,
     HandshakeError,
@@ -90,9 +91,10 @@ class _OpenContributions:
         entry = self._open.get(key)
         if entry is None:
             c = self.coordinator.fragments[header.fragment]
-            status = c.begin_contribution(
-                header.round, header.island, header.tokens, header.params_checksum or None, header.step_seconds or None
-            )
+            status = c.begin_contribution(ContributionHeader(
+                header.round, header.island, header.tokens, header.params_checksum or None,
+                header.step_seconds or None, header.fragment,
+            ))
             entry = self._open[key] = _Open(status, max(header.streams, 1))
             for old in [k for k in self._open if k[0] == header.fragment and k[1] < c.round - 1]:
                 del self._open[old]

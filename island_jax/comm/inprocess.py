@@ -23,9 +23,9 @@ import time
 
 from island_jax.comm import exchange_pb2 as pb
 from island_jax.comm import wire
-from island_jax.comm.grpc_client import SyncStats
 from island_jax.comm.link import LinkEmulator
-from island_jax.coordinator import FragmentedCoordinator, UpdateNotReady
+from island_jax.comm.transport import SyncStats
+from island_jax.coordinator import ContributionHeader, FragmentedCoordinator, UpdateNotReady
 from island_jax.outer import codec
 
 
@@ -166,9 +166,7 @@ class InProcessTransport:
         now = link.clock()
         plan = self.exchange.coordinator.fragments[fragment].plan
         last = max((link.arrival(direction, c.index % self.connections, c.nbytes, now=now) for c in plan), default=now)
-        wait = max(0.0, last - link.clock())
-        link.sleep(wait)
-        return wait
+        return link.sleep_until(last)
 
     def _streams(self, plan) -> int:
         return max(1, min(self.connections, len(plan)))
@@ -194,37 +192,23 @@ class InProcessTransport:
             ex.lock.wait_for(lambda: ex.ready >= set(c.islands) or ex.aborted is not None, self.join_timeout)
             ex.check()
 
-    def contribute(
-        self,
-        round: int,
-        island: str,
-        tokens: int,
-        payload,
-        params_checksum: str | None = None,
-        step_seconds: float | None = None,
-        fragment: int = 0,
-    ) -> str:
+    def contribute(self, header: ContributionHeader, payload) -> str:
         """Hands one encoded pseudo-gradient (bytes or a `codec.ChunkEncoder`) to the coordinator; returns
         "accepted" or "discarded". Raises what the coordinator raises (ContributionError), or IslandAborted."""
+        round, island, fragment = header.round, header.island, header.fragment
         sending = self._carry("up", fragment)
         payload = bytes(payload) if isinstance(payload, (bytes, bytearray, memoryview)) else payload.tobytes()
         ex = self.exchange
         with ex.lock:
             ex.check()
             try:
-                status = ex.served(self.join_timeout).contribute(
-                    round, island, tokens, payload, params_checksum, step_seconds, fragment=fragment
-                )
+                status = ex.served(self.join_timeout).contribute(header, payload)
             finally:
                 ex.notify()
             plan = ex.coordinator.fragments[fragment].plan
             n = self._streams(plan)
-            header = pb.PayloadHeader(
-                round=round, island=island, tokens=tokens, layout=ex.layouts[fragment],
-                params_checksum=params_checksum or "", step_seconds=step_seconds or 0.0, streams=n,
-                total_bytes=len(payload), fragment=fragment,
-            )
-            sent = wire.contribution_frame_bytes(header, plan, n)
+            frames = wire.payload_header(header, ex.layouts[fragment], n, len(payload))
+            sent = wire.contribution_frame_bytes(frames, plan, n)
             if island in ex.wire_bytes:
                 ex.wire_bytes[island]["received"] += sent
         self._stats[(fragment, round)] = SyncStats(bytes_sent=sent, seconds_sending=sending)
@@ -272,9 +256,7 @@ class InProcessTransport:
         receiving = self._carry("down", fragment)
         stats = self._stats.setdefault((fragment, round), SyncStats())
         stats.bytes_received, stats.seconds_receiving = received, receiving
-        stats.seconds_transferring = stats.seconds_sending + stats.seconds_receiving
-        if stats.seconds_transferring > 0:
-            stats.achieved_gbps = (stats.bytes_sent + received) * 8 / stats.seconds_transferring / 1e9
+        stats.seconds_transferring = stats.seconds_sending + receiving
         return update
 
     def fetch_view(self, island: str) -> tuple[int, bytes]:

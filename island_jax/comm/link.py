@@ -167,19 +167,13 @@ class LinkEmulator:
                 remaining -= segment
             return end + self.latency_s
 
-    def transfer(self, direction: str, connection: int, nbytes: int, now: float | None = None) -> float:
-        """`arrival(...)`, then sleeps until that time; returns the arrival time (clock seconds).
-
-        The caller is blocked until its last byte arrives at the far end, so a
-        thread that sends one chunk per call and waits each time sends at most
-        one chunk per (chunk time + one-way latency) on its connection.
-
-        Raises:
-          ValueError: as `arrival`.
-        """
-        t = self.arrival(direction, connection, nbytes, now)
-        self.sleep(max(0.0, t - self.clock()))
-        return t
+    def sleep_until(self, t: float) -> float:
+        """Sleeps until clock time `t` (seconds; at once if it has passed), e.g. an `arrival`; returns the
+        seconds slept. A sender that waits for each chunk's arrival before the next sends at most one chunk
+        per (chunk time + one-way latency) on its connection."""
+        wait = max(0.0, t - self.clock())
+        self.sleep(wait)
+        return wait
 
     def one_connection_gbps(self) -> float:
         """Highest steady rate of one connection, Gbit/s: its window per round trip.

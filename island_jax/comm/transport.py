@@ -13,9 +13,34 @@ island's global parameters (at the start of the round, for `contribute`).
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Protocol
 
 from island_jax.comm.link import LinkEmulator
+from island_jax.coordinator.contribution import ContributionHeader
+
+
+@dataclasses.dataclass
+class SyncStats:
+    """One exchange (a contribution and its update) as the island saw it.
+
+    Attributes:
+      bytes_sent, bytes_received: frame bytes of the contribution and of the update (headers, chunk
+        framing and payload, as gRPC carries them; the in-process transport counts the same frames).
+      seconds_sending: from the first contribution frame until the last one left, s.
+      seconds_receiving: from the first update chunk to the last one's arrival, s.
+      seconds_overlapped: while update chunks came back and contribution chunks were still going out
+        (pipelining), s.
+      seconds_transferring: time any of this island's bytes were moving (the union of the sending and
+        receiving spans), s. Over the in-process transport these are the emulated link's times (0 without one).
+    """
+
+    bytes_sent: int = 0
+    bytes_received: int = 0
+    seconds_sending: float = 0.0
+    seconds_receiving: float = 0.0
+    seconds_overlapped: float = 0.0
+    seconds_transferring: float = 0.0
 
 
 class Transport(Protocol):
@@ -35,17 +60,8 @@ class Transport(Protocol):
         """Says the island is ready to train; returns once every island of the run has said so."""
         ...
 
-    def contribute(
-        self,
-        round: int,
-        island: str,
-        tokens: int,
-        payload,
-        params_checksum: str | None = None,
-        step_seconds: float | None = None,
-        fragment: int = 0,
-    ) -> str:
-        """One encoded pseudo-gradient (bytes or a `codec.ChunkEncoder`) with its tokens: "accepted" or
+    def contribute(self, header: ContributionHeader, payload) -> str:
+        """One encoded pseudo-gradient (bytes or a `codec.ChunkEncoder`) with its header: "accepted" or
         "discarded" (it came after its round closed)."""
         ...
 

@@ -25,6 +25,7 @@ import struct
 import crc32c
 
 from island_jax.comm import exchange_pb2 as pb
+from island_jax.coordinator.contribution import ContributionHeader
 from island_jax.outer import codec
 
 HEADER, CHUNK, RESTART, TRAILER = b"H", b"C", b"R", b"T"
@@ -91,6 +92,15 @@ def chunk_frame(index: int, offset: int, data, crc: int | None = None) -> bytes:
     parts = data if isinstance(data, list) else [data]
     crc = crc32_parts(parts) if crc is None else crc
     return b"".join((_CHUNK.pack(CHUNK, index, offset, crc), *parts))
+
+
+def payload_header(header: ContributionHeader, layout: str, streams: int, total_bytes: int) -> pb.PayloadHeader:
+    """The 'H' frame's header of a contribution sent over `streams` streams (`codec.layout` of its payload)."""
+    return pb.PayloadHeader(
+        round=header.round, island=header.island, tokens=header.tokens, layout=layout,
+        params_checksum=header.params_checksum or "", step_seconds=header.step_seconds or 0.0, streams=streams,
+        total_bytes=total_bytes, fragment=header.fragment,
+    )
 
 
 def contribution_frame_bytes(header: pb.PayloadHeader, plan: list[codec.Chunk], streams: int) -> int:

@@ -17,6 +17,7 @@ import ml_collections
 
 from island_jax.config import fingerprint_fields
 from island_jax.coordinator import handshake
+from island_jax.coordinator.contribution import ContributionHeader
 from island_jax.coordinator.errors import HandshakeError
 from island_jax.coordinator.merge import Coordinator
 from island_jax.outer import codec
@@ -120,10 +121,7 @@ class FragmentedCoordinator:
             f.joined.add(island)
         return dict(round=self.round, checksum=self.checksum)
 
-    def contribute(
-        self, round: int, island: str, tokens: int, payload: bytes, params_checksum: str | None = None,
-        step_seconds: float | None = None, fragment: int = 0,
-    ) -> str:
+    def contribute(self, header: ContributionHeader, payload: bytes) -> str:
         """Accepts one island's whole encoded pseudo-gradient of `fragment`; merges when the round can close.
 
         A round closes when every island has contributed (or been refused), or
@@ -134,17 +132,9 @@ class FragmentedCoordinator:
         everyone else.
 
         Args:
-          round: the fragment's round the pseudo-gradient belongs to.
-          island: a joined island's name.
-          tokens: tokens the island processed this round (> 0), the merge weight.
-          payload: `codec.encode(anchor - params)` of the fragment's leaves, its
-            `payload_bytes` bytes.
-          params_checksum: when given, the checksum of the island's anchor of the
-            fragment, which must equal its view's: proof that every island
-            trained from the same bits.
-          step_seconds: the island's median inner-step time this round (seconds);
-            round 0's plan the later rounds with `outer.auto_from = "measured"`.
-          fragment: the fragment's index (0 with one fragment).
+          header: the round, island (joined), tokens (> 0, the merge weight), checksum of the island's
+            anchor of the fragment (must equal its view's when given), step seconds and fragment.
+          payload: `codec.encode(anchor - params)` of the fragment's leaves, its `payload_bytes` bytes.
 
         Returns:
           "accepted", or "discarded" for a round that has already closed.
@@ -155,7 +145,7 @@ class FragmentedCoordinator:
             values (logged with the island's name; the round closes without
             it). Nothing of a refused contribution reaches the merge.
         """
-        return self.fragments[fragment].contribute(round, island, tokens, payload, params_checksum, step_seconds)
+        return self.fragments[header.fragment].contribute(header, payload)
 
     def fetch_update(self, round: int, island: str, fragment: int = 0) -> bytes:
         """`Coordinator.fetch_update` of fragment `fragment` (raises UpdateNotReady, StaleRoundError)."""

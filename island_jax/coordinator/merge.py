@@ -29,6 +29,7 @@ import ml_collections
 import numpy as np
 
 from island_jax.config import fingerprint_fields
+from island_jax.coordinator.contribution import ContributionHeader
 from island_jax.coordinator import handshake
 from island_jax.coordinator.errors import ContributionError, StaleRoundError, UpdateNotReady
 from island_jax.coordinator.state import FragmentState
@@ -320,10 +321,7 @@ class Coordinator:
 
     # -- contributions -----------------------------------------------------------------------------------
 
-    def contribute(
-        self, round: int, island: str, tokens: int, payload: bytes, params_checksum: str | None = None,
-        step_seconds: float | None = None,
-    ) -> str:
+    def contribute(self, header: ContributionHeader, payload: bytes) -> str:
         """One island's whole encoded pseudo-gradient (`payload_bytes` bytes): `begin_contribution`, every
         chunk's `add_chunk`, `end_contribution`. Arguments and errors as for `FragmentedCoordinator.contribute`.
 
@@ -333,13 +331,14 @@ class Coordinator:
         Raises:
           ContributionError: not joined, a future round, duplicate, tokens <= 0, wrong size, NaN/Inf.
         """
+        round, island = header.round, header.island
         if len(payload) != self.payload_bytes and round >= self.round:
             raise ContributionError(
                 f"island {island!r}, round {round}: payload is {len(payload)} bytes but a {self.kind} payload for "
                 f"these parameters is {self.payload_bytes} bytes; the island uses a different model shape, codec "
                 "or block_size"
             )
-        if self.begin_contribution(round, island, tokens, params_checksum, step_seconds) == "discarded":
+        if self.begin_contribution(header) == "discarded":
             return "discarded"
         view = memoryview(payload)
         for chunk in self.plan:
@@ -350,16 +349,14 @@ class Coordinator:
         """Whether `round` closed for `island`: merged already, or the quorum went on without it."""
         return round < self.round or (round == self.round and island in self._round.dropped)
 
-    def begin_contribution(
-        self, round: int, island: str, tokens: int, params_checksum: str | None = None,
-        step_seconds: float | None = None,
-    ) -> str:
-        """Opens an island's contribution to `round` (its header); "accepted" or "discarded" (round closed).
+    def begin_contribution(self, header: ContributionHeader) -> str:
+        """Opens an island's contribution to `header.round`; "accepted" or "discarded" (round closed).
 
         Raises:
           ContributionError: not joined, a future round, a duplicate, tokens <= 0, or a params_checksum
             that is not the view's.
         """
+        round, island, tokens, params_checksum = header.round, header.island, header.tokens, header.params_checksum
         if island not in self.joined:
             raise ContributionError(f"island {island!r} contributed before joining; call join first")
         if self._closed_for(round, island):
@@ -379,8 +376,8 @@ class Coordinator:
                 f"global {self.checksum}; its contribution was refused (restart the island from the workdir)"
             )
         self._round.pending[island] = Contribution(island, int(tokens))
-        if step_seconds and round == 0:
-            self.step_seconds[island] = float(step_seconds)
+        if header.step_seconds and round == 0:
+            self.step_seconds[island] = float(header.step_seconds)
         return "accepted"
 
     def add_chunk(self, round: int, island: str, index: int, data) -> None:

@@ -40,7 +40,7 @@ import numpy as np
 from absl import logging
 
 from island_jax.comm.transport import Transport
-from island_jax.coordinator import StaleRoundError
+from island_jax.coordinator import ContributionHeader, StaleRoundError
 from island_jax.island.accounting import BetweenRounds, EventLog, RoundAccounting, StepTimes
 from island_jax.outer import codec
 from island_jax.outer import fragments as fragments_lib
@@ -386,9 +386,8 @@ class StreamingSync:
         island, transport = self.island, self.transport
         t0 = time.time()
         encoder = island.encode_fragment(fragment, pseudo_gradient)
-        status = transport.contribute(
-            round, island.name, tokens, encoder, island.fragment_checksum(fragment), step_seconds, fragment=fragment
-        )
+        header = ContributionHeader(round, island.name, tokens, island.fragment_checksum(fragment), step_seconds, fragment)
+        status = transport.contribute(header, encoder)
         t1 = time.time()
         self.events.add("send", t0, t1, round=round + 1, fragment=fragment)
         update = transport.fetch_update(round, island.name, fragment=fragment)
