@@ -35,8 +35,12 @@ setup(
     extras_require={
         # tensorboard: its own event reader checks the event files the runs write;
         # grpcio-tools: a test regenerates the gRPC stubs and compares them with the committed ones.
-        # filelock: the tests' shared JAX compilation cache is written under a file lock (tests/conftest.py).
-        "test": ["pytest>=8,<10", "tensorboard>=2.20,<3", "grpcio-tools==1.85.1", "filelock>=3.12,<5"],
+        # filelock: the tests' shared JAX compilation cache is written under a file lock (tests/conftest.py);
+        # ruff: tests/test_lint.py runs the checks configured in pyproject.toml.
+        "test": [
+            "pytest>=8,<10", "tensorboard>=2.20,<3", "grpcio-tools==1.85.1", "filelock>=3.12,<5",
+            "ruff>=0.17.6,<0.18",
+        ],
         # Regenerates the gRPC stubs: python island_jax/comm/generate_stubs.py
         "dev": ["grpcio-tools==1.85.1"],
         # benchmarks/sync_vs_gloo.py's baseline: torch.distributed's gloo all_reduce (CPU build).

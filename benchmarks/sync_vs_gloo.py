@@ -77,10 +77,10 @@ def island_role(port: int) -> None:
     import numpy as np
 
     from island_jax.comm.grpc_client import GrpcTransport
-    from island_jax.coordinator import ContributionHeader
     from island_jax.config import fingerprint_fields
-    from island_jax.outer import codec
+    from island_jax.coordinator import ContributionHeader
     from island_jax.model.init import checksum
+    from island_jax.outer import codec
 
     c = _config()
     params = _params()

@@ -96,8 +96,8 @@ def main() -> None:
     parser.add_argument("--latency_ms", type=float, default=50.0, help="one-way latency of the emulated link")
     parser.add_argument("--simulated_speed", type=float, default=0.5, help="islands.NAME.simulated_speed of both")
     args = parser.parse_args()
-    from island_jax.outer import codec
     from island_jax.model.init import init_params
+    from island_jax.outer import codec
 
     exec_globals: dict = {}
     with open(CONFIG, encoding="utf-8") as f:

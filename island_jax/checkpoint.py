@@ -17,7 +17,6 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 
-
 # One writer per process: roles that share a process (the in-process run) save one after another, since
 # orbax's background saves of several CheckpointManagers at once in one process collide.
 _WRITER = futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="checkpoint")

@@ -10,15 +10,14 @@ import numpy as np
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from island_jax.coordinator import ContributionHeader
 from island_jax.comm import exchange_pb2 as pb
 from island_jax.comm import wire
 from island_jax.comm.grpc_client import GrpcTransport
 from island_jax.comm.grpc_server import serve
 from island_jax.config import default_config, fingerprint_fields, island
-from island_jax.coordinator import FragmentedCoordinator, HandshakeError
-from island_jax.outer import codec
+from island_jax.coordinator import ContributionHeader, FragmentedCoordinator, HandshakeError
 from island_jax.model.init import checksum
+from island_jax.outer import codec
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 

@@ -6,9 +6,9 @@ import time
 
 import pytest
 
-from island_jax.coordinator import ContributionHeader
 from island_jax.comm.link import LinkEmulator
 from island_jax.config import default_config
+from island_jax.coordinator import ContributionHeader
 
 MIB = 1 << 20
 

@@ -3,16 +3,16 @@
 import numpy as np
 import pytest
 
-from island_jax.coordinator import ContributionHeader
 from island_jax.config import default_config, fingerprint_fields, island
 from island_jax.coordinator import (
     ContributionError,
+    ContributionHeader,
     Coordinator,
     HandshakeError,
     UpdateNotReady,
 )
-from island_jax.outer import codec
 from island_jax.model.init import checksum
+from island_jax.outer import codec
 
 
 def _config(lr, momentum, nesterov, kind="none"):

@@ -2,19 +2,17 @@
 
 import threading
 
-import pytest
-
 import jax
 import numpy as np
+import pytest
 
-from island_jax.coordinator import ContributionHeader
 from island_jax.comm.grpc_client import GrpcTransport
-from island_jax.comm.link import LinkEmulator
 from island_jax.comm.grpc_server import serve
+from island_jax.comm.link import LinkEmulator
 from island_jax.config import default_config, fingerprint_fields, island
-from island_jax.coordinator import ContributionError, Coordinator, FragmentedCoordinator
-from island_jax.outer import codec
+from island_jax.coordinator import ContributionError, ContributionHeader, Coordinator, FragmentedCoordinator
 from island_jax.model.init import checksum
+from island_jax.outer import codec
 
 
 def _config(pipeline: bool, connections: int):

@@ -3,10 +3,9 @@
 import numpy as np
 import pytest
 
-from island_jax.coordinator import ContributionHeader
 from island_jax import config as config_lib
 from island_jax.config import default_config, fingerprint_fields, island
-from island_jax.coordinator import Coordinator
+from island_jax.coordinator import ContributionHeader, Coordinator
 from island_jax.hardware import CATALOG, lookup
 from island_jax.outer import codec
 from island_jax.planning import plan_inner_steps
@@ -59,9 +58,10 @@ def test_auto_needs_equal_per_device_batch_and_known_hardware():
 
 def test_time_rounds_give_a_half_speed_island_about_half_its_tokens(tmp_path):
     """hetero_islands in short form, in one process: b trains at simulated_speed 0.5 for the same wall clock."""
+    from tiny_config import get_config, write_corpus
+
     from island_jax.metrics import read_jsonl
     from island_jax.run import run_in_process
-    from tiny_config import get_config, write_corpus
 
     c = get_config()
     c.data.files = write_corpus(tmp_path / "corpus")
@@ -96,9 +96,10 @@ def test_measured_plan_from_round_zero_step_times():
 
 
 def test_measured_plan_in_a_run(tmp_path):
+    from tiny_config import get_config, write_corpus
+
     from island_jax.metrics import read_jsonl
     from island_jax.run import run_in_process
-    from tiny_config import get_config, write_corpus
 
     c = get_config()
     c.data.files = write_corpus(tmp_path / "corpus")

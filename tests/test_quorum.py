@@ -3,17 +3,17 @@
 import numpy as np
 import pytest
 
-from island_jax.coordinator import ContributionHeader
 from island_jax.config import default_config, fingerprint_fields, island
 from island_jax.coordinator import (
     ContributionError,
+    ContributionHeader,
     Coordinator,
     FragmentedCoordinator,
     StaleRoundError,
     UpdateNotReady,
 )
-from island_jax.outer import codec
 from island_jax.model.init import checksum
+from island_jax.outer import codec
 
 
 class Clock:

@@ -7,16 +7,15 @@ import numpy as np
 import pytest
 from tiny_config import get_config, write_corpus
 
-from island_jax.coordinator import ContributionHeader
 from island_jax import data as data_lib
 from island_jax.comm import exchange_pb2 as pb
 from island_jax.comm import wire
 from island_jax.config import fingerprint_fields, island
-from island_jax.coordinator import FragmentedCoordinator
+from island_jax.coordinator import ContributionHeader, FragmentedCoordinator
 from island_jax.island import Island
 from island_jax.metrics import read_jsonl
-from island_jax.outer import codec
 from island_jax.model.init import checksum, count, init_params
+from island_jax.outer import codec
 from island_jax.run import run_in_process
 
 ROUNDS = 4

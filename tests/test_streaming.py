@@ -8,14 +8,14 @@ import numpy as np
 import pytest
 from tiny_config import get_config
 
-from island_jax.comm.link import LinkEmulator
 from island_jax.comm.inprocess import InProcessTransport
+from island_jax.comm.link import LinkEmulator
 from island_jax.config import default_config, fingerprint_fields, island
 from island_jax.coordinator import FragmentedCoordinator
 from island_jax.island import EventLog, Island, OuterLoopIsland, StreamingSync
+from island_jax.model.init import checksum, init_params
 from island_jax.outer import codec
 from island_jax.outer import fragments as fragments_lib
-from island_jax.model.init import checksum, init_params
 from island_jax.plots import plot_timeline
 
 

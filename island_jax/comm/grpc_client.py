@@ -36,9 +36,9 @@ import grpc
 
 from island_jax.comm import exchange_pb2 as pb
 from island_jax.comm import wire
+from island_jax.comm.grpc_server import SERVICE_NAME, channel_options
 from island_jax.comm.link import LinkEmulator
 from island_jax.comm.transport import SyncStats
-from island_jax.comm.grpc_server import SERVICE_NAME, channel_options
 from island_jax.coordinator import ContributionError, ContributionHeader, HandshakeError, StaleRoundError
 from island_jax.outer import codec
 

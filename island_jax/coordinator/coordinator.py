@@ -20,9 +20,9 @@ from island_jax.coordinator import handshake
 from island_jax.coordinator.contribution import ContributionHeader
 from island_jax.coordinator.errors import HandshakeError
 from island_jax.coordinator.merge import Coordinator
+from island_jax.model.init import checksum
 from island_jax.outer import codec
 from island_jax.outer import fragments as fragments_lib
-from island_jax.model.init import checksum
 
 
 class FragmentedCoordinator:

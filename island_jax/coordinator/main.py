@@ -18,9 +18,9 @@ from absl import logging
 from island_jax import config as config_lib
 from island_jax.comm.inprocess import InProcessExchange
 from island_jax.coordinator import FragmentedCoordinator, RoundRecord
+from island_jax.metrics import write_json
 from island_jax.model.init import checksum, count, init_params
 from island_jax.workdir import RoleFolder, coordinator_dir, due, open_role
-from island_jax.metrics import write_json
 
 
 class _GrpcEndpoint:
@@ -118,7 +118,7 @@ def _serve_rounds(config, coordinator: FragmentedCoordinator, endpoint, role: Ro
     rounds, names = config.outer.rounds, list(config.islands.keys())
     last = time.perf_counter()
     for r in range(coordinator.round, rounds):
-        for p, fragment in enumerate(coordinator.fragments):
+        for p in range(len(coordinator.fragments)):
             rec, received = _wait_for_merge(config, coordinator, endpoint, r, p)
             now = time.perf_counter()
             role.metrics.write(_round_record(rec, r, p, received, now - last))

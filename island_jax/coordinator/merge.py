@@ -29,8 +29,8 @@ import ml_collections
 import numpy as np
 
 from island_jax.config import fingerprint_fields
-from island_jax.coordinator.contribution import ContributionHeader
 from island_jax.coordinator import handshake
+from island_jax.coordinator.contribution import ContributionHeader
 from island_jax.coordinator.errors import ContributionError, StaleRoundError, UpdateNotReady
 from island_jax.coordinator.state import FragmentState
 from island_jax.outer import codec

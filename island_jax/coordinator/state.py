@@ -9,9 +9,9 @@ import ml_collections
 import ml_dtypes
 import numpy as np
 
+from island_jax.model.init import checksum
 from island_jax.outer import chunk_step, codec
 from island_jax.outer.optimizer import outer_optimizer
-from island_jax.model.init import checksum
 
 
 class FragmentState:

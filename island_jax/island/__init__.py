@@ -5,14 +5,13 @@ fragment and no overlap) and where its seconds go (`accounting`)."""
 from island_jax.island.accounting import ACCOUNTING_FIELDS, BETWEEN_ROUNDS, EventLog
 from island_jax.island.island import Island
 from island_jax.island.outer_loop import OuterLoopIsland, StreamingSync
-from island_jax.island.step import LAYER_METRICS, STEP_METRICS, cross_entropy, inner_optimizer, loss_fn
+from island_jax.island.step import STEP_METRICS, cross_entropy, inner_optimizer, loss_fn
 
 __all__ = [
     "ACCOUNTING_FIELDS",
     "BETWEEN_ROUNDS",
     "EventLog",
     "Island",
-    "LAYER_METRICS",
     "OuterLoopIsland",
     "STEP_METRICS",
     "StreamingSync",

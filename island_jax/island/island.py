@@ -30,12 +30,11 @@ from jax.sharding import PartitionSpec as P
 from island_jax import data as data_lib
 from island_jax.island import step as step_lib
 from island_jax.mesh import BATCH_AXES, island_mesh
-from island_jax.model.moe import check_dispatch
+from island_jax.model.init import checksum
+from island_jax.model.moe import LAYER_METRICS, check_dispatch
 from island_jax.outer import codec
 from island_jax.outer import fragments as fragments_lib
-from island_jax.model.init import checksum
 from island_jax.planning import plan_inner_steps
-
 
 
 @dataclasses.dataclass(frozen=True)
@@ -260,7 +259,7 @@ class Island:
             history = jax.device_get(history)
         seconds = time.perf_counter() - start
         out = {k: [float(m[k]) for m in history] for k in step_lib.STEP_METRICS}
-        out["layers"] = [{k: np.asarray(m["layers"][k]) for k in step_lib.LAYER_METRICS} for m in history]
+        out["layers"] = [{k: np.asarray(m["layers"][k]) for k in LAYER_METRICS} for m in history]
         out.update(
             steps=len(history),
             tokens=len(history) * self.tokens_per_step,

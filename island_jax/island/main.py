@@ -26,11 +26,10 @@ from island_jax import config as config_lib
 from island_jax import data as data_lib
 from island_jax.comm.inprocess import InProcessExchange, InProcessTransport
 from island_jax.comm.link import LinkEmulator
-from island_jax.island import STEP_METRICS, Island
+from island_jax.island import ACCOUNTING_FIELDS, STEP_METRICS, EventLog, Island, StreamingSync
 from island_jax.metrics import write_json
 from island_jax.model.init import checksum, count, init_params
 from island_jax.progress import Eta
-from island_jax.island import ACCOUNTING_FIELDS, EventLog, StreamingSync
 from island_jax.workdir import RoleFolder, due, island_dir, open_role, summarize_island
 
 

@@ -19,7 +19,7 @@ import ml_collections
 import optax
 from flax import nnx
 
-from island_jax.model.moe import LAYER_METRICS, MEAN_METRICS
+from island_jax.model.moe import MEAN_METRICS
 from island_jax.model.transformer import aggregate_stats, update_routing_biases
 
 # Scalars each inner step reports (see `Island.train_round`); the MoE ones are means over MoE layers.
@@ -150,5 +150,5 @@ def mix(local: list, global_: list, alpha: jax.Array) -> list:
     Computed in float32 and cast back to each local leaf's dtype; `alpha` is a
     float32 scalar (`outer.mix_alpha`).
     """
-    return [(alpha * l.astype(jnp.float32) + (1.0 - alpha) * g.astype(jnp.float32)).astype(l.dtype)
-            for l, g in zip(local, global_)]
+    return [(alpha * x.astype(jnp.float32) + (1.0 - alpha) * g.astype(jnp.float32)).astype(x.dtype)
+            for x, g in zip(local, global_)]
