@@ -223,25 +223,21 @@ def _forward(prefix: str, stream, lock: threading.Lock) -> None:
             sys.stdout.flush()
 
 
-def main(argv):
+def _checked(config, workdir: str, names: list[str]):
+    """Everything that can refuse the launch, before anything is created or started: the config, a
+    finished workdir, `--netns_*` and `--cpus`. Returns (coordinator namespace, island namespaces, cpus)."""
     from island_jax import config as config_lib
+    from island_jax.workdir import refuse_finished
 
-    config, workdir = _CONFIG.value, _WORKDIR.value
     try:
         config_lib.validate(config)
-    except config_lib.ConfigError as e:
+        refuse_finished(workdir)
+    except (config_lib.ConfigError, FileExistsError) as e:
         sys.exit(str(e))
     if not config.outer.enabled:
         sys.exit("outer.enabled is False: a run without the outer loop has no coordinator; "
                  "run it in one process with experiments/train.py")
-    from island_jax.workdir import refuse_finished
-
-    try:
-        refuse_finished(workdir)
-    except FileExistsError as e:
-        sys.exit(str(e))
-    names = list(config.islands.keys())
-    coordinator_ns, island_ns = _placement(names)  # checked before anything is created or started
+    coordinator_ns, island_ns = _placement(names)
     cpus = {}
     if _CPUS.value:
         if not hasattr(os, "sched_setaffinity"):
@@ -250,10 +246,12 @@ def main(argv):
             cpus = parse_cpus(_CPUS.value, ["coordinator", *names], os.sched_getaffinity(0))
         except ValueError as e:
             sys.exit(str(e))
+    return coordinator_ns, island_ns, cpus
+
+
+def _start(workdir: str, names: list[str], coordinator_ns: str, island_ns: dict, cpus: dict) -> dict:
+    """Starts the coordinator and every island (`experiments/train.py --role=...`); {role: Popen}."""
     listen, dial = _addresses(coordinator_ns, island_ns)
-    os.makedirs(workdir, exist_ok=True)
-    start = time.perf_counter()
-    del argv
     overrides = [a for a in sys.argv[1:] if a.startswith("--config")]  # the config and its overrides
 
     def command(ns: str, address: str, *role: str) -> list[str]:
@@ -265,11 +263,10 @@ def main(argv):
         (f"island {n}", command(island_ns[n], dial, "--role=island", f"--island={n}")) for n in names
     ]
     where = {"coordinator": coordinator_ns} | {f"island {n}": island_ns[n] for n in names}
-    lock = threading.Lock()
-    procs, threads = {}, []
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     for key, value in MALLOC_ENV.items():  # an explicit setting of the caller wins
         env.setdefault(key, value)
+    procs = {}
     for role, cmd in roles:  # every process first: preexec_fn is only safe before threads start
         pinned = cpus.get(role.removeprefix("island "))
         procs[role] = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
@@ -277,12 +274,12 @@ def main(argv):
         inside = f" in namespace {where[role]}" if where[role] else ""
         on = f" on CPUs {','.join(map(str, sorted(pinned)))}" if pinned else ""
         print(f"[launch] started {role} (pid {procs[role].pid}){inside}{on}", flush=True)
-    for role, p in procs.items():
-        threads.append(threading.Thread(target=_forward, args=(role, p.stdout, lock), daemon=True))
-        threads[-1].start()
-    from island_jax.progress import Progress
+    return procs
 
-    progress = Progress(workdir, list(config.islands.keys()), config.outer.rounds)
+
+def _supervise(procs: dict, progress, lock: threading.Lock) -> tuple[str, int] | None:
+    """Prints the progress lines until every process ends; on the first failure (or Ctrl-C) stops the
+    others. Returns (role, status) of that failure, or None."""
     failed, failures = None, []
     try:
         while failed is None and any(p.poll() is None for p in procs.values()):
@@ -294,28 +291,46 @@ def main(argv):
             failed = failures[0] if failures else None
     except KeyboardInterrupt:
         failed = ("launch", 130)
-    if failed is not None:
-        for role, code in failures if failed[0] != "launch" else [failed]:
-            print(f"[launch] {role} exited with status {code}; stopping the other processes", flush=True)
-        for p in procs.values():
-            if p.poll() is None:
-                p.terminate()
-        deadline = time.time() + 10
-        for p in procs.values():
-            try:
-                p.wait(timeout=max(deadline - time.time(), 0.1))
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait()
-        for t in threads:
-            t.join(timeout=5)
-        sys.exit(failed[1] if failed[1] > 0 else 1)
-    for t in threads:
-        t.join(timeout=5)
-    for line in progress.poll():
-        print(f"[launch] {line}", flush=True)
+    if failed is None:
+        return None
+    for role, code in failures if failed[0] != "launch" else [failed]:
+        print(f"[launch] {role} exited with status {code}; stopping the other processes", flush=True)
+    for p in procs.values():
+        if p.poll() is None:
+            p.terminate()
+    deadline = time.time() + 10
+    for p in procs.values():
+        try:
+            p.wait(timeout=max(deadline - time.time(), 0.1))
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
+    return failed
+
+
+def main(argv):
+    del argv
+    from island_jax.progress import Progress
     from island_jax.workdir import combine_summaries
 
+    config, workdir = _CONFIG.value, _WORKDIR.value
+    names = list(config.islands.keys())
+    coordinator_ns, island_ns, cpus = _checked(config, workdir, names)
+    os.makedirs(workdir, exist_ok=True)
+    start = time.perf_counter()
+    procs = _start(workdir, names, coordinator_ns, island_ns, cpus)
+    lock = threading.Lock()
+    threads = [threading.Thread(target=_forward, args=(role, p.stdout, lock), daemon=True) for role, p in procs.items()]
+    for t in threads:
+        t.start()
+    progress = Progress(workdir, names, config.outer.rounds)
+    failed = _supervise(procs, progress, lock)
+    for t in threads:
+        t.join(timeout=5)
+    if failed is not None:
+        sys.exit(failed[1] if failed[1] > 0 else 1)
+    for line in progress.poll():
+        print(f"[launch] {line}", flush=True)
     summary = combine_summaries(config, workdir, time.perf_counter() - start)
     print(
         f"[launch] done in {summary['wall_seconds']:.1f} s: eval loss {summary['eval_loss_initial']:.4f} -> "
