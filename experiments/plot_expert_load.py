@@ -9,7 +9,6 @@ from absl import app, flags
 
 _METRICS = flags.DEFINE_string("metrics", None, "A metrics.jsonl with inner-step records.")
 _OUT = flags.DEFINE_string("out", "expert_load.png", "The PNG to write.")
-_ISLAND = flags.DEFINE_string("island", None, "For an in-process run's metrics: the island to draw.")
 flags.mark_flags_as_required(["metrics"])
 
 
@@ -18,7 +17,7 @@ def main(argv):
     from island_jax.plots import plot_expert_load
 
     try:
-        print(plot_expert_load(_METRICS.value, _OUT.value, _ISLAND.value))
+        print(plot_expert_load(_METRICS.value, _OUT.value))
     except (OSError, ValueError) as e:
         sys.exit(f"{type(e).__name__}: {e}")
 

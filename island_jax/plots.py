@@ -7,17 +7,15 @@ import numpy as np
 from island_jax.metrics import read_jsonl
 
 
-def plot_expert_load(metrics_path: str, png_path: str, island: str | None = None) -> str:
+def plot_expert_load(metrics_path: str, png_path: str) -> str:
     """Draws each MoE layer's expert load fractions over inner steps into a PNG.
 
     One panel per MoE layer, one line per expert (share of the layer's top-k
     assignments, before drops), and a dashed line at the balanced share 1/E.
 
     Args:
-      metrics_path: a `metrics.jsonl` with `inner` records (an island's folder
-        of a multi-process run, or an in-process run's workdir).
+      metrics_path: an island's `metrics.jsonl` (`WORKDIR/islands/NAME/`), with `inner` records.
       png_path: where to write the PNG (8 x 2.2 inches per layer, 100 dpi).
-      island: in an in-process run's metrics, the island to draw (default: the first).
 
     Returns:
       `png_path`.
@@ -28,11 +26,9 @@ def plot_expert_load(metrics_path: str, png_path: str, island: str | None = None
     from matplotlib.figure import Figure
 
     records = [r for r in read_jsonl(metrics_path) if r.get("kind") == "inner" and "moe" in r]
-    if records and island is None:
-        island = records[0].get("island")
-    records = [r for r in records if r.get("island") == island]
     if not records:
-        raise ValueError(f"{metrics_path} holds no inner-step records with MoE metrics (island {island!r})")
+        raise ValueError(f"{metrics_path} holds no inner-step records with MoE metrics; pass an island's "
+                         "metrics.jsonl (WORKDIR/islands/NAME/metrics.jsonl)")
     steps = [r["step"] for r in records]
     load = np.asarray([r["moe"]["expert_load"] for r in records])  # [steps, layers, experts]
     num_layers, num_experts = load.shape[1:]
@@ -43,7 +39,7 @@ def plot_expert_load(metrics_path: str, png_path: str, island: str | None = None
             ax.plot(steps, load[:, layer, e], linewidth=1, label=f"expert {e}")
         ax.axhline(1 / num_experts, color="gray", linestyle="--", linewidth=0.8)
         ax.set_ylabel("load fraction")
-        ax.set_title(f"MoE layer {layer}" + (f", island {island}" if island else ""), fontsize=9)
+        ax.set_title(f"MoE layer {layer}", fontsize=9)
     axes[-1].set_xlabel("inner step")
     axes[0].legend(fontsize=7, ncol=min(num_experts, 8), loc="upper right")
     fig.tight_layout()
@@ -71,8 +67,7 @@ def plot_timeline(event_paths, png_path: str, start: float | None = None, end: f
     shows as send / receive bars beside compute bars.
 
     Args:
-      event_paths: JSON-lines event files (an island's `events.jsonl`, or an
-        in-process run's `events_NAME.jsonl`).
+      event_paths: JSON-lines event files (each island's `events.jsonl`).
       png_path: where to write the PNG (12 inches wide, 1.9 per island, 100 dpi).
       start, end: the window to draw, in seconds from the first event (default: all).
 

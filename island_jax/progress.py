@@ -71,7 +71,10 @@ class Progress:
                     if not line.endswith("\n"):
                         break
                     self.offsets[name] = f.tell()
-                    rec = json.loads(line)
+                    try:
+                        rec = json.loads(line)
+                    except ValueError:  # a line torn by a crash mid-write: read_jsonl skips it too
+                        continue
                     if rec.get("kind") == "round":
                         self.rounds_seen.setdefault(rec["round"], {})[name] = rec
 

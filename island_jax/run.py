@@ -21,7 +21,7 @@ import ml_collections
 from absl import logging
 
 from island_jax import config as config_lib
-from island_jax.comm.inprocess import InProcessExchange, IslandAborted
+from island_jax.comm.inprocess import InProcessExchange, RunAborted
 from island_jax.coordinator.main import run_coordinator
 from island_jax.island.main import run_island
 from island_jax.progress import Progress
@@ -49,15 +49,16 @@ def run_in_process(config: ml_collections.ConfigDict, workdir: str) -> dict:
     refuse_finished(workdir)
     start = time.perf_counter()
     exchange = InProcessExchange() if config.outer.enabled else None
-    device_lock = threading.Lock()
     devices, offset = jax.devices(), 0
+    device_lock = threading.Lock() if devices[0].platform == "cpu" else None
+    stop = threading.Event()  # set when the run is stopped: every island stops before its next round
     roles = []
     if exchange is not None:
         roles.append(("coordinator", run_coordinator, (config, workdir, exchange)))
     for name, cfg in config.islands.items():
         island_devices = devices[offset : offset + cfg.num_devices]
         offset += cfg.num_devices
-        roles.append((f"island {name}", run_island, (config, workdir, name, exchange, island_devices, device_lock)))
+        roles.append((f"island {name}", run_island, (config, workdir, name, exchange, island_devices, device_lock, stop)))
     errors: list[tuple[str, BaseException]] = []
 
     def work(role, fn, args):
@@ -65,29 +66,32 @@ def run_in_process(config: ml_collections.ConfigDict, workdir: str) -> dict:
             fn(*args)
         except BaseException as e:  # noqa: BLE001 - reported on the caller's thread
             errors.append((role, e))
+            stop.set()
             if exchange is not None:
                 exchange.abort(f"{role} failed: {e!r}")
 
     threads = [threading.Thread(target=work, args=role, name=role[0].replace(" ", "-")) for role in roles]
-    for t in threads:
-        t.start()
     progress = Progress(workdir, list(config.islands.keys()), config.outer.rounds)
     try:
-        while any(t.is_alive() for t in threads):
-            threads[0].join(timeout=1.0)
+        for t in threads:
+            t.start()
+        while alive := [t for t in threads if t.is_alive()]:
+            alive[0].join(timeout=1.0)
             for line in progress.poll():
                 logging.info("%s", line)
     except BaseException as e:  # a signal or Ctrl-C: every role unwinds, saves in progress finish
+        stop.set()
         if exchange is not None:
             exchange.abort(f"the run was stopped ({e!r})")
         for t in threads:
-            t.join()
+            if t.is_alive():
+                t.join()
         raise
     for t in threads:
         t.join()
     for line in progress.poll():
         logging.info("%s", line)
-    real = [(role, e) for role, e in errors if not isinstance(e, IslandAborted)]
+    real = [(role, e) for role, e in errors if not isinstance(e, RunAborted)]
     if real or errors:
         raise (real or errors)[0][1]
     summary = combine_summaries(config, workdir, time.perf_counter() - start)

@@ -75,20 +75,27 @@ class RoleFolder:
 def open_role(config: ml_collections.ConfigDict, path: str) -> RoleFolder:
     """Opens (creating) a role's folder: its `Checkpointer`, `MetricsWriter` and `config.json`.
 
-    A resumed role keeps the `config.json` it started with.
+    A resumed role keeps the `config.json` it started with. A role stopped
+    before it completed a round (while compiling, say) starts again from the
+    beginning, after what it logged.
 
     Raises:
-      FileExistsError: the folder holds metrics of a run but no checkpoint to resume from.
+      FileExistsError: the folder holds completed rounds but no checkpoint to resume from.
+      CheckpointError: from orbax, for a checkpoint folder it cannot read.
     """
     os.makedirs(path, exist_ok=True)
     checkpoints = Checkpointer(
         os.path.join(path, "checkpoints"), config.checkpoint.every_rounds, config.checkpoint.max_to_keep
     )
-    if checkpoints.latest_round() is None and os.path.exists(os.path.join(path, "metrics.jsonl")):
+    metrics = os.path.join(path, "metrics.jsonl")
+    if checkpoints.latest_round() is None and os.path.exists(metrics) and any(
+        r.get("kind") == "round" for r in read_jsonl(metrics)
+    ):
         checkpoints.close()
         raise FileExistsError(
-            f"{path} holds metrics of a run but no checkpoint to resume from; pass a new --workdir, or move that "
-            "one away first, so that nothing it holds is overwritten"
+            f"{path} holds rounds of a run but no checkpoint to resume from (checkpoint.every_rounds="
+            f"{config.checkpoint.every_rounds}); pass a new --workdir, or move that one away first, so that nothing "
+            "it holds is overwritten"
         )
     config_path = os.path.join(path, "config.json")
     if not os.path.exists(config_path):
@@ -149,7 +156,7 @@ def combine_summaries(config: ml_collections.ConfigDict, workdir: str, wall_seco
     Returns:
       `rounds`, `params`, `codec`, `block_size`, `corpus`, `eval_loss_initial`,
       `eval_loss_final` (nats per byte, from the evaluating island),
-      `wall_seconds` (the caller's), `checksums_agree` (every island's final
+      `wall_seconds` (the caller's, seconds), `checksums_agree` (every island's final
       global parameters equal the coordinator's view; without an outer loop,
       True), and `islands.NAME`: the island's `SUMMED` totals,
       `achieved_gbps`, `compute_utilization`, `mean_weight` (its share of a

@@ -249,7 +249,7 @@ def test_call_errors():
 def test_the_in_process_transport_carries_payloads_over_the_emulated_link():
     import numpy as np
 
-    from island_jax.comm.inprocess import InProcessTransport
+    from island_jax.comm.inprocess import InProcessExchange, InProcessTransport
     from island_jax.config import default_config, fingerprint_fields, island
     from island_jax.coordinator import FragmentedCoordinator
     from island_jax.outer import codec
@@ -262,7 +262,7 @@ def test_the_in_process_transport_carries_payloads_over_the_emulated_link():
     clock = FakeClock()
     link = LinkEmulator(0.1, latency_ms=50.0, clock=clock, sleep=clock.sleep)
     coordinator = FragmentedCoordinator(c, params, ["a"])
-    transport = InProcessTransport(coordinator, link, connections=4)
+    transport = InProcessTransport(InProcessExchange().serve(coordinator), link, connections=4)
     transport.join("a", fingerprint_fields(c), coordinator.checksum)
     transport.contribute(ContributionHeader(0, "a", 10), codec.encode(params, "none", 256))
     assert clock.t == pytest.approx(0.05 + 1_000_000 * 8 / 1e8, rel=1e-9)  # 1 MB at 100 Mbit/s, 50 ms one way

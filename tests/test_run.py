@@ -205,3 +205,19 @@ def test_data_parallel_baseline_runs_through_run_island_with_no_exchange(tmp_pat
     assert summary["eval_loss_final"] == by_hand.evaluate(data_lib.eval_batches(
         data_lib.load_corpus(config.data.files, config.data.eval_fraction, ["a"]).eval_bytes,
         config.model.seq_len, config.eval.batch_size, config.eval.num_batches))
+
+
+def test_a_role_stopped_before_its_first_round_starts_again_and_one_with_rounds_is_refused(tmp_path):
+    from island_jax.workdir import open_role
+
+    config = tiny_config(tmp_path)
+    folder = tmp_path / "islands" / "a"
+    folder.mkdir(parents=True)
+    (folder / "metrics.jsonl").write_text(json.dumps(dict(kind="eval", round=0, eval_loss=5.5)) + "\n")
+    open_role(config, str(folder)).close()  # stopped while compiling: nothing to resume, nothing lost
+    assert read_jsonl(folder / "metrics.jsonl") == [dict(kind="eval", round=0, eval_loss=5.5)]
+    with open(folder / "metrics.jsonl", "a") as f:
+        f.write(json.dumps(dict(kind="round", round=1)) + "\n")
+    with pytest.raises(FileExistsError, match="holds rounds of a run but no checkpoint to resume from"):
+        open_role(config, str(folder))
+    assert [r["kind"] for r in read_jsonl(folder / "metrics.jsonl")] == ["eval", "round"]

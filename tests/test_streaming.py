@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from tiny_config import get_config
 
-from island_jax.comm.inprocess import InProcessTransport
+from island_jax.comm.inprocess import InProcessExchange, InProcessTransport
 from island_jax.comm.link import LinkEmulator
 from island_jax.config import default_config, fingerprint_fields, island
 from island_jax.coordinator import FragmentedCoordinator
@@ -119,7 +119,7 @@ def vector_config(inner_steps, fragments, tau, alpha=0.5, kind="none"):
 def run_vector(config, params, rounds, link=None, **island_kwargs):
     isl = VectorIsland(config, params, **island_kwargs)
     coordinator = FragmentedCoordinator(config, params, ["solo"])
-    transport = InProcessTransport(coordinator, link, config.comm.connections)
+    transport = InProcessTransport(InProcessExchange().serve(coordinator), link, config.comm.connections)
     transport.join("solo", fingerprint_fields(config), checksum(params))
     sync = StreamingSync(isl, transport, config, link=link)
     records = [sync.run_round(r) for r in range(rounds)]
@@ -192,7 +192,7 @@ def test_events_and_timeline(tmp_path):
     path = tmp_path / "events_solo.jsonl"
     isl = VectorIsland(config, params, step_seconds=0.005)
     coordinator = FragmentedCoordinator(config, params, ["solo"])
-    transport = InProcessTransport(coordinator)
+    transport = InProcessTransport(InProcessExchange().serve(coordinator))
     transport.join("solo", fingerprint_fields(config), checksum(params))
     events = EventLog(str(path), "solo")
     sync = StreamingSync(isl, transport, config, events=events)

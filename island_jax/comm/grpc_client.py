@@ -21,7 +21,7 @@ raises in process:
 
 `stats(round, fragment)` describes one exchange (see `SyncStats`), `last_stats`
 the last one finished. Exchanges of different fragments may run at once, each
-on threads of its own (Streaming DiLoCo overlap, island_jax/streaming.py).
+on threads of its own (Streaming DiLoCo overlap, island_jax/island/outer_loop.py).
 """
 
 from __future__ import annotations

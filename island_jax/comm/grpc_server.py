@@ -239,11 +239,6 @@ class ExchangeService:
     """
 
     def __init__(self, coordinator: FragmentedCoordinator, chunk_bytes: int):
-        if not hasattr(coordinator, "fragments"):
-            raise TypeError(
-                f"the exchange serves a FragmentedCoordinator, not a {type(coordinator).__name__}; build "
-                "FragmentedCoordinator(config, params, islands) (outer.fragments = 1 is plain DiLoCo)"
-            )
         self.coordinator = c = coordinator
         self.layouts = [codec.layout(f.view, f.kind, f.block_size) for f in c.fragments]
         self.payload_bytes = sum(f.payload_bytes for f in c.fragments)  # one round of every fragment

@@ -21,6 +21,8 @@ from __future__ import annotations
 import threading
 import time
 
+from absl import logging
+
 from island_jax.comm import exchange_pb2 as pb
 from island_jax.comm import wire
 from island_jax.comm.link import LinkEmulator
@@ -29,7 +31,7 @@ from island_jax.coordinator import ContributionHeader, FragmentedCoordinator, Up
 from island_jax.outer import codec
 
 
-class IslandAborted(RuntimeError):
+class RunAborted(RuntimeError):
     """Another role of the same process failed (or the run was stopped); this one stops waiting."""
 
 
@@ -45,6 +47,11 @@ class InProcessExchange:
       payload_bytes: bytes of one round of every fragment's update.
       wire_bytes: {island: {"received", "sent"}}, frame bytes the gRPC service would count.
       fetched: {(fragment, round): islands that received its update}.
+      ready: islands that said they are ready to train (`start_together`).
+      layouts: `codec.layout` of each fragment's payload.
+      aborted: why the run was aborted (None while it runs).
+      stopped_at: the coordinator's round when it stopped serving (None while it serves).
+      where: "in process", for the coordinator's log line.
     """
 
     def __init__(self):
@@ -56,13 +63,8 @@ class InProcessExchange:
         self.ready: set[str] = set()
         self.layouts: list[str] = []
         self.aborted: str | None = None
-
-    @classmethod
-    def serving(cls, coordinator: FragmentedCoordinator) -> "InProcessExchange":
-        """An exchange that already serves `coordinator` (tests and notebooks that drive islands by hand)."""
-        exchange = cls()
-        exchange.serve(coordinator)
-        return exchange
+        self.stopped_at: int | None = None
+        self.where = "in process"
 
     def serve(self, coordinator: FragmentedCoordinator) -> "InProcessExchange":
         """Starts serving `coordinator` (wakes islands waiting to join); returns self."""
@@ -79,20 +81,22 @@ class InProcessExchange:
         self.lock.notify_all()
 
     def abort(self, reason: str) -> None:
-        """Makes every waiting and later call raise `IslandAborted(reason)` (a role of the run failed)."""
+        """Makes every waiting and later call raise `RunAborted(reason)` (a role of the run failed)."""
         with self.lock:
             self.aborted = self.aborted or reason
             self.lock.notify_all()
 
     def check(self) -> None:
-        """Raises `IslandAborted` once the exchange was aborted."""
+        """Raises `RunAborted` once the exchange was aborted."""
         if self.aborted is not None:
-            raise IslandAborted(self.aborted)
+            raise RunAborted(self.aborted)
 
     def stop(self, grace: float | None = None) -> None:
-        """Stops serving: the coordinator is gone (`grace` is the gRPC server's; nothing is in flight here)."""
+        """Stops serving: later calls raise at once (`grace` is the gRPC server's; nothing is in flight here)."""
         del grace
         with self.lock:
+            if self.coordinator is not None:
+                self.stopped_at = self.coordinator.round
             self.coordinator = None
             self.lock.notify_all()
 
@@ -101,7 +105,7 @@ class InProcessExchange:
         False on timeout (seconds).
 
         Raises:
-          IslandAborted: the exchange was aborted meanwhile.
+          RunAborted: the exchange was aborted meanwhile.
         """
         c = self.coordinator
         islands = set(c.islands if islands is None else islands)
@@ -113,15 +117,26 @@ class InProcessExchange:
             self.check()
             return done
 
+    def fetched_by(self, fragment: int, round: int) -> set[str]:
+        """The islands that received the update of `round` of `fragment`."""
+        with self.lock:
+            return set(self.fetched.get((fragment, round), ()))
+
     def served(self, timeout: float) -> FragmentedCoordinator:
         """The coordinator, waiting up to `timeout` seconds for `serve`; call it holding `lock`.
 
         Raises:
-          IslandAborted: the exchange was aborted.
+          RunAborted: the exchange was aborted, or the coordinator already stopped (the run ended).
           TimeoutError: no coordinator was served in time.
         """
-        self.lock.wait_for(lambda: self.coordinator is not None or self.aborted is not None, timeout)
+        stopped = lambda: self.stopped_at is not None  # noqa: E731
+        self.lock.wait_for(lambda: self.coordinator is not None or self.aborted is not None or stopped(), timeout)
         self.check()
+        if stopped():
+            raise RunAborted(
+                f"the coordinator finished the run at round {self.stopped_at} and stopped serving; an island that "
+                "was left out of the last rounds has nothing left to fetch"
+            )
         if self.coordinator is None:
             raise TimeoutError(
                 f"no coordinator was served within {timeout:.0f} s (comm.join_timeout_seconds); "
@@ -134,7 +149,7 @@ class InProcessTransport:
     """One island's end of an `InProcessExchange`, with the calls of `comm.transport.Transport`.
 
     Args:
-      exchange: the run's `InProcessExchange` (a `FragmentedCoordinator` is served on one of its own).
+      exchange: the run's `InProcessExchange` (served by `run_coordinator`, or by hand with `serve`).
       link: this island's emulated link (None: none).
       connections: `comm.connections` (how chunks are spread over the link's connections, and how
         many streams the gRPC frames would use).
@@ -145,17 +160,15 @@ class InProcessTransport:
 
     def __init__(
         self,
-        exchange: InProcessExchange | FragmentedCoordinator,
+        exchange: InProcessExchange,
         link: LinkEmulator | None = None,
         connections: int = 1,
         timeout: float = 3600.0,
         join_timeout: float = 600.0,
     ):
-        if isinstance(exchange, FragmentedCoordinator):
-            exchange = InProcessExchange.serving(exchange)
         self.exchange, self.link, self.connections = exchange, link, connections
         self.timeout, self.join_timeout = timeout, join_timeout
-        self._stats: dict[tuple[int, int], SyncStats] = {}  # (fragment, round) -> its exchange
+        self._stats: dict[tuple[int, int], SyncStats] = {}  # (fragment, round) -> its exchange; under the lock
         self._planned: dict[str, int] = {}
 
     def _carry(self, direction: str, fragment: int) -> float:
@@ -164,7 +177,8 @@ class InProcessTransport:
         if link is None:
             return 0.0
         now = link.clock()
-        plan = self.exchange.coordinator.fragments[fragment].plan
+        with self.exchange.lock:
+            plan = self.exchange.served(self.join_timeout).fragments[fragment].plan
         last = max((link.arrival(direction, c.index % self.connections, c.nbytes, now=now) for c in plan), default=now)
         return link.sleep_until(last)
 
@@ -175,53 +189,63 @@ class InProcessTransport:
         """The handshake (`FragmentedCoordinator.join`); waits up to `join_timeout` s for the coordinator.
 
         Raises:
-          HandshakeError: the coordinator refused. TimeoutError: none was served. IslandAborted.
+          HandshakeError: the coordinator refused. TimeoutError: none was served. RunAborted.
         """
         ex = self.exchange
         with ex.lock:
             return ex.served(self.join_timeout).join(island, dict(config_fingerprint), params_checksum, round)
 
     def start_together(self, island: str, config_fingerprint: dict, params_checksum: str, round: int = 0) -> None:
-        """Says the island is ready and waits (up to `join_timeout` s) for every island of the run."""
+        """Says the island is ready and waits (up to `join_timeout` s) for every island of the run; after
+        that it starts anyway, with a warning, as over gRPC.
+
+        Raises:
+          RunAborted: the run was aborted. TimeoutError: no coordinator was served.
+        """
         del config_fingerprint, params_checksum, round
         ex = self.exchange
         with ex.lock:
             c = ex.served(self.join_timeout)
             ex.ready.add(island)
             ex.notify()
-            ex.lock.wait_for(lambda: ex.ready >= set(c.islands) or ex.aborted is not None, self.join_timeout)
+            together = ex.lock.wait_for(lambda: ex.ready >= set(c.islands) or ex.aborted is not None, self.join_timeout)
             ex.check()
+        if not together:
+            logging.warning("island %s: not every island was ready within %.0f s; starting anyway", island,
+                            self.join_timeout)
 
     def contribute(self, header: ContributionHeader, payload) -> str:
         """Hands one encoded pseudo-gradient (bytes or a `codec.ChunkEncoder`) to the coordinator; returns
-        "accepted" or "discarded". Raises what the coordinator raises (ContributionError), or IslandAborted."""
+        "accepted" or "discarded". Raises what the coordinator raises (ContributionError), or RunAborted."""
         round, island, fragment = header.round, header.island, header.fragment
         sending = self._carry("up", fragment)
         payload = bytes(payload) if isinstance(payload, (bytes, bytearray, memoryview)) else payload.tobytes()
         ex = self.exchange
         with ex.lock:
             ex.check()
+            c = ex.served(self.join_timeout)
             try:
-                status = ex.served(self.join_timeout).contribute(header, payload)
+                status = c.contribute(header, payload)
             finally:
                 ex.notify()
-            plan = ex.coordinator.fragments[fragment].plan
+            plan = c.fragments[fragment].plan
             n = self._streams(plan)
             frames = wire.payload_header(header, ex.layouts[fragment], n, len(payload))
             sent = wire.contribution_frame_bytes(frames, plan, n)
             if island in ex.wire_bytes:
                 ex.wire_bytes[island]["received"] += sent
-        self._stats[(fragment, round)] = SyncStats(bytes_sent=sent, seconds_sending=sending)
-        for key in [k for k in self._stats if k[0] == fragment and k[1] < round - 1]:  # keep the last few
-            del self._stats[key]
+            self._stats[(fragment, round)] = SyncStats(bytes_sent=sent, seconds_sending=sending)
+            for key in [k for k in self._stats if k[0] == fragment and k[1] < round - 1]:  # keep the last few
+                del self._stats[key]
         return status
 
     def fetch_update(self, round: int, island: str, fragment: int = 0) -> bytes:
-        """The round's update bytes; waits up to `timeout` seconds for the merge.
+        """The update of `round` of `fragment`: the fragment's `codec` payload (`payload_bytes` of that
+        fragment's coordinator) of `view - previous view`; waits up to `timeout` seconds for the merge.
 
         Raises:
           UpdateNotReady: not merged in time. StaleRoundError: an older round than the latest (fetch the view).
-          IslandAborted: the exchange was aborted.
+          RunAborted: the exchange was aborted.
         """
         ex = self.exchange
         deadline = time.monotonic() + self.timeout
@@ -254,13 +278,18 @@ class InProcessTransport:
             ex.fetched.setdefault((fragment, round), set()).add(island)
             ex.notify()
         receiving = self._carry("down", fragment)
-        stats = self._stats.setdefault((fragment, round), SyncStats())
-        stats.bytes_received, stats.seconds_receiving = received, receiving
-        stats.seconds_transferring = stats.seconds_sending + receiving
+        with ex.lock:
+            stats = self._stats.setdefault((fragment, round), SyncStats())
+            stats.bytes_received, stats.seconds_receiving = received, receiving
+            stats.seconds_transferring = stats.seconds_sending + receiving
         return update
 
     def fetch_view(self, island: str) -> tuple[int, bytes]:
-        """(round, the island view as a float32 payload) for an island that fell behind."""
+        """(round, the island view as a float32 "none" payload) for an island that fell behind.
+
+        Raises:
+          RunAborted: the run was aborted or ended. TimeoutError: no coordinator was served.
+        """
         ex = self.exchange
         with ex.lock:
             round, payload = ex.served(self.join_timeout).fetch_view()
@@ -273,7 +302,8 @@ class InProcessTransport:
 
     def stats(self, round: int, fragment: int = 0) -> SyncStats:
         """The exchange of `round` of `fragment` (after its `fetch_update` returned; empty before)."""
-        return self._stats.get((fragment, round), SyncStats())
+        with self.exchange.lock:
+            return self._stats.get((fragment, round), SyncStats())
 
     def close(self) -> None:
         """Nothing to release: there is no connection."""

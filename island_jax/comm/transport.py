@@ -1,7 +1,7 @@
 """The island <-> coordinator interface: what an island's outer loop and driver call.
 
 Two implementations: `comm.inprocess.InProcessTransport` (islands and the
-coordinator on threads of one process) and `comm.client.GrpcTransport` (over
+coordinator on threads of one process) and `comm.grpc_client.GrpcTransport` (over
 gRPC); `comm.link.LinkEmulator` sits under either one.
 
 `fragment` names the parameter group a payload encodes (Streaming DiLoCo,
@@ -14,6 +14,7 @@ island's global parameters (at the start of the round, for `contribute`).
 from __future__ import annotations
 
 import dataclasses
+import threading
 from typing import Protocol
 
 from island_jax.comm.link import LinkEmulator
@@ -83,4 +84,41 @@ class Transport(Protocol):
 
     def close(self) -> None:
         """Releases connections and threads."""
+        ...
+
+
+class Endpoint(Protocol):
+    """What the coordinator's round loop (`coordinator.main.run_coordinator`) needs of the exchange it
+    serves: the gRPC service, or an `inprocess.InProcessExchange`.
+
+    Attributes:
+      lock: the Condition guarding the coordinator; whoever changes it holds the lock and calls `notify`.
+      payload_bytes: bytes of one round's update of every fragment.
+      wire_bytes: {island: {"received", "sent"}}: frame bytes per island.
+      where: where islands reach it, for the log ("HOST:PORT", or "in process").
+    """
+
+    lock: threading.Condition
+    payload_bytes: int
+    wire_bytes: dict[str, dict[str, int]]
+    where: str
+
+    def notify(self) -> None:
+        """Wakes every waiter after the coordinator changed (holding `lock`)."""
+        ...
+
+    def check(self) -> None:
+        """Raises `inprocess.RunAborted` once the run was aborted (never over gRPC)."""
+        ...
+
+    def wait_until_fetched(self, round: int, islands, timeout: float) -> bool:
+        """Whether `islands` received the update of `round` of every fragment within `timeout` seconds."""
+        ...
+
+    def fetched_by(self, fragment: int, round: int) -> set[str]:
+        """The islands that received the update of `round` of `fragment`."""
+        ...
+
+    def stop(self, grace: float) -> None:
+        """Stops serving (waiting up to `grace` seconds for calls in flight)."""
         ...

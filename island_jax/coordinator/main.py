@@ -17,6 +17,7 @@ from absl import logging
 
 from island_jax import config as config_lib
 from island_jax.comm.inprocess import InProcessExchange
+from island_jax.comm.transport import Endpoint
 from island_jax.coordinator import FragmentedCoordinator, RoundRecord
 from island_jax.metrics import write_json
 from island_jax.model.init import checksum, count, init_params
@@ -24,7 +25,7 @@ from island_jax.workdir import RoleFolder, coordinator_dir, due, open_role
 
 
 class _GrpcEndpoint:
-    """The gRPC service and server seen as the exchange the loop serves (like an `InProcessExchange`)."""
+    """The gRPC service and server as the `comm.transport.Endpoint` the round loop serves."""
 
     def __init__(self, coordinator: FragmentedCoordinator, address: str, chunk_bytes: int):
         from island_jax.comm.grpc_server import serve
@@ -42,14 +43,17 @@ class _GrpcEndpoint:
     def wait_until_fetched(self, round: int, islands, timeout: float) -> bool:
         return self.service.wait_until_fetched(round, islands, timeout)
 
+    def fetched_by(self, fragment: int, round: int) -> set[str]:
+        with self.lock:
+            return set(self.service.fetched.get((fragment, round), ()))
+
     def stop(self, grace: float) -> None:
         self.server.stop(grace=grace)
 
 
-def _serve(coordinator: FragmentedCoordinator, exchange, config: ml_collections.ConfigDict):
+def _serve(coordinator: FragmentedCoordinator, exchange, config: ml_collections.ConfigDict) -> Endpoint:
     """The endpoint islands reach: gRPC on `exchange` ("HOST:PORT") or the given `InProcessExchange`."""
     if isinstance(exchange, InProcessExchange):
-        exchange.where = "in process"
         return exchange.serve(coordinator)
     return _GrpcEndpoint(coordinator, exchange, config.comm.chunk_bytes)
 
@@ -75,7 +79,7 @@ def run_coordinator(config: ml_collections.ConfigDict, workdir: str, exchange: s
 
     Raises:
       ConfigError, FileExistsError, CheckpointError; TimeoutError if a round is
-      not merged within `comm.round_timeout_seconds`; IslandAborted when an
+      not merged within `comm.round_timeout_seconds`; RunAborted when an
       in-process exchange is aborted.
     """
     config_lib.validate(config)
@@ -135,7 +139,12 @@ def _serve_rounds(config, coordinator: FragmentedCoordinator, endpoint, role: Ro
     # Every island that contributed to the last round receives its update (a quorum may have left some out).
     last_contributors = {n for f in coordinator.fragments for n in f.history[-1].contributors}
     if not endpoint.wait_until_fetched(rounds - 1, last_contributors, timeout=config.comm.round_timeout_seconds):
-        raise TimeoutError(f"not every island fetched the update of round {rounds} in time; of {names}")
+        missing = sorted(last_contributors - set.intersection(
+            *(endpoint.fetched_by(p, rounds - 1) for p in range(len(coordinator.fragments)))))
+        raise TimeoutError(
+            f"islands {missing} did not fetch the update of round {rounds} within comm.round_timeout_seconds="
+            f"{config.comm.round_timeout_seconds}; see their logs (of {names})"
+        )
 
 
 def _wait_for_merge(config, coordinator, endpoint, r: int, p: int) -> tuple[RoundRecord, dict]:

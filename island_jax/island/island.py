@@ -117,6 +117,8 @@ class Island:
         the seeded initial values as NumPy arrays).
       train_bytes: the island's training shard (uint8 [N]).
       total_rounds: rounds in the run, for the learning-rate schedule.
+      device_lock: held around the island's device work (a `threading.Lock` shared by the islands of one
+        process on XLA:CPU; None: no lock).
 
     Raises:
       ValueError: `moe.dispatch` cannot run on these devices (`model.moe.check_dispatch`).
@@ -128,7 +130,7 @@ class Island:
       partition: per fragment (`outer.fragments`), its leaf indices in `jax.tree.leaves` order.
       fragment_plans: per fragment, its payload's `codec.Chunk`s (`comm.chunk_bytes` each at most).
       last_step_compiled: the last inner step compiled (its seconds are no step time).
-      device_lock: held around device work; a shared `threading.Lock` when islands share a process.
+      device_lock: held around device work (a context manager).
     """
 
     def __init__(
@@ -141,8 +143,10 @@ class Island:
         specs: dict,
         train_bytes: np.ndarray,
         total_rounds: int,
+        device_lock=None,
     ):
         cfg = config.islands[name]
+        self.device_lock = device_lock or contextlib.nullcontext()
         self.name, self.config = name, config
         self.inner_steps = plan_inner_steps(config)[name]
         self.batch_size = cfg.batch_size
@@ -158,7 +162,7 @@ class Island:
         self._graphdef = graphdef
         self._build_train_step(self.inner_steps * total_rounds)
         self._eval_step = step_lib.build_eval_step(graphdef)
-        with jax.set_mesh(self.mesh):
+        with self.device_lock, jax.set_mesh(self.mesh):
             self.params = self.shardings.place(params)
             self.anchor = self.shardings.place(params)
             self.opt_state = jax.jit(self.tx.init)(self.params)
@@ -171,7 +175,6 @@ class Island:
             codec.chunk_plan(self.fragments.take(params, f), c.kind, c.block_size, config.comm.chunk_bytes)
             for f in range(len(self.partition))
         ]
-        self.device_lock = contextlib.nullcontext()
 
     def _build_train_step(self, total_steps: int) -> None:
         """The inner optimizer for `total_steps` steps in all, and the jitted step that uses it (its first
@@ -353,7 +356,7 @@ class Island:
             self.params = fragments.put(self.params, fragment, new_params)
 
     def load_view(self, payload: bytes) -> None:
-        """Replaces the global parameters with the coordinator's view, sent whole (`Coordinator.fetch_view`,
+        """Replaces the global parameters with the coordinator's view, sent whole (`FragmentedCoordinator.fetch_view`,
         a float32 "none" payload); it becomes both anchor and parameters.
 
         Raises:

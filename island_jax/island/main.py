@@ -11,9 +11,9 @@ resume from the newest checkpoint are the same in every case.
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import os
+import threading
 import time
 from typing import Sequence
 
@@ -24,7 +24,7 @@ from absl import logging
 
 from island_jax import config as config_lib
 from island_jax import data as data_lib
-from island_jax.comm.inprocess import InProcessExchange, InProcessTransport
+from island_jax.comm.inprocess import InProcessExchange, InProcessTransport, RunAborted
 from island_jax.comm.link import LinkEmulator
 from island_jax.island import ACCOUNTING_FIELDS, STEP_METRICS, EventLog, Island, StreamingSync
 from island_jax.metrics import write_json
@@ -35,7 +35,7 @@ from island_jax.workdir import RoleFolder, due, island_dir, open_role, summarize
 
 def connect(config: ml_collections.ConfigDict, exchange: str | InProcessExchange | None):
     """Island's transport to `exchange`: gRPC to "HOST:PORT", in process to an `InProcessExchange`, or None
-    (no outer loop). An emulated link (`comm.link_*`) sits under either transport."""
+    (no outer loop). An emulated link (`comm.link` in the config) sits under either transport."""
     if exchange is None:
         return None
     link, c = LinkEmulator.from_config(config), config.comm
@@ -55,7 +55,8 @@ def run_island(
     name: str,
     exchange: str | InProcessExchange | None,
     devices: Sequence[jax.Device] | None = None,
-    device_lock=None,
+    device_lock: threading.Lock | None = None,
+    stop: threading.Event | None = None,
 ) -> dict:
     """Trains island `name` for the run's rounds, exchanging with the coordinator at `exchange`.
 
@@ -72,6 +73,8 @@ def run_island(
       devices: the island's `num_devices` devices (default: the first ones of `jax.devices()`).
       device_lock: held around the island's device work when islands share a process (XLA:CPU's
         in-process collectives must not interleave).
+      stop: once set, the island stops before its next round (raising `RunAborted`), its last
+        checkpoint kept: how the in-process run stops its islands.
 
     Returns:
       The role's summary (also in its folder): `workdir.summarize_island`'s
@@ -82,7 +85,7 @@ def run_island(
     Raises:
       ConfigError, DataError, HandshakeError, ContributionError, ExchangeError,
       FileExistsError, CheckpointError; RuntimeError at `crash_at_round`;
-      IslandAborted when an in-process exchange is aborted.
+      RunAborted when an in-process exchange is aborted.
     """
     cfg = config.islands[name]
     devices = list(devices) if devices is not None else jax.devices()[: cfg.num_devices]
@@ -94,8 +97,7 @@ def run_island(
     try:
         corpus = data_lib.load_corpus(config.data.files, config.data.eval_fraction, names)
         graphdef, params, specs = init_params(config)
-        island = Island(name, config, devices, graphdef, params, specs, corpus.train_bytes[name], rounds)
-        island.device_lock = device_lock or contextlib.nullcontext()
+        island = Island(name, config, devices, graphdef, params, specs, corpus.train_bytes[name], rounds, device_lock)
         first = 0
         if role.checkpoints.latest_round() is not None:
             first = island.load_state(role.checkpoints.restore(island.state(0)))
@@ -110,7 +112,7 @@ def run_island(
         events = EventLog(os.path.join(role.path, "events.jsonl"), name)
         link = transport.link if transport is not None else None
         sync = StreamingSync(island, transport, config, first, link=link, events=events)
-        _train_rounds(config, island, sync, role, evaluator, first)
+        _train_rounds(config, island, sync, role, evaluator, first, stop)
     finally:
         for part in (sync, events, transport):
             if part is not None:
@@ -168,12 +170,14 @@ def _join(config, island: Island, transport, first: int, evaluator: _Evaluator |
         transport.start_together(name, fingerprint, island.global_checksum, first)
 
 
-def _train_rounds(config, island: Island, sync: StreamingSync, role: RoleFolder, evaluator, first: int) -> None:
-    """The round loop: train, log, evaluate and checkpoint when due."""
+def _train_rounds(config, island: Island, sync: StreamingSync, role: RoleFolder, evaluator, first: int, stop) -> None:
+    """The round loop: train, log, evaluate and checkpoint when due; stops before a round once `stop` is set."""
     name, rounds, cfg = island.name, config.outer.rounds, config.islands[island.name]
     eta = Eta(rounds)
     r = first  # the round being trained (0-based)
     while r < rounds:
+        if stop is not None and stop.is_set():
+            raise RunAborted(f"island {name} stopped before round {r + 1} (the run was stopped)")
         if cfg.crash_at_round == r + 1:
             raise RuntimeError(f"island {name} crashes at round {r + 1} on purpose (islands.{name}.crash_at_round)")
         step0 = island.step

@@ -113,11 +113,6 @@ class Chunk:
     nbytes: int
     pieces: tuple[Piece, ...]
 
-    @property
-    def elements(self) -> int:
-        """Elements (parameters) the chunk's pieces carry."""
-        return sum(p.stop - p.start for p in self.pieces)
-
 
 def pieces(like: Any, kind: str, block_size: int) -> list[Piece]:
     """Every piece of a payload for a pytree shaped like `like` (arrays or ShapeDtypeStructs), in payload order.
