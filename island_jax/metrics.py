@@ -107,12 +107,6 @@ class MetricsWriter:
             self._tb.close()
 
 
-def format_eta(seconds: float) -> str:
-    """Seconds as "MmSSs", for progress lines."""
-    m, s = divmod(int(round(seconds)), 60)
-    return f"{m}m{s:02d}s"
-
-
 def read_jsonl(path: str) -> list[dict]:
     """All records of a `metrics.jsonl` file; a torn last line (a crash mid-write) is skipped."""
     records = []

@@ -361,7 +361,7 @@ class GrpcTransport:
         overlapped = max(0.0, min(send_end, end) - max(send_start, receive_start))
         stats = self._stats.setdefault((fragment, round), SyncStats())
         stats.bytes_received = fetch.assembler.wire_bytes
-        stats.seconds_sending, stats.seconds_receiving, stats.seconds_overlapped = sending, receiving, overlapped
+        stats.seconds_sending, stats.seconds_overlapped = sending, overlapped
         stats.seconds_transferring = sending + receiving - overlapped
         self.last_stats = stats
         return payload

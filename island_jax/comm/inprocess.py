@@ -280,7 +280,7 @@ class InProcessTransport:
         receiving = self._carry("down", fragment)
         with ex.lock:
             stats = self._stats.setdefault((fragment, round), SyncStats())
-            stats.bytes_received, stats.seconds_receiving = received, receiving
+            stats.bytes_received = received
             stats.seconds_transferring = stats.seconds_sending + receiving
         return update
 

@@ -29,17 +29,15 @@ class SyncStats:
       bytes_sent, bytes_received: frame bytes of the contribution and of the update (headers, chunk
         framing and payload, as gRPC carries them; the in-process transport counts the same frames).
       seconds_sending: from the first contribution frame until the last one left, s.
-      seconds_receiving: from the first update chunk to the last one's arrival, s.
       seconds_overlapped: while update chunks came back and contribution chunks were still going out
         (pipelining), s.
       seconds_transferring: time any of this island's bytes were moving (the union of the sending and
-        receiving spans), s. Over the in-process transport these are the emulated link's times (0 without one).
+        receiving spans, receiving from the first update chunk to the last one's arrival), s. Over the in-process transport these are the emulated link's times (0 without one).
     """
 
     bytes_sent: int = 0
     bytes_received: int = 0
     seconds_sending: float = 0.0
-    seconds_receiving: float = 0.0
     seconds_overlapped: float = 0.0
     seconds_transferring: float = 0.0
 
