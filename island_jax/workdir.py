@@ -23,6 +23,7 @@ import os
 import ml_collections
 
 from island_jax.checkpoint import Checkpointer
+from island_jax.comm.transport import gbps
 from island_jax.metrics import MetricsWriter, read_jsonl, write_json
 from island_jax.plots import plot_timeline
 
@@ -136,9 +137,7 @@ def summarize_island(folder: str) -> dict:
     summary = {key: sum(rec.get(key, 0) for rec in rounds.values()) for key in SUMMED}
     wall = summary["wall_seconds"]
     summary["compute_utilization"] = summary["ideal_compute_seconds"] / wall if wall else 0.0
-    moved = summary["bytes_sent"] + summary["bytes_received"]
-    transferring = summary["seconds_transferring"]
-    summary["achieved_gbps"] = moved * 8 / transferring / 1e9 if transferring else 0.0
+    summary["achieved_gbps"] = gbps(summary["bytes_sent"] + summary["bytes_received"], summary["seconds_transferring"])
     summary.update(rounds=max(rounds, default=0), checksum=rounds[max(rounds)]["checksum"] if rounds else None)
     if evals:
         summary.update(eval_loss_initial=evals.get(0), eval_loss_final=evals[max(evals)])

@@ -336,7 +336,7 @@ class GrpcTransport:
 
     def _streams(self, fragment: int = 0) -> int:
         """Connections a payload of `fragment` uses: one per chunk, up to `connections`."""
-        return max(1, min(self.connections, len(self.plans[fragment])))
+        return wire.stream_count(self.connections, self.plans[fragment])
 
     def _open_fetch(self, round: int, island: str, fragment: int = 0) -> _Fetch:
         methods = self._fetch_update[: self._streams(fragment)]

@@ -182,9 +182,6 @@ class InProcessTransport:
         last = max((link.arrival(direction, c.index % self.connections, c.nbytes, now=now) for c in plan), default=now)
         return link.sleep_until(last)
 
-    def _streams(self, plan) -> int:
-        return max(1, min(self.connections, len(plan)))
-
     def join(self, island: str, config_fingerprint: dict, params_checksum: str, round: int = 0) -> dict:
         """The handshake (`FragmentedCoordinator.join`); waits up to `join_timeout` s for the coordinator.
 
@@ -229,7 +226,7 @@ class InProcessTransport:
             finally:
                 ex.notify()
             plan = c.fragments[fragment].plan
-            n = self._streams(plan)
+            n = wire.stream_count(self.connections, plan)
             frames = wire.payload_header(header, ex.layouts[fragment], n, len(payload))
             sent = wire.contribution_frame_bytes(frames, plan, n)
             if island in ex.wire_bytes:
@@ -272,7 +269,7 @@ class InProcessTransport:
             )
             if trailer.inner_steps:  # the plan travels with the update, as in the gRPC trailer
                 self._planned[island] = trailer.inner_steps
-            received = wire.update_frame_bytes(trailer, plan, self._streams(plan))
+            received = wire.update_frame_bytes(trailer, plan, wire.stream_count(self.connections, plan))
             if island in ex.wire_bytes:
                 ex.wire_bytes[island]["sent"] += received
             ex.fetched.setdefault((fragment, round), set()).add(island)

@@ -94,6 +94,11 @@ def chunk_frame(index: int, offset: int, data, crc: int | None = None) -> bytes:
     return b"".join((_CHUNK.pack(CHUNK, index, offset, crc), *parts))
 
 
+def stream_count(connections: int, plan: list[codec.Chunk]) -> int:
+    """Streams a payload travels on: one per chunk, up to `connections` (`comm.connections`)."""
+    return max(1, min(connections, len(plan)))
+
+
 def payload_header(header: ContributionHeader, layout: str, streams: int, total_bytes: int) -> pb.PayloadHeader:
     """The 'H' frame's header of a contribution sent over `streams` streams (`codec.layout` of its payload)."""
     return pb.PayloadHeader(

@@ -26,6 +26,7 @@ from island_jax import config as config_lib
 from island_jax import data as data_lib
 from island_jax.comm.inprocess import InProcessExchange, InProcessTransport, RunAborted
 from island_jax.comm.link import LinkEmulator
+from island_jax.comm.transport import gbps
 from island_jax.island import ACCOUNTING_FIELDS, STEP_METRICS, EventLog, Island, StreamingSync
 from island_jax.metrics import write_json
 from island_jax.model.init import checksum, count, init_params
@@ -216,8 +217,6 @@ def _train_rounds(config, island: Island, sync: StreamingSync, role: RoleFolder,
 
 def _round_record(island: Island, result: dict, r: int) -> dict:
     """The island's metrics record of round `r` (0-based); see `StreamingSync.run_round` for the fields."""
-    moved = result["bytes_sent"] + result["bytes_received"]
-    transferring = result["seconds_transferring"]
     # Without an outer loop the run's parameters are the island's own (copied now: the next step donates them).
     params = island.global_params if island.config.outer.enabled else jax.device_get(island.params)
     return dict(
@@ -229,7 +228,7 @@ def _round_record(island: Island, result: dict, r: int) -> dict:
         busy_seconds=result["busy_seconds"],
         step_seconds=result["step_seconds"],
         **{k: result[k] for k in ACCOUNTING_FIELDS},
-        achieved_gbps=moved * 8 / transferring / 1e9 if transferring else 0.0,
+        achieved_gbps=gbps(result["bytes_sent"] + result["bytes_received"], result["seconds_transferring"]),
         checksum=functools.partial(checksum, params),  # computed by the metrics thread
         expert_load=result["expert_load"],
     )
