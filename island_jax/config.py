@@ -169,6 +169,9 @@ def _outer() -> dict:
         round_seconds=10.0,  # with sync=time: wall-clock seconds of training per round
         min_islands=0,  # quorum: merge once this many islands contributed and grace_seconds passed (0 = all)
         grace_seconds=60.0,  # seconds a reached quorum waits for the remaining islands
+        # seconds a round that cannot close (its quorum not reached) waits for missing islands after its first
+        # contribution, for a dead island to be restarted and rejoin; then the coordinator fails, naming them
+        rejoin_timeout_seconds=600.0,
         # Streaming DiLoCo (arXiv 2501.18512): fragments synced on a staggered schedule, overlapped with compute.
         fragments=1,  # F groups of whole leaves, each synced once per round at its own offset (1: plain DiLoCo)
         # tau: inner steps an island keeps training before applying a fragment's update (0: wait for it);
@@ -210,6 +213,8 @@ def _comm() -> dict:
         chunk_bytes=MIB,  # largest chunk of a streamed payload, bytes (gRPC's default message limit is 4 MiB)
         join_timeout_seconds=300.0,  # how long an island waits for the coordinator to answer its join
         round_timeout_seconds=3600.0,  # how long an island waits for a round's update, seconds
+        # how long an island that lost the coordinator keeps reconnecting (capped exponential backoff), seconds
+        reconnect_seconds=300.0,
         connections=16,  # parallel gRPC channels per island; one TCP connection carries about window / RTT
         pipeline=True,  # merge, step and send the update back chunk by chunk while contributions arrive
         link=dict(  # the emulated WAN path between each island and the coordinator (island_jax/comm/link.py)
@@ -224,7 +229,10 @@ def _checkpoint() -> dict:
     """`checkpoint`: orbax checkpoints of every role, in its folder of the workdir."""
     return dict(
         every_rounds=10,  # save after every this many rounds (and after the last)
-        max_to_keep=2,  # newest checkpoints kept per role
+        # coordinator-only interval (0: every_rounds); a coordinator restart redoes at most this + 2 rounds
+        coordinator_every_rounds=0,
+        # newest checkpoints kept per role; islands keep more when a coordinator restart may need an older one
+        max_to_keep=2,
     )
 
 
@@ -315,6 +323,10 @@ def _check_outer(outer: ml_collections.ConfigDict, islands: ml_collections.Confi
     _require(outer.round_seconds > 0, f"outer.round_seconds is {outer.round_seconds}; it must be positive")
     _require(outer.grace_seconds >= 0, f"outer.grace_seconds is {outer.grace_seconds}; use 0 or more")
     _require(
+        outer.rejoin_timeout_seconds > 0,
+        f"outer.rejoin_timeout_seconds is {outer.rejoin_timeout_seconds}; it must be a positive number of seconds",
+    )
+    _require(
         outer.auto_from in AUTO_FROM,
         f"outer.auto_from is {outer.auto_from!r}; choose 'catalog' or 'measured' (with outer.sync='auto')",
     )
@@ -351,7 +363,7 @@ def _check_comm(comm: ml_collections.ConfigDict) -> None:
         f"comm.chunk_bytes is {comm.chunk_bytes}; use 1024..{MAX_CHUNK_BYTES} bytes (64 MiB), far below "
         "protobuf's 2 GiB message ceiling (default 1 MiB)",
     )
-    for name in ("join_timeout_seconds", "round_timeout_seconds"):
+    for name in ("join_timeout_seconds", "round_timeout_seconds", "reconnect_seconds"):
         _require(comm[name] > 0, f"comm.{name} is {comm[name]}; it must be a positive number of seconds")
     _require(
         1 <= comm.connections <= MAX_CONNECTIONS,
@@ -381,6 +393,11 @@ def _check_checkpoint(ckpt: ml_collections.ConfigDict) -> None:
         "written after the last round)",
     )
     _require(ckpt.max_to_keep > 0, f"checkpoint.max_to_keep is {ckpt.max_to_keep}; keep at least 1")
+    _require(
+        ckpt.coordinator_every_rounds >= 0,
+        f"checkpoint.coordinator_every_rounds is {ckpt.coordinator_every_rounds}; use 0 (every_rounds) or a "
+        "number of rounds",
+    )
 
 
 def _check_eval(evaluation: ml_collections.ConfigDict) -> None:

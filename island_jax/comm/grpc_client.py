@@ -36,7 +36,7 @@ import grpc
 
 from island_jax.comm import exchange_pb2 as pb
 from island_jax.comm import wire
-from island_jax.comm.grpc_server import SERVICE_NAME, channel_options
+from island_jax.comm.grpc_server import SERVICE_NAME, client_options
 from island_jax.comm.link import LinkEmulator
 from island_jax.comm.transport import SyncStats
 from island_jax.coordinator import ContributionError, ContributionHeader, HandshakeError, StaleRoundError
@@ -222,7 +222,7 @@ class GrpcTransport:
         self.join_timeout, self.round_timeout = join_timeout, round_timeout
         self.connections, self.pipeline, self.link = connections, pipeline, link
         self.clock = link.clock if link is not None else clock
-        options = [*channel_options(chunk_bytes), ("grpc.use_local_subchannel_pool", 1)]
+        options = [*client_options(chunk_bytes), ("grpc.use_local_subchannel_pool", 1)]
         self.channels = [grpc.insecure_channel(address, options=options) for _ in range(connections)]
         self._join = [ch.unary_unary(f"/{SERVICE_NAME}/Join", pb.JoinRequest.SerializeToString, pb.JoinReply.FromString) for ch in self.channels]
         self._contribute = [

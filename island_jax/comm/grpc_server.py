@@ -46,10 +46,45 @@ _CHUNKS_QUEUED = 8  # per contribution stream: chunks read while the coordinator
 _PIECE_BYTES = 16 * codec.PIECE_BYTES  # more than the largest piece (codes and scales, any block size)
 
 
-def channel_options(chunk_bytes: int) -> list[tuple[str, int]]:
-    """gRPC options that admit one chunk frame of up to `chunk_bytes` (or one whole piece) per message."""
+# Keepalive, matched on both sides (gRPC's keepalive guide, doc/keepalive.md). An island idles through minutes
+# of inner steps between exchanges; its channels ping every KEEPALIVE_SECONDS with no call open, so a dead
+# coordinator or a NAT that forgot the connection is noticed, and the server admits pings that often. With gRPC's
+# server defaults (no pings without calls, at most one per 5 minutes) such a client is sent GOAWAY "too_many_pings".
+KEEPALIVE_SECONDS = 10
+KEEPALIVE_TIMEOUT_SECONDS = 20  # a ping unanswered this long closes the connection
+# A restarted coordinator is dialled again within this many seconds (gRPC's default backoff grows to 120 s).
+RECONNECT_BACKOFF_MAX_SECONDS = 5
+
+
+def _message_limits(chunk_bytes: int) -> list[tuple[str, int]]:
     limit = max(chunk_bytes, _PIECE_BYTES) + 64 * 1024
     return [("grpc.max_send_message_length", limit), ("grpc.max_receive_message_length", limit)]
+
+
+def server_options(chunk_bytes: int) -> list[tuple[str, int]]:
+    """The coordinator's gRPC server options: messages of one chunk frame of up to `chunk_bytes` (or one
+    whole piece), and pings admitted as often as `client_options` sends them, with or without calls."""
+    return [
+        *_message_limits(chunk_bytes),
+        ("grpc.keepalive_permit_without_calls", 1),
+        ("grpc.http2.min_recv_ping_interval_without_data_ms", KEEPALIVE_SECONDS * 1000 // 2),
+        ("grpc.http2.max_ping_strikes", 0),  # never GOAWAY a client for pinging
+    ]
+
+
+def client_options(chunk_bytes: int) -> list[tuple[str, int]]:
+    """An island's gRPC channel options: the message limits of `server_options`, a keepalive ping every
+    `KEEPALIVE_SECONDS` s even with no call open, and reconnects at most `RECONNECT_BACKOFF_MAX_SECONDS` apart."""
+    return [
+        *_message_limits(chunk_bytes),
+        ("grpc.keepalive_time_ms", KEEPALIVE_SECONDS * 1000),
+        ("grpc.keepalive_timeout_ms", KEEPALIVE_TIMEOUT_SECONDS * 1000),
+        ("grpc.keepalive_permit_without_calls", 1),
+        ("grpc.http2.max_pings_without_data", 0),  # keep pinging while idle
+        ("grpc.initial_reconnect_backoff_ms", 500),
+        ("grpc.min_reconnect_backoff_ms", 500),
+        ("grpc.max_reconnect_backoff_ms", RECONNECT_BACKOFF_MAX_SECONDS * 1000),
+    ]
 
 
 def _raw(data: bytes) -> bytes:
@@ -496,7 +531,7 @@ class ExchangeServer:
     async def _start(self, address: str, chunk_bytes: int) -> None:
         service = self.service
         service.loop, service._changed = self.loop, asyncio.Event()
-        self.server = grpc.aio.server(options=channel_options(chunk_bytes))
+        self.server = grpc.aio.server(options=server_options(chunk_bytes))
         self.server.add_generic_rpc_handlers((service.handler(),))
         self.health = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
