@@ -5,25 +5,38 @@ A state is a pytree of NumPy arrays (parameters, optimizer states, scalars as
 where `<round>` counts completed rounds. Restoring needs a pytree of the same
 structure (for example the freshly initialised state), so optax's state
 classes come back as themselves, bit for bit.
+
+Saves run in the background on one writer thread per process. Orbax writes a
+checkpoint into a temporary folder (`<round>.orbax-checkpoint-tmp`) and
+renames it to `<round>` when it is complete, so a save that fails (a full
+disk, say) leaves the checkpoints before it whole: a restart resumes from the
+newest complete one. The failure itself surfaces as `CheckpointError` at the
+next `save` or at `close`.
 """
 
 from __future__ import annotations
 
 import os
+import shutil
+import threading
 from concurrent import futures
 from typing import Any
 
 import jax
 import numpy as np
 import orbax.checkpoint as ocp
+from absl import logging
 
 # One writer per process: roles that share a process (the in-process run) save one after another, since
 # orbax's background saves of several CheckpointManagers at once in one process collide.
 _WRITER = futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="checkpoint")
 
+# How orbax names the folder a checkpoint is written into before it is complete: `<round>` + this.
+_TMP_SUFFIX = ".orbax-checkpoint-tmp"
+
 
 class CheckpointError(RuntimeError):
-    """A checkpoint cannot be restored into this run (other structure or shapes)."""
+    """A checkpoint cannot be written, or cannot be restored into this run (none, other structure or shapes)."""
 
 
 def _host(tree: Any) -> Any:
@@ -34,63 +47,167 @@ def _host(tree: Any) -> Any:
 class Checkpointer:
     """Saves and restores one role's state every `every_rounds` rounds.
 
+    `save`, `restore` and `close` may be called from several threads; the
+    files are written on the process's one writer thread.
+
     Args:
       directory: folder of this role's checkpoints (created).
       every_rounds: save when the completed rounds are a multiple of this
-        (`config.checkpoint.every_rounds`), and whenever `save(force=True)`.
-      max_to_keep: newest checkpoints kept; older ones are deleted.
+        (see `workdir.checkpoint_schedule`), and whenever `save(force=True)`.
+      max_to_keep: newest checkpoints kept; older ones are deleted once a
+        newer one is complete.
     """
 
     def __init__(self, directory: str, every_rounds: int, max_to_keep: int):
         self.directory = os.path.abspath(directory)
         self.every_rounds = every_rounds
-        self._manager = ocp.CheckpointManager(
-            self.directory, options=ocp.CheckpointManagerOptions(max_to_keep=max_to_keep, create=True)
+        self.max_to_keep = max_to_keep
+        self._manager = self._open_manager()
+        self._complete: list[int] = sorted(self._manager.all_steps())  # replaced whole, never changed in place
+        self._lock = threading.Lock()  # one caller at a time in save, restore and close
+        self._last: futures.Future | None = None  # the most recent background save
+        self._unreported: futures.Future | None = None  # a save whose error, if any, the caller has not seen
+        self._closed = False
+
+    def _open_manager(self) -> ocp.CheckpointManager:
+        return ocp.CheckpointManager(
+            self.directory, options=ocp.CheckpointManagerOptions(max_to_keep=self.max_to_keep, create=True)
         )
-        self._pending: futures.Future | None = None
+
+    def rounds(self) -> list[int]:
+        """Completed rounds of the complete checkpoints in the folder, ascending (a save in progress is not one).
+
+        As read when this `Checkpointer` was opened and after each of its saves.
+        """
+        return list(self._complete)
 
     def latest_round(self) -> int | None:
-        """Completed rounds of the newest checkpoint, or None when there is none."""
-        return self._manager.latest_step()
+        """Completed rounds of the newest complete checkpoint, or None when there is none."""
+        return self._complete[-1] if self._complete else None
+
+    def last_save(self) -> futures.Future | None:
+        """The future of the most recent background save, or None before the first.
+
+        It is done once that checkpoint is complete (result None) or its save
+        failed (exception: the `CheckpointError` that `save` or `close` raise);
+        `add_done_callback` callbacks run on the writer thread, or at once when
+        it is already done. A callback must not call `save`, `restore` or
+        `close`: they wait for the writer thread, which runs the callback.
+        """
+        return self._last
 
     def save(self, round: int, state: Any, force: bool = False) -> bool:
         """Saves `state` (arrays on any device; copied to the host here) as of `round` completed rounds.
 
         The files are written in the background while training goes on; the
         next `save` and `close` wait for them, and a checkpoint only counts
-        (`latest_round`) once it is complete.
+        (`rounds`, `latest_round`) once it is complete.
 
         Returns:
-          Whether a checkpoint was written (every `every_rounds`, or forced).
+          Whether a checkpoint was started (every `every_rounds`, or forced;
+          not when the newest complete checkpoint is already of `round`).
 
         Raises:
-          Whatever the previous save raised, if it failed.
+          CheckpointError: the previous background save failed (raised once,
+            here or at `close`); this state is then not saved.
         """
         if not force and round % self.every_rounds:
             return False
-        if self._pending is not None:
-            self._pending.result()  # the previous save, finished (or its error)
-        if self._manager.latest_step() == round:
-            return False
-        host = _host(state)
+        with self._lock:
+            self._raise_unreported()  # waits for the previous save
+            if self.latest_round() == round:
+                return False
+            host = _host(state)
+            self._last = self._unreported = _WRITER.submit(self._save_in_background, round, host)
+        return True  # the caller only pays for the host copy
 
-        def write():
-            self._manager.save(round, args=ocp.args.StandardSave(host))
-            self._manager.wait_until_finished()
+    def _write(self, round: int, host_state: Any) -> None:
+        """Writes the checkpoint of `round` and returns once it is complete; raises if it cannot.
 
-        self._pending = _WRITER.submit(write)  # the caller only pays for the host copy
-        return True
+        Runs on the writer thread, never two at once. The one place the files
+        are written: a test replaces it to make a save fail.
+        """
+        self._manager.save(round, args=ocp.args.StandardSave(host_state))
+        self._manager.wait_until_finished()
+
+    def _save_in_background(self, round: int, host_state: Any) -> None:
+        try:
+            self._write(round, host_state)
+        except Exception as e:
+            self._reopen(round)
+            newest = self.latest_round()
+            resume = (
+                f"the newest complete checkpoint is round {newest}, which a restart resumes from"
+                if newest is not None
+                else "there is no complete checkpoint, so a restart starts from the beginning"
+            )
+            error = CheckpointError(
+                f"saving the checkpoint of round {round} in {self.directory} failed ({type(e).__name__}: {e}); "
+                f"{resume}"
+            )
+            logging.error("%s", error)
+            raise error from e
+        self._complete = sorted(self._manager.all_steps())
+
+    def _reopen(self, failed_round: int) -> None:
+        """After a failed save: removes what it left (its temporary folder) and opens a fresh manager, which
+        reads the complete checkpoints from the folder.
+
+        Orbax's manager raises a failed save's error again in every thread that
+        waits on it, so the old one cannot close cleanly; it is dropped.
+        """
+        old = self._manager
+        try:
+            old.close()
+        except Exception:  # the failed save's error once more
+            pass
+        try:
+            leftovers = [n for n in os.listdir(self.directory) if n.startswith(f"{failed_round}{_TMP_SUFFIX}")]
+        except OSError:
+            leftovers = []
+        for name in leftovers:
+            shutil.rmtree(os.path.join(self.directory, name), ignore_errors=True)
+        try:
+            self._manager = self._open_manager()
+        except Exception:  # the folder cannot be read now: the old manager still restores what it knew
+            logging.exception("cannot reopen the checkpoints in %s", self.directory)
+            self._complete = [r for r in self._complete if r != failed_round]
+            return
+        self._complete = sorted(self._manager.all_steps())
+
+    def _raise_unreported(self) -> None:
+        """Waits for the save in progress and raises its error, once."""
+        pending, self._unreported = self._unreported, None
+        if pending is not None:
+            pending.result()
 
     def restore(self, like: Any, round: int | None = None) -> Any:
-        """The state saved at `round` (default: the newest), shaped like `like`, as NumPy arrays.
+        """The state saved at `round` (default: the newest complete), shaped like `like`, as NumPy arrays.
+
+        Waits first for a save in progress, so the checkpoint being written can
+        be restored once it is complete; that save's error, if any, is left for
+        the next `save` or `close` to raise.
 
         Raises:
-          CheckpointError: no checkpoint, or one whose structure or shapes differ
-            from `like` (a checkpoint of another model or optimizer).
+          CheckpointError: no complete checkpoint (of `round`), or one whose
+            structure or shapes differ from `like` (a checkpoint of another
+            model or optimizer).
         """
-        round = self._manager.latest_step() if round is None else round
+        with self._lock:
+            if self._last is not None:
+                futures.wait([self._last])
+            return self._restore(like, round)
+
+    def _restore(self, like: Any, round: int | None) -> Any:
         if round is None:
-            raise CheckpointError(f"no checkpoint in {self.directory}")
+            round = self.latest_round()
+            if round is None:
+                raise CheckpointError(f"no checkpoint in {self.directory}")
+        elif round not in self._complete:
+            raise CheckpointError(
+                f"no complete checkpoint of round {round} in {self.directory}; the complete ones are of rounds "
+                f"{self._complete}"
+            )
         like = _host(like)
         try:
             restored = self._manager.restore(round, args=ocp.args.StandardRestore(like))
@@ -111,10 +228,18 @@ class Checkpointer:
         return jax.tree.map(np.asarray, restored)
 
     def close(self) -> None:
-        """Waits for the save in progress (raising its error, if any), then closes the manager."""
-        try:
-            if self._pending is not None:
-                self._pending.result()
-        finally:
-            self._manager.wait_until_finished()
-            self._manager.close()
+        """Waits for the save in progress, then closes the manager; a second call does nothing.
+
+        Raises:
+          CheckpointError: that save (or an earlier one not yet reported by
+            `save`) failed; the manager is closed all the same.
+        """
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            try:
+                self._raise_unreported()
+            finally:
+                self._manager.wait_until_finished()
+                self._manager.close()

@@ -73,29 +73,57 @@ class RoleFolder:
             self.checkpoints.close()
 
 
-def open_role(config: ml_collections.ConfigDict, path: str) -> RoleFolder:
+def checkpoint_schedule(config: ml_collections.ConfigDict, coordinator: bool = False) -> tuple[int, int]:
+    """How often a role checkpoints and how many checkpoints it keeps: `(every_rounds, max_to_keep)`.
+
+    The coordinator saves every `k = checkpoint.coordinator_every_rounds`
+    rounds (`checkpoint.every_rounds` when 0) and keeps `checkpoint.max_to_keep`.
+    An island saves every `e = checkpoint.every_rounds` rounds and keeps
+    `max(max_to_keep, (k + 1) // e + 1)`: the coordinator never serves round
+    R+2's update before its checkpoint of round R is complete, so when it
+    restarts from its newest complete checkpoint C, no island has completed
+    more than C + k + 1 rounds; an island saves at most `(k + 1) // e` times
+    after round C, and still holds its checkpoint of round C (when it saved
+    one: C a multiple of e). Without an outer loop (`outer.enabled` False)
+    there is no coordinator, and an island keeps `max_to_keep`.
+
+    Examples (max_to_keep 1): k = e = 1 keeps 3; k = e = 2 keeps 2; k = 4,
+    e = 2 keeps 3; k = 1, e = 10 keeps 1.
+    """
+    ckpt = config.checkpoint
+    k = ckpt.coordinator_every_rounds or ckpt.every_rounds
+    if coordinator:
+        return k, ckpt.max_to_keep
+    if not config.outer.enabled:
+        return ckpt.every_rounds, ckpt.max_to_keep
+    return ckpt.every_rounds, max(ckpt.max_to_keep, (k + 1) // ckpt.every_rounds + 1)
+
+
+def open_role(config: ml_collections.ConfigDict, path: str, coordinator: bool = False) -> RoleFolder:
     """Opens (creating) a role's folder: its `Checkpointer`, `MetricsWriter` and `config.json`.
 
-    A resumed role keeps the `config.json` it started with. A role stopped
-    before it completed a round (while compiling, say) starts again from the
-    beginning, after what it logged.
+    The `Checkpointer` saves and keeps what `checkpoint_schedule` says for the
+    coordinator (`coordinator=True`) or an island; its `every_rounds` is the
+    role's interval. A resumed role keeps the `config.json` it started with. A
+    role stopped before it completed a round (while compiling, say) starts
+    again from the beginning, after what it logged.
 
     Raises:
       FileExistsError: the folder holds completed rounds but no checkpoint to resume from.
       CheckpointError: from orbax, for a checkpoint folder it cannot read.
     """
     os.makedirs(path, exist_ok=True)
-    checkpoints = Checkpointer(
-        os.path.join(path, "checkpoints"), config.checkpoint.every_rounds, config.checkpoint.max_to_keep
-    )
+    every_rounds, max_to_keep = checkpoint_schedule(config, coordinator)
+    checkpoints = Checkpointer(os.path.join(path, "checkpoints"), every_rounds, max_to_keep)
     metrics = os.path.join(path, "metrics.jsonl")
     if checkpoints.latest_round() is None and os.path.exists(metrics) and any(
         r.get("kind") == "round" for r in read_jsonl(metrics)
     ):
         checkpoints.close()
+        key = "coordinator_every_rounds" if coordinator and config.checkpoint.coordinator_every_rounds else "every_rounds"
         raise FileExistsError(
-            f"{path} holds rounds of a run but no checkpoint to resume from (checkpoint.every_rounds="
-            f"{config.checkpoint.every_rounds}); pass a new --workdir, or move that one away first, so that nothing "
+            f"{path} holds rounds of a run but no checkpoint to resume from (checkpoint.{key}="
+            f"{every_rounds}); pass a new --workdir, or move that one away first, so that nothing "
             "it holds is overwritten"
         )
     config_path = os.path.join(path, "config.json")

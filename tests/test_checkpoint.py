@@ -1,0 +1,262 @@
+"""Checkpoints: a failed background save, what stays restorable, waiting for a save, each role's schedule."""
+
+import json
+import os
+import subprocess
+import sys
+import threading
+from concurrent import futures
+
+import jax
+import ml_dtypes
+import numpy as np
+import optax
+import pytest
+from orbax.checkpoint._src.path import atomicity
+from tiny_config import get_config, write_corpus
+
+from island_jax.checkpoint import Checkpointer, CheckpointError
+from island_jax.workdir import checkpoint_schedule, island_dir, open_role
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+FULL = OSError(28, "No space left on device")
+
+
+def state(r):
+    """A small role state that differs every round: parameters, an optax state, 0-d counters."""
+    rng = np.random.default_rng(r)
+    params = {"w": rng.standard_normal((3, 4)).astype(np.float32), "b": rng.standard_normal(4).astype(ml_dtypes.bfloat16)}
+    opt_state = optax.adam(1e-3).init({"w": params["w"]})
+    opt_state = jax.tree.map(lambda x: np.asarray(x) + r, opt_state)
+    return dict(params=params, opt_state=opt_state, step=np.asarray(10 * r, np.int64), round=np.asarray(r, np.int64))
+
+
+def assert_same_bits(restored, expected):
+    assert jax.tree.structure(restored) == jax.tree.structure(expected)
+    for a, b in zip(jax.tree.leaves(restored), jax.tree.leaves(expected), strict=True):
+        a, b = np.asarray(a), np.asarray(b)
+        assert (a.dtype, a.shape, a.tobytes()) == (b.dtype, b.shape, b.tobytes())
+
+
+def folder(tmp_path):
+    return str(tmp_path / "islands" / "a" / "checkpoints")
+
+
+def saved(ckpt, *rounds):
+    """Saves `state(r)` for every round and waits until each checkpoint is complete."""
+    for r in rounds:
+        assert ckpt.save(r, state(r))
+        ckpt.last_save().result()
+
+
+def full_disk(round, host_state):
+    """A writer that fails like a full disk, after starting a checkpoint the way orbax does (a temporary folder)."""
+    del host_state
+    raise FULL
+
+
+def resumes_from(directory, round):
+    return (
+        rf"saving the checkpoint of round {round + 1} in {directory} failed \(OSError: \[Errno 28\] No space left on "
+        rf"device\); the newest complete checkpoint is round {round}, which a restart resumes from"
+    )
+
+
+def test_a_failed_save_raises_at_the_next_save_once_and_the_previous_checkpoint_restores(tmp_path, monkeypatch):
+    ckpt = Checkpointer(folder(tmp_path), every_rounds=1, max_to_keep=2)
+    saved(ckpt, 1, 2)
+    assert ckpt.rounds() == [1, 2] and ckpt.latest_round() == 2
+
+    def partial_then_full(round, host_state):  # what orbax leaves when the disk fills mid-write
+        os.makedirs(os.path.join(ckpt.directory, f"{round}.orbax-checkpoint-tmp-1"))
+        with open(os.path.join(ckpt.directory, f"{round}.orbax-checkpoint-tmp-1", "part"), "wb") as f:
+            f.write(b"\0" * 100)
+        raise FULL
+
+    monkeypatch.setattr(ckpt, "_write", partial_then_full)
+    assert ckpt.save(3, state(3))  # started; it fails in the background
+    futures.wait([ckpt.last_save()])
+    assert isinstance(ckpt.last_save().exception(), CheckpointError)
+    assert ckpt.rounds() == [1, 2] and ckpt.latest_round() == 2
+    assert sorted(os.listdir(ckpt.directory)) == ["1", "2"]  # the partial folder is gone
+    assert_same_bits(ckpt.restore(state(0)), state(2))
+    assert_same_bits(ckpt.restore(state(0), round=1), state(1))
+    with pytest.raises(CheckpointError, match=r"no complete checkpoint of round 3 .*\[1, 2\]"):
+        ckpt.restore(state(0), round=3)
+
+    monkeypatch.undo()
+    with pytest.raises(CheckpointError, match=resumes_from(ckpt.directory, 2)) as raised:
+        ckpt.save(4, state(4))
+    assert raised.value.__cause__ is FULL
+    assert ckpt.rounds() == [1, 2]  # round 4 was not saved
+    ckpt.close()  # reported once: the error is not raised again
+
+    restarted = Checkpointer(folder(tmp_path), every_rounds=1, max_to_keep=2)
+    assert restarted.rounds() == [1, 2]
+    assert_same_bits(restarted.restore(state(0)), state(2))
+    saved(restarted, 3)  # the folder takes new checkpoints again
+    assert restarted.rounds() == [2, 3]
+    restarted.close()
+
+
+def test_a_failed_save_raises_at_close(tmp_path, monkeypatch):
+    ckpt = Checkpointer(folder(tmp_path), every_rounds=2, max_to_keep=2)
+    saved(ckpt, 2)
+    monkeypatch.setattr(ckpt, "_write", full_disk)
+    assert not ckpt.save(3, state(3))  # not due
+    assert ckpt.save(3, state(3), force=True)
+    with pytest.raises(CheckpointError, match=resumes_from(ckpt.directory, 2)):
+        ckpt.close()
+    ckpt.close()  # closed: nothing more to raise
+    assert_same_bits(Checkpointer(folder(tmp_path), 2, 2).restore(state(0)), state(2))
+
+
+def test_a_failed_first_save_says_a_restart_starts_from_the_beginning(tmp_path, monkeypatch):
+    ckpt = Checkpointer(folder(tmp_path), every_rounds=1, max_to_keep=2)
+    monkeypatch.setattr(ckpt, "_write", full_disk)
+    ckpt.save(1, state(1))
+    with pytest.raises(CheckpointError, match="there is no complete checkpoint, so a restart starts from the beginning"):
+        ckpt.save(2, state(2))
+    with pytest.raises(CheckpointError, match=f"no checkpoint in {ckpt.directory}"):
+        ckpt.restore(state(0))
+    ckpt.close()
+
+
+def test_a_real_orbax_failure_at_commit_leaves_the_previous_checkpoint_whole(tmp_path, monkeypatch):
+    """Orbax's own write, failing as it renames the temporary folder: its manager is replaced, nothing is lost."""
+    ckpt = Checkpointer(folder(tmp_path), every_rounds=1, max_to_keep=2)
+    saved(ckpt, 1, 2)
+
+    async def rename_fails(self):
+        raise FULL
+
+    monkeypatch.setattr(atomicity.AtomicRenameTemporaryPath, "finalize", rename_fails)
+    ckpt.save(3, state(3))
+    futures.wait([ckpt.last_save()])
+    monkeypatch.undo()
+    assert ckpt.rounds() == [1, 2] and sorted(os.listdir(ckpt.directory)) == ["1", "2"]
+    assert_same_bits(ckpt.restore(state(0)), state(2))
+    with pytest.raises(CheckpointError, match=resumes_from(ckpt.directory, 2)):
+        ckpt.save(4, state(4))
+    saved(ckpt, 4)
+    assert ckpt.rounds() == [2, 4]
+    ckpt.close()
+
+
+def test_restore_waits_for_the_save_in_progress_and_last_save_tells_when_it_is_complete(tmp_path, monkeypatch):
+    ckpt = Checkpointer(folder(tmp_path), every_rounds=1, max_to_keep=2)
+    assert ckpt.last_save() is None and ckpt.rounds() == []
+    go, write = threading.Event(), ckpt._write
+
+    def slow(round, host_state):
+        assert go.wait(30)
+        write(round, host_state)
+
+    monkeypatch.setattr(ckpt, "_write", slow)
+    ckpt.save(1, state(1))
+    done = []
+    ckpt.last_save().add_done_callback(lambda f: done.append((f.exception(), ckpt.rounds())))
+    assert not ckpt.last_save().done()
+    assert ckpt.rounds() == [] and ckpt.latest_round() is None  # a checkpoint counts once it is complete
+    threading.Timer(0.2, go.set).start()
+    assert_same_bits(ckpt.restore(state(0)), state(1))
+    assert done == [(None, [1])]
+    ckpt.close()
+
+
+def test_checkpoint_schedule_keeps_the_coordinators_newest_round_on_every_island():
+    config = get_config()
+
+    def schedule(k, e, keep=1, coordinator=False):
+        config.checkpoint.update(coordinator_every_rounds=k, every_rounds=e, max_to_keep=keep)
+        return checkpoint_schedule(config, coordinator)
+
+    assert schedule(1, 1) == (1, 3)
+    assert schedule(2, 2) == (2, 2)
+    assert schedule(4, 2) == (2, 3)
+    assert schedule(1, 10) == (10, 1)
+    assert schedule(1, 10, keep=2) == (10, 2)
+    assert schedule(0, 3) == (3, 2)  # k = every_rounds: (3 + 1) // 3 + 1
+    assert schedule(1, 1, keep=5) == (1, 5)
+    assert schedule(4, 2, keep=2, coordinator=True) == (4, 2)
+    assert schedule(0, 2, keep=2, coordinator=True) == (2, 2)
+    config.outer.enabled = False  # no coordinator to fall back to
+    assert schedule(1, 1) == (1, 1)
+
+
+def test_open_role_gives_each_role_its_schedule(tmp_path):
+    config = get_config()
+    config.checkpoint.update(coordinator_every_rounds=4, every_rounds=2, max_to_keep=2)
+    for path, coordinator, expected in ((tmp_path / "c", True, (4, 2)), (tmp_path / "i", False, (2, 3))):
+        role = open_role(config, str(path), coordinator=coordinator)
+        assert (role.checkpoints.every_rounds, role.checkpoints.max_to_keep) == expected
+        role.close()
+
+
+# An island trained alone by experiments/train.py, whose writer fails from round 2 on.
+FAILING_RUN = """
+import runpy, sys
+from island_jax.checkpoint import Checkpointer
+write = Checkpointer._write
+def full_disk(self, round, host_state):
+    if round >= 2:
+        raise OSError(28, "No space left on device")
+    write(self, round, host_state)
+Checkpointer._write = full_disk
+sys.argv = ["experiments/train.py"] + sys.argv[1:]
+runpy.run_path("experiments/train.py", run_name="__main__")
+"""
+
+ALONE = """
+import sys
+sys.path.insert(0, {tests!r})
+import tiny_config
+
+def get_config():
+    c = tiny_config.get_config()
+    del c.islands["b"]
+    c.outer.enabled = False
+    return c
+"""
+
+
+@pytest.mark.slow  # starts a process
+def test_a_role_whose_save_fails_exits_naming_the_folder_and_its_checkpoint_restores(tmp_path):
+    from island_jax import data as data_lib
+    from island_jax.island import Island
+    from island_jax.metrics import read_jsonl
+    from island_jax.model.init import checksum, init_params
+
+    corpus = write_corpus(tmp_path / "corpus")
+    (tmp_path / "alone.py").write_text(ALONE.format(tests=os.path.join(ROOT, "tests")))
+    workdir = tmp_path / "workdir"
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # the role sets its own devices
+    result = subprocess.run(
+        [sys.executable, "-c", FAILING_RUN, f"--config={tmp_path / 'alone.py'}", f"--workdir={workdir}",
+         "--role=island", "--island=a", f"--config.data.files={corpus}", "--config.outer.rounds=3",
+         "--config.checkpoint.every_rounds=1"],
+        capture_output=True, text=True, env=env, cwd=ROOT, timeout=600,
+    )
+    directory = os.path.join(island_dir(str(workdir), "a"), "checkpoints")
+    assert result.returncode == 1, result.stderr[-3000:]
+    last = result.stderr.strip().splitlines()[-1]
+    assert last == (
+        f"CheckpointError: saving the checkpoint of round 2 in {directory} failed (OSError: [Errno 28] No space left "
+        "on device); the newest complete checkpoint is round 1, which a restart resumes from"
+    ), result.stderr[-3000:]
+
+    config = get_config()
+    del config.islands["b"]
+    config.outer.enabled = False
+    config.data.files = corpus
+    graphdef, params, specs = init_params(config)
+    train = data_lib.load_corpus(corpus, config.data.eval_fraction, ["a"]).train_bytes["a"]
+    island = Island("a", config, jax.devices()[:4], graphdef, params, specs, train, 3)
+    ckpt = Checkpointer(directory, 1, 2)
+    assert ckpt.rounds() == [1]
+    restored = ckpt.restore(island.state(0))
+    ckpt.close()
+    record = next(r for r in read_jsonl(workdir / "islands" / "a" / "metrics.jsonl") if r["kind"] == "checkpoint")
+    assert record["round"] == 1 and int(restored["round"]) == 1
+    assert {k: checksum(v) for k, v in restored.items()} == record["checksums"]
+    assert json.loads((workdir / "islands" / "a" / "config.json").read_text())["outer"]["rounds"] == 3
