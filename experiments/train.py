@@ -71,7 +71,7 @@ def main(argv):
     jax.config.update("jax_num_cpu_devices", max(devices, 1))
 
     from island_jax.checkpoint import CheckpointError
-    from island_jax.comm.grpc_client import ExchangeError
+    from island_jax.comm.transport import ExchangeError
     from island_jax.coordinator import ContributionError, HandshakeError
     from island_jax.data import DataError
 

@@ -70,7 +70,7 @@ def test_five_megabyte_payload_crosses_processes_intact(server_process):
     assert len(payloads["a"]) == 5_000_000  # above gRPC's default 4 MiB message limit
     transports = {n: GrpcTransport(address, c.comm.chunk_bytes, join_timeout=60, round_timeout=60) for n in pg}
     for n, t in transports.items():
-        assert t.join(n, fingerprint_fields(c), start) == dict(round=0, checksum=start)
+        assert t.join(n, fingerprint_fields(c), start) == dict(round=0, checksum=start, rejoin=False)
     # Island a through a raw stream, to read the coordinator's own count and CRC32.
     frames = _frames(transports["a"], "a", payloads["a"], tokens=100)
     assert len(frames) == 1 + 5  # header + ceil(5,000,000 / 1 MiB) chunks
@@ -216,6 +216,6 @@ def test_view_is_served_whole_over_grpc(local_server):
     c, coordinator, address = local_server
     a = GrpcTransport(address, c.comm.chunk_bytes, join_timeout=30, round_timeout=30)
     a.join("a", fingerprint_fields(c), coordinator.checksum)
-    round, payload = a.fetch_view("a")
-    assert round == 0 and len(payload) == a.view_bytes == 400_000  # 100,000 float32 in 7 chunks of at most 64 KiB
+    rounds, payload = a.fetch_view("a")
+    assert rounds == [0] and len(payload) == a.view_bytes == 400_000  # 100,000 float32 in 7 chunks of at most 64 KiB
     assert checksum(codec.decode_view(payload, coordinator.view)) == coordinator.checksum

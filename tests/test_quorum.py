@@ -99,8 +99,8 @@ def test_island_several_rounds_behind_rejoins_from_the_view():
     assert coordinator.contribute(ContributionHeader(0, "c", 1000), _pg(0.5)) == "discarded"
     with pytest.raises(StaleRoundError, match="older than the latest merged round 1; it rejoins from the island view"):
         coordinator.fetch_update(0, "c")
-    round, payload = coordinator.fetch_view()
-    assert round == 2 and len(payload) == 4  # one float32, whole
+    rounds, payload = coordinator.fetch_view()
+    assert rounds == [2] and len(payload) == 4  # one float32, whole
     view = codec.decode_view(payload, start)
     assert checksum(view) == coordinator.checksum
     coordinator.contribute(ContributionHeader(2, "c", 1000, checksum(view)), _pg(0.0))  # c carries on from the same bits

@@ -66,7 +66,7 @@ def test_frame_bytes_tokens_and_summary(run):
             header = pb.PayloadHeader(
                 round=r, island=name, tokens=2 * batch * 32, layout=layout,
                 params_checksum=view[r - 1] if r else checksum(params), step_seconds=1.0, streams=1,
-                total_bytes=payload,
+                total_bytes=payload, attempt=wire.new_attempt(), incarnation="0" * 32,  # a fixed64, 32 hex digits
             )
             trailer = pb.PayloadHeader(round=r, island=name, layout=layout, total_bytes=payload, crc32=1)
             assert rec["payload_bytes"] == payload
@@ -89,9 +89,10 @@ def test_frame_bytes_tokens_and_summary(run):
 
 def test_the_workdir_holds_every_roles_folder(run):
     _, _, workdir = run
-    for role in ("coordinator", "islands/a", "islands/b"):
+    # max_to_keep 2; islands keep 3 at every_rounds 1, as a coordinator restart may need (workdir.checkpoint_schedule)
+    for role, kept in (("coordinator", ["3", "4"]), ("islands/a", ["2", "3", "4"]), ("islands/b", ["2", "3", "4"])):
         assert {"config.json", "metrics.jsonl", "summary.json", "checkpoints"} <= {p.name for p in (workdir / role).iterdir()}
-        assert sorted(p.name for p in (workdir / role / "checkpoints").iterdir()) == ["3", "4"]  # max_to_keep 2
+        assert sorted(p.name for p in (workdir / role / "checkpoints").iterdir()) == kept
         saved = records(workdir, role, "checkpoint")
         assert [r["round"] for r in saved] == [1, 2, 3, 4]
     assert (workdir / "timeline.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -24,27 +24,27 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1eisland_jax/comm/exchange.proto\x12\x13island_jax.exchange\"n\n\x0bJoinRequest\x12\x0e\n\x06island\x18\x01 \x01(\t\x12\x18\n\x10\x66ingerprint_json\x18\x02 \x01(\t\x12\x17\n\x0fparams_checksum\x18\x03 \x01(\t\x12\r\n\x05round\x18\x04 \x01(\x03\x12\r\n\x05ready\x18\x05 \x01(\x08\"\xc6\x01\n\tJoinReply\x12\r\n\x05round\x18\x01 \x01(\x03\x12\x17\n\x0fparams_checksum\x18\x02 \x01(\t\x12\x15\n\rpayload_bytes\x18\x03 \x01(\x03\x12\x0e\n\x06layout\x18\x04 \x01(\t\x12\x12\n\nview_bytes\x18\x05 \x01(\x03\x12\x1a\n\x12view_chunk_offsets\x18\x07 \x03(\x03\x12\x34\n\tfragments\x18\x08 \x03(\x0b\x32!.island_jax.exchange.FragmentPlanJ\x04\x08\x06\x10\x07\"L\n\x0c\x46ragmentPlan\x12\x15\n\rpayload_bytes\x18\x01 \x01(\x03\x12\x0e\n\x06layout\x18\x02 \x01(\t\x12\x15\n\rchunk_offsets\x18\x03 \x03(\x03\"\xd9\x01\n\rPayloadHeader\x12\r\n\x05round\x18\x01 \x01(\x03\x12\x0e\n\x06island\x18\x02 \x01(\t\x12\x0e\n\x06tokens\x18\x03 \x01(\x03\x12\x13\n\x0btotal_bytes\x18\x04 \x01(\x03\x12\r\n\x05\x63rc32\x18\x05 \x01(\x07\x12\x0e\n\x06layout\x18\x06 \x01(\t\x12\x17\n\x0fparams_checksum\x18\x07 \x01(\t\x12\x14\n\x0cstep_seconds\x18\x08 \x01(\x01\x12\x13\n\x0binner_steps\x18\t \x01(\x03\x12\x0f\n\x07streams\x18\n \x01(\x05\x12\x10\n\x08\x66ragment\x18\x0b \x01(\x05\"\n\n\x08RawFrame\"Z\n\x0f\x43ontributeReply\x12\r\n\x05round\x18\x01 \x01(\x03\x12\x16\n\x0e\x62ytes_received\x18\x02 \x01(\x03\x12\r\n\x05\x63rc32\x18\x03 \x01(\x07\x12\x11\n\tdiscarded\x18\x04 \x01(\x08\"h\n\x0c\x46\x65tchRequest\x12\r\n\x05round\x18\x01 \x01(\x03\x12\x0e\n\x06island\x18\x02 \x01(\t\x12\x12\n\nconnection\x18\x03 \x01(\x05\x12\x13\n\x0b\x63onnections\x18\x04 \x01(\x05\x12\x10\n\x08\x66ragment\x18\x05 \x01(\x05\x32\xcd\x02\n\x08\x45xchange\x12H\n\x04Join\x12 .island_jax.exchange.JoinRequest\x1a\x1e.island_jax.exchange.JoinReply\x12S\n\nContribute\x12\x1d.island_jax.exchange.RawFrame\x1a$.island_jax.exchange.ContributeReply(\x01\x12Q\n\x0b\x46\x65tchUpdate\x12!.island_jax.exchange.FetchRequest\x1a\x1d.island_jax.exchange.RawFrame0\x01\x12O\n\tFetchView\x12!.island_jax.exchange.FetchRequest\x1a\x1d.island_jax.exchange.RawFrame0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1eisland_jax/comm/exchange.proto\x12\x13island_jax.exchange\"\x81\x01\n\x0bJoinRequest\x12\x0e\n\x06island\x18\x01 \x01(\t\x12\x18\n\x10\x66ingerprint_json\x18\x02 \x01(\t\x12\x17\n\x0fparams_checksum\x18\x03 \x01(\t\x12\r\n\x05round\x18\x04 \x01(\x03\x12\r\n\x05ready\x18\x05 \x01(\x08\x12\x11\n\treconnect\x18\x06 \x01(\x08\"\xeb\x01\n\tJoinReply\x12\r\n\x05round\x18\x01 \x01(\x03\x12\x17\n\x0fparams_checksum\x18\x02 \x01(\t\x12\x15\n\rpayload_bytes\x18\x03 \x01(\x03\x12\x0e\n\x06layout\x18\x04 \x01(\t\x12\x12\n\nview_bytes\x18\x05 \x01(\x03\x12\x1a\n\x12view_chunk_offsets\x18\x07 \x03(\x03\x12\x34\n\tfragments\x18\x08 \x03(\x0b\x32!.island_jax.exchange.FragmentPlan\x12\x13\n\x0bincarnation\x18\t \x01(\t\x12\x0e\n\x06rejoin\x18\n \x01(\x08J\x04\x08\x06\x10\x07\"L\n\x0c\x46ragmentPlan\x12\x15\n\rpayload_bytes\x18\x01 \x01(\x03\x12\x0e\n\x06layout\x18\x02 \x01(\t\x12\x15\n\rchunk_offsets\x18\x03 \x03(\x03\"\x98\x02\n\rPayloadHeader\x12\r\n\x05round\x18\x01 \x01(\x03\x12\x0e\n\x06island\x18\x02 \x01(\t\x12\x0e\n\x06tokens\x18\x03 \x01(\x03\x12\x13\n\x0btotal_bytes\x18\x04 \x01(\x03\x12\r\n\x05\x63rc32\x18\x05 \x01(\x07\x12\x0e\n\x06layout\x18\x06 \x01(\t\x12\x17\n\x0fparams_checksum\x18\x07 \x01(\t\x12\x14\n\x0cstep_seconds\x18\x08 \x01(\x01\x12\x13\n\x0binner_steps\x18\t \x01(\x03\x12\x0f\n\x07streams\x18\n \x01(\x05\x12\x10\n\x08\x66ragment\x18\x0b \x01(\x05\x12\x0f\n\x07\x61ttempt\x18\x0c \x01(\x06\x12\x17\n\x0f\x66ragment_rounds\x18\r \x03(\x03\x12\x13\n\x0bincarnation\x18\x0e \x01(\t\"\n\n\x08RawFrame\"m\n\x0f\x43ontributeReply\x12\r\n\x05round\x18\x01 \x01(\x03\x12\x16\n\x0e\x62ytes_received\x18\x02 \x01(\x03\x12\r\n\x05\x63rc32\x18\x03 \x01(\x07\x12\x11\n\tdiscarded\x18\x04 \x01(\x08\x12\x11\n\tduplicate\x18\x05 \x01(\x08\"\x90\x01\n\x0c\x46\x65tchRequest\x12\r\n\x05round\x18\x01 \x01(\x03\x12\x0e\n\x06island\x18\x02 \x01(\t\x12\x12\n\nconnection\x18\x03 \x01(\x05\x12\x13\n\x0b\x63onnections\x18\x04 \x01(\x05\x12\x10\n\x08\x66ragment\x18\x05 \x01(\x05\x12\x11\n\tmin_round\x18\x06 \x01(\x03\x12\x13\n\x0bincarnation\x18\x07 \x01(\t2\xcd\x02\n\x08\x45xchange\x12H\n\x04Join\x12 .island_jax.exchange.JoinRequest\x1a\x1e.island_jax.exchange.JoinReply\x12S\n\nContribute\x12\x1d.island_jax.exchange.RawFrame\x1a$.island_jax.exchange.ContributeReply(\x01\x12Q\n\x0b\x46\x65tchUpdate\x12!.island_jax.exchange.FetchRequest\x1a\x1d.island_jax.exchange.RawFrame0\x01\x12O\n\tFetchView\x12!.island_jax.exchange.FetchRequest\x1a\x1d.island_jax.exchange.RawFrame0\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'island_jax.comm.exchange_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_JOINREQUEST']._serialized_start=55
-  _globals['_JOINREQUEST']._serialized_end=165
-  _globals['_JOINREPLY']._serialized_start=168
-  _globals['_JOINREPLY']._serialized_end=366
-  _globals['_FRAGMENTPLAN']._serialized_start=368
-  _globals['_FRAGMENTPLAN']._serialized_end=444
-  _globals['_PAYLOADHEADER']._serialized_start=447
-  _globals['_PAYLOADHEADER']._serialized_end=664
-  _globals['_RAWFRAME']._serialized_start=666
-  _globals['_RAWFRAME']._serialized_end=676
-  _globals['_CONTRIBUTEREPLY']._serialized_start=678
-  _globals['_CONTRIBUTEREPLY']._serialized_end=768
-  _globals['_FETCHREQUEST']._serialized_start=770
-  _globals['_FETCHREQUEST']._serialized_end=874
-  _globals['_EXCHANGE']._serialized_start=877
-  _globals['_EXCHANGE']._serialized_end=1210
+  _globals['_JOINREQUEST']._serialized_start=56
+  _globals['_JOINREQUEST']._serialized_end=185
+  _globals['_JOINREPLY']._serialized_start=188
+  _globals['_JOINREPLY']._serialized_end=423
+  _globals['_FRAGMENTPLAN']._serialized_start=425
+  _globals['_FRAGMENTPLAN']._serialized_end=501
+  _globals['_PAYLOADHEADER']._serialized_start=504
+  _globals['_PAYLOADHEADER']._serialized_end=784
+  _globals['_RAWFRAME']._serialized_start=786
+  _globals['_RAWFRAME']._serialized_end=796
+  _globals['_CONTRIBUTEREPLY']._serialized_start=798
+  _globals['_CONTRIBUTEREPLY']._serialized_end=907
+  _globals['_FETCHREQUEST']._serialized_start=910
+  _globals['_FETCHREQUEST']._serialized_end=1054
+  _globals['_EXCHANGE']._serialized_start=1057
+  _globals['_EXCHANGE']._serialized_end=1390
 # @@protoc_insertion_point(module_scope)

@@ -7,21 +7,23 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class JoinRequest(_message.Message):
-    __slots__ = ("island", "fingerprint_json", "params_checksum", "round", "ready")
+    __slots__ = ("island", "fingerprint_json", "params_checksum", "round", "ready", "reconnect")
     ISLAND_FIELD_NUMBER: _ClassVar[int]
     FINGERPRINT_JSON_FIELD_NUMBER: _ClassVar[int]
     PARAMS_CHECKSUM_FIELD_NUMBER: _ClassVar[int]
     ROUND_FIELD_NUMBER: _ClassVar[int]
     READY_FIELD_NUMBER: _ClassVar[int]
+    RECONNECT_FIELD_NUMBER: _ClassVar[int]
     island: str
     fingerprint_json: str
     params_checksum: str
     round: int
     ready: bool
-    def __init__(self, island: _Optional[str] = ..., fingerprint_json: _Optional[str] = ..., params_checksum: _Optional[str] = ..., round: _Optional[int] = ..., ready: _Optional[bool] = ...) -> None: ...
+    reconnect: bool
+    def __init__(self, island: _Optional[str] = ..., fingerprint_json: _Optional[str] = ..., params_checksum: _Optional[str] = ..., round: _Optional[int] = ..., ready: _Optional[bool] = ..., reconnect: _Optional[bool] = ...) -> None: ...
 
 class JoinReply(_message.Message):
-    __slots__ = ("round", "params_checksum", "payload_bytes", "layout", "view_bytes", "view_chunk_offsets", "fragments")
+    __slots__ = ("round", "params_checksum", "payload_bytes", "layout", "view_bytes", "view_chunk_offsets", "fragments", "incarnation", "rejoin")
     ROUND_FIELD_NUMBER: _ClassVar[int]
     PARAMS_CHECKSUM_FIELD_NUMBER: _ClassVar[int]
     PAYLOAD_BYTES_FIELD_NUMBER: _ClassVar[int]
@@ -29,6 +31,8 @@ class JoinReply(_message.Message):
     VIEW_BYTES_FIELD_NUMBER: _ClassVar[int]
     VIEW_CHUNK_OFFSETS_FIELD_NUMBER: _ClassVar[int]
     FRAGMENTS_FIELD_NUMBER: _ClassVar[int]
+    INCARNATION_FIELD_NUMBER: _ClassVar[int]
+    REJOIN_FIELD_NUMBER: _ClassVar[int]
     round: int
     params_checksum: str
     payload_bytes: int
@@ -36,7 +40,9 @@ class JoinReply(_message.Message):
     view_bytes: int
     view_chunk_offsets: _containers.RepeatedScalarFieldContainer[int]
     fragments: _containers.RepeatedCompositeFieldContainer[FragmentPlan]
-    def __init__(self, round: _Optional[int] = ..., params_checksum: _Optional[str] = ..., payload_bytes: _Optional[int] = ..., layout: _Optional[str] = ..., view_bytes: _Optional[int] = ..., view_chunk_offsets: _Optional[_Iterable[int]] = ..., fragments: _Optional[_Iterable[_Union[FragmentPlan, _Mapping]]] = ...) -> None: ...
+    incarnation: str
+    rejoin: bool
+    def __init__(self, round: _Optional[int] = ..., params_checksum: _Optional[str] = ..., payload_bytes: _Optional[int] = ..., layout: _Optional[str] = ..., view_bytes: _Optional[int] = ..., view_chunk_offsets: _Optional[_Iterable[int]] = ..., fragments: _Optional[_Iterable[_Union[FragmentPlan, _Mapping]]] = ..., incarnation: _Optional[str] = ..., rejoin: _Optional[bool] = ...) -> None: ...
 
 class FragmentPlan(_message.Message):
     __slots__ = ("payload_bytes", "layout", "chunk_offsets")
@@ -49,7 +55,7 @@ class FragmentPlan(_message.Message):
     def __init__(self, payload_bytes: _Optional[int] = ..., layout: _Optional[str] = ..., chunk_offsets: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class PayloadHeader(_message.Message):
-    __slots__ = ("round", "island", "tokens", "total_bytes", "crc32", "layout", "params_checksum", "step_seconds", "inner_steps", "streams", "fragment")
+    __slots__ = ("round", "island", "tokens", "total_bytes", "crc32", "layout", "params_checksum", "step_seconds", "inner_steps", "streams", "fragment", "attempt", "fragment_rounds", "incarnation")
     ROUND_FIELD_NUMBER: _ClassVar[int]
     ISLAND_FIELD_NUMBER: _ClassVar[int]
     TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -61,6 +67,9 @@ class PayloadHeader(_message.Message):
     INNER_STEPS_FIELD_NUMBER: _ClassVar[int]
     STREAMS_FIELD_NUMBER: _ClassVar[int]
     FRAGMENT_FIELD_NUMBER: _ClassVar[int]
+    ATTEMPT_FIELD_NUMBER: _ClassVar[int]
+    FRAGMENT_ROUNDS_FIELD_NUMBER: _ClassVar[int]
+    INCARNATION_FIELD_NUMBER: _ClassVar[int]
     round: int
     island: str
     tokens: int
@@ -72,34 +81,43 @@ class PayloadHeader(_message.Message):
     inner_steps: int
     streams: int
     fragment: int
-    def __init__(self, round: _Optional[int] = ..., island: _Optional[str] = ..., tokens: _Optional[int] = ..., total_bytes: _Optional[int] = ..., crc32: _Optional[int] = ..., layout: _Optional[str] = ..., params_checksum: _Optional[str] = ..., step_seconds: _Optional[float] = ..., inner_steps: _Optional[int] = ..., streams: _Optional[int] = ..., fragment: _Optional[int] = ...) -> None: ...
+    attempt: int
+    fragment_rounds: _containers.RepeatedScalarFieldContainer[int]
+    incarnation: str
+    def __init__(self, round: _Optional[int] = ..., island: _Optional[str] = ..., tokens: _Optional[int] = ..., total_bytes: _Optional[int] = ..., crc32: _Optional[int] = ..., layout: _Optional[str] = ..., params_checksum: _Optional[str] = ..., step_seconds: _Optional[float] = ..., inner_steps: _Optional[int] = ..., streams: _Optional[int] = ..., fragment: _Optional[int] = ..., attempt: _Optional[int] = ..., fragment_rounds: _Optional[_Iterable[int]] = ..., incarnation: _Optional[str] = ...) -> None: ...
 
 class RawFrame(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
 class ContributeReply(_message.Message):
-    __slots__ = ("round", "bytes_received", "crc32", "discarded")
+    __slots__ = ("round", "bytes_received", "crc32", "discarded", "duplicate")
     ROUND_FIELD_NUMBER: _ClassVar[int]
     BYTES_RECEIVED_FIELD_NUMBER: _ClassVar[int]
     CRC32_FIELD_NUMBER: _ClassVar[int]
     DISCARDED_FIELD_NUMBER: _ClassVar[int]
+    DUPLICATE_FIELD_NUMBER: _ClassVar[int]
     round: int
     bytes_received: int
     crc32: int
     discarded: bool
-    def __init__(self, round: _Optional[int] = ..., bytes_received: _Optional[int] = ..., crc32: _Optional[int] = ..., discarded: _Optional[bool] = ...) -> None: ...
+    duplicate: bool
+    def __init__(self, round: _Optional[int] = ..., bytes_received: _Optional[int] = ..., crc32: _Optional[int] = ..., discarded: _Optional[bool] = ..., duplicate: _Optional[bool] = ...) -> None: ...
 
 class FetchRequest(_message.Message):
-    __slots__ = ("round", "island", "connection", "connections", "fragment")
+    __slots__ = ("round", "island", "connection", "connections", "fragment", "min_round", "incarnation")
     ROUND_FIELD_NUMBER: _ClassVar[int]
     ISLAND_FIELD_NUMBER: _ClassVar[int]
     CONNECTION_FIELD_NUMBER: _ClassVar[int]
     CONNECTIONS_FIELD_NUMBER: _ClassVar[int]
     FRAGMENT_FIELD_NUMBER: _ClassVar[int]
+    MIN_ROUND_FIELD_NUMBER: _ClassVar[int]
+    INCARNATION_FIELD_NUMBER: _ClassVar[int]
     round: int
     island: str
     connection: int
     connections: int
     fragment: int
-    def __init__(self, round: _Optional[int] = ..., island: _Optional[str] = ..., connection: _Optional[int] = ..., connections: _Optional[int] = ..., fragment: _Optional[int] = ...) -> None: ...
+    min_round: int
+    incarnation: str
+    def __init__(self, round: _Optional[int] = ..., island: _Optional[str] = ..., connection: _Optional[int] = ..., connections: _Optional[int] = ..., fragment: _Optional[int] = ..., min_round: _Optional[int] = ..., incarnation: _Optional[str] = ...) -> None: ...

@@ -84,8 +84,9 @@ class ExchangeServicer:
         raise NotImplementedError('Method not implemented!')
 
     def FetchView(self, request, context):
-        """The island view, whole (float32), for an island that fell behind by more
-        than one round; the trailer's round is the round it starts.
+        """The island view, whole (float32), for an island that rejoins or fell
+        behind; sent once every fragment has completed request.min_round rounds.
+        The trailer's round is the smallest fragment round, fragment_rounds each one's.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -16,8 +16,20 @@ raises in process:
   FAILED_PRECONDITION at join     -> HandshakeError
   FAILED_PRECONDITION otherwise   -> ContributionError
   OUT_OF_RANGE                    -> StaleRoundError (fetch the view)
-  DATA_LOSS, INVALID_ARGUMENT     -> ExchangeError (corrupt or mis-shaped payload)
-  UNAVAILABLE, DEADLINE_EXCEEDED  -> ExchangeError (coordinator unreachable or late)
+  INVALID_ARGUMENT                -> ExchangeError (mis-shaped payload)
+  DEADLINE_EXCEEDED               -> ExchangeError (the round was not merged in time)
+
+A lost connection is not an error at first. A call that fails with
+UNAVAILABLE (coordinator down, connection reset), or whose data arrived
+corrupt (DATA_LOSS, a CRC-32C mismatch; up to `CORRUPT_RETRIES` times), is
+retried with capped exponential backoff (0.5 s doubling to
+`BACKOFF_CAP_SECONDS`) for up to `comm.reconnect_seconds`, each attempt
+logged. Before each retry the island asks the coordinator who it is (a Join
+with `reconnect`): the same incarnation means the connection merely dropped,
+and the call is made again (a contribution is resent with a new attempt
+number and counted once); a new one means the coordinator restarted, and
+`CoordinatorRestarted` tells the island to join again (ABORTED answers a
+call made for the old incarnation the same way).
 
 `stats(round, fragment)` describes one exchange (see `SyncStats`), `last_stats`
 the last one finished. Exchanges of different fragments may run at once, each
@@ -38,13 +50,18 @@ from island_jax.comm import exchange_pb2 as pb
 from island_jax.comm import wire
 from island_jax.comm.grpc_server import SERVICE_NAME, client_options
 from island_jax.comm.link import LinkEmulator
-from island_jax.comm.transport import SyncStats
+from island_jax.comm.transport import CoordinatorRestarted, ExchangeError, SyncStats
 from island_jax.coordinator import ContributionError, ContributionHeader, HandshakeError, StaleRoundError
 from island_jax.outer import codec
 
+BACKOFF_CAP_SECONDS = 8.0  # reconnect attempts are 0.5, 1, 2, 4, 8, 8, ... s apart
+CORRUPT_RETRIES = 3  # a payload that arrives corrupt this many times in a row fails the call
+_UNREACHABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED, grpc.StatusCode.INTERNAL,
+                grpc.StatusCode.UNKNOWN)  # what a dropped or reset connection surfaces as
 
-class ExchangeError(RuntimeError):
-    """The exchange with the coordinator failed: unreachable, too slow, or corrupt data."""
+
+class _Corrupt(Exception):
+    """A payload arrived corrupt (its CRC-32C failed); the call may be made again."""
 
 
 def _error(e: grpc.RpcError, what: str, address: str) -> Exception:
@@ -71,7 +88,8 @@ class _Fetch:
     """An update being received over every connection; `result()` waits for it."""
 
     def __init__(
-        self, transport: "GrpcTransport", round: int, island: str, what: str, plan, methods: list, fragment: int = 0
+        self, transport: "GrpcTransport", round: int, island: str, what: str, plan, methods: list, fragment: int = 0,
+        incarnation: str = "", min_round: int = 0,
     ):
         self.assembler = wire.ChunkAssembler(plan)
         self.lock = threading.Lock()
@@ -84,7 +102,8 @@ class _Fetch:
             transport._pool.submit(
                 self._receive,
                 method,
-                pb.FetchRequest(round=round, island=island, connection=i, connections=n, fragment=fragment),
+                pb.FetchRequest(round=round, island=island, connection=i, connections=n, fragment=fragment,
+                                incarnation=incarnation, min_round=min_round),
                 i,
                 n,
             )
@@ -121,10 +140,8 @@ class _Fetch:
             if not self.trailers:
                 raise wire.WireError("the update streams ended without a trailer", code="DATA_LOSS")
             payload = self.assembler.finish(self.trailers[0])
-        except grpc.RpcError as e:
-            raise _error(e, self.what, t.address) from None
         except wire.WireError as e:
-            raise ExchangeError(f"{self.what}: {e}") from None
+            raise _Corrupt(f"{self.what}: {e}") from None
         if t.link is not None:
             t.link.sleep_until(self.last_arrival)
         return self.trailers[0], payload
@@ -143,9 +160,13 @@ class _Upload:
     """
 
     def __init__(
-        self, transport: "GrpcTransport", plan: list[codec.Chunk], n: int, header: bytes, payload, start: float
+        self, transport: "GrpcTransport", plan: list[codec.Chunk], n: int, header: bytes, payload, start: float,
+        cache: dict | None = None,
     ):
         self.transport, self.plan, self.n, self.header = transport, plan, n, header
+        # {chunk index: (frame, CRC-32C)}: kept for a retry, which sends the same frames (an encoder's chunks
+        # are built once: its error feedback must not be applied twice)
+        self.cache = {} if cache is None else cache
         self.arrivals = {}
         if transport.link is not None:
             for chunk in plan:
@@ -158,7 +179,7 @@ class _Upload:
                 "codec.chunk_plan(params, kind, block_size, comm.chunk_bytes) of the run's config"
             )
         self.view = memoryview(payload) if self.encoder is None else None
-        if self.encoder is not None:
+        if self.encoder is not None and not self.cache:
             self.encoder.start()  # one thread encodes the chunks in the order they go out
         self.bytes_sent = len(header) * n + len(payload) + wire.FRAMING_BYTES * len(plan)  # frame bytes
         self.crcs: list[list[int]] = [[] for _ in range(n)]
@@ -169,13 +190,18 @@ class _Upload:
         t = self.transport
         yield self.header
         for chunk in self.plan[conn :: self.n]:
-            if self.encoder is None:
-                parts = [self.view[chunk.offset : chunk.offset + chunk.nbytes]]
-            else:  # encoded here, while the chunks before it are on the wire
-                parts = self.encoder.chunk(chunk.index)
-            crc = wire.crc32_parts(parts)
+            if chunk.index in self.cache:
+                frame, crc = self.cache[chunk.index]
+            else:
+                if self.encoder is None:
+                    parts = [self.view[chunk.offset : chunk.offset + chunk.nbytes]]
+                else:  # encoded here, while the chunks before it are on the wire
+                    parts = self.encoder.chunk(chunk.index)
+                crc = wire.crc32_parts(parts)
+                frame = wire.chunk_frame(chunk.index, chunk.offset, parts, crc)
+                if self.encoder is not None:
+                    self.cache[chunk.index] = (frame, crc)
             self.crcs[conn].append(crc)
-            frame = wire.chunk_frame(chunk.index, chunk.offset, parts, crc)
             if t.link is not None:
                 t.link.sleep_until(self.arrivals[chunk.index])
             yield frame
@@ -205,6 +231,8 @@ class GrpcTransport:
       pipeline: `comm.pipeline`; open the update streams before contributing.
       link: an emulated WAN link for this island (None: the real network only).
       clock: seconds, monotonic; the link emulator's clock.
+      reconnect_seconds: how long a call that lost the coordinator keeps retrying (`comm.reconnect_seconds`).
+      finished: called before each retry; True stops retrying at once (the run finished without this island).
     """
 
     def __init__(
@@ -217,8 +245,13 @@ class GrpcTransport:
         pipeline: bool = True,
         link: LinkEmulator | None = None,
         clock=time.monotonic,
+        reconnect_seconds: float = 300.0,
+        finished=None,
     ):
         self.address, self.chunk_bytes = address, chunk_bytes
+        self.reconnect_seconds, self.finished = reconnect_seconds, finished
+        self.incarnation = ""  # the coordinator's, from the last join
+        self._who: tuple[str, str] | None = None  # (island, fingerprint JSON) of the last join
         self.join_timeout, self.round_timeout = join_timeout, round_timeout
         self.connections, self.pipeline, self.link = connections, pipeline, link
         self.clock = link.clock if link is not None else clock
@@ -264,11 +297,89 @@ class GrpcTransport:
         except grpc.RpcError as e:
             raise _error(e, "join", self.address) from None
         reply = replies[0]
+        self.incarnation, self._who = reply.incarnation, (island, request.fingerprint_json)
+        for fetch in self._fetches.values():  # opened for the coordinator before (a restart): void
+            for f in fetch.futures:
+                f.cancel()
+        self._fetches.clear()
         self.payload_bytes, self.view_bytes = reply.payload_bytes, reply.view_bytes
         self.layouts = [f.layout for f in reply.fragments]
         self.plans = [_plan(list(f.chunk_offsets), f.payload_bytes) for f in reply.fragments]
         self.view_plan = _plan(list(reply.view_chunk_offsets), reply.view_bytes)
-        return dict(round=reply.round, checksum=reply.params_checksum)
+        return dict(round=reply.round, checksum=reply.params_checksum, rejoin=reply.rejoin)
+
+    # -- reconnecting ------------------------------------------------------------------------------------
+
+    def _retrying(self, what: str, call):
+        """`call()`, made again while the coordinator is unreachable or the data arrives corrupt (see the
+        module docstring); the incarnation is the one current when the call began.
+
+        Raises:
+          CoordinatorRestarted: the coordinator restarted meanwhile (or had before the call).
+          ExchangeError: still unreachable after `reconnect_seconds`, corrupt `CORRUPT_RETRIES` times in a
+            row, the run finished, or another failure (`_error`).
+        """
+        incarnation, start, attempt, corrupt = self.incarnation, self.clock(), 0, 0
+        while True:
+            try:
+                if incarnation != self.incarnation:
+                    raise self._restarted(what, self.incarnation)
+                return call()
+            except grpc.RpcError as e:
+                if e.code() == grpc.StatusCode.ABORTED:
+                    raise self._restarted(what, None) from None
+                if e.code() == grpc.StatusCode.DATA_LOSS:
+                    corrupt += 1
+                elif e.code() not in _UNREACHABLE:
+                    raise _error(e, what, self.address) from None
+                failure = f"{e.code().name}: {e.details()}"
+            except _Corrupt as e:
+                corrupt, failure = corrupt + 1, str(e)
+            if corrupt > CORRUPT_RETRIES:
+                raise ExchangeError(f"{what}: the data arrived corrupt {corrupt} times in a row ({failure})")
+            while True:  # back off, then ask who answers
+                elapsed = self.clock() - start
+                if self.finished is not None and self.finished():
+                    raise ExchangeError(f"{what}: the coordinator finished the run ({failure})")
+                if elapsed >= self.reconnect_seconds:
+                    raise ExchangeError(
+                        f"{what}: the coordinator at {self.address} was unreachable for {elapsed:.0f} s "
+                        f"(comm.reconnect_seconds={self.reconnect_seconds:g}; last: {failure}); check that it runs"
+                    )
+                delay = min(0.5 * 2**attempt, BACKOFF_CAP_SECONDS, max(self.reconnect_seconds - elapsed, 0.0))
+                attempt += 1
+                logging.warning("island %s: %s failed (%s); reconnect attempt %d in %.1f s (%.0f of %g s)",
+                                self._island(), what, failure, attempt, delay, elapsed, self.reconnect_seconds)
+                time.sleep(delay)
+                try:
+                    now = self._probe()
+                except grpc.RpcError as e:
+                    failure = f"{e.code().name}: {e.details()}"
+                    continue
+                if now != incarnation:
+                    raise self._restarted(what, now)
+                logging.warning("island %s: reconnected to the coordinator; %s again", self._island(), what)
+                break
+
+    def _island(self) -> str:
+        return self._who[0] if self._who else "?"
+
+    def _probe(self) -> str:
+        """The coordinator's incarnation now (a Join with `reconnect`). Raises grpc.RpcError if unreachable."""
+        island, fingerprint = self._who
+        request = pb.JoinRequest(island=island, fingerprint_json=fingerprint, reconnect=True)
+        return self._join[0](request, timeout=10.0).incarnation
+
+    def _restarted(self, what: str, incarnation: str | None) -> CoordinatorRestarted:
+        try:
+            reply = self._join[0](pb.JoinRequest(island=self._island(), fingerprint_json=self._who[1],
+                                                 reconnect=True), timeout=10.0)
+            round = reply.round
+        except grpc.RpcError:
+            round = -1
+        logging.warning("island %s: the coordinator restarted (at round %d); %s is void, the island joins again",
+                        self._island(), round, what)
+        return CoordinatorRestarted(round, f"{what}: the coordinator restarted at round {round}")
 
     def start_together(self, island: str, config_fingerprint: dict, params_checksum: str, round: int = 0) -> None:
         """Says the island is ready to train and waits (up to `join_timeout` seconds) until every island
@@ -305,18 +416,25 @@ class GrpcTransport:
         round, island, fragment = header.round, header.island, header.fragment
         if not 0 <= fragment < len(self.plans):
             raise ExchangeError(f"contribute: fragment {fragment} of {len(self.plans)}; join first, with the run's config")
-        start = self.clock()
-        if self.pipeline:
-            self._fetches[(fragment, round, island)] = self._open_fetch(round, island, fragment)
+        start, cache, sent = self.clock(), {}, 0
         n = self._streams(fragment)
-        frame = wire.header_frame(wire.payload_header(header, self.layouts[fragment], n, len(payload)))
-        upload = _Upload(self, self.plans[fragment], n, frame, payload, start)
-        calls = [self._pool.submit(self._contribute[i], upload.frames(i), timeout=self.round_timeout) for i in range(n)]
-        try:
+
+        def attempt():
+            nonlocal sent
+            if self.pipeline:
+                self._fetches[(fragment, round, island)] = self._open_fetch(round, island, fragment)
+            fields = wire.payload_header(header, self.layouts[fragment], n, len(payload), wire.new_attempt(),
+                                         self.incarnation)
+            upload = _Upload(self, self.plans[fragment], n, wire.header_frame(fields), payload, self.clock(), cache)
+            sent += upload.bytes_sent
+            calls = [self._pool.submit(self._contribute[i], upload.frames(i), timeout=self.round_timeout)
+                     for i in range(n)]
             replies = [c.result() for c in calls]
-        except grpc.RpcError as e:
-            raise _error(e, "contribute", self.address) from None
-        upload.check(replies)
+            upload.check(replies)
+            return upload, replies
+
+        upload, replies = self._retrying(f"contribute round {round + 1}", attempt)
+        upload.bytes_sent = sent
         self._sent(fragment, round, start, upload)
         discarded = any(r.discarded for r in replies)
         if discarded:
@@ -340,7 +458,8 @@ class GrpcTransport:
 
     def _open_fetch(self, round: int, island: str, fragment: int = 0) -> _Fetch:
         methods = self._fetch_update[: self._streams(fragment)]
-        return _Fetch(self, round, island, "fetch_update", self.plans[fragment], methods, fragment)
+        return _Fetch(self, round, island, "fetch_update", self.plans[fragment], methods, fragment,
+                      incarnation=self.incarnation)
 
     def fetch_update(self, round: int, island: str, fragment: int = 0) -> bytes:
         """The round's update bytes; waits up to `round_timeout` seconds for the merge.
@@ -349,8 +468,14 @@ class GrpcTransport:
           ExchangeError: late, unreachable, or a corrupt stream (CRC-32C).
           StaleRoundError: the round is older than the coordinator's latest (use `fetch_view`).
         """
-        fetch = self._fetches.pop((fragment, round, island), None) or self._open_fetch(round, island, fragment)
-        header, payload = fetch.result()
+        opened = self._fetches.pop((fragment, round, island), None)
+
+        def attempt():
+            nonlocal opened
+            fetch, opened = opened or self._open_fetch(round, island, fragment), None
+            return fetch, *fetch.result()
+
+        fetch, header, payload = self._retrying(f"fetch the update of round {round + 1}", attempt)
         if header.inner_steps:
             self._planned[island] = header.inner_steps
         end = self.clock()
@@ -370,15 +495,21 @@ class GrpcTransport:
         """The island's inner steps per round as last planned by the coordinator (None: no plan)."""
         return self._planned.get(island)
 
-    def fetch_view(self, island: str) -> tuple[int, bytes]:
-        """(round, the island view as a float32 payload) for an island that fell behind.
+    def fetch_view(self, island: str, min_round: int = 0) -> tuple[list[int], bytes]:
+        """(each fragment's round, the island view as a float32 payload) for an island that rejoins or fell
+        behind, once every fragment completed `min_round` rounds (waiting up to `round_timeout` seconds).
 
         Raises:
-          ExchangeError: unreachable, or a corrupt stream (CRC-32C).
+          ExchangeError: unreachable, late, or a corrupt stream (CRC-32C), after the retries.
+          CoordinatorRestarted: the coordinator restarted meanwhile.
         """
-        fetch = _Fetch(self, 0, island, "fetch_view", self.view_plan, [self._fetch_view])
-        header, payload = fetch.result()
-        return header.round, payload
+
+        def attempt():
+            fetch = _Fetch(self, 0, island, "fetch_view", self.view_plan, [self._fetch_view], min_round=min_round)
+            return fetch.result()
+
+        header, payload = self._retrying("fetch the island view", attempt)
+        return list(header.fragment_rounds) or [header.round], payload
 
     def close(self) -> None:
         for fetch in self._fetches.values():

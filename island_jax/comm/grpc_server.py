@@ -13,6 +13,8 @@ Refusals come back as gRPC status codes with the coordinator's message:
   DATA_LOSS            a chunk whose CRC-32C fails, or a short stream
   DEADLINE_EXCEEDED    an update not merged before the caller's deadline
   OUT_OF_RANGE         an update older than the latest merged round (fetch the view)
+  ABORTED              a call made for another incarnation of the coordinator (it restarted:
+                       the island joins again)
 
 `serve` also registers the standard gRPC health service (grpc.health.v1),
 SERVING while the coordinator runs.
@@ -23,6 +25,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
+import logging
 import threading
 from concurrent import futures
 
@@ -38,6 +41,7 @@ from island_jax.coordinator import (
     FragmentedCoordinator,
     HandshakeError,
     StaleRoundError,
+    handshake,
 )
 from island_jax.outer import codec
 
@@ -104,8 +108,9 @@ async def _settle(call: asyncio.Future | None) -> None:
 class _Open:
     """A contribution being streamed in: the coordinator's answer to its header, its streams and how many ended."""
 
-    status: str  # "accepted" or "discarded"
+    status: str  # "accepted", "discarded" or "duplicate" (a retry of a contribution already in)
     streams: int
+    attempt: int  # PayloadHeader.attempt: the streams of one attempt share it
     ended: int = 0
 
 
@@ -113,8 +118,11 @@ class _OpenContributions:
     """The contributions in flight, keyed by (fragment, round, island), each over one or more streams.
 
     The first stream's header opens the contribution at the fragment's
-    coordinator and the last stream's end closes it. Every method runs under
-    the service's lock, on its worker threads.
+    coordinator and the last stream's end closes it. A header with another
+    `attempt` is a retry after a dropped connection: the attempt before it is
+    forgotten (its chunks never reach the merge) unless it was complete, in
+    which case the retry is a duplicate and counted once. Every method runs
+    under the service's lock, on its worker threads.
     """
 
     def __init__(self, coordinator: FragmentedCoordinator):
@@ -124,33 +132,51 @@ class _OpenContributions:
     def begin(self, header: pb.PayloadHeader) -> _Open:
         key = (header.fragment, header.round, header.island)
         entry = self._open.get(key)
+        c = self.coordinator.fragments[header.fragment]
+        if entry is not None and entry.attempt != header.attempt:  # a retry: the last attempt is over
+            logging.warning("island %s resends round %d of fragment %d (a retry)", header.island, header.round,
+                            header.fragment)
+            del self._open[key]
+            if header.round == c.round and entry.status == "accepted":
+                c.abandon(header.island, "the island sent it again", keep_complete=True)
+            entry = None
         if entry is None:
-            c = self.coordinator.fragments[header.fragment]
             status = c.begin_contribution(ContributionHeader(
                 header.round, header.island, header.tokens, header.params_checksum or None,
                 header.step_seconds or None, header.fragment,
             ))
-            entry = self._open[key] = _Open(status, max(header.streams, 1))
+            entry = self._open[key] = _Open(status, max(header.streams, 1), header.attempt)
             for old in [k for k in self._open if k[0] == header.fragment and k[1] < c.round - 1]:
                 del self._open[old]
         return entry
 
     def add_chunks(self, header: pb.PayloadHeader, chunks: list) -> None:
+        entry = self._open.get((header.fragment, header.round, header.island))
+        if entry is None or entry.attempt != header.attempt:  # a retry replaced this attempt
+            return
         c = self.coordinator.fragments[header.fragment]
         for index, data in chunks:
             c.add_chunk(header.round, header.island, index, data)
 
     def end(self, header: pb.PayloadHeader, entry: _Open) -> str:
         entry.ended += 1
-        if entry.status == "discarded" or entry.ended < entry.streams:
+        if entry.status != "accepted" or entry.ended < entry.streams:
             return entry.status
+        if self._open.get((header.fragment, header.round, header.island)) is not entry:
+            raise ContributionError(f"island {header.island!r}'s contribution to round {header.round} was sent "
+                                    "again while this attempt was still open; the retry counts")
         return self.coordinator.fragments[header.fragment].end_contribution(header.round, header.island)
 
     def abandon(self, header: pb.PayloadHeader, reason: str) -> None:
-        self._open.pop((header.fragment, header.round, header.island), None)
+        """Forgets the attempt `header` opened (a stream failed), unless a retry replaced it already."""
+        key = (header.fragment, header.round, header.island)
+        entry = self._open.get(key)
+        if entry is None or entry.attempt != header.attempt:
+            return
+        del self._open[key]
         c = self.coordinator.fragments[header.fragment]
-        if header.round == c.round:
-            c.abandon(header.island, reason)
+        if header.round == c.round and entry.status == "accepted":
+            c.abandon(header.island, reason, keep_complete=True)
 
 
 def _check_header(header: pb.PayloadHeader, c: Coordinator, layout: str) -> None:
@@ -215,6 +241,7 @@ class _ContributionStream:
 
     async def _open(self, header: pb.PayloadHeader) -> None:
         s = self.service
+        s.check_incarnation(header.incarnation)
         self.header = header
         self.fragment = s._fragment(header.fragment, f"island {header.island!r}'s contribution")
         _check_header(header, self.fragment, s.layouts[header.fragment])
@@ -224,7 +251,7 @@ class _ContributionStream:
         _check_chunk(self.header, self.fragment, index, offset, crc, data)
         self.received += len(data)
         self.crcs.append(crc)
-        if self.entry.status == "discarded":
+        if self.entry.status != "accepted":  # discarded (the round closed), or a duplicate of one already in
             return
         self._queued.append((index, data))
         taking = self._taking
@@ -343,6 +370,14 @@ class ExchangeService:
             )
         return self.coordinator.fragments[fragment]
 
+    def check_incarnation(self, incarnation: str) -> None:
+        """Raises WireError (ABORTED) for a call made to another incarnation of the coordinator ("" passes)."""
+        if incarnation and incarnation != self.coordinator.incarnation:
+            raise wire.WireError(
+                f"the coordinator restarted (incarnation {self.coordinator.incarnation}, the call was made for "
+                f"{incarnation}); join again", code="ABORTED",
+            )
+
     def close(self) -> None:
         """Stops the worker threads (after the server stopped)."""
         self._worker.shutdown(wait=False)
@@ -355,10 +390,14 @@ class ExchangeService:
             fields = json.loads(request.fingerprint_json)
         except ValueError:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "fingerprint_json is not a JSON object")
+        c = self.coordinator
         try:
-            reply = await self._call(
-                self.coordinator.join, request.island, fields, request.params_checksum, request.round
-            )
+            if request.reconnect:  # only who the coordinator is now: the island decides what follows
+                await self._call(handshake.check_island, request.island, c.islands, c.fingerprint_fields, fields,
+                                 changes=False)
+                reply = dict(round=c.round, checksum="", rejoin=False)
+            else:
+                reply = await self._call(c.join, request.island, fields, request.params_checksum, request.round)
         except HandshakeError as e:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"HandshakeError: {e}")
         if request.ready:  # wait for every island to be ready, so that all start their first round together
@@ -369,9 +408,9 @@ class ExchangeService:
                 if context.time_remaining() is not None and context.time_remaining() <= 0:
                     break
                 await self._wait_for_change(version, 1.0)
-        c = self.coordinator
         return pb.JoinReply(
             round=reply["round"], params_checksum=reply["checksum"], payload_bytes=self.payload_bytes,
+            incarnation=c.incarnation, rejoin=reply["rejoin"],
             layout=codec.layout(c.view, c.fragments[0].kind, c.fragments[0].block_size), view_bytes=self.view_bytes,
             view_chunk_offsets=[k.offset for k in self.view_plan],
             fragments=[
@@ -394,19 +433,29 @@ class ExchangeService:
         except ContributionError as e:
             await stream.settle()
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"ContributionError: {e}")
+        except asyncio.CancelledError:  # the island's connection dropped mid-stream: it will send it again
+            if stream.fragment is not None:
+                self.loop.run_in_executor(self._worker, self._abandon_locked, stream.header, "its connection dropped")
+            raise
         header = stream.header
         if header.island in self.wire_bytes:
             self.wire_bytes[header.island]["received"] += stream.received
         return pb.ContributeReply(
             round=header.round, bytes_received=stream.received, crc32=wire.fold_crc32(stream.crcs),
-            discarded=status == "discarded",
+            discarded=status == "discarded", duplicate=status == "duplicate",
         )
+
+    def _abandon_locked(self, header: pb.PayloadHeader, reason: str) -> None:
+        with self.lock:
+            self._contributions.abandon(header, reason)
+            self.notify()
 
     async def FetchUpdate(self, request: pb.FetchRequest, context):
         try:
+            self.check_incarnation(request.incarnation)
             c = self._fragment(request.fragment, f"island {request.island!r}'s update request")
         except wire.WireError as e:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"WireError: {e}")
+            await context.abort(grpc.StatusCode[e.code], f"WireError: {e}")
         connection, connections = request.connection, max(request.connections, 1)
         sent_chunks: set[int] = set()
         generation, sent = None, 0
@@ -462,15 +511,23 @@ class ExchangeService:
         return wire.trailer_frame(header)
 
     async def FetchView(self, request: pb.FetchRequest, context):
-        round, payload = await self._call(self.coordinator.fetch_view)
+        c = self.coordinator
+        while True:  # a rejoining island waits for the round it is admitted at
+            version = self._version
+            if await self._call(c.view_ready, request.min_round, changes=False):
+                break
+            await self._wait_for_change(version, 1.0)
+            if context.time_remaining() is not None and context.time_remaining() <= 0:
+                await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, f"round {request.min_round} is not reached yet")
+        rounds, payload = await self._call(c.fetch_view, request.island)
         crcs = []
         for _, frame in wire.chunk_frames(payload, self.view_plan):
             crcs.append(wire.parse(frame)[1][2])
             yield frame
         yield wire.trailer_frame(
             pb.PayloadHeader(
-                round=round, island=request.island, params_checksum=self.coordinator.checksum,
-                total_bytes=len(payload), crc32=wire.fold_crc32(crcs),
+                round=min(rounds), island=request.island, params_checksum=self.coordinator.checksum,
+                total_bytes=len(payload), crc32=wire.fold_crc32(crcs), fragment_rounds=rounds,
             )
         )
 

@@ -183,7 +183,8 @@ class InProcessTransport:
         return link.sleep_until(last)
 
     def join(self, island: str, config_fingerprint: dict, params_checksum: str, round: int = 0) -> dict:
-        """The handshake (`FragmentedCoordinator.join`); waits up to `join_timeout` s for the coordinator.
+        """The handshake (`FragmentedCoordinator.join`: {"round", "checksum", "rejoin"}); waits up to
+        `join_timeout` s for the coordinator.
 
         Raises:
           HandshakeError: the coordinator refused. TimeoutError: none was served. RunAborted.
@@ -227,7 +228,7 @@ class InProcessTransport:
                 ex.notify()
             plan = c.fragments[fragment].plan
             n = wire.stream_count(self.connections, plan)
-            frames = wire.payload_header(header, ex.layouts[fragment], n, len(payload))
+            frames = wire.payload_header(header, ex.layouts[fragment], n, len(payload), wire.new_attempt(), c.incarnation)
             sent = wire.contribution_frame_bytes(frames, plan, n)
             if island in ex.wire_bytes:
                 ex.wire_bytes[island]["received"] += sent
@@ -281,16 +282,22 @@ class InProcessTransport:
             stats.seconds_transferring = stats.seconds_sending + receiving
         return update
 
-    def fetch_view(self, island: str) -> tuple[int, bytes]:
-        """(round, the island view as a float32 "none" payload) for an island that fell behind.
+    def fetch_view(self, island: str, min_round: int = 0) -> tuple[list[int], bytes]:
+        """(each fragment's round, the island view as a float32 "none" payload) for an island that rejoins or
+        fell behind, once every fragment completed `min_round` rounds (waiting up to `timeout` seconds).
 
         Raises:
-          RunAborted: the run was aborted or ended. TimeoutError: no coordinator was served.
+          RunAborted: the run was aborted or ended. TimeoutError: no coordinator was served, or the round was
+            not reached in time.
         """
         ex = self.exchange
         with ex.lock:
-            round, payload = ex.served(self.join_timeout).fetch_view()
-        return round, bytes(payload)
+            c = ex.served(self.join_timeout)
+            if not ex.lock.wait_for(lambda: ex.aborted is not None or c.view_ready(min_round), self.timeout):
+                raise TimeoutError(f"the coordinator did not reach round {min_round} within {self.timeout:.0f} s")
+            ex.check()
+            rounds, payload = c.fetch_view(island)
+        return rounds, bytes(payload)
 
     def planned_inner_steps(self, island: str) -> int | None:
         """The island's inner steps per round as planned by the coordinator when its last update was fetched

@@ -42,6 +42,25 @@ class SyncStats:
     seconds_transferring: float = 0.0
 
 
+class ExchangeError(RuntimeError):
+    """The exchange with the coordinator failed: unreachable (for longer than `comm.reconnect_seconds`),
+    too slow, or corrupt data."""
+
+
+class CoordinatorRestarted(RuntimeError):
+    """The coordinator restarted under a running island (a new incarnation answered its reconnect): the
+    island's exchanges in flight are void; it joins again at `round`, the coordinator's, rolling back to its
+    own checkpoint of that round where it holds one.
+
+    Attributes:
+      round: the rounds the restarted coordinator has completed (its checkpoint's).
+    """
+
+    def __init__(self, round: int, message: str):
+        super().__init__(message)
+        self.round = round
+
+
 def gbps(nbytes: int, seconds: float) -> float:
     """`nbytes` moved in `seconds`, in Gbit/s (0 when nothing was timed)."""
     return nbytes * 8 / seconds / 1e9 if seconds else 0.0
@@ -57,7 +76,9 @@ class Transport(Protocol):
     link: LinkEmulator | None
 
     def join(self, island: str, config_fingerprint: dict, params_checksum: str, round: int = 0) -> dict:
-        """The handshake: {"round", "checksum"} of the coordinator. Raises HandshakeError on a mismatch."""
+        """The handshake, with the rounds the island completed: {"round": where it is admitted, "checksum": of
+        the coordinator's view, "rejoin": whether it takes the view (`fetch_view`) or its own checkpoint of that
+        round rather than train on} (`FragmentedCoordinator.join`). Raises HandshakeError on a mismatch."""
         ...
 
     def start_together(self, island: str, config_fingerprint: dict, params_checksum: str, round: int = 0) -> None:
@@ -73,8 +94,9 @@ class Transport(Protocol):
         """The update of `round` of `fragment`, once merged (raises StaleRoundError for an old round)."""
         ...
 
-    def fetch_view(self, island: str) -> tuple[int, bytes]:
-        """(round, the island view as a float32 "none" payload): the lossless state to rejoin from."""
+    def fetch_view(self, island: str, min_round: int = 0) -> tuple[list[int], bytes]:
+        """(each fragment's round, the island view as a float32 "none" payload): the lossless state to rejoin
+        from, once every fragment completed `min_round` rounds."""
         ...
 
     def planned_inner_steps(self, island: str) -> int | None:

@@ -20,6 +20,7 @@ short or misplaced transfer is refused before any of it is merged.
 
 from __future__ import annotations
 
+import random
 import struct
 
 import crc32c
@@ -99,13 +100,21 @@ def stream_count(connections: int, plan: list[codec.Chunk]) -> int:
     return max(1, min(connections, len(plan)))
 
 
-def payload_header(header: ContributionHeader, layout: str, streams: int, total_bytes: int) -> pb.PayloadHeader:
-    """The 'H' frame's header of a contribution sent over `streams` streams (`codec.layout` of its payload)."""
+def payload_header(
+    header: ContributionHeader, layout: str, streams: int, total_bytes: int, attempt: int = 0, incarnation: str = ""
+) -> pb.PayloadHeader:
+    """The 'H' frame's header of a contribution sent over `streams` streams (`codec.layout` of its payload), for
+    one `attempt` (a random 64-bit number per try) to the coordinator `incarnation` the island joined."""
     return pb.PayloadHeader(
         round=header.round, island=header.island, tokens=header.tokens, layout=layout,
         params_checksum=header.params_checksum or "", step_seconds=header.step_seconds or 0.0, streams=streams,
-        total_bytes=total_bytes, fragment=header.fragment,
+        total_bytes=total_bytes, fragment=header.fragment, attempt=attempt, incarnation=incarnation,
     )
+
+
+def new_attempt() -> int:
+    """A random nonzero 64-bit attempt number (`PayloadHeader.attempt`; always 8 bytes on the wire)."""
+    return random.getrandbits(64) | 1 << 63
 
 
 def contribution_frame_bytes(header: pb.PayloadHeader, plan: list[codec.Chunk], streams: int) -> int:

@@ -9,7 +9,9 @@ plain DiLoCo (arXiv 2311.08105).
 
 from __future__ import annotations
 
+import logging
 import time
+import uuid
 from typing import Any, Callable, Sequence
 
 import jax
@@ -18,7 +20,6 @@ import ml_collections
 from island_jax.config import fingerprint_fields
 from island_jax.coordinator import handshake
 from island_jax.coordinator.contribution import ContributionHeader
-from island_jax.coordinator.errors import HandshakeError
 from island_jax.coordinator.merge import Coordinator
 from island_jax.model.init import checksum
 from island_jax.outer import codec
@@ -50,6 +51,8 @@ class FragmentedCoordinator:
     Attributes:
       fragments: the per-fragment `Coordinator`s.
       partition: leaf indices (in `jax.tree.leaves(params)` order) of each fragment.
+      incarnation: a new hex string every time a coordinator is made (so islands tell a restart from a
+        dropped connection).
     """
 
     def __init__(
@@ -65,6 +68,7 @@ class FragmentedCoordinator:
             part.warm_up()
         self._treedef = jax.tree.structure(params)
         self._checksum: tuple[tuple, str] | None = None
+        self.incarnation = uuid.uuid4().hex  # tells islands whether this coordinator restarted
 
     def __len__(self) -> int:
         return len(self.fragments)
@@ -92,34 +96,74 @@ class FragmentedCoordinator:
         return self._checksum[1]
 
     def join(self, island: str, config_fingerprint: dict, params_checksum: str, round: int = 0) -> dict:
-        """Admits an island whose model, codec, seed, round and parameters match (to every fragment).
+        """Admits an island whose model, codec and seed match, at the round it resumes or at the run's.
+
+        An island at the coordinator's round (every fragment at it) must hold
+        the view's parameters: it trains on from its own state. Any other
+        island rejoins a running run (a restarted island behind the run, or
+        one ahead of a restarted coordinator): it is admitted at the round of
+        a fragment that still waits for it, else at the next round boundary
+        (once every fragment completed that round), and takes the island view
+        then (`view_ready`, `fetch_view`); an island ahead that holds its own
+        checkpoint of that round may roll back to it instead.
 
         Args:
           island: the island's name in `config.islands`.
           config_fingerprint: the island's `config.fingerprint_fields(config)`.
           params_checksum: `model.init.checksum` of the island's global parameters.
-          round: the round the island will train next (0 on a fresh start; the
-            checkpointed round when it resumes).
+          round: the rounds the island has completed (the round it trains next, 0-based).
 
         Returns:
-          {"round": the round to train next, "checksum": the whole view's checksum}.
+          {"round": the round it is admitted at, "checksum": the whole view's checksum now,
+          "rejoin": whether it must take the view (or its checkpoint of that round)}.
 
         Raises:
-          HandshakeError: unknown island, fingerprint fields that differ (named
-            in the message), another round (every fragment must be at it), or
-            another checksum.
+          HandshakeError: unknown island, fingerprint fields that differ (named in the message), or, at the
+            coordinator's round, another checksum.
         """
-        rounds = {f.round for f in self.fragments}
-        if len(rounds) > 1:
-            raise HandshakeError(
-                f"island {island!r} joins while the fragments are at rounds {sorted(rounds)}; an island can join "
-                "only between rounds: restart every role from the same workdir"
+        handshake.check_island(island, self.islands, self.fingerprint_fields, config_fingerprint)
+        rounds = [f.round for f in self.fragments]
+        if len(set(rounds)) == 1 and round == rounds[0]:
+            handshake.check_params_checksum(island, params_checksum, self.checksum)
+            admitted, rejoin = round, False
+        else:
+            admitted, rejoin = self.admission_round(island), True
+            missed = f"; it missed rounds {round + 1}..{admitted}" if admitted > round else ""
+            logging.info(
+                "island %s rejoins: it completed %d rounds, the fragments %s; admitted at round %d%s",
+                island, round, rounds, admitted, missed,
             )
-        handshake.check_island(island, self.islands, self.fingerprint_fields, config_fingerprint, round, self.round)
-        handshake.check_params_checksum(island, params_checksum, self.checksum)
         for f in self.fragments:
             f.joined.add(island)
-        return dict(round=self.round, checksum=self.checksum)
+        return dict(round=admitted, checksum=self.checksum, rejoin=rejoin)
+
+    def admission_round(self, island: str) -> int:
+        """The round a rejoining island trains first: the lowest fragment round if a fragment at it still
+        waits for the island (`Coordinator.needs`: its quorum is not reached), else the next round boundary."""
+        rounds = [f.round for f in self.fragments]
+        low, high = min(rounds), max(rounds)
+        if any(f.round == low and f.needs(island) for f in self.fragments):
+            return low
+        return high + 1 if low == high else high
+
+    def view_ready(self, min_round: int) -> bool:
+        """Whether every fragment has completed `min_round` rounds (a rejoining island's view can be sent)."""
+        return self.round >= min_round
+
+    def hold_updates(self, round: int | None) -> None:
+        """Holds back every fragment's updates of `round` and later (None: releases them)."""
+        for f in self.fragments:
+            f.hold_updates(round)
+
+    def stalled(self) -> tuple[float, list[str], int]:
+        """The longest a fragment's round has waited without a quorum since its first complete contribution:
+        (seconds, the islands it waits for, the fragment); (0, [], -1) when none waits."""
+        worst = (0.0, [], -1)
+        for p, f in enumerate(self.fragments):
+            seconds, waiting = f.stalled()
+            if waiting and seconds > worst[0]:
+                worst = (seconds, waiting, p)
+        return worst
 
     def contribute(self, header: ContributionHeader, payload: bytes) -> str:
         """Accepts one island's whole encoded pseudo-gradient of `fragment`; merges when the round can close.
@@ -159,16 +203,19 @@ class FragmentedCoordinator:
         """The measured plan, made when the last fragment of round 0 (contributed at its end) merged."""
         return self.fragments[-1].planned_inner_steps(island)
 
-    def fetch_view(self) -> tuple[int, bytes]:
-        """The island view, losslessly, for an island that fell behind by more than a round.
+    def fetch_view(self, island: str | None = None) -> tuple[list[int], bytes]:
+        """The island view, losslessly, for an island that rejoins or fell behind (`island`, which the
+        quorum then gives a fair first round: `Coordinator.took_view`).
 
         Returns:
-          (the round every fragment has completed, the whole view as a float32
-          "none" payload; every parameter dtype up to float32 survives the round
-          trip bit for bit).
+          (each fragment's round, the whole view as a float32 "none" payload; every parameter dtype up to
+          float32 survives the round trip bit for bit).
         """
+        if island is not None:
+            for f in self.fragments:
+                f.took_view(island)
         with jax.default_device(jax.devices("cpu")[0]):
-            return self.round, codec.encode(self.view, "none", self.fragments[0].block_size)
+            return [f.round for f in self.fragments], codec.encode(self.view, "none", self.fragments[0].block_size)
 
     def state(self) -> dict:
         """What a checkpoint holds: `fragments`, one `Coordinator.state()` per fragment."""

@@ -14,20 +14,16 @@ from island_jax.config import fingerprint_differences
 from island_jax.coordinator.errors import HandshakeError
 
 
-def check_island(
-    island: str, islands: Sequence[str], ours: dict, theirs: dict, round: int, our_round: int
-) -> None:
-    """Checks an island's name, `config.fingerprint_fields` and round against the coordinator's.
+def check_island(island: str, islands: Sequence[str], ours: dict, theirs: dict) -> None:
+    """Checks an island's name and `config.fingerprint_fields` against the coordinator's.
 
     Args:
       island: the joining island's name.
       islands: the run's island names (`config.islands`).
       ours, theirs: the coordinator's and the island's `fingerprint_fields`.
-      round: the round the island will train next; `our_round` the coordinator's.
 
     Raises:
-      HandshakeError: an unknown island, fingerprint fields that differ (each
-        named with both values), or another round.
+      HandshakeError: an unknown island, or fingerprint fields that differ (each named with both values).
     """
     if island not in islands:
         raise HandshakeError(f"island {island!r} is not in this run's config (islands: {list(islands)})")
@@ -37,6 +33,14 @@ def check_island(
             f"island {island!r} differs from the coordinator in {', '.join(differences)}; model shapes, "
             "codec, block_size, chunk_bytes and seed must match: run every role with the same config and overrides"
         )
+
+
+def check_round(island: str, round: int, our_round: int) -> None:
+    """Checks that an island joins one fragment at the fragment's round (`round`: the one it trains next).
+
+    Raises:
+      HandshakeError: another round.
+    """
     if round != our_round:
         raise HandshakeError(
             f"island {island!r} joins at round {round} but the coordinator is at round {our_round}; restart "

@@ -63,7 +63,11 @@ def run_coordinator(config: ml_collections.ConfigDict, workdir: str, exchange: s
 
     Per round and fragment it waits for the merge (a quorum's grace window is
     closed by polling), logs the round record, and checkpoints when due
-    (`checkpoint.every_rounds`, and after the last round).
+    (`checkpoint.coordinator_every_rounds`, or `every_rounds`, and after the
+    last round). While the checkpoint of round R is written, the update of
+    round R + 2 is held back, so islands never get more than two rounds past
+    the coordinator's newest complete checkpoint: a restarted coordinator
+    resumes from it and islands roll back to their own checkpoint of it.
 
     Args:
       config: the run's config (validated here).
@@ -79,20 +83,21 @@ def run_coordinator(config: ml_collections.ConfigDict, workdir: str, exchange: s
 
     Raises:
       ConfigError, FileExistsError, CheckpointError; TimeoutError if a round is
-      not merged within `comm.round_timeout_seconds`; RunAborted when an
-      in-process exchange is aborted.
+      not merged within `comm.round_timeout_seconds`, or waits for missing islands
+      (its quorum not reached) for `outer.rejoin_timeout_seconds` after its first
+      contribution; RunAborted when an in-process exchange is aborted.
     """
     config_lib.validate(config)
     start = time.perf_counter()
-    role = open_role(config, coordinator_dir(workdir))
+    role = open_role(config, coordinator_dir(workdir), coordinator=True)
     names, rounds = list(config.islands.keys()), config.outer.rounds
     try:
         _, params, _ = init_params(config)
         coordinator = FragmentedCoordinator(config, params, names)
         if role.checkpoints.latest_round() is not None:
             coordinator.load_state(role.checkpoints.restore(coordinator.state()))
-            logging.info("resumed from the checkpoint of round %d (view checksum %s)", coordinator.round,
-                         coordinator.checksum)
+            logging.info("resumed from the checkpoint of round %d (view checksum %s); islands past it roll back",
+                         coordinator.round, coordinator.checksum)
         if coordinator.round >= rounds:
             logging.info("the run is complete (%d of %d rounds); nothing to do", coordinator.round, rounds)
             return {}
@@ -120,6 +125,7 @@ def run_coordinator(config: ml_collections.ConfigDict, workdir: str, exchange: s
 def _serve_rounds(config, coordinator: FragmentedCoordinator, endpoint, role: RoleFolder) -> None:
     """The round loop: every fragment's merge of every round, logged and checkpointed."""
     rounds, names = config.outer.rounds, list(config.islands.keys())
+    every = role.checkpoints.every_rounds  # checkpoint.coordinator_every_rounds (or every_rounds)
     last = time.perf_counter()
     for r in range(coordinator.round, rounds):
         for p in range(len(coordinator.fragments)):
@@ -134,7 +140,7 @@ def _serve_rounds(config, coordinator: FragmentedCoordinator, endpoint, role: Ro
                 " ".join(f"{k}={v:.4f}" for k, v in rec.pseudo_gradient_norm.items()),
                 " ".join(f"{k}={v:.3f}" for k, v in rec.cosine_similarity.items()) or "-",
             )
-        if due(r + 1, config.checkpoint.every_rounds, rounds):
+        if due(r + 1, every, rounds):
             _checkpoint(coordinator, endpoint, role, r + 1, force=r + 1 == rounds)
     # Every island that contributed to the last round receives its update (a quorum may have left some out).
     last_contributors = {n for f in coordinator.fragments for n in f.history[-1].contributors}
@@ -145,6 +151,11 @@ def _serve_rounds(config, coordinator: FragmentedCoordinator, endpoint, role: Ro
             f"islands {missing} did not fetch the update of round {rounds} within comm.round_timeout_seconds="
             f"{config.comm.round_timeout_seconds}; see their logs (of {names})"
         )
+    # Islands the quorum left out of the last round (slow, or rejoining) get a grace window to fetch it too.
+    joined = set().union(*(f.joined for f in coordinator.fragments)) - last_contributors
+    if joined and not endpoint.wait_until_fetched(rounds - 1, joined, timeout=config.outer.grace_seconds):
+        logging.warning("islands %s did not fetch the last update within outer.grace_seconds=%s; stopping",
+                        sorted(joined - endpoint.fetched_by(0, rounds - 1)), config.outer.grace_seconds)
 
 
 def _wait_for_merge(config, coordinator, endpoint, r: int, p: int) -> tuple[RoundRecord, dict]:
@@ -162,6 +173,7 @@ def _wait_for_merge(config, coordinator, endpoint, r: int, p: int) -> tuple[Roun
                 endpoint.notify()
             else:
                 endpoint.lock.wait(timeout=0.5)
+            _check_stalled(config, coordinator, r)
         endpoint.check()
         if fragment.round <= r:
             raise TimeoutError(
@@ -171,6 +183,23 @@ def _wait_for_merge(config, coordinator, endpoint, r: int, p: int) -> tuple[Roun
             )
         rec = next(h for h in reversed(fragment.history) if h.round == r)
         return rec, {k: v["received"] for k, v in endpoint.wire_bytes.items()}
+
+
+def _check_stalled(config, coordinator: FragmentedCoordinator, r: int) -> None:
+    """Raises TimeoutError once a round without its quorum has waited `outer.rejoin_timeout_seconds` for
+    missing islands since its first contribution."""
+    seconds, waiting, p = coordinator.stalled()
+    limit = config.outer.rejoin_timeout_seconds
+    if seconds <= limit:
+        return
+    n = len(config.islands)
+    quorum = f"outer.min_islands={config.outer.min_islands or n}"
+    raise TimeoutError(
+        f"round {r + 1}{f' fragment {p}' if len(coordinator) > 1 else ''} waited {seconds:.0f} s for islands "
+        f"{waiting} after the first contribution (outer.rejoin_timeout_seconds={limit:g}): they may have died. "
+        f"Restart them with the same workdir (they rejoin the run), raise outer.rejoin_timeout_seconds, or lower "
+        f"{quorum} (of {n} islands) so that the run goes on without them"
+    )
 
 
 def _round_record(rec: RoundRecord, r: int, p: int, received: dict, seconds: float) -> dict:
@@ -193,7 +222,25 @@ def _checkpoint(coordinator, endpoint, role: RoleFolder, rounds_done: int, force
     if state is None:
         logging.warning("round %d: a fragment moved on before the checkpoint; not saved", rounds_done)
     elif role.checkpoints.save(rounds_done, state, force=force):
+        _hold_until_saved(coordinator, endpoint, role, rounds_done)
         checksums = {
             f"fragments/{p}/{k}": checksum(v) for p, part in enumerate(state["fragments"]) for k, v in part.items()
         }
         role.metrics.write(dict(kind="checkpoint", round=rounds_done, checksums=checksums))
+
+
+def _hold_until_saved(coordinator, endpoint, role: RoleFolder, rounds_done: int) -> None:
+    """Holds back the update that completes round `rounds_done + 2` until the checkpoint of `rounds_done` is
+    complete, so islands stay within reach of the newest complete checkpoint (they keep theirs of it)."""
+    with endpoint.lock:
+        coordinator.hold_updates(rounds_done + 1)  # 0-based: the update of round index rounds_done + 1
+
+    def release(future) -> None:
+        if future.exception() is not None:
+            return  # the next save or the role's close raises it; the update stays held
+        with endpoint.lock:
+            if coordinator.fragments[0].held_from == rounds_done + 1:
+                coordinator.hold_updates(None)
+                endpoint.notify()
+
+    role.checkpoints.last_save().add_done_callback(release)

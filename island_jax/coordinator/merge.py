@@ -172,6 +172,9 @@ class RoundState:
     dropped: set[str] = field(default_factory=set)  # islands the quorum closed the round without
     quorum_since: float | None = None  # when min_islands had complete contributions (clock seconds)
     merge: PartialMerge | None = None
+    started_at: float = 0.0  # when the round began: the previous round merged, or the coordinator started
+    first_complete_at: float | None = None  # when the first contribution was complete (clock seconds)
+    joined_at: dict[str, float] = field(default_factory=dict)  # islands that took the view while it ran
 
     def expected(self, islands: Sequence[str]) -> list[str]:
         """The islands the round still waits for or has: neither refused nor dropped, in run order."""
@@ -199,6 +202,10 @@ class RoundState:
         self.merge = None
         return True
 
+    def has_complete(self, island: str, num_chunks: int) -> bool:
+        """Whether `island`'s contribution is in, with every chunk."""
+        return island in self.pending and self.pending[island].complete(num_chunks)
+
     def check_new(self, round: int, island: str, tokens: int) -> None:
         """Raises ContributionError for an island that already contributed (or was refused), or tokens <= 0."""
         if island in self.pending or island in self.refused:
@@ -214,6 +221,12 @@ class Quorum:
     A round closes once every expected island's contribution is complete, or
     once `min_islands` are and `grace_seconds` (clock seconds) have passed
     since they first were; a slow or dead island then does not stall the rest.
+
+    An island that rejoined while the round ran (it took the island view at
+    `RoundState.joined_at`) is given as long as the others had: the round
+    closes without it only once as much time has passed since it joined as
+    the quorum took from the round's start, plus the grace window. So a
+    restarted island is not dropped from the first round it trains whole.
     """
 
     min_islands: int
@@ -237,7 +250,16 @@ class Quorum:
             current.quorum_since = now
         if now - current.quorum_since < self.grace_seconds:
             return None
-        return [n for n in expected if n not in complete]
+        missing = [n for n in expected if n not in complete]
+        took = current.quorum_since - current.started_at  # what the quorum needed of the round
+        if any(now - current.joined_at[n] < took + self.grace_seconds for n in missing if n in current.joined_at):
+            return None
+        return missing
+
+    def reached(self, current: RoundState, islands: Sequence[str], num_chunks: int) -> bool:
+        """Whether `min_islands` contributions of the `current` round are complete (it can close without
+        the rest once the grace window passes)."""
+        return len(current.complete(islands, num_chunks)) >= self.min_islands
 
 
 class Coordinator:
@@ -275,7 +297,9 @@ class Coordinator:
         self.plan_steps: dict[str, int] = {}  # inner steps per island from round 1 on (outer.auto_from = measured)
         self.history: list[RoundRecord] = []
         self._updates: dict[int, list[bytes]] = {}  # the latest merged round's update, chunk by chunk
-        self._round = RoundState()  # replaced whole after each merge and on a restore
+        self._clock = clock
+        self._round = RoundState(started_at=clock())  # replaced whole after each merge and on a restore
+        self.held_from: int | None = None  # updates of this round and later are not served yet (`hold_updates`)
 
     def warm_up(self) -> None:
         """Compiles the chunk program for a merge of every island now, so the first merge never waits for XLA."""
@@ -307,17 +331,49 @@ class Coordinator:
         self._state.load_state(state)
         self.round = int(state["round"])
         self._updates = {}
-        self._round = RoundState()
+        self._round = RoundState(started_at=self._clock())
 
     def join(self, island: str, config_fingerprint: dict, params_checksum: str, round: int = 0) -> dict:
-        """Admits an island to this fragment's rounds; {"round", "checksum"} of this fragment's view.
+        """Admits an island to this fragment's rounds at this fragment's round, from the same parameters;
+        {"round", "checksum"} of this fragment's view. (A run's islands join through
+        `FragmentedCoordinator.join`, which also admits them at other rounds.)
 
-        Arguments and errors (HandshakeError) as for `FragmentedCoordinator.join`.
+        Raises:
+          HandshakeError: as `handshake.check_island`, another round, or another checksum.
         """
-        handshake.check_island(island, self.islands, self.fingerprint_fields, config_fingerprint, round, self.round)
+        handshake.check_island(island, self.islands, self.fingerprint_fields, config_fingerprint)
+        handshake.check_round(island, round, self.round)
         handshake.check_params_checksum(island, params_checksum, self.checksum)
         self.joined.add(island)
         return dict(round=self.round, checksum=self.checksum)
+
+    def needs(self, island: str) -> bool:
+        """Whether the current round waits for `island`: its quorum is not reached and the island has not
+        contributed (so an island that joins now is admitted to this round)."""
+        current = self._round
+        return island not in current.pending and not self.quorum.reached(current, self.islands, len(self.plan))
+
+    def took_view(self, island: str) -> None:
+        """Notes that `island` took the island view while the current round runs: the quorum then gives it
+        as long as the others had (`Quorum`)."""
+        self.joined.add(island)
+        self._round.joined_at[island] = self._clock()
+
+    def stalled(self) -> tuple[float, list[str]]:
+        """(seconds the round has waited since its first complete contribution with its quorum not reached,
+        the islands it waits for); (0, []) when it is not stalled."""
+        current = self._round
+        if current.first_complete_at is None or self.quorum.reached(current, self.islands, len(self.plan)):
+            return 0.0, []
+        return self._clock() - current.first_complete_at, current.waiting_for(self.islands, len(self.plan))
+
+    def hold_updates(self, round: int | None) -> None:
+        """Holds back the updates of `round` and later (None: none) until called again: the coordinator serves
+        no update two rounds past a checkpoint still being written."""
+        self.held_from = round
+
+    def _held(self, round: int) -> bool:
+        return self.held_from is not None and round >= self.held_from
 
     # -- contributions -----------------------------------------------------------------------------------
 
@@ -326,10 +382,11 @@ class Coordinator:
         chunk's `add_chunk`, `end_contribution`. Arguments and errors as for `FragmentedCoordinator.contribute`.
 
         Returns:
-          "accepted", or "discarded" for a round that has already closed.
+          "accepted" (also for a contribution already in: a retry is counted once), or "discarded" for a round
+          that has already closed.
 
         Raises:
-          ContributionError: not joined, a future round, duplicate, tokens <= 0, wrong size, NaN/Inf.
+          ContributionError: not joined, a future round, tokens <= 0, wrong size, NaN/Inf.
         """
         round, island = header.round, header.island
         if len(payload) != self.payload_bytes and round >= self.round:
@@ -338,19 +395,28 @@ class Coordinator:
                 f"these parameters is {self.payload_bytes} bytes; the island uses a different model shape, codec "
                 "or block_size"
             )
-        if self.begin_contribution(header) == "discarded":
-            return "discarded"
+        status = self.begin_contribution(header)
+        if status != "accepted":
+            return "accepted" if status == "duplicate" else status
         view = memoryview(payload)
         for chunk in self.plan:
             self.add_chunk(round, island, chunk.index, view[chunk.offset : chunk.offset + chunk.nbytes])
         return self.end_contribution(round, island)
+
+    def _has(self, round: int, island: str) -> bool:
+        """Whether the island's whole contribution to `round` is in: complete and waiting, or merged."""
+        if round == self.round:
+            return self._round.has_complete(island, len(self.plan))
+        merged = [r for r in self.history if r.round == round]
+        return bool(merged) and island in merged[-1].contributors
 
     def _closed_for(self, round: int, island: str) -> bool:
         """Whether `round` closed for `island`: merged already, or the quorum went on without it."""
         return round < self.round or (round == self.round and island in self._round.dropped)
 
     def begin_contribution(self, header: ContributionHeader) -> str:
-        """Opens an island's contribution to `header.round`; "accepted" or "discarded" (round closed).
+        """Opens an island's contribution to `header.round`: "accepted", "discarded" (round closed), or
+        "duplicate" (the island's whole contribution is in already: a retry, whose chunks are ignored).
 
         Raises:
           ContributionError: not joined, a future round, a duplicate, tokens <= 0, or a params_checksum
@@ -359,6 +425,9 @@ class Coordinator:
         round, island, tokens, params_checksum = header.round, header.island, header.tokens, header.params_checksum
         if island not in self.joined:
             raise ContributionError(f"island {island!r} contributed before joining; call join first")
+        if self._has(round, island):
+            logging.info("island %s's contribution to round %d came again (a retry); counted once", island, round)
+            return "duplicate"
         if self._closed_for(round, island):
             logging.warning(
                 "island %s's contribution to round %d arrived after the round closed (at %d); discarded",
@@ -435,8 +504,11 @@ class Coordinator:
         self._restarted(island, self._round.without(island, refused=True))
         self.poll()
 
-    def abandon(self, island: str, reason: str) -> None:
-        """Forgets an island's open contribution to the current round (a transfer that failed); it may send again."""
+    def abandon(self, island: str, reason: str, keep_complete: bool = False) -> None:
+        """Forgets an island's open contribution to the current round (a transfer that failed); it may send
+        again. With `keep_complete`, a contribution whose every chunk is in is kept (a retry is then a duplicate)."""
+        if keep_complete and self._round.has_complete(island, len(self.plan)):
+            return
         if island in self._round.pending:
             logging.warning("island %s: its contribution to round %d was dropped: %s", island, self.round, reason)
             del self._round.pending[island]
@@ -457,7 +529,10 @@ class Coordinator:
         Returns:
           Whether a round was merged.
         """
-        without = self.quorum.closing(self._round, self.islands, len(self.plan))
+        current = self._round
+        if current.first_complete_at is None and current.complete(self.islands, len(self.plan)):
+            current.first_complete_at = self._clock()
+        without = self.quorum.closing(current, self.islands, len(self.plan))
         if without is None:
             return False
         for name in without:
@@ -499,7 +574,7 @@ class Coordinator:
             )
         self._updates = {self.round: [merge.chunks[k] for k in range(len(self.plan))]}
         self.round += 1
-        self._round = RoundState()
+        self._round = RoundState(started_at=self._clock())
 
     # -- serving -----------------------------------------------------------------------------------------
 
@@ -510,6 +585,8 @@ class Coordinator:
         Raises:
           StaleRoundError: the round is older than the latest merged one.
         """
+        if self._held(round):
+            return self.generation, {}, False
         if round in self._updates:
             return self.generation, dict(enumerate(self._updates[round])), True
         if round < self.round:
@@ -527,6 +604,8 @@ class Coordinator:
           UpdateNotReady: the round has not been merged yet.
           StaleRoundError: the round is older than the latest merged one (use `fetch_view`).
         """
+        if self._held(round):
+            raise UpdateNotReady(f"round {round}'s update waits for the coordinator's checkpoint to be complete")
         if round in self._updates:
             return b"".join(self._updates[round])
         if round >= self.round:

@@ -26,17 +26,26 @@ from island_jax import config as config_lib
 from island_jax import data as data_lib
 from island_jax.comm.inprocess import InProcessExchange, InProcessTransport, RunAborted
 from island_jax.comm.link import LinkEmulator
-from island_jax.comm.transport import gbps
+from island_jax.comm.transport import CoordinatorRestarted, ExchangeError, gbps
 from island_jax.island import ACCOUNTING_FIELDS, STEP_METRICS, EventLog, Island, StreamingSync
 from island_jax.metrics import write_json
 from island_jax.model.init import checksum, count, init_params
 from island_jax.progress import Eta
-from island_jax.workdir import RoleFolder, due, island_dir, open_role, summarize_island
+from island_jax.workdir import (
+    RoleFolder,
+    checkpoint_schedule,
+    coordinator_dir,
+    due,
+    island_dir,
+    open_role,
+    summarize_island,
+)
 
 
-def connect(config: ml_collections.ConfigDict, exchange: str | InProcessExchange | None):
+def connect(config: ml_collections.ConfigDict, exchange: str | InProcessExchange | None, finished=None):
     """Island's transport to `exchange`: gRPC to "HOST:PORT", in process to an `InProcessExchange`, or None
-    (no outer loop). An emulated link (`comm.link` in the config) sits under either transport."""
+    (no outer loop). An emulated link (`comm.link` in the config) sits under either transport. `finished`
+    (gRPC): called while the coordinator is unreachable; True ends the retries (the run is over)."""
     if exchange is None:
         return None
     link, c = LinkEmulator.from_config(config), config.comm
@@ -46,8 +55,13 @@ def connect(config: ml_collections.ConfigDict, exchange: str | InProcessExchange
 
     return GrpcTransport(
         exchange, c.chunk_bytes, c.join_timeout_seconds, c.round_timeout_seconds, connections=c.connections,
-        pipeline=c.pipeline, link=link,
+        pipeline=c.pipeline, link=link, reconnect_seconds=c.reconnect_seconds, finished=finished,
     )
+
+
+def run_finished(workdir: str) -> bool:
+    """Whether the coordinator of the run in `workdir` finished it (wrote its summary)."""
+    return os.path.exists(os.path.join(coordinator_dir(workdir), "summary.json"))
 
 
 def run_island(
@@ -107,13 +121,17 @@ def run_island(
             logging.info("the run is complete (%d of %d rounds); nothing to do", first, rounds)
             return {}
         island.warm_up()  # compiles before the first round's clock starts
-        transport = connect(config, exchange)
+        transport = connect(config, exchange, finished=lambda: run_finished(workdir))
         evaluator = _Evaluator(config, corpus, island, role, global_params=transport is not None) if name == names[0] else None
-        _join(config, island, transport, first, evaluator)
+        first, fragment_rounds = _join(config, island, transport, role, first, evaluator)
         events = EventLog(os.path.join(role.path, "events.jsonl"), name)
         link = transport.link if transport is not None else None
-        sync = StreamingSync(island, transport, config, first, link=link, events=events)
+        sync = StreamingSync(island, transport, config, first, link=link, events=events, fragment_rounds=fragment_rounds)
         _train_rounds(config, island, sync, role, evaluator, first, stop)
+    except ExchangeError:
+        if not run_finished(workdir):
+            raise
+        logging.warning("island %s: the coordinator finished the run without this island's last rounds", name)
     finally:
         for part in (sync, events, transport):
             if part is not None:
@@ -146,8 +164,10 @@ class _Evaluator:
         return loss
 
 
-def _join(config, island: Island, transport, first: int, evaluator: _Evaluator | None) -> None:
-    """The handshake, the evaluation of round `first`, and the start every island makes together."""
+def _join(config, island: Island, transport, role: RoleFolder, first: int, evaluator: _Evaluator | None):
+    """The handshake (rejoining a running run when the island is behind or ahead of the coordinator), the
+    evaluation of the round it starts at, and the start every island makes together. Returns (the round it
+    trains first, each fragment's round when they differ, else None)."""
     name, cfg = island.name, config.islands[island.name]
     fingerprint = config_lib.fingerprint_fields(config)
     link = transport.link if transport is not None else None
@@ -157,8 +177,12 @@ def _join(config, island: Island, transport, first: int, evaluator: _Evaluator |
             "%d connections fill it, comm.connections=%d)", name, link.bandwidth_gbps, link.latency_ms,
             link.window_bytes, link.one_connection_gbps(), link.connections_needed(), config.comm.connections,
         )
+    fragment_rounds, rejoined = None, False
     if transport is not None:
-        transport.join(name, fingerprint, island.global_checksum, first)
+        resumed = first
+        first, fragment_rounds, rejoined = align(config, island, transport, role, first, resume=True)
+        if rejoined and evaluator is not None:
+            logging.info("island %s evaluates the view it rejoined at (round %d; it resumed at %d)", name, first, resumed)
     logging.info(
         "island %s %s at round %d: %d devices (data=%d x expert=%d), batch %d, H=%d", name,
         "joined the coordinator" if transport is not None else "trains alone (no outer loop)", first,
@@ -167,13 +191,57 @@ def _join(config, island: Island, transport, first: int, evaluator: _Evaluator |
     if evaluator is not None:
         loss = evaluator(first, write=first == 0)
         logging.info("round %d: eval loss %.4f nats/byte", first, loss)
-    if transport is not None:  # every island starts its first round at the same moment (the evaluator evaluated first)
+    if transport is not None and not rejoined:  # every island starts its first round at the same moment
         transport.start_together(name, fingerprint, island.global_checksum, first)
+    return first, fragment_rounds
+
+
+def align(config, island: Island, transport, role: RoleFolder, at: int, resume: bool) -> tuple[int, list | None, bool]:
+    """Joins the coordinator with the island's state after `at` completed rounds and brings the island to the
+    round it is admitted at: a restarted island behind the run takes the island view; one ahead of a restarted
+    coordinator rolls back to its own checkpoint of the coordinator's round (bit for bit), or takes the view
+    where it holds none (its own optimizer state and data position kept: no longer bitwise).
+
+    Args:
+      at: the rounds the island completed (its checkpoint's round, or the round it was training).
+      resume: the island is at a round boundary (it resumed from a checkpoint) and trains on from its own
+        state when the coordinator is at the same round; False (after a coordinator restart, mid-round) always
+        rolls back or takes the view.
+
+    Returns:
+      (the round to train next, each fragment's round when the view's fragments differ (else None), whether
+      the island's state was replaced).
+    """
+    name = island.name
+    reply = transport.join(name, config_lib.fingerprint_fields(config), island.global_checksum, at)
+    target = reply["round"]
+    if resume and not reply["rejoin"]:
+        return at, None, False
+    if target <= at and target in role.checkpoints.rounds():
+        island.load_state(role.checkpoints.restore(island.state(0), round=target))
+        if island.global_checksum == reply["checksum"]:
+            logging.warning("island %s rolls back from round %d to its checkpoint of round %d, the coordinator's: "
+                            "the run goes on bit for bit", name, at, target)
+            return target, None, True
+        logging.warning("island %s: its checkpoint of round %d holds other parameters than the coordinator's "
+                        "view; it takes the view", name, target)
+    rounds, view = transport.fetch_view(name, min_round=target)
+    island.load_view(view)
+    first = min(rounds)
+    if first > at and resume:
+        logging.warning("island %s rejoined the run at round %d: it missed rounds %d..%d (it had completed %d)",
+                        name, first + 1, at + 1, first, at)
+    else:
+        logging.warning("island %s (at round %d) takes the coordinator's view of round %d and keeps its own "
+                        "optimizer state and data position: from here on the run is not bitwise what it would "
+                        "have been without the restart", name, at, first)
+    return first, (list(rounds) if len(set(rounds)) > 1 else None), True
 
 
 def _train_rounds(config, island: Island, sync: StreamingSync, role: RoleFolder, evaluator, first: int, stop) -> None:
     """The round loop: train, log, evaluate and checkpoint when due; stops before a round once `stop` is set."""
     name, rounds, cfg = island.name, config.outer.rounds, config.islands[island.name]
+    coordinator_every, _ = checkpoint_schedule(config, coordinator=True)
     eta = Eta(rounds)
     r = first  # the round being trained (0-based)
     while r < rounds:
@@ -183,8 +251,17 @@ def _train_rounds(config, island: Island, sync: StreamingSync, role: RoleFolder,
             raise RuntimeError(f"island {name} crashes at round {r + 1} on purpose (islands.{name}.crash_at_round)")
         step0 = island.step
         checkpoint_due = due(r + 1, config.checkpoint.every_rounds, rounds)
-        # A checkpoint holds no exchange in flight: every update of the round is applied first.
-        result = sync.run_round(r, drain=checkpoint_due)
+        # A checkpoint holds no exchange in flight: every update of the round is applied first (and so
+        # at the coordinator's checkpoints, which islands roll back to after a coordinator restart).
+        drain = checkpoint_due or due(r + 1, coordinator_every, rounds)
+        try:
+            result = sync.run_round(r, drain=drain)
+        except CoordinatorRestarted as e:
+            logging.warning("island %s: %s", name, e)
+            sync.forget_inflight(timeout=config.comm.reconnect_seconds)
+            r, fragment_rounds, _ = align(config, island, sync.transport, role, r, resume=False)
+            sync.restart(r, fragment_rounds)
+            continue
         for j in range(result["steps"]):
             role.metrics.write(dict(
                 kind="inner", round=r + 1, step=step0 + j + 1, **{k: result[k][j] for k in STEP_METRICS},

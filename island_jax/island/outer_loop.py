@@ -189,6 +189,8 @@ class StreamingSync:
       first_round: the round the island trains next (0, or a resumed checkpoint's).
       link: the island's emulated link (`comm.link.LinkEmulator`), for tau = "auto" before the first exchange.
       events: where spans go (default: an in-memory `EventLog`).
+      fragment_rounds: each fragment's next round when they differ (an island that took a view of a run whose
+        fragments were at different rounds: in round `first_round` it skips the fragments already past it).
 
     Attributes:
       inflight: {fragment: its exchange in flight}; empty when every update is applied.
@@ -202,13 +204,13 @@ class StreamingSync:
 
     def __init__(
         self, island: OuterLoopIsland, transport: Transport | None, config, first_round: int = 0, link=None,
-        events: EventLog | None = None,
+        events: EventLog | None = None, fragment_rounds: list[int] | None = None,
     ):
         self.island, self.transport, self.link = island, transport, link
         self.settings = settings = _Settings.from_config(config, len(island.partition))
         self.events = events if events is not None else EventLog(island=island.name)
         self.schedule = _Schedule(
-            next_round=[first_round] * settings.fragments,
+            next_round=list(fragment_rounds or [first_round] * settings.fragments),
             steps_at_contribution=[island.step] * settings.fragments,
             exchange_seconds=collections.deque(maxlen=settings.fragments),
             last_tau=settings.tau,
@@ -360,9 +362,12 @@ class StreamingSync:
     # -- the exchange ----------------------------------------------------------------------------------
 
     def _contribute(self, fragment: int) -> None:
+        island, schedule = self.island, self.schedule
+        if schedule.next_round[fragment] > self.clock.round:  # a view's fragment already past this round
+            schedule.contributed.add(fragment)
+            return
         if fragment in self.inflight:  # its last update has not been applied yet: it must be first
             self._apply(fragment)
-        island, schedule = self.island, self.schedule
         round = schedule.next_round[fragment]
         steps = island.step - schedule.steps_at_contribution[fragment]
         schedule.steps_at_contribution[fragment] = island.step
@@ -441,14 +446,30 @@ class StreamingSync:
 
     def _rejoin(self) -> None:
         """More than a round behind: every fragment restarts from the coordinator's view, sent whole."""
-        for flight in list(self.inflight.values()):
-            futures.wait([flight.future])
-        self.inflight.clear()
-        view_round, view = self.transport.fetch_view(self.island.name)
+        self.forget_inflight()
+        rounds, view = self.transport.fetch_view(self.island.name)
         self.island.load_view(view)
-        logging.warning("island %s fell behind; rejoined from the view at round %d", self.island.name, view_round)
-        self.schedule.next_round = [view_round] * self.settings.fragments
-        self.rejoined_round = view_round
+        logging.warning("island %s fell behind; rejoined from the view at rounds %s", self.island.name, rounds)
+        self.schedule.next_round = list(rounds)
+        self.schedule.steps_at_contribution = [self.island.step] * self.settings.fragments
+        self.rejoined_round = min(rounds)
+
+    def forget_inflight(self, timeout: float | None = None) -> None:
+        """Waits (up to `timeout` seconds) for the exchanges in flight to end and forgets them, errors and all."""
+        futures.wait([flight.future for flight in self.inflight.values()], timeout=timeout)
+        self.inflight.clear()
+
+    def restart(self, first_round: int, fragment_rounds: list[int] | None = None, timeout: float | None = None) -> None:
+        """Starts over at `first_round` after the island's state was replaced (a rollback to its checkpoint, or
+        the coordinator's view after a coordinator restart): the exchanges in flight are forgotten (waiting up
+        to `timeout` seconds for their threads), the schedule and the round clock start afresh."""
+        self.forget_inflight(timeout)
+        fragments = self.settings.fragments
+        self.schedule.next_round = list(fragment_rounds or [first_round] * fragments)
+        self.schedule.steps_at_contribution = [self.island.step] * fragments
+        self.schedule.contributed = set()
+        self.clock = _RoundClock(round=first_round, first_round=first_round)
+        self.rejoined_round = None
 
     def drain(self) -> None:
         """Waits for every exchange in flight and applies its update (in the order they are due)."""
