@@ -292,11 +292,15 @@ class GrpcTransport:
         request = pb.JoinRequest(
             island=island, fingerprint_json=json.dumps(config_fingerprint), params_checksum=params_checksum, round=round
         )
+        # The join itself on the first connection; the others only open (a Join with `reconnect` is answered
+        # without admitting anything).
+        probe = pb.JoinRequest(island=island, fingerprint_json=request.fingerprint_json, reconnect=True)
         try:
-            replies = [join(request, timeout=self.join_timeout, wait_for_ready=True) for join in self._join]
+            reply = self._join[0](request, timeout=self.join_timeout, wait_for_ready=True)
+            for join in self._join[1:]:
+                join(probe, timeout=self.join_timeout, wait_for_ready=True)
         except grpc.RpcError as e:
             raise _error(e, "join", self.address) from None
-        reply = replies[0]
         self.incarnation, self._who = reply.incarnation, (island, request.fingerprint_json)
         for fetch in self._fetches.values():  # opened for the coordinator before (a restart): void
             for f in fetch.futures:

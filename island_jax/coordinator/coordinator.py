@@ -131,7 +131,7 @@ class FragmentedCoordinator:
             missed = f"; it missed rounds {round + 1}..{admitted}" if admitted > round else ""
             logging.info(
                 "island %s rejoins: it completed %d rounds, the fragments %s; admitted at round %d%s",
-                island, round, rounds, admitted, missed,
+                island, round, rounds, admitted + 1, missed,
             )
         for f in self.fragments:
             f.joined.add(island)
