@@ -14,6 +14,7 @@ from island_jax.comm import exchange_pb2 as pb
 from island_jax.comm import wire
 from island_jax.comm.grpc_client import GrpcTransport
 from island_jax.comm.grpc_server import serve
+from island_jax.comm.proxy import FaultProxy
 from island_jax.config import default_config, fingerprint_fields, island
 from island_jax.coordinator import ContributionHeader, FragmentedCoordinator, HandshakeError
 from island_jax.model.init import checksum
@@ -219,3 +220,35 @@ def test_view_is_served_whole_over_grpc(local_server):
     rounds, payload = a.fetch_view("a")
     assert rounds == [0] and len(payload) == a.view_bytes == 400_000  # 100,000 float32 in 7 chunks of at most 64 KiB
     assert checksum(codec.decode_view(payload, coordinator.view)) == coordinator.checksum
+
+
+def test_a_contribution_retried_after_a_dropped_connection_counts_once(local_server):
+    """A reset mid-stream (through a proxy) and a resend of a whole contribution: the round merges one
+    contribution per island, with the weights and merged value of a run without faults."""
+    c, coordinator, address = local_server
+    start = coordinator.checksum
+    pg = {"a": {"w": np.full(100_000, 3.0, np.float32)}, "b": {"w": np.full(100_000, 1.0, np.float32)}}
+    payloads = {n: codec.encode(pg[n], "none", 256) for n in pg}
+    with FaultProxy(address) as proxy:
+        a = GrpcTransport(proxy.address, c.comm.chunk_bytes, join_timeout=30, round_timeout=30, reconnect_seconds=30)
+        b = GrpcTransport(address, c.comm.chunk_bytes, join_timeout=30, round_timeout=30)
+        a.join("a", fingerprint_fields(c), start)
+        b.join("b", fingerprint_fields(c), start)
+        proxy.reset_after(200_000)  # about half of a's 400,000-byte payload
+        assert a.contribute(ContributionHeader(0, "a", 3000, start), payloads["a"]) == "accepted"
+        assert proxy.wait_fired(timeout=0) and proxy.resets == 1
+        # the reply was lost, say: the same contribution once more, whole
+        assert a.contribute(ContributionHeader(0, "a", 3000, start), payloads["a"]) == "accepted"
+        assert b.contribute(ContributionHeader(0, "b", 1000, start), payloads["b"]) == "accepted"
+        update = a.fetch_update(0, "a")
+        assert b.fetch_update(0, "b") == update
+    record = coordinator.fragments[0].history[0]
+    assert record.contributors == ["a", "b"] and record.weights == {"a": 0.75, "b": 0.25}
+    reference = FragmentedCoordinator(c, {"w": np.zeros(100_000, np.float32)}, ["a", "b"])
+    for name, tokens in (("a", 3000), ("b", 1000)):
+        reference.join(name, fingerprint_fields(c), start)
+        reference.contribute(ContributionHeader(0, name, tokens, start), payloads[name])
+    assert update == reference.fetch_update(0, "a")
+    assert coordinator.checksum == reference.checksum
+    for t in (a, b):
+        t.close()

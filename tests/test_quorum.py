@@ -9,6 +9,7 @@ from island_jax.coordinator import (
     ContributionHeader,
     Coordinator,
     FragmentedCoordinator,
+    HandshakeError,
     StaleRoundError,
     UpdateNotReady,
 )
@@ -104,3 +105,90 @@ def test_island_several_rounds_behind_rejoins_from_the_view():
     view = codec.decode_view(payload, start)
     assert checksum(view) == coordinator.checksum
     coordinator.contribute(ContributionHeader(2, "c", 1000, checksum(view)), _pg(0.0))  # c carries on from the same bits
+
+
+def _at_round_two(min_islands=2, grace=1.0):
+    """Three islands; a and b closed rounds 0 and 1 without c (c is behind, as after its restart)."""
+    coordinator, clock = _three_islands(min_islands=min_islands, grace=grace, kind=FragmentedCoordinator)
+    fields = fingerprint_fields(coordinator.config)
+    for r in range(2):
+        for name in ("a", "b"):
+            coordinator.contribute(ContributionHeader(r, name, 1000, coordinator.checksum), _pg(0.1))
+        clock.now += grace
+        coordinator.poll()
+    assert coordinator.round == 2
+    return coordinator, clock, fields
+
+
+def test_a_restarted_island_is_admitted_where_a_round_waits_for_it_else_at_the_next_boundary():
+    coordinator, clock, fields = _at_round_two()
+    old = checksum({"w": np.zeros(1, np.float32)})  # c's checkpoint of round 0
+    # round 2 has no quorum yet: c is admitted to it, and its view is ready at once
+    assert coordinator.join("c", fields, old, round=0) == dict(round=2, checksum=coordinator.checksum, rejoin=True)
+    assert coordinator.view_ready(2)
+    # with a and b in (the quorum reached), c waits for the next boundary: round 3, once round 2 closes
+    for name in ("a", "b"):
+        coordinator.contribute(ContributionHeader(2, name, 1000, coordinator.checksum), _pg(0.1))
+    assert coordinator.join("c", fields, old, round=0)["round"] == 3 and not coordinator.view_ready(3)
+    clock.now += 1.0
+    assert coordinator.poll() and coordinator.view_ready(3)
+    rounds, payload = coordinator.fetch_view("c")
+    assert rounds == [3] and checksum(codec.decode_view(payload, {"w": np.zeros(1, np.float32)})) == coordinator.checksum
+    # an island at the coordinator's round, with other parameters, is refused as before
+    with pytest.raises(HandshakeError, match="has parameter checksum"):
+        coordinator.join("c", fields, old, round=3)
+
+
+def test_an_island_that_took_the_view_mid_round_gets_as_long_as_the_others_had():
+    coordinator, clock, fields = _at_round_two()
+    started = clock.now  # round 2 began when round 1 merged
+    clock.now += 4.0  # c takes the view 4 s into the round
+    coordinator.join("c", fields, "", round=0)
+    coordinator.fetch_view("c")
+    joined = clock.now
+    clock.now += 6.0  # a and b are in 10 s after the round's start
+    for name in ("a", "b"):
+        coordinator.contribute(ContributionHeader(2, name, 1000, coordinator.checksum), _pg(0.1))
+    took = clock.now - started
+    clock.now = joined + took + 1.0 - 0.01  # the grace window (1 s) has long passed, c's own has not
+    assert not coordinator.poll() and coordinator.round == 2
+    clock.now = joined + took + 1.0
+    assert coordinator.poll() and coordinator.fragments[0].history[-1].contributors == ["a", "b"]
+    # in the next round (it trains it whole) c is an island like the others: it is in
+    for name in ("a", "b", "c"):
+        coordinator.contribute(ContributionHeader(3, name, 1000, coordinator.checksum), _pg(0.1))
+    assert coordinator.fragments[0].history[-1].weights == {"a": 1 / 3, "b": 1 / 3, "c": 1 / 3}
+
+
+def test_a_round_waiting_for_a_dead_island_fails_after_the_rejoin_timeout():
+    from island_jax.coordinator.main import _check_stalled
+
+    coordinator, clock = _three_islands(min_islands=0, kind=FragmentedCoordinator)
+    coordinator.config.outer.rejoin_timeout_seconds = 30.0
+    for name in ("a", "b"):
+        coordinator.contribute(ContributionHeader(0, name, 1000, coordinator.checksum), _pg(0.1))
+    clock.now += 30.0
+    _check_stalled(coordinator.config, coordinator, 0)  # 30 s: not yet
+    clock.now += 0.5
+    with pytest.raises(TimeoutError, match=r"round 1 waited 30 s for islands \['c'\] after the first contribution "
+                       r"\(outer.rejoin_timeout_seconds=30\).*or lower outer.min_islands=3 \(of 3 islands\)"):
+        _check_stalled(coordinator.config, coordinator, 0)
+
+
+def test_a_resent_contribution_counts_once_and_held_updates_wait_for_the_checkpoint():
+    coordinator, clock = _three_islands(min_islands=0, kind=FragmentedCoordinator)
+    start = coordinator.checksum
+    assert coordinator.contribute(ContributionHeader(0, "a", 3000, start), _pg(0.4)) == "accepted"
+    assert coordinator.contribute(ContributionHeader(0, "a", 3000, start), _pg(0.4)) == "accepted"  # a retry
+    coordinator.hold_updates(0)
+    for name in ("b", "c"):
+        coordinator.contribute(ContributionHeader(0, name, 1000, start), _pg(0.0))
+    assert coordinator.round == 1
+    assert coordinator.fragments[0].history[-1].weights == {"a": 0.6, "b": 0.2, "c": 0.2}
+    assert coordinator.contribute(ContributionHeader(0, "a", 3000, start), _pg(0.4)) == "accepted"  # merged already
+    with pytest.raises(UpdateNotReady, match="waits for the coordinator's checkpoint"):
+        coordinator.fetch_update(0, "a")
+    coordinator.hold_updates(None)
+    update = codec.decode_view(coordinator.fetch_update(0, "a"), {"w": np.zeros(1, np.float32)})
+    # one contribution of a's: the merged pseudo-gradient is 0.6 x 0.4 (float32), and SGD at lr 1 steps by it
+    np.testing.assert_array_equal(update["w"], -(np.float32(0.6) * np.float32(0.4))[None])

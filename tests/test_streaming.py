@@ -1,6 +1,7 @@
 """Streaming DiLoCo: fragments, the staggered schedule, overlap with mixing, tau = auto, events and the timeline."""
 
 import json
+import threading
 import time
 
 import jax
@@ -26,9 +27,10 @@ class VectorIsland:
     methods; `step_seconds` of sleep stands for each step's compute.
     """
 
-    def __init__(self, config, params: dict, lr: float = 0.1, step_seconds: float = 0.0, total_steps: int = 10**9):
-        self.name, self.config = "solo", config
-        self.inner_steps = config.islands.solo.inner_steps
+    def __init__(self, config, params: dict, lr: float = 0.1, step_seconds: float = 0.0, total_steps: int = 10**9,
+                 name: str = "solo"):
+        self.name, self.config = name, config
+        self.inner_steps = config.islands[name].inner_steps
         self.tokens_per_step = 1
         self.lr, self.step_seconds, self.total_steps = np.float32(lr), step_seconds, total_steps
         self.step = 0
@@ -253,3 +255,54 @@ def test_two_islands_stream_two_fragments_in_one_process(tmp_path):
     assert last["a"] == last["b"]
     assert (workdir / "timeline.png").exists()
     assert summary["eval_loss_final"] < summary["eval_loss_initial"]
+
+
+def test_an_island_rejoins_while_the_fragments_are_at_different_rounds():
+    """F = 2, every island needed (min_islands = 0): c dies after its fragment 0 of round 0, so fragment 0
+    merges round 0 and fragment 1 waits for c. Restarted from its start, c is admitted at round 0 with the
+    view of fragments at rounds [1, 0]: it skips fragment 0 that round, contributes fragment 1, and the run
+    goes on with every island holding the coordinator's view."""
+    config = vector_config(inner_steps=4, fragments=2, tau=0)
+    del config.islands["solo"]
+    for name in "abc":
+        config.islands[name] = island(1, 1, 1, 1, 4)
+    params = {"a": np.float32(1.0), "b": np.float32(1.0)}
+    coordinator = FragmentedCoordinator(config, params, list("abc"))
+    exchange = InProcessExchange().serve(coordinator)
+    fields = fingerprint_fields(config)
+
+    def sync_of(isl, rounds=None):
+        transport = InProcessTransport(exchange, timeout=60)
+        reply = transport.join(isl.name, fields, checksum(params))
+        return StreamingSync(isl, transport, config, reply["round"], fragment_rounds=rounds), transport, reply
+
+    islands = {n: VectorIsland(config, params, name=n) for n in "ab"}
+    syncs = {n: sync_of(islands[n])[0] for n in "ab"}
+    dying = sync_of(VectorIsland(config, params, name="c", total_steps=3))[0]  # fragment 1 is due after step 4
+    threads = [threading.Thread(target=lambda n=n: [syncs[n].run_round(r) for r in range(2)]) for n in "ab"]
+    threads.append(threading.Thread(target=dying.run_round, args=(0,)))
+    for t in threads:
+        t.start()
+    deadline = time.monotonic() + 30
+    while [f.round for f in coordinator.fragments] != [1, 0] or len(coordinator.fragments[1].pending) < 2:
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    restarted = VectorIsland(config, params, name="c")
+    transport = InProcessTransport(exchange, timeout=60)
+    assert transport.join("c", fields, checksum(params), 0) == dict(round=0, checksum=coordinator.checksum, rejoin=True)
+    rounds, view = transport.fetch_view("c", min_round=0)
+    assert rounds == [1, 0]
+    restarted.load_view(view)
+    sync = StreamingSync(restarted, transport, config, 0, fragment_rounds=rounds)
+    for r in range(2):
+        sync.run_round(r)
+    for t in threads:
+        t.join(timeout=30)
+        assert not t.is_alive()
+    assert [f.round for f in coordinator.fragments] == [2, 2]
+    f0, f1 = (f.history for f in coordinator.fragments)
+    assert [h.contributors for h in f0] == [["a", "b", "c"], ["a", "b", "c"]]  # c's from before it died, then its own
+    assert [h.contributors for h in f1] == [["a", "b", "c"], ["a", "b", "c"]]
+    view = [float(x) for x in coordinator.view.values()]
+    for isl in (*islands.values(), restarted):
+        assert [float(x) for x in isl.global_leaves] == view
