@@ -12,6 +12,15 @@ writes `WORKDIR/summary.json` from all roles. Overrides (`--config.a.b=v`, with
 `=`) go to every role. Running it again with the same workdir resumes every
 role from its newest checkpoint.
 
+`--restart=N` starts a role that exits with a non-zero status or a signal again,
+up to N times per role, with the same command line, environment and CPUs (it
+resumes from its own checkpoints); the progress line then ends with
+`| restarts: island b 1`. A role that fails once more after its N restarts
+stops the run as above; a role that exits with status 0 is done; Ctrl-C stops
+everything. `--dial=HOST:PORT` is where islands reach the coordinator when
+that is not where it listens (a proxy, a NAT); it needs `--port` and is
+refused with the namespace flags below, which pick that address themselves.
+
 Behind a bandwidth-limited link (Linux, as root): `launch/wan_netns.sh` makes two
 network namespaces joined by a shaped veth pair, `ij-coord` (10.77.0.1) and
 `ij-island` (10.77.0.2); the launcher can start each role inside one of them:
@@ -39,15 +48,18 @@ Without these flags nothing changes: every role runs in the launcher's namespace
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import functools
 import os
+import selectors
 import signal
 import socket
 import subprocess
 import sys
-import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import TextIO
 
 from absl import app, flags
 from ml_collections import config_flags
@@ -73,6 +85,14 @@ _CPUS = flags.DEFINE_multi_string(
     "cpus", [], "ROLE=CPUS, repeatable: run ROLE (`coordinator` or an island's name) on those CPUs only (Linux "
     "sched_setaffinity; CPUS as taskset writes them, e.g. 0 or 0,2-3), so that islands emulated on one machine do not "
     "share cores; roles not named may run on any CPU."
+)
+_DIAL = flags.DEFINE_string(
+    "dial", "", "HOST:PORT where islands dial the coordinator when it differs from where it listens (a proxy, a "
+    "NAT); needs --port; empty: the address it listens on."
+)
+_RESTART = flags.DEFINE_integer(
+    "restart", 0, "Start a role that exits abnormally again, up to this many times per role; once a role has used "
+    "them up and fails again, stop every process. 0: stop every process at the first failure.", lower_bound=0
 )
 flags.mark_flags_as_required(["config", "workdir"])
 
@@ -156,6 +176,29 @@ def parse_cpus(specs: list[str], roles: list[str], available: set[int]) -> dict[
     return placed
 
 
+def check_dial(dial: str, port: int, namespaces: bool) -> str:
+    """`--dial` as given, after checking it: HOST:PORT (an IPv6 host in brackets), with `--port` set (whatever
+    forwards DIAL to the coordinator needs the port it listens on) and no `--netns_*` (with namespaces the
+    launcher picks the address islands dial). An empty `dial` is returned as is.
+
+    Raises:
+      ValueError: a value that cannot be read, or a combination that cannot work.
+    """
+    if not dial:
+        return dial
+    host, sep, number = dial.rpartition(":")
+    if not sep or not host.strip("[]") or not number.isdigit() or not 0 < int(number) < 65536:
+        raise ValueError(f"--dial: cannot read {dial!r}; give HOST:PORT, e.g. --dial=proxy.example.org:50051")
+    if namespaces:
+        raise ValueError("--dial cannot be combined with --netns_coordinator/--netns_islands: with namespaces "
+                         "islands dial the coordinator namespace's own address, which the launcher finds; drop "
+                         "--dial, or drop the namespace flags")
+    if not port:
+        raise ValueError("--dial needs --port: whatever forwards the dialled address to the coordinator must know "
+                         "the port it listens on")
+    return dial
+
+
 def _namespace_address(ns: str) -> str | None:
     """The first global IPv4 address in namespace `ns` (None if it has none)."""
     for line in _ip("-n", ns, "-o", "-4", "addr", "show", "scope", "global").splitlines():
@@ -180,7 +223,7 @@ def _addresses(coordinator_ns: str, island_ns: dict[str, str]) -> tuple[str, str
     namespaces = {coordinator_ns, *island_ns.values()} - {""}
     if not namespaces:
         address = f"{_HOST.value}:{_PORT.value or _free_port(_HOST.value)}"
-        return address, address
+        return address, _DIAL.value or address
     if os.geteuid() != 0:
         sys.exit("running roles in network namespaces (`ip netns exec`) needs root (CAP_SYS_ADMIN); run with sudo")
     existing = {line.split()[0] for line in _ip("netns", "list").splitlines() if line.strip()}
@@ -209,23 +252,16 @@ def _die_with_parent() -> None:
         pass
 
 
-def _start_role(cpus: set[int] | None) -> None:
+def _start_role(cpus: frozenset[int] | None) -> None:
     """In the child, before it runs the role: die with the launcher, and keep to `cpus` when given."""
     _die_with_parent()
     if cpus:
         os.sched_setaffinity(0, cpus)
 
 
-def _forward(prefix: str, stream, lock: threading.Lock) -> None:
-    for line in iter(stream.readline, ""):
-        with lock:
-            sys.stdout.write(f"[{prefix}] {line}")
-            sys.stdout.flush()
-
-
 def _checked(config, workdir: str, names: list[str]):
     """Everything that can refuse the launch, before anything is created or started: the config, a
-    finished workdir, `--netns_*` and `--cpus`. Returns (coordinator namespace, island namespaces, cpus)."""
+    finished workdir, `--netns_*`, `--dial` and `--cpus`. Returns (coordinator namespace, island namespaces, cpus)."""
     from island_jax import config as config_lib
     from island_jax.workdir import refuse_finished
 
@@ -238,6 +274,10 @@ def _checked(config, workdir: str, names: list[str]):
         sys.exit("outer.enabled is False: a run without the outer loop has no coordinator; "
                  "run it in one process with experiments/train.py")
     coordinator_ns, island_ns = _placement(names)
+    try:
+        check_dial(_DIAL.value.strip(), _PORT.value, bool(coordinator_ns or any(island_ns.values())))
+    except ValueError as e:
+        sys.exit(str(e))
     cpus = {}
     if _CPUS.value:
         if not hasattr(os, "sched_setaffinity"):
@@ -249,63 +289,196 @@ def _checked(config, workdir: str, names: list[str]):
     return coordinator_ns, island_ns, cpus
 
 
-def _start(workdir: str, names: list[str], coordinator_ns: str, island_ns: dict, cpus: dict) -> dict:
-    """Starts the coordinator and every island (`experiments/train.py --role=...`); {role: Popen}."""
+@dataclasses.dataclass(frozen=True)
+class Role:
+    """One process of a run, as the supervisor starts it (and starts it again).
+
+    Attributes:
+      name: "coordinator" or "island NAME": how its lines and the launcher's lines name it.
+      command: the command line.
+      env: its environment; None: the launcher's.
+      cpus: CPUs it is kept to (Linux sched_setaffinity); None: any.
+      netns: the network namespace the command enters (shown in the started line only; `command` enters it).
+    """
+
+    name: str
+    command: list[str]
+    env: dict[str, str] | None = None
+    cpus: frozenset[int] | None = None
+    netns: str = ""
+
+
+def _roles(workdir: str, names: list[str], coordinator_ns: str, island_ns: dict, cpus: dict) -> list[Role]:
+    """The coordinator and every island (`experiments/train.py --role=...`)."""
     listen, dial = _addresses(coordinator_ns, island_ns)
     overrides = [a for a in sys.argv[1:] if a.startswith("--config")]  # the config and its overrides
-
-    def command(ns: str, address: str, *role: str) -> list[str]:
-        netns = ["ip", "netns", "exec", ns] if ns else []
-        return netns + [sys.executable, "-u", str(TRAIN), f"--workdir={workdir}", f"--coordinator={address}",
-                        *overrides, *role]
-
-    roles = [("coordinator", command(coordinator_ns, listen, "--role=coordinator"))] + [
-        (f"island {n}", command(island_ns[n], dial, "--role=island", f"--island={n}")) for n in names
-    ]
-    where = {"coordinator": coordinator_ns} | {f"island {n}": island_ns[n] for n in names}
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     for key, value in MALLOC_ENV.items():  # an explicit setting of the caller wins
         env.setdefault(key, value)
-    procs = {}
-    for role, cmd in roles:  # every process first: preexec_fn is only safe before threads start
-        pinned = cpus.get(role.removeprefix("island "))
-        procs[role] = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
-                                       preexec_fn=functools.partial(_start_role, pinned))
-        inside = f" in namespace {where[role]}" if where[role] else ""
-        on = f" on CPUs {','.join(map(str, sorted(pinned)))}" if pinned else ""
-        print(f"[launch] started {role} (pid {procs[role].pid}){inside}{on}", flush=True)
-    return procs
+
+    def role(name: str, ns: str, address: str, *args: str) -> Role:
+        netns = ["ip", "netns", "exec", ns] if ns else []
+        command = netns + [sys.executable, "-u", str(TRAIN), f"--workdir={workdir}", f"--coordinator={address}",
+                           *overrides, *args]
+        pinned = cpus.get(name.removeprefix("island "))
+        return Role(name, command, env, frozenset(pinned) if pinned else None, ns)
+
+    return [role("coordinator", coordinator_ns, listen, "--role=coordinator")] + [
+        role(f"island {n}", island_ns[n], dial, "--role=island", f"--island={n}") for n in names
+    ]
 
 
-def _supervise(procs: dict, progress, lock: threading.Lock) -> tuple[str, int] | None:
-    """Prints the progress lines until every process ends; on the first failure (or Ctrl-C) stops the
-    others. Returns (role, status) of that failure, or None."""
-    failed, failures = None, []
-    try:
-        while failed is None and any(p.poll() is None for p in procs.values()):
-            time.sleep(0.5)
-            for line in progress.poll():
-                with lock:
-                    print(f"[launch] {line}", flush=True)
-            failures = [(r, p.returncode) for r, p in procs.items() if p.poll() not in (None, 0)]
-            failed = failures[0] if failures else None
-    except KeyboardInterrupt:
-        failed = ("launch", 130)
-    if failed is None:
-        return None
-    for role, code in failures if failed[0] != "launch" else [failed]:
-        print(f"[launch] {role} exited with status {code}; stopping the other processes", flush=True)
-    for p in procs.values():
-        if p.poll() is None:
-            p.terminate()
-    deadline = time.time() + 10
-    for p in procs.values():
+class _Output:
+    """A role's output pipe, forwarded line by line with the role's prefix."""
+
+    def __init__(self, role: str, pipe):
+        self.role, self.pipe, self.rest = role, pipe, b""
+        os.set_blocking(pipe.fileno(), False)
+
+    def read(self, write: Callable[[str], None]) -> bool:
+        """Forwards the complete lines in the pipe now; False at its end (after the last line, if unfinished)."""
+        while True:
+            try:
+                data = os.read(self.pipe.fileno(), 1 << 16)
+            except BlockingIOError:
+                return True
+            *lines, self.rest = (self.rest + data).split(b"\n")
+            if not data and self.rest:
+                lines, self.rest = [*lines, self.rest], b""
+            for line in lines:
+                write(f"[{self.role}] {line.decode('utf-8', 'replace')}\n")
+            if not data:
+                return False
+
+
+class Supervisor:
+    """Runs the roles of a run, once: starts them, forwards their output prefixed with their names, prints the
+    progress lines, starts a role that exits abnormally again (up to `restarts` times per role) and, once
+    one fails beyond that or on Ctrl-C, stops all of them. One thread: the output pipes are read with a
+    selector between the checks, so a restarted role's output is followed like the first one's, and
+    `preexec_fn` (CPU pinning, dying with the launcher) runs in a process without threads.
+
+    Args:
+      roles: the processes to run, started in this order.
+      restarts: times each role may be started again after exiting with a non-zero status or a signal;
+        0: stop every process at the first failure. A role that exits with status 0 is done.
+      out: where the lines go (default: sys.stdout at `run`).
+      interval: seconds between the progress polls and the checks of the processes.
+      grace: seconds the stopped processes get to end after SIGTERM, before SIGKILL.
+    """
+
+    def __init__(self, roles: list[Role], restarts: int = 0, out: TextIO | None = None, interval: float = 0.5,
+                 grace: float = 10.0):
+        if restarts < 0:
+            raise ValueError(f"restarts is {restarts}; it must be 0 or more")
+        self.roles = {r.name: r for r in roles}
+        self.restarts, self.out, self.interval, self.grace = restarts, out, interval, grace
+        self.procs: dict[str, subprocess.Popen] = {}
+        self.outputs: dict[str, _Output] = {}  # the newest process's output of each role
+        self.restarted = dict.fromkeys(self.roles, 0)
+        self.selector = selectors.DefaultSelector()
+
+    def run(self, progress: Callable[[], list[str]] = list) -> tuple[str, int] | None:
+        """Starts every role and supervises them until all have ended. `progress()` gives the progress lines
+        to print since its last call (polled every `interval` and once more at the end of a run that
+        succeeded). Returns None when every role ended with status 0, else (role, status) of the failure
+        that stopped the run: ("launch", 130) on Ctrl-C, and a negative status for a signal."""
+        self.out = self.out or sys.stdout
+        failed = None
         try:
-            p.wait(timeout=max(deadline - time.time(), 0.1))
-        except subprocess.TimeoutExpired:
-            p.kill()
-            p.wait()
-    return failed
+            for role in self.roles.values():  # every process first, then the loop
+                proc = self._spawn(role)
+                inside = f" in namespace {role.netns}" if role.netns else ""
+                on = f" on CPUs {','.join(map(str, sorted(role.cpus)))}" if role.cpus else ""
+                self._say(f"started {role.name} (pid {proc.pid}){inside}{on}")
+            while failed is None and not all(p.poll() == 0 for p in self.procs.values()):  # a failure: to _check
+                self._pump(self.interval)
+                self._progress(progress)
+                failed = self._check()
+            if failed is None:
+                self._progress(progress)
+        except KeyboardInterrupt:
+            failed = ("launch", 130)
+            self._say("interrupted; stopping every process")
+        finally:
+            self._stop()
+            self._pump(5.0, until_quiet=True)
+            self.selector.close()
+        return failed
+
+    def _spawn(self, role: Role) -> subprocess.Popen:
+        proc = subprocess.Popen(role.command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=role.env,
+                                preexec_fn=functools.partial(_start_role, role.cpus))
+        self.procs[role.name] = proc
+        self.outputs[role.name] = _Output(role.name, proc.stdout)
+        self.selector.register(proc.stdout, selectors.EVENT_READ, self.outputs[role.name])
+        return proc
+
+    def _write(self, text: str) -> None:
+        self.out.write(text)
+        self.out.flush()
+
+    def _say(self, line: str) -> None:
+        self._write(f"[launch] {line}\n")
+
+    def _progress(self, progress: Callable[[], list[str]]) -> None:
+        counts = ", ".join(f"{role} {n}" for role, n in self.restarted.items() if n)
+        for line in progress():
+            self._say(line + (f" | restarts: {counts}" if counts else ""))
+
+    def _forward(self, output: _Output) -> bool:
+        """The pipe's complete lines now; False (and it is closed) at its end."""
+        if output.read(self._write):
+            return True
+        self.selector.unregister(output.pipe)
+        output.pipe.close()
+        return False
+
+    def _pump(self, seconds: float, until_quiet: bool = False) -> None:
+        """Forwards output for `seconds`, or until a pipe ends (a process probably did), or with
+        `until_quiet` until every pipe has ended."""
+        deadline = time.monotonic() + seconds
+        while (left := deadline - time.monotonic()) > 0:
+            if not self.selector.get_map():
+                if until_quiet:
+                    return
+                time.sleep(left)
+                return
+            ended = [key.data for key, _ in self.selector.select(left) if not self._forward(key.data)]
+            if ended and not until_quiet:
+                return
+
+    def _check(self) -> tuple[str, int] | None:
+        """Restarts the roles that failed with restarts left; the first failure beyond them, if any."""
+        exited = [(role, p.returncode) for role, p in self.procs.items() if p.poll() is not None]
+        failures = [(role, code) for role, code in exited if code != 0]
+        for role, _ in failures:  # their last lines come before the launcher's line about them
+            if not self.outputs[role].pipe.closed:
+                self._forward(self.outputs[role])
+        fatal = [(role, code) for role, code in failures if self.restarted[role] >= self.restarts]
+        if fatal:
+            for role, code in failures:
+                self._say(f"{role} exited with status {code}; stopping the other processes")
+            return fatal[0]
+        for role, code in failures:
+            self.restarted[role] += 1
+            proc = self._spawn(self.roles[role])
+            self._say(f"{role} exited with status {code}; restarting it (restart {self.restarted[role]} of "
+                      f"{self.restarts}, pid {proc.pid})")
+        return None
+
+    def _stop(self) -> None:
+        """SIGTERM to every process still running; SIGKILL to those still running `grace` seconds later."""
+        for p in self.procs.values():
+            if p.poll() is None:
+                p.terminate()
+        deadline = time.time() + self.grace
+        for p in self.procs.values():
+            try:
+                p.wait(timeout=max(deadline - time.time(), 0.1))
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
 
 
 def main(argv):
@@ -316,21 +489,13 @@ def main(argv):
     config, workdir = _CONFIG.value, _WORKDIR.value
     names = list(config.islands.keys())
     coordinator_ns, island_ns, cpus = _checked(config, workdir, names)
+    roles = _roles(workdir, names, coordinator_ns, island_ns, cpus)
     os.makedirs(workdir, exist_ok=True)
     start = time.perf_counter()
-    procs = _start(workdir, names, coordinator_ns, island_ns, cpus)
-    lock = threading.Lock()
-    threads = [threading.Thread(target=_forward, args=(role, p.stdout, lock), daemon=True) for role, p in procs.items()]
-    for t in threads:
-        t.start()
     progress = Progress(workdir, names, config.outer.rounds)
-    failed = _supervise(procs, progress, lock)
-    for t in threads:
-        t.join(timeout=5)
+    failed = Supervisor(roles, _RESTART.value).run(progress.poll)
     if failed is not None:
         sys.exit(failed[1] if failed[1] > 0 else 1)
-    for line in progress.poll():
-        print(f"[launch] {line}", flush=True)
     summary = combine_summaries(config, workdir, time.perf_counter() - start)
     print(
         f"[launch] done in {summary['wall_seconds']:.1f} s: eval loss {summary['eval_loss_initial']:.4f} -> "

@@ -3,8 +3,11 @@
 import json
 import os
 import re
+import signal
+import socket
 import subprocess
 import sys
+import threading
 
 import numpy as np
 import pytest
@@ -223,3 +226,106 @@ def test_cpus_flag_refuses_bad_placements_before_starting_anything(corpus, tmp_p
     assert result.returncode == 1
     assert message in result.stderr
     assert not workdir.exists()
+
+
+class _Relay:
+    """A TCP forwarder on 127.0.0.1 to `port`, as a proxy or NAT between islands and coordinator would be."""
+
+    def __init__(self, port):
+        self.target, self.connections = port, 0
+        self.server = socket.create_server(("127.0.0.1", 0))
+        self.port = self.server.getsockname()[1]
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self):
+        while True:
+            try:
+                client, _ = self.server.accept()
+            except OSError:  # closed
+                return
+            self.connections += 1
+            try:
+                upstream = socket.create_connection(("127.0.0.1", self.target))
+            except OSError:
+                client.close()
+                continue
+            for a, b in ((client, upstream), (upstream, client)):
+                threading.Thread(target=self._pipe, args=(a, b), daemon=True).start()
+
+    @staticmethod
+    def _pipe(a, b):
+        try:
+            while data := a.recv(1 << 16):
+                b.sendall(data)
+            b.shutdown(socket.SHUT_WR)
+        except OSError:
+            a.close()
+            b.close()
+
+
+def test_restart_and_dial_an_island_crashes_again_after_its_restart_and_the_run_stops(corpus, tmp_path):
+    """Islands dial the coordinator through a forwarder (--dial); island b, which fails at the start of
+    round 3 every time, is started once more (--restart=1), resumes, fails again, and every process stops."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    relay = _Relay(port)
+    try:
+        result = launch(tmp_path / "restart", corpus, "--config.islands.b.crash_at_round=3", "--restart=1",
+                        "--host=127.0.0.1", f"--port={port}", f"--dial=127.0.0.1:{relay.port}")
+    finally:
+        relay.server.close()
+    out = result.stdout
+    assert result.returncode == 1, out[-3000:] + result.stderr[-3000:]
+    launcher = [re.sub(r"pid \d+", "pid N", line) for line in out.splitlines() if line.startswith("[launch]")]
+    rounds = [line for line in launcher if line.startswith("[launch] round ")]
+    assert [line for line in launcher if line not in rounds] == [
+        "[launch] started coordinator (pid N)",
+        "[launch] started island a (pid N)",
+        "[launch] started island b (pid N)",
+        "[launch] island b exited with status 1; restarting it (restart 1 of 1, pid N)",
+        "[launch] island b exited with status 1; stopping the other processes",
+    ]
+    assert [line.split(" | ")[0] for line in rounds] == ["[launch] round 1/3", "[launch] round 2/3"]
+    restart = out.index("restarting it (restart 1 of 1")
+    assert re.search(r"^\[island b\] .*resumed from the checkpoint of round 2", out[restart:], re.M)
+    assert relay.connections >= 3  # islands a and b, and b again
+    pids = [int(p) for p in re.findall(r"pid (\d+)\)", out)]
+    assert len(pids) == 4
+    for pid in pids:
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
+
+
+def test_restart_an_island_killed_mid_run_is_started_again_and_the_run_completes(corpus, tmp_path):
+    workdir = tmp_path / "killed"
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    cmd = [sys.executable, os.path.join(ROOT, "launch", "local.py"), f"--config={CONFIG}", f"--workdir={workdir}",
+           f"--config.data.files={corpus}", "--config.outer.rounds=30", "--restart=1"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    seen = []
+    try:
+        for line in proc.stdout:  # until the second round's line, then SIGKILL to island b
+            seen.append(line)
+            if line.startswith("[launch] round 2/30"):
+                break
+        assert seen and seen[-1].startswith("[launch] round 2/30"), "".join(seen)[-3000:]
+        island_b = int(re.search(r"started island b \(pid (\d+)\)", "".join(seen))[1])
+        os.kill(island_b, signal.SIGKILL)
+        rest, _ = proc.communicate(timeout=600)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    out = "".join(seen) + rest
+    assert proc.returncode == 0, out[-3000:]
+    restart = re.search(r"^\[launch\] island b exited with status -9; restarting it \(restart 1 of 1, pid (\d+)\)$",
+                        out, re.M)
+    assert restart, out[-3000:]
+    after = out[restart.end():]
+    assert re.search(r"^\[island b\] .*island b resumed from the checkpoint of round \d+", after, re.M)
+    assert all(line.endswith(" | restarts: island b 1") for line in re.findall(r"^\[launch\] round .*$", after, re.M))
+    assert json.load(open(workdir / "summary.json"))["checksums_agree"] is True
+    for pid in (island_b, int(restart[1])):
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)

@@ -1,0 +1,173 @@
+"""launch/local.py without JAX: the supervisor (restarts, stopping, the lines it prints) and `--dial`."""
+
+import importlib.util
+import io
+import os
+import re
+import sys
+import time
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _load_launcher():
+    name = "island_jax_launch_local"
+    if name not in sys.modules:  # once per process: the module defines absl flags
+        spec = importlib.util.spec_from_file_location(name, os.path.join(ROOT, "launch", "local.py"))
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module
+        spec.loader.exec_module(module)
+    return sys.modules[name]
+
+
+local = _load_launcher()
+
+# Exits with status 1 the first time (leaving the marker argv[1]); the next time it prints its pid, touches
+# argv[2] and exits with status 0.
+FLAKY = """
+import os, sys
+if not os.path.exists(sys.argv[1]):
+    open(sys.argv[1], "w").close()
+    print("first try", flush=True)
+    sys.exit(1)
+print(f"second try, pid {os.getpid()}", flush=True)
+open(sys.argv[2], "w").close()
+"""
+WAITS = "import time; time.sleep(60)"  # until it is stopped
+KILLS_ITSELF = "import os, signal; print('dying', flush=True); os.kill(os.getpid(), signal.SIGKILL)"
+INTERRUPTS = "import os, signal, time; os.kill(os.getppid(), signal.SIGINT); time.sleep(60)"  # Ctrl-C
+
+
+def role(name, code, *args):
+    return local.Role(name, [sys.executable, "-c", code, *map(str, args)])
+
+
+def supervise(roles, restarts=0, progress=list):
+    out = io.StringIO()
+    start = time.monotonic()
+    failed = local.Supervisor(roles, restarts, out=out, interval=0.05, grace=5.0).run(progress)
+    return failed, out.getvalue(), time.monotonic() - start
+
+
+def lines(out, prefix):
+    """The lines that start with `prefix`, with every pid written N."""
+    return [re.sub(r"pid \d+", "pid N", line) for line in out.splitlines() if line.startswith(prefix)]
+
+
+def assert_all_gone(out):
+    """Every process the lines name has ended (and was waited for)."""
+    pids = [int(p) for p in re.findall(r"pid (\d+)", out)]
+    assert pids
+    for pid in pids:
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
+
+
+def test_a_failed_role_is_started_again_and_the_run_succeeds(tmp_path):
+    marker, done = tmp_path / "failed_once", tmp_path / "done"
+    said = []
+
+    def progress():  # a line at the first poll, before any check; one more once b has run to its end
+        if not said:
+            said.append(1)
+            return ["round 1/2"]
+        if done.exists() and len(said) == 1:
+            said.append(2)
+            return ["round 2/2"]
+        return []
+
+    failed, out, _ = supervise(
+        [role("coordinator", "print('finished', end='')"), role("island b", FLAKY, marker, done)], 2, progress
+    )
+    assert failed is None
+    assert lines(out, "[launch]") == [
+        "[launch] started coordinator (pid N)",
+        "[launch] started island b (pid N)",
+        "[launch] round 1/2",
+        "[launch] island b exited with status 1; restarting it (restart 1 of 2, pid N)",
+        "[launch] round 2/2 | restarts: island b 1",
+    ]
+    assert lines(out, "[island b]") == ["[island b] first try", "[island b] second try, pid N"]
+    assert lines(out, "[coordinator]") == ["[coordinator] finished"]  # status 0: done, not started again
+    restarted = re.search(r"restarting it \(restart 1 of 2, pid (\d+)\)", out)[1]
+    assert f"[island b] second try, pid {restarted}\n" in out  # the pid in the line is the new process's
+    # A role's last lines come before the launcher's line about its end.
+    assert out.index("[island b] first try") < out.index("restarting it") < out.index("[island b] second try")
+    assert_all_gone(out)
+
+
+def test_without_restarts_the_first_failure_stops_every_process(tmp_path):
+    roles = [role("coordinator", WAITS), role("island a", WAITS), role("island b", FLAKY, tmp_path / "m", tmp_path / "d")]
+    failed, out, seconds = supervise(roles, 0)
+    assert failed == ("island b", 1)
+    assert lines(out, "[launch]") == [
+        "[launch] started coordinator (pid N)",
+        "[launch] started island a (pid N)",
+        "[launch] started island b (pid N)",
+        "[launch] island b exited with status 1; stopping the other processes",
+    ]
+    assert lines(out, "[island b]") == ["[island b] first try"]
+    assert seconds < 30  # the waiting roles were stopped, not waited for
+    assert_all_gone(out)
+
+
+def test_a_role_that_fails_beyond_its_restarts_stops_every_process():
+    failed, out, seconds = supervise([role("coordinator", WAITS), role("island b", KILLS_ITSELF)], 2)
+    assert failed == ("island b", -9)
+    assert lines(out, "[launch]") == [
+        "[launch] started coordinator (pid N)",
+        "[launch] started island b (pid N)",
+        "[launch] island b exited with status -9; restarting it (restart 1 of 2, pid N)",
+        "[launch] island b exited with status -9; restarting it (restart 2 of 2, pid N)",
+        "[launch] island b exited with status -9; stopping the other processes",
+    ]
+    assert lines(out, "[island b]") == ["[island b] dying"] * 3
+    assert seconds < 30
+    assert_all_gone(out)
+
+
+def test_ctrl_c_stops_every_process_and_restarts_none():
+    failed, out, seconds = supervise([role("coordinator", WAITS), role("island b", INTERRUPTS)], 2)
+    assert failed == ("launch", 130)
+    assert lines(out, "[launch]") == [
+        "[launch] started coordinator (pid N)",
+        "[launch] started island b (pid N)",
+        "[launch] interrupted; stopping every process",
+    ]
+    assert seconds < 30
+    assert_all_gone(out)
+
+
+def test_restarts_must_not_be_negative():
+    with pytest.raises(ValueError, match="restarts is -1; it must be 0 or more"):
+        local.Supervisor([role("coordinator", WAITS)], -1)
+
+
+@pytest.mark.parametrize("dial", ["", "proxy.example.org:50051", "10.0.0.1:1", "[::1]:50051"])
+def test_dial_addresses_that_are_taken(dial):
+    assert local.check_dial(dial, 50051, namespaces=False) == dial
+
+
+def test_no_dial_is_taken_with_namespaces_and_any_port():
+    assert local.check_dial("", 0, namespaces=True) == ""
+
+
+@pytest.mark.parametrize(
+    "dial, port, namespaces, message",
+    [
+        ("proxy", 50051, False, "--dial: cannot read 'proxy'; give HOST:PORT, e.g. --dial=proxy.example.org:50051"),
+        (":50051", 50051, False, "--dial: cannot read ':50051'; give HOST:PORT"),
+        ("proxy:http", 50051, False, "--dial: cannot read 'proxy:http'; give HOST:PORT"),
+        ("proxy:70000", 50051, False, "--dial: cannot read 'proxy:70000'; give HOST:PORT"),
+        ("proxy:50051", 50051, True, "--dial cannot be combined with --netns_coordinator/--netns_islands: with "
+         "namespaces islands dial the coordinator namespace's own address"),
+        ("proxy:50051", 0, False, "--dial needs --port: whatever forwards the dialled address to the coordinator "
+         "must know the port it listens on"),
+    ],
+)
+def test_dial_refuses_what_cannot_work(dial, port, namespaces, message):
+    with pytest.raises(ValueError) as e:
+        local.check_dial(dial, port, namespaces)
+    assert str(e.value).startswith(message)
