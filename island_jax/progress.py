@@ -79,16 +79,18 @@ class Progress:
                         self.rounds_seen.setdefault(rec["round"], {})[name] = rec
 
     def poll(self) -> list[str]:
-        """The lines of the rounds every island has completed since the last call."""
+        """The lines of the rounds every island has completed (or gone past: a restarted island that rejoined
+        later, shown as "-") since the last call."""
         self._read()
         lines = []
+        latest = {n: max((r for r, recs in self.rounds_seen.items() if n in recs), default=0) for n in self.names}
         while True:
             if self.next_round is None:
                 if not self.rounds_seen:
                     return lines
                 self.next_round = min(self.rounds_seen)
             recs = self.rounds_seen.get(self.next_round, {})
-            if len(recs) < len(self.names):
+            if not recs or any(n not in recs and latest[n] <= self.next_round for n in self.names):
                 return lines
             lines.append(self._line(self.next_round, recs))
             self.next_round += 1
@@ -97,14 +99,19 @@ class Progress:
         eta = self.eta.after(r)
         for rec in recs.values():
             self.eval_loss = rec.get("eval_loss", self.eval_loss)
-        first = recs[self.names[0]]
+        first = next(recs[n] for n in self.names if n in recs)
+
+        def each(fmt, key, default=None) -> str:
+            return " ".join(
+                f"{n}={fmt.format(recs[n].get(key, default))}" if n in recs else f"{n}=-" for n in self.names
+            )
+
         return (
-            f"round {r}/{self.rounds} | loss "
-            + " ".join(f"{n}={recs[n]['train_loss']:.4f}" for n in self.names)
+            f"round {r}/{self.rounds} | loss " + each("{:.4f}", "train_loss")
             + (f" | eval {self.eval_loss:.4f}" if self.eval_loss is not None else "")
             + f" | sent/received per island {first['bytes_sent'] / 1e6:.2f}/{first['bytes_received'] / 1e6:.2f} MB"
-            + " | blocked " + " ".join(f"{n}={recs[n]['seconds_blocked']:.2f}s" for n in self.names)
-            + " | link " + " ".join(f"{n}={recs[n].get('achieved_gbps', 0.0):.2f}Gbit/s" for n in self.names)
-            + " | utilization " + " ".join(f"{n}={recs[n].get('compute_utilization', 0.0):.2f}" for n in self.names)
+            + " | blocked " + each("{:.2f}s", "seconds_blocked")
+            + " | link " + each("{:.2f}Gbit/s", "achieved_gbps", 0.0)
+            + " | utilization " + each("{:.2f}", "compute_utilization", 0.0)
             + f" | ETA {eta}"
         )

@@ -78,17 +78,17 @@ def checkpoint_schedule(config: ml_collections.ConfigDict, coordinator: bool = F
 
     The coordinator saves every `k = checkpoint.coordinator_every_rounds`
     rounds (`checkpoint.every_rounds` when 0) and keeps `checkpoint.max_to_keep`.
-    An island saves every `e = checkpoint.every_rounds` rounds and keeps
-    `max(max_to_keep, (k + 1) // e + 1)`: the coordinator never serves round
-    R+2's update before its checkpoint of round R is complete, so when it
-    restarts from its newest complete checkpoint C, no island has completed
-    more than C + k + 1 rounds; an island saves at most `(k + 1) // e` times
-    after round C, and still holds its checkpoint of round C (when it saved
-    one: C a multiple of e). Without an outer loop (`outer.enabled` False)
-    there is no coordinator, and an island keeps `max_to_keep`.
+    An island saves every `e = checkpoint.every_rounds` rounds and at the
+    coordinator's rounds too (`island_saves`), and keeps enough that it still
+    holds the coordinator's newest complete checkpoint C after a coordinator
+    restart: the coordinator never serves round C+2's update before its
+    checkpoint of round C is complete, so no island has completed more than
+    C + k + 1 rounds, and it keeps C and every save after it up to there.
+    Without an outer loop (`outer.enabled` False) there is no coordinator, and
+    an island keeps `max_to_keep`.
 
     Examples (max_to_keep 1): k = e = 1 keeps 3; k = e = 2 keeps 2; k = 4,
-    e = 2 keeps 3; k = 1, e = 10 keeps 1.
+    e = 2 keeps 3; k = 1, e = 10 keeps 3.
     """
     ckpt = config.checkpoint
     k = ckpt.coordinator_every_rounds or ckpt.every_rounds
@@ -96,7 +96,17 @@ def checkpoint_schedule(config: ml_collections.ConfigDict, coordinator: bool = F
         return k, ckpt.max_to_keep
     if not config.outer.enabled:
         return ckpt.every_rounds, ckpt.max_to_keep
-    return ckpt.every_rounds, max(ckpt.max_to_keep, (k + 1) // ckpt.every_rounds + 1)
+    e = ckpt.every_rounds
+    needed = max(  # C and the island's saves after it, up to C + k + 1, over C = j k (the pattern repeats)
+        1 + sum(island_saves(c + i, k, e) for i in range(1, k + 2)) for c in range(0, k * e + 1, k)
+    )
+    return e, max(ckpt.max_to_keep, needed)
+
+
+def island_saves(rounds_done: int, coordinator_every: int, every: int) -> bool:
+    """Whether an island saves after `rounds_done` rounds: every `every` rounds, and at the coordinator's
+    checkpoint rounds (every `coordinator_every`), which it rolls back to after a coordinator restart."""
+    return rounds_done % every == 0 or rounds_done % coordinator_every == 0
 
 
 def open_role(config: ml_collections.ConfigDict, path: str, coordinator: bool = False) -> RoleFolder:

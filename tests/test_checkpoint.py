@@ -16,7 +16,7 @@ from orbax.checkpoint._src.path import atomicity
 from tiny_config import get_config, write_corpus
 
 from island_jax.checkpoint import Checkpointer, CheckpointError
-from island_jax.workdir import checkpoint_schedule, island_dir, open_role
+from island_jax.workdir import checkpoint_schedule, island_dir, island_saves, open_role
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FULL = OSError(28, "No space left on device")
@@ -174,8 +174,9 @@ def test_checkpoint_schedule_keeps_the_coordinators_newest_round_on_every_island
     assert schedule(1, 1) == (1, 3)
     assert schedule(2, 2) == (2, 2)
     assert schedule(4, 2) == (2, 3)
-    assert schedule(1, 10) == (10, 1)
-    assert schedule(1, 10, keep=2) == (10, 2)
+    assert schedule(1, 10) == (10, 3)  # islands save at the coordinator's rounds too: C, C + 1, C + 2
+    assert schedule(1, 10, keep=2) == (10, 3)
+    assert [island_saves(r, 4, 6) for r in range(1, 13)] == [r in (4, 6, 8, 12) for r in range(1, 13)]
     assert schedule(0, 3) == (3, 2)  # k = every_rounds: (3 + 1) // 3 + 1
     assert schedule(1, 1, keep=5) == (1, 5)
     assert schedule(4, 2, keep=2, coordinator=True) == (4, 2)

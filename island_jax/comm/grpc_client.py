@@ -295,12 +295,18 @@ class GrpcTransport:
         # The join itself on the first connection; the others only open (a Join with `reconnect` is answered
         # without admitting anything).
         probe = pb.JoinRequest(island=island, fingerprint_json=request.fingerprint_json, reconnect=True)
-        try:
-            reply = self._join[0](request, timeout=self.join_timeout, wait_for_ready=True)
-            for join in self._join[1:]:
-                join(probe, timeout=self.join_timeout, wait_for_ready=True)
-        except grpc.RpcError as e:
-            raise _error(e, "join", self.address) from None
+        deadline = self.clock() + self.join_timeout
+        while True:  # in slices, so that a run that finished meanwhile is noticed
+            try:
+                reply = self._join[0](request, timeout=min(10.0, max(deadline - self.clock(), 0.1)), wait_for_ready=True)
+                for join in self._join[1:]:
+                    join(probe, timeout=self.join_timeout, wait_for_ready=True)
+                break
+            except grpc.RpcError as e:
+                if e.code() != grpc.StatusCode.DEADLINE_EXCEEDED or self.clock() >= deadline:
+                    raise _error(e, "join", self.address) from None
+                if self.finished is not None and self.finished():
+                    raise ExchangeError("join: the coordinator finished the run") from None
         self.incarnation, self._who = reply.incarnation, (island, request.fingerprint_json)
         for fetch in self._fetches.values():  # opened for the coordinator before (a restart): void
             for f in fetch.futures:

@@ -37,6 +37,7 @@ from island_jax.workdir import (
     coordinator_dir,
     due,
     island_dir,
+    island_saves,
     open_role,
     summarize_island,
 )
@@ -250,12 +251,11 @@ def _train_rounds(config, island: Island, sync: StreamingSync, role: RoleFolder,
         if cfg.crash_at_round == r + 1:
             raise RuntimeError(f"island {name} crashes at round {r + 1} on purpose (islands.{name}.crash_at_round)")
         step0 = island.step
-        checkpoint_due = due(r + 1, config.checkpoint.every_rounds, rounds)
-        # A checkpoint holds no exchange in flight: every update of the round is applied first (and so
-        # at the coordinator's checkpoints, which islands roll back to after a coordinator restart).
-        drain = checkpoint_due or due(r + 1, coordinator_every, rounds)
+        # At the island's own rounds and the coordinator's (which it rolls back to after a coordinator restart);
+        # a checkpoint holds no exchange in flight: every update of the round is applied first.
+        checkpoint_due = r + 1 == rounds or island_saves(r + 1, coordinator_every, config.checkpoint.every_rounds)
         try:
-            result = sync.run_round(r, drain=drain)
+            result = sync.run_round(r, drain=checkpoint_due)
         except CoordinatorRestarted as e:
             logging.warning("island %s: %s", name, e)
             sync.forget_inflight(timeout=config.comm.reconnect_seconds)
@@ -277,7 +277,7 @@ def _train_rounds(config, island: Island, sync: StreamingSync, role: RoleFolder,
         if checkpoint_due:
             with sync.between_rounds("checkpoint"):
                 state = island.state(r + 1)
-                saved = role.checkpoints.save(r + 1, state, force=r + 1 == rounds)
+                saved = role.checkpoints.save(r + 1, state, force=True)
             if saved:
                 checksums = {k: checksum(jax.device_get(v)) for k, v in state.items()}
                 role.metrics.write(dict(kind="checkpoint", round=r + 1, checksums=checksums))
