@@ -223,6 +223,7 @@ def align(config, island: Island, transport, role: RoleFolder, at: int, resume: 
         if island.global_checksum == reply["checksum"]:
             logging.warning("island %s rolls back from round %d to its checkpoint of round %d, the coordinator's: "
                             "the run goes on bit for bit", name, at, target)
+            _log_rejoin(island, role, at, target, "checkpoint")
             return target, None, True
         logging.warning("island %s: its checkpoint of round %d holds other parameters than the coordinator's "
                         "view; it takes the view", name, target)
@@ -236,7 +237,16 @@ def align(config, island: Island, transport, role: RoleFolder, at: int, resume: 
         logging.warning("island %s (at round %d) takes the coordinator's view of round %d and keeps its own "
                         "optimizer state and data position: from here on the run is not bitwise what it would "
                         "have been without the restart", name, at, first)
+    _log_rejoin(island, role, at, first, "view")
     return first, (list(rounds) if len(set(rounds)) > 1 else None), True
+
+
+def _log_rejoin(island: Island, role: RoleFolder, at: int, round: int, source: str) -> None:
+    """A `rejoin` record: the island's state after `round` rounds is now the coordinator's (`source`: "view",
+    or its own "checkpoint" of that round), replacing what it held after `at` rounds; `checksum` of what it holds.
+    Round records logged before it of rounds from `round` on describe the replaced state."""
+    role.metrics.write(dict(kind="rejoin", round=round, source=source, rounds_before=at,
+                            checksum=island.global_checksum))
 
 
 def _train_rounds(config, island: Island, sync: StreamingSync, role: RoleFolder, evaluator, first: int, stop) -> None:
@@ -268,6 +278,7 @@ def _train_rounds(config, island: Island, sync: StreamingSync, role: RoleFolder,
                 moe=result["layers"][j], tokens_per_second=result["tokens"] / result["seconds"],
             ))
         if sync.rejoined_round is not None:  # more than a round behind: rejoined from the view
+            _log_rejoin(island, role, r + 1, sync.rejoined_round, "view")
             r, sync.rejoined_round = sync.rejoined_round - 1, None  # the rounds completed are now the view's
         record = _round_record(island, result, r)
         if evaluator is not None and due(r + 1, config.eval.every_rounds, rounds):

@@ -1,0 +1,200 @@
+"""A multi-process run under the supervisor with a seeded schedule of faults: does it survive, bit for bit?
+
+  python benchmarks/soak.py [--rounds=30] [--seed=0] [--faults=8]
+
+The two_islands config at the size of the test model (one layer, d_model 32,
+4 experts, H = 4), `--rounds` rounds, runs under `launch/local.py --restart`:
+the coordinator and each island in its own process, the islands dialling the
+coordinator through a `comm.proxy.FaultProxy`. With `outer.min_islands = 1`
+and a grace window of 2 s, an island that dies leaves the other to go on
+alone until it is back. Checkpoints every 2 rounds, so a coordinator restart
+may redo up to 2 + 2 rounds (docs/faults.md).
+
+The schedule (seeded) holds `--faults` faults at rounds drawn from the run's
+middle, cycling through four kinds:
+  kill_island       SIGKILL of a random island (the supervisor starts it again)
+  kill_coordinator  SIGKILL of the coordinator (the supervisor starts it again)
+  reset             every connection through the proxy reset mid-stream
+  corrupt           one bit flipped in the islands' upstream bytes
+A fault fires once the coordinator has merged its round; the next waits for
+the run to move past it.
+
+Printed: `faults` (fired, by kind), `rounds_completed`, `rounds_lost`
+(coordinator rounds merged again after its restarts, counted from its
+metrics: records of a round beyond its first), `bound` (k + 2 per
+coordinator restart, with k = 2), `diverged` (rounds in which the global
+parameters an island held after the round, by their checksum, are none of the
+coordinator's views of that round: the island's latest round record, or its
+`rejoin` record where it took the view or rolled back there; a round merged
+again after a coordinator restart has two views, and an island that held the
+first and then took a later round's view held no other; it must be 0) and
+`wall_seconds`. Last line:
+`soak: faults=F rounds_lost=L diverged=D`.
+"""
+
+from __future__ import annotations
+
+import collections
+import os
+import random
+import re
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+
+from absl import app, flags
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+from island_jax.comm.proxy import FaultProxy  # noqa: E402
+from island_jax.metrics import read_jsonl  # noqa: E402
+
+_ROUNDS = flags.DEFINE_integer("rounds", 30, "Rounds of the run.")
+_SEED = flags.DEFINE_integer("seed", 0, "Seed of the fault schedule.")
+_FAULTS = flags.DEFINE_integer("faults", 8, "Faults in the schedule (at least 6).")
+_WORKDIR = flags.DEFINE_string("workdir", "", "The run's folder (default: a new temporary one).")
+
+KINDS = ("kill_island", "kill_coordinator", "reset", "corrupt")
+EVERY = 2  # checkpoint.every_rounds (and the coordinator's)
+OVERRIDES = [
+    "--config.model.num_layers=1", "--config.model.d_model=32", "--config.model.num_heads=2",
+    "--config.model.seq_len=32", "--config.moe.num_experts=4", "--config.moe.expert_hidden_dim=32",
+    "--config.islands.a.inner_steps=4", "--config.islands.b.inner_steps=4",
+    "--config.eval.batch_size=4", "--config.eval.num_batches=2", "--config.eval.every_rounds=10",
+    "--config.outer.min_islands=1", "--config.outer.grace_seconds=2",
+    f"--config.checkpoint.every_rounds={EVERY}",
+    "--config.comm.link.bandwidth_gbps=1", "--config.comm.link.latency_ms=100",
+    "--config.comm.reconnect_seconds=120",
+]
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("localhost", 0))
+        return s.getsockname()[1]
+
+
+class Launch:
+    """`launch/local.py` in a child process: its output to a log file, the roles' current pids from it."""
+
+    def __init__(self, workdir: str, rounds: int, port: int, dial: str):
+        self.log_path = os.path.join(workdir, "launch.log")
+        cmd = [
+            sys.executable, os.path.join(ROOT, "launch", "local.py"),
+            f"--config={os.path.join(ROOT, 'experiments', 'configs', 'two_islands.py')}", f"--workdir={workdir}",
+            f"--config.outer.rounds={rounds}", *OVERRIDES, "--restart=20", f"--port={port}", f"--dial={dial}",
+        ]
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        self.pids: dict[str, int] = {}
+        self._thread = threading.Thread(target=self._read, daemon=True)
+        self._thread.start()
+
+    def _read(self) -> None:
+        with open(self.log_path, "w") as log:
+            for line in self.proc.stdout:
+                log.write(line)
+                log.flush()
+                m = re.match(r"\[launch\] (?:started (.+?) \(pid (\d+)\)|(.+?) exited .*restarting it .*pid (\d+)\))", line)
+                if m:
+                    role, pid = (m.group(1), m.group(2)) if m.group(1) else (m.group(3), m.group(4))
+                    self.pids[role] = int(pid)
+
+    def kill(self, role: str) -> None:
+        os.kill(self.pids[role], signal.SIGKILL)
+
+    def wait(self) -> int:
+        code = self.proc.wait()
+        self._thread.join(timeout=10)
+        return code
+
+
+def _merged(workdir: str) -> list[dict]:
+    path = os.path.join(workdir, "coordinator", "metrics.jsonl")
+    return [r for r in read_jsonl(path) if r.get("kind") == "round"] if os.path.exists(path) else []
+
+
+def _held(workdir: str, name: str) -> dict[int, str]:
+    """{round: checksum of the global parameters island `name` held after it}, from its metrics in order: a
+    `rejoin` record (the island took the coordinator's view, or rolled back to its own checkpoint, at its round)
+    replaces what the island logged of that round and later."""
+    held = {}
+    for rec in read_jsonl(os.path.join(workdir, "islands", name, "metrics.jsonl")):
+        if rec.get("kind") == "rejoin":
+            held = {r: c for r, c in held.items() if r < rec["round"]}
+        if rec.get("kind") in ("round", "rejoin"):
+            held[rec["round"]] = rec["checksum"]
+    return held
+
+
+def schedule(rounds: int, faults: int, seed: int) -> list[tuple[int, str]]:
+    """(round to fire after, kind) per fault: rounds drawn without repeats from the run's middle, kinds cycled
+    in an order the seed shuffles."""
+    rng = random.Random(seed)
+    kinds = [KINDS[i % len(KINDS)] for i in range(faults)]
+    rng.shuffle(kinds)
+    at = sorted(rng.sample(range(3, rounds - 3), faults))
+    return list(zip(at, kinds))
+
+
+def main(argv):
+    del argv
+    if _FAULTS.value < 6 or _ROUNDS.value < _FAULTS.value + 6:
+        sys.exit("--faults must be at least 6 and --rounds at least faults + 6")
+    workdir = _WORKDIR.value or tempfile.mkdtemp(prefix="soak-")
+    os.makedirs(workdir, exist_ok=True)
+    rng = random.Random(_SEED.value + 1)
+    port = _free_port()
+    plan = schedule(_ROUNDS.value, _FAULTS.value, _SEED.value)
+    print(f"soak: {_ROUNDS.value} rounds in {workdir}; faults at {plan}", flush=True)
+    start = time.perf_counter()
+    fired = collections.Counter()
+    with FaultProxy(f"localhost:{port}") as proxy:
+        launch = Launch(workdir, _ROUNDS.value, port, proxy.address)
+        for at, kind in plan:
+            while (max((r["round"] for r in _merged(workdir)), default=0) < at) and launch.proc.poll() is None:
+                time.sleep(0.2)
+            if launch.proc.poll() is not None:
+                break
+            if kind == "kill_island":
+                launch.kill(f"island {rng.choice('ab')}")
+            elif kind == "kill_coordinator":
+                launch.kill("coordinator")
+            elif kind == "reset":
+                proxy.reset_after(rng.randint(2_000, 40_000))
+            else:
+                proxy.corrupt_after(rng.randint(2_000, 40_000), bit=rng.randint(0, 7))
+            fired[kind] += 1
+            print(f"soak: round {at}: {kind}", flush=True)
+        code = launch.wait()
+    wall = time.perf_counter() - start
+    if code != 0:
+        sys.exit(f"soak: the launcher exited with status {code}; see {launch.log_path}")
+
+    merged = _merged(workdir)
+    views = collections.defaultdict(set)  # round -> the coordinator's views of it (one more per time it merged it)
+    for r in merged:
+        if r.get("fragment", 0) == 0:
+            views[r["round"]].add(r["checksum"])
+    counts = collections.Counter(r["round"] for r in merged if r.get("fragment", 0) == 0)
+    rounds_lost = sum(n - 1 for n in counts.values())
+    diverged = 0
+    for name in ("a", "b"):
+        diverged += sum(checksum not in views[r] for r, checksum in _held(workdir, name).items())
+    restarts = fired["kill_coordinator"]
+    print(f"faults: {sum(fired.values())} ({', '.join(f'{k} {fired[k]}' for k in KINDS)})")
+    print(f"rounds_completed: {max(views, default=0)} of {_ROUNDS.value}")
+    print(f"rounds_lost: {rounds_lost} (bound: {restarts} coordinator restarts x (k + 2 = {EVERY + 2}) = "
+          f"{restarts * (EVERY + 2)})")
+    print(f"diverged: {diverged}")
+    print(f"wall_seconds: {wall:.1f}")
+    print(f"soak: faults={sum(fired.values())} rounds_lost={rounds_lost} diverged={diverged}")
+
+
+if __name__ == "__main__":
+    app.run(main)
