@@ -222,7 +222,7 @@ class FragmentedCoordinator:
         return dict(fragments=[f.state() for f in self.fragments])
 
     def load_state(self, state: dict) -> None:
-        """Continues from a checkpointed `state()`; islands must then join at the same round."""
+        """Continues from a checkpointed `state()`; islands at other rounds rejoin (`FragmentedCoordinator.join`)."""
         for f, s in zip(self.fragments, state["fragments"]):
             f.load_state(s)
         self._checksum = None

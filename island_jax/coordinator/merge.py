@@ -327,7 +327,7 @@ class Coordinator:
         return dict(**self._state.state(), round=np.asarray(self.round, np.int64))
 
     def load_state(self, state: dict) -> None:
-        """Continues from a checkpointed `state()`; islands must then join at the same round."""
+        """Continues from a checkpointed `state()`; islands at other rounds rejoin (`FragmentedCoordinator.join`)."""
         self._state.load_state(state)
         self.round = int(state["round"])
         self._updates = {}
