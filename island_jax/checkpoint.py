@@ -74,11 +74,16 @@ class Checkpointer:
             self.directory, options=ocp.CheckpointManagerOptions(max_to_keep=self.max_to_keep, create=True)
         )
 
-    def rounds(self) -> list[int]:
-        """Completed rounds of the complete checkpoints in the folder, ascending (a save in progress is not one).
+    def rounds(self, wait: bool = False) -> list[int]:
+        """Completed rounds of the complete checkpoints in the folder, ascending (a save in progress is not one,
+        unless `wait`: then it is waited for first).
 
         As read when this `Checkpointer` was opened and after each of its saves.
         """
+        if wait:
+            with self._lock:
+                if self._last is not None:
+                    futures.wait([self._last])
         return list(self._complete)
 
     def latest_round(self) -> int | None:
@@ -127,7 +132,8 @@ class Checkpointer:
         Runs on the writer thread, never two at once. The one place the files
         are written: a test replaces it to make a save fail.
         """
-        self._manager.save(round, args=ocp.args.StandardSave(host_state))
+        if not self._manager.save(round, args=ocp.args.StandardSave(host_state), force=True):
+            raise CheckpointError(f"orbax did not save round {round} in {self.directory}")
         self._manager.wait_until_finished()
 
     def _save_in_background(self, round: int, host_state: Any) -> None:
@@ -174,6 +180,33 @@ class Checkpointer:
             self._complete = [r for r in self._complete if r != failed_round]
             return
         self._complete = sorted(self._manager.all_steps())
+
+    def check(self) -> None:
+        """Raises the error of a background save that has failed and was not raised yet (without waiting for a
+        save in progress): how a role notices a failed save before its next one.
+
+        Raises:
+          CheckpointError: the save failed (raised once, here, at the next `save` or at `close`).
+        """
+        with self._lock:
+            if self._unreported is not None and self._unreported.done():
+                self._raise_unreported()
+
+    def discard_after(self, round: int) -> list[int]:
+        """Deletes the complete checkpoints of rounds after `round` (waiting for a save in progress first): a
+        role that rolled back to `round`, or took the coordinator's state there, saves those rounds again.
+
+        Returns:
+          The rounds deleted.
+        """
+        with self._lock:
+            if self._last is not None:
+                futures.wait([self._last])
+            newer = [r for r in self._complete if r > round]
+            for r in newer:
+                self._manager.delete(r)
+            self._complete = [r for r in self._complete if r <= round]
+            return newer
 
     def _raise_unreported(self) -> None:
         """Waits for the save in progress and raises its error, once."""

@@ -163,11 +163,14 @@ def summarize_island(folder: str) -> dict:
     are in `process_seconds` only), `ideal_compute_seconds` (per round, inner
     steps x the step time with no exchange in flight), `seconds_transferring`;
     then `compute_utilization` (ideal compute / wall), `achieved_gbps` (all
-    bytes moved x 8 / seconds_transferring / 1e9), the last `checksum`, and
+    bytes moved x 8 / seconds_transferring / 1e9), the last `checksum` (of the
+    last round record, or of a later `rejoin` record), and
     when the island evaluated, `eval_loss_initial` (round 0) and `eval_loss_final`.
     """
-    rounds, evals = {}, {}
+    rounds, evals, held = {}, {}, None
     for rec in read_jsonl(os.path.join(folder, "metrics.jsonl")):
+        if rec.get("kind") in ("round", "rejoin"):  # what it holds: after a round, or the coordinator's state
+            held = rec["checksum"]
         if rec.get("kind") == "round":
             rounds[rec["round"]] = rec
         elif rec.get("kind") == "eval":
@@ -176,7 +179,7 @@ def summarize_island(folder: str) -> dict:
     wall = summary["wall_seconds"]
     summary["compute_utilization"] = summary["ideal_compute_seconds"] / wall if wall else 0.0
     summary["achieved_gbps"] = gbps(summary["bytes_sent"] + summary["bytes_received"], summary["seconds_transferring"])
-    summary.update(rounds=max(rounds, default=0), checksum=rounds[max(rounds)]["checksum"] if rounds else None)
+    summary.update(rounds=max(rounds, default=0), checksum=held)
     if evals:
         summary.update(eval_loss_initial=evals.get(0), eval_loss_final=evals[max(evals)])
     return summary

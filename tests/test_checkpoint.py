@@ -111,6 +111,32 @@ def test_a_failed_save_raises_at_close(tmp_path, monkeypatch):
     assert_same_bits(Checkpointer(folder(tmp_path), 2, 2).restore(state(0)), state(2))
 
 
+def test_check_raises_a_failed_save_at_once_without_waiting_for_the_next(tmp_path, monkeypatch):
+    ckpt = Checkpointer(folder(tmp_path), every_rounds=1, max_to_keep=2)
+    saved(ckpt, 1)
+    ckpt.check()  # nothing failed
+    monkeypatch.setattr(ckpt, "_write", full_disk)
+    assert ckpt.save(2, state(2))
+    futures.wait([ckpt.last_save()])
+    with pytest.raises(CheckpointError, match=resumes_from(ckpt.directory, 1)):
+        ckpt.check()
+    ckpt.check()  # raised once
+    ckpt.close()
+
+
+def test_after_a_rollback_the_rounds_past_it_are_saved_again(tmp_path):
+    ckpt = Checkpointer(folder(tmp_path), every_rounds=1, max_to_keep=4)
+    saved(ckpt, 1, 2, 3)
+    assert ckpt.discard_after(1) == [2, 3] and ckpt.rounds() == [1]
+    again = {r: state(10 + r) for r in (2, 3)}  # the rounds trained again after rolling back to round 1
+    for r in (2, 3):
+        assert ckpt.save(r, again[r])
+    assert ckpt.rounds(wait=True) == [1, 2, 3]
+    assert_same_bits(ckpt.restore(state(0), round=2), again[2])
+    assert_same_bits(ckpt.restore(state(0)), again[3])
+    ckpt.close()
+
+
 def test_a_failed_first_save_says_a_restart_starts_from_the_beginning(tmp_path, monkeypatch):
     ckpt = Checkpointer(folder(tmp_path), every_rounds=1, max_to_keep=2)
     monkeypatch.setattr(ckpt, "_write", full_disk)

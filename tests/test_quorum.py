@@ -134,9 +134,12 @@ def test_a_restarted_island_is_admitted_where_a_round_waits_for_it_else_at_the_n
     assert coordinator.poll() and coordinator.view_ready(3)
     rounds, payload = coordinator.fetch_view("c")
     assert rounds == [3] and checksum(codec.decode_view(payload, {"w": np.zeros(1, np.float32)})) == coordinator.checksum
-    # an island at the coordinator's round, with other parameters, is refused as before
+    # at the coordinator's round with other parameters (a round it merged again after a restart): the view
+    assert coordinator.join("c", fields, old, round=3) == dict(round=3, checksum=coordinator.checksum, rejoin=True)
+    # at round 0 with other parameters: another initialisation, refused
+    fresh, _ = _three_islands(min_islands=2, grace=1.0, kind=FragmentedCoordinator)
     with pytest.raises(HandshakeError, match="has parameter checksum"):
-        coordinator.join("c", fields, old, round=3)
+        fresh.join("c", fields, checksum({"w": np.ones(1, np.float32)}), round=0)
 
 
 def test_an_island_that_took_the_view_mid_round_gets_as_long_as_the_others_had():
@@ -168,11 +171,11 @@ def test_a_round_waiting_for_a_dead_island_fails_after_the_rejoin_timeout():
     for name in ("a", "b"):
         coordinator.contribute(ContributionHeader(0, name, 1000, coordinator.checksum), _pg(0.1))
     clock.now += 30.0
-    _check_stalled(coordinator.config, coordinator, 0)  # 30 s: not yet
+    _check_stalled(coordinator.config, coordinator)  # 30 s: not yet
     clock.now += 0.5
     with pytest.raises(TimeoutError, match=r"round 1 waited 30 s for islands \['c'\] after the first contribution "
                        r"\(outer.rejoin_timeout_seconds=30\).*or lower outer.min_islands=3 \(of 3 islands\)"):
-        _check_stalled(coordinator.config, coordinator, 0)
+        _check_stalled(coordinator.config, coordinator)
 
 
 def test_a_resent_contribution_counts_once_and_held_updates_wait_for_the_checkpoint():

@@ -97,6 +97,8 @@ class _Fetch:
         self.first_receipt: float | None = None
         self.last_arrival = 0.0
         self.transport, self.what = transport, what
+        self.calls: list = []  # the streams' gRPC calls, to cancel
+        self.cancelled = False
         n = len(methods)
         self.futures = [
             transport._pool.submit(
@@ -110,9 +112,24 @@ class _Fetch:
             for i, method in enumerate(methods)
         ]
 
+    def cancel(self) -> None:
+        """Ends every stream of this fetch (one opened for an attempt that failed, or a coordinator that restarted)."""
+        with self.lock:
+            self.cancelled = True
+            calls = list(self.calls)
+        for f in self.futures:
+            f.cancel()
+        for call in calls:
+            call.cancel()
+
     def _receive(self, method, request: pb.FetchRequest, connection: int, connections: int) -> None:
         t = self.transport
-        for frame in method(request, timeout=t.round_timeout):
+        call = method(request, timeout=t.round_timeout)
+        with self.lock:
+            self.calls.append(call)
+            if self.cancelled:
+                call.cancel()
+        for frame in call:
             receipt = t.clock()
             kind, value = wire.parse(frame)
             with self.lock:
@@ -309,8 +326,7 @@ class GrpcTransport:
                     raise ExchangeError("join: the coordinator finished the run") from None
         self.incarnation, self._who = reply.incarnation, (island, request.fingerprint_json)
         for fetch in self._fetches.values():  # opened for the coordinator before (a restart): void
-            for f in fetch.futures:
-                f.cancel()
+            fetch.cancel()
         self._fetches.clear()
         self.payload_bytes, self.view_bytes = reply.payload_bytes, reply.view_bytes
         self.layouts = [f.layout for f in reply.fragments]
@@ -321,8 +337,8 @@ class GrpcTransport:
     # -- reconnecting ------------------------------------------------------------------------------------
 
     def _retrying(self, what: str, call):
-        """`call()`, made again while the coordinator is unreachable or the data arrives corrupt (see the
-        module docstring); the incarnation is the one current when the call began.
+        """`call(incarnation)`, made again while the coordinator is unreachable or the data arrives corrupt (see
+        the module docstring); `incarnation` is the coordinator's when the call began, which every try carries.
 
         Raises:
           CoordinatorRestarted: the coordinator restarted meanwhile (or had before the call).
@@ -334,7 +350,7 @@ class GrpcTransport:
             try:
                 if incarnation != self.incarnation:
                     raise self._restarted(what, self.incarnation)
-                return call()
+                return call(incarnation)
             except grpc.RpcError as e:
                 if e.code() == grpc.StatusCode.ABORTED:
                     raise self._restarted(what, None) from None
@@ -429,17 +445,25 @@ class GrpcTransport:
         start, cache, sent = self.clock(), {}, 0
         n = self._streams(fragment)
 
-        def attempt():
+        def attempt(incarnation: str):
             nonlocal sent
             if self.pipeline:
-                self._fetches[(fragment, round, island)] = self._open_fetch(round, island, fragment)
+                old = self._fetches.pop((fragment, round, island), None)
+                if old is not None:  # opened for an attempt that failed
+                    old.cancel()
+                self._fetches[(fragment, round, island)] = self._open_fetch(round, island, fragment, incarnation)
             fields = wire.payload_header(header, self.layouts[fragment], n, len(payload), wire.new_attempt(),
-                                         self.incarnation)
+                                         incarnation)
             upload = _Upload(self, self.plans[fragment], n, wire.header_frame(fields), payload, self.clock(), cache)
             sent += upload.bytes_sent
-            calls = [self._pool.submit(self._contribute[i], upload.frames(i), timeout=self.round_timeout)
-                     for i in range(n)]
-            replies = [c.result() for c in calls]
+            calls = [self._contribute[i].future(upload.frames(i), timeout=self.round_timeout) for i in range(n)]
+            try:
+                replies = [c.result() for c in calls]
+            except BaseException:
+                for c in calls:  # the other streams of a failed attempt end before the next one starts
+                    c.cancel()
+                futures.wait([_done(c) for c in calls], timeout=30)
+                raise
             upload.check(replies)
             return upload, replies
 
@@ -466,10 +490,10 @@ class GrpcTransport:
         """Connections a payload of `fragment` uses: one per chunk, up to `connections`."""
         return wire.stream_count(self.connections, self.plans[fragment])
 
-    def _open_fetch(self, round: int, island: str, fragment: int = 0) -> _Fetch:
+    def _open_fetch(self, round: int, island: str, fragment: int = 0, incarnation: str | None = None) -> _Fetch:
         methods = self._fetch_update[: self._streams(fragment)]
         return _Fetch(self, round, island, "fetch_update", self.plans[fragment], methods, fragment,
-                      incarnation=self.incarnation)
+                      incarnation=self.incarnation if incarnation is None else incarnation)
 
     def fetch_update(self, round: int, island: str, fragment: int = 0) -> bytes:
         """The round's update bytes; waits up to `round_timeout` seconds for the merge.
@@ -480,10 +504,14 @@ class GrpcTransport:
         """
         opened = self._fetches.pop((fragment, round, island), None)
 
-        def attempt():
+        def attempt(incarnation: str):
             nonlocal opened
-            fetch, opened = opened or self._open_fetch(round, island, fragment), None
-            return fetch, *fetch.result()
+            fetch, opened = opened or self._open_fetch(round, island, fragment, incarnation), None
+            try:
+                return fetch, *fetch.result()
+            except BaseException:
+                fetch.cancel()
+                raise
 
         fetch, header, payload = self._retrying(f"fetch the update of round {round + 1}", attempt)
         if header.inner_steps:
@@ -514,7 +542,8 @@ class GrpcTransport:
           CoordinatorRestarted: the coordinator restarted meanwhile.
         """
 
-        def attempt():
+        def attempt(incarnation: str):
+            del incarnation  # a view is the same whoever serves it
             fetch = _Fetch(self, 0, island, "fetch_view", self.view_plan, [self._fetch_view], min_round=min_round)
             return fetch.result()
 
@@ -523,8 +552,7 @@ class GrpcTransport:
 
     def close(self) -> None:
         for fetch in self._fetches.values():
-            for f in fetch.futures:
-                f.cancel()
+            fetch.cancel()
         self._pool.shutdown(wait=False, cancel_futures=True)
         for ch in self.channels:
             ch.close()
@@ -532,3 +560,10 @@ class GrpcTransport:
 
 def _raw(data: bytes) -> bytes:
     return data
+
+
+def _done(call) -> futures.Future:
+    """A concurrent.futures.Future that completes with the gRPC future `call` (whatever its outcome)."""
+    done = futures.Future()
+    call.add_done_callback(lambda _: done.set_result(None))
+    return done

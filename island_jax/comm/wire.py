@@ -72,12 +72,19 @@ def fold_crc32(crcs) -> int:
     return crc32(b"".join(int(c).to_bytes(4, "little") for c in crcs))
 
 
+def _checked(kind: bytes, header: pb.PayloadHeader) -> bytes:
+    body = header.SerializeToString()
+    return kind + crc32(body).to_bytes(4, "little") + body
+
+
 def header_frame(header: pb.PayloadHeader) -> bytes:
-    return HEADER + header.SerializeToString()
+    """The 'H' frame that opens a contribution stream: the kind, the CRC-32C of the header (u32), the header."""
+    return _checked(HEADER, header)
 
 
 def trailer_frame(header: pb.PayloadHeader) -> bytes:
-    return TRAILER + header.SerializeToString()
+    """The 'T' frame that ends an update or view stream, laid out as `header_frame`."""
+    return _checked(TRAILER, header)
 
 
 def restart_frame(generation: int) -> bytes:
@@ -142,7 +149,10 @@ def parse(frame: bytes):
             _, index, offset, crc = _CHUNK.unpack_from(frame)
             return kind, (index, offset, crc, memoryview(frame)[_CHUNK.size :])
         if kind in (HEADER, TRAILER):
-            return kind, pb.PayloadHeader.FromString(frame[1:])
+            body = memoryview(frame)[5:]
+            if len(frame) < 5 or crc32(body) != int.from_bytes(frame[1:5], "little"):
+                raise WireError(f"a {kind!r} frame arrived corrupt (its CRC-32C does not match)", code="DATA_LOSS")
+            return kind, pb.PayloadHeader.FromString(bytes(body))
         if kind == RESTART:
             return kind, _RESTART.unpack(frame)[1]
     except (struct.error, ValueError) as e:

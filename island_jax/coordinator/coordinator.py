@@ -69,6 +69,7 @@ class FragmentedCoordinator:
         self._treedef = jax.tree.structure(params)
         self._checksum: tuple[tuple, str] | None = None
         self.incarnation = uuid.uuid4().hex  # tells islands whether this coordinator restarted
+        self.viewed: set[str] = set()  # islands that took the island view
 
     def __len__(self) -> int:
         return len(self.fragments)
@@ -123,10 +124,11 @@ class FragmentedCoordinator:
         """
         handshake.check_island(island, self.islands, self.fingerprint_fields, config_fingerprint)
         rounds = [f.round for f in self.fragments]
-        if len(set(rounds)) == 1 and round == rounds[0]:
-            handshake.check_params_checksum(island, params_checksum, self.checksum)
+        at_our_round = len(set(rounds)) == 1 and round == rounds[0]
+        if at_our_round and (params_checksum == self.checksum or round == 0):
+            handshake.check_params_checksum(island, params_checksum, self.checksum)  # at 0: another init
             admitted, rejoin = round, False
-        else:
+        else:  # (at our round with other parameters: a fragment's update of a round this coordinator redid)
             admitted, rejoin = self.admission_round(island), True
             missed = f"; it missed rounds {round + 1}..{admitted}" if admitted > round else ""
             logging.info(
@@ -147,8 +149,10 @@ class FragmentedCoordinator:
         return high + 1 if low == high else high
 
     def view_ready(self, min_round: int) -> bool:
-        """Whether every fragment has completed `min_round` rounds (a rejoining island's view can be sent)."""
-        return self.round >= min_round
+        """Whether every fragment has completed `min_round` rounds (a rejoining island's view can be sent), and
+        the view holds no update that is held back (`hold_updates`)."""
+        held = self.fragments[0].held_from
+        return self.round >= min_round and (held is None or max(f.round for f in self.fragments) <= held)
 
     def hold_updates(self, round: int | None) -> None:
         """Holds back every fragment's updates of `round` and later (None: releases them)."""
@@ -212,6 +216,7 @@ class FragmentedCoordinator:
           float32 survives the round trip bit for bit).
         """
         if island is not None:
+            self.viewed.add(island)
             for f in self.fragments:
                 f.took_view(island)
         with jax.default_device(jax.devices("cpu")[0]):

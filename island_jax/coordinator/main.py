@@ -21,7 +21,7 @@ from island_jax.comm.transport import Endpoint
 from island_jax.coordinator import FragmentedCoordinator, RoundRecord
 from island_jax.metrics import write_json
 from island_jax.model.init import checksum, count, init_params
-from island_jax.workdir import RoleFolder, coordinator_dir, due, open_role
+from island_jax.workdir import RoleFolder, coordinator_dir, due, island_dir, open_role
 
 
 class _GrpcEndpoint:
@@ -98,16 +98,22 @@ def run_coordinator(config: ml_collections.ConfigDict, workdir: str, exchange: s
             coordinator.load_state(role.checkpoints.restore(coordinator.state()))
             logging.info("resumed from the checkpoint of round %d (view checksum %s); islands past it roll back",
                          coordinator.round, coordinator.checksum)
-        if coordinator.round >= rounds:
+        finished = coordinator.round >= rounds
+        if finished and os.path.exists(os.path.join(role.path, "summary.json")):
             logging.info("the run is complete (%d of %d rounds); nothing to do", coordinator.round, rounds)
             return {}
+        if role.checkpoints.latest_round() is None:  # so that a coordinator that dies early can restart too
+            role.checkpoints.save(0, coordinator.state(), force=True)
         endpoint = _serve(coordinator, exchange, config)
         logging.info(
             "coordinator serving on %s for islands %s (%d parameters, %s payloads of %d bytes)",
             endpoint.where, names, count(params), config.codec.kind, endpoint.payload_bytes,
         )
         try:
-            _serve_rounds(config, coordinator, endpoint, role)
+            if finished:  # it died after its last checkpoint: islands still waiting take the final view
+                _serve_final_view(config, coordinator, endpoint, workdir)
+            else:
+                _serve_rounds(config, coordinator, endpoint, role)
         finally:
             endpoint.stop(grace=5.0)
     finally:
@@ -126,10 +132,11 @@ def _serve_rounds(config, coordinator: FragmentedCoordinator, endpoint, role: Ro
     """The round loop: every fragment's merge of every round, logged and checkpointed."""
     rounds, names = config.outer.rounds, list(config.islands.keys())
     every = role.checkpoints.every_rounds  # checkpoint.coordinator_every_rounds (or every_rounds)
+    saving: set[int] = set()  # rounds whose checkpoint is being written (their updates + 2 are held)
     last = time.perf_counter()
     for r in range(coordinator.round, rounds):
         for p in range(len(coordinator.fragments)):
-            rec, received = _wait_for_merge(config, coordinator, endpoint, r, p)
+            rec, received = _wait_for_merge(config, coordinator, endpoint, r, p, role)
             now = time.perf_counter()
             role.metrics.write(_round_record(rec, r, p, received, now - last))
             last = now
@@ -141,7 +148,7 @@ def _serve_rounds(config, coordinator: FragmentedCoordinator, endpoint, role: Ro
                 " ".join(f"{k}={v:.3f}" for k, v in rec.cosine_similarity.items()) or "-",
             )
         if due(r + 1, every, rounds):
-            _checkpoint(coordinator, endpoint, role, r + 1, force=r + 1 == rounds)
+            _checkpoint(coordinator, endpoint, role, r + 1, force=r + 1 == rounds, saving=saving)
     # Every island that contributed to the last round receives its update (a quorum may have left some out).
     last_contributors = {n for f in coordinator.fragments for n in f.history[-1].contributors}
     if not endpoint.wait_until_fetched(rounds - 1, last_contributors, timeout=config.comm.round_timeout_seconds):
@@ -158,7 +165,27 @@ def _serve_rounds(config, coordinator: FragmentedCoordinator, endpoint, role: Ro
                         sorted(joined - endpoint.fetched_by(0, rounds - 1)), config.outer.grace_seconds)
 
 
-def _wait_for_merge(config, coordinator, endpoint, r: int, p: int) -> tuple[RoundRecord, dict]:
+def _serve_final_view(config, coordinator: FragmentedCoordinator, endpoint, workdir: str) -> None:
+    """A coordinator restarted after its last checkpoint: the last update is gone with the process, so islands
+    still waiting for it take the final view (`fetch_view`). Serves until every island took it or finished
+    (its summary is in the workdir), for up to `comm.reconnect_seconds`."""
+    names = list(config.islands.keys())
+
+    def done() -> bool:
+        return all(n in coordinator.viewed or os.path.exists(os.path.join(island_dir(workdir, n), "summary.json"))
+                   for n in names)
+
+    logging.info("the last round was merged before a restart; serving the final view to islands that need it")
+    deadline = time.monotonic() + config.comm.reconnect_seconds
+    with endpoint.lock:
+        while not done() and time.monotonic() < deadline:
+            endpoint.lock.wait(timeout=1.0)  # woken by a view served; summaries are looked for every second
+        if not done():
+            logging.warning("islands %s neither took the final view nor finished within comm.reconnect_seconds=%g",
+                            sorted(n for n in names if n not in coordinator.viewed), config.comm.reconnect_seconds)
+
+
+def _wait_for_merge(config, coordinator, endpoint, r: int, p: int, role: RoleFolder) -> tuple[RoundRecord, dict]:
     """Waits until fragment `p` merged round `r` (0-based); its record and the frame bytes received so far.
 
     Raises:
@@ -173,7 +200,8 @@ def _wait_for_merge(config, coordinator, endpoint, r: int, p: int) -> tuple[Roun
                 endpoint.notify()
             else:
                 endpoint.lock.wait(timeout=0.5)
-            _check_stalled(config, coordinator, r)
+            _check_stalled(config, coordinator)
+            role.checkpoints.check()  # a failed save ends the role now (its updates stay held)
         endpoint.check()
         if fragment.round <= r:
             raise TimeoutError(
@@ -185,7 +213,7 @@ def _wait_for_merge(config, coordinator, endpoint, r: int, p: int) -> tuple[Roun
         return rec, {k: v["received"] for k, v in endpoint.wire_bytes.items()}
 
 
-def _check_stalled(config, coordinator: FragmentedCoordinator, r: int) -> None:
+def _check_stalled(config, coordinator: FragmentedCoordinator) -> None:
     """Raises TimeoutError once a round without its quorum has waited `outer.rejoin_timeout_seconds` for
     missing islands since its first contribution."""
     seconds, waiting, p = coordinator.stalled()
@@ -195,7 +223,8 @@ def _check_stalled(config, coordinator: FragmentedCoordinator, r: int) -> None:
     n = len(config.islands)
     quorum = f"outer.min_islands={config.outer.min_islands or n}"
     raise TimeoutError(
-        f"round {r + 1}{f' fragment {p}' if len(coordinator) > 1 else ''} waited {seconds:.0f} s for islands "
+        f"round {coordinator.fragments[p].round + 1}{f' fragment {p}' if len(coordinator) > 1 else ''} waited "
+        f"{seconds:.0f} s for islands "
         f"{waiting} after the first contribution (outer.rejoin_timeout_seconds={limit:g}): they may have died. "
         f"Restart them with the same workdir (they rejoin the run), raise outer.rejoin_timeout_seconds, or lower "
         f"{quorum} (of {n} islands) so that the run goes on without them"
@@ -212,35 +241,44 @@ def _round_record(rec: RoundRecord, r: int, p: int, received: dict, seconds: flo
     )
 
 
-def _checkpoint(coordinator, endpoint, role: RoleFolder, rounds_done: int, force: bool) -> None:
-    """Saves the coordinator's state after `rounds_done` rounds, with the checksums of what it holds."""
+def _checkpoint(coordinator, endpoint, role: RoleFolder, rounds_done: int, force: bool, saving: set[int]) -> None:
+    """Saves the coordinator's state after `rounds_done` rounds, with the checksums of what it holds.
+
+    From the moment the state is taken until the checkpoint is complete, the update that completes round
+    `rounds_done + 2` is held back, so islands stay within reach of the newest complete checkpoint (they keep
+    theirs of it): `saving` holds the rounds being written, and the updates from the oldest one's + 2 on wait.
+    A failed save keeps them held; the round loop raises its error (`Checkpointer.check`).
+    """
+
+    def hold() -> None:  # under the lock
+        coordinator.hold_updates(min(saving) + 1 if saving else None)  # 0-based: the update of index R + 1
+        endpoint.notify()
+
     with endpoint.lock:
         # Islands apply every update of a checkpoint round before they contribute again, so no fragment
         # has moved on yet.
         moved_on = max(f.round for f in coordinator.fragments) != rounds_done
         state = None if coordinator.round != rounds_done or moved_on else coordinator.state()
+        if state is not None:
+            saving.add(rounds_done)
+            hold()
     if state is None:
         logging.warning("round %d: a fragment moved on before the checkpoint; not saved", rounds_done)
-    elif role.checkpoints.save(rounds_done, state, force=force):
-        _hold_until_saved(coordinator, endpoint, role, rounds_done)
-        checksums = {
-            f"fragments/{p}/{k}": checksum(v) for p, part in enumerate(state["fragments"]) for k, v in part.items()
-        }
-        role.metrics.write(dict(kind="checkpoint", round=rounds_done, checksums=checksums))
-
-
-def _hold_until_saved(coordinator, endpoint, role: RoleFolder, rounds_done: int) -> None:
-    """Holds back the update that completes round `rounds_done + 2` until the checkpoint of `rounds_done` is
-    complete, so islands stay within reach of the newest complete checkpoint (they keep theirs of it)."""
-    with endpoint.lock:
-        coordinator.hold_updates(rounds_done + 1)  # 0-based: the update of round index rounds_done + 1
+        return
+    if not role.checkpoints.save(rounds_done, state, force=force):
+        with endpoint.lock:
+            saving.discard(rounds_done)
+            hold()
+        return
 
     def release(future) -> None:
-        if future.exception() is not None:
-            return  # the next save or the role's close raises it; the update stays held
-        with endpoint.lock:
-            if coordinator.fragments[0].held_from == rounds_done + 1:
-                coordinator.hold_updates(None)
-                endpoint.notify()
+        if future.exception() is None:
+            with endpoint.lock:
+                saving.discard(rounds_done)
+                hold()
 
     role.checkpoints.last_save().add_done_callback(release)
+    checksums = {
+        f"fragments/{p}/{k}": checksum(v) for p, part in enumerate(state["fragments"]) for k, v in part.items()
+    }
+    role.metrics.write(dict(kind="checkpoint", round=rounds_done, checksums=checksums))

@@ -351,7 +351,8 @@ class Coordinator:
         """Whether the current round waits for `island`: its quorum is not reached and the island has not
         contributed (so an island that joins now is admitted to this round)."""
         current = self._round
-        return island not in current.pending and not self.quorum.reached(current, self.islands, len(self.plan))
+        done = current.has_complete(island, len(self.plan))
+        return not done and not self.quorum.reached(current, self.islands, len(self.plan))
 
     def took_view(self, island: str) -> None:
         """Notes that `island` took the island view while the current round runs: the quorum then gives it
@@ -365,7 +366,10 @@ class Coordinator:
         current = self._round
         if current.first_complete_at is None or self.quorum.reached(current, self.islands, len(self.plan)):
             return 0.0, []
-        return self._clock() - current.first_complete_at, current.waiting_for(self.islands, len(self.plan))
+        waiting = current.waiting_for(self.islands, len(self.plan))
+        # an island that rejoined (took the view) since is given the whole timeout from then
+        since = max([current.first_complete_at, *(current.joined_at.get(n, 0.0) for n in waiting)])
+        return self._clock() - since, waiting
 
     def hold_updates(self, round: int | None) -> None:
         """Holds back the updates of `round` and later (None: none) until called again: the coordinator serves

@@ -357,13 +357,15 @@ class Island:
 
     def load_view(self, payload: bytes) -> None:
         """Replaces the global parameters with the coordinator's view, sent whole (`FragmentedCoordinator.fetch_view`,
-        a float32 "none" payload); it becomes both anchor and parameters.
+        a float32 "none" payload); it becomes both anchor and parameters, and the error feedback starts afresh.
 
         Raises:
           CodecError: if the payload does not fit the model.
         """
         self.global_params = codec.decode_view(payload, self.global_params)
         self._global_checksum = None
+        # what the codec lost of pseudo-gradients from the replaced anchors is no debt of the new ones
+        self.residual = jax.tree.map(np.zeros_like, self.residual)
         with jax.set_mesh(self.mesh):
             self.params = self.shardings.place(self.global_params)
             self.anchor = self.shardings.place(self.global_params)

@@ -218,11 +218,12 @@ def align(config, island: Island, transport, role: RoleFolder, at: int, resume: 
     target = reply["round"]
     if resume and not reply["rejoin"]:
         return at, None, False
-    if target <= at and target in role.checkpoints.rounds():
+    if target <= at and target in role.checkpoints.rounds(wait=True):
         island.load_state(role.checkpoints.restore(island.state(0), round=target))
         if island.global_checksum == reply["checksum"]:
             logging.warning("island %s rolls back from round %d to its checkpoint of round %d, the coordinator's: "
                             "the run goes on bit for bit", name, at, target)
+            role.checkpoints.discard_after(target)  # the rounds after it are trained again, and saved again
             _log_rejoin(island, role, at, target, "checkpoint")
             return target, None, True
         logging.warning("island %s: its checkpoint of round %d holds other parameters than the coordinator's "
@@ -237,6 +238,7 @@ def align(config, island: Island, transport, role: RoleFolder, at: int, resume: 
         logging.warning("island %s (at round %d) takes the coordinator's view of round %d and keeps its own "
                         "optimizer state and data position: from here on the run is not bitwise what it would "
                         "have been without the restart", name, at, first)
+    role.checkpoints.discard_after(first - 1)  # of another timeline from its round on
     _log_rejoin(island, role, at, first, "view")
     return first, (list(rounds) if len(set(rounds)) > 1 else None), True
 
