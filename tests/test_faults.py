@@ -149,10 +149,12 @@ def test_a_killed_island_rejoins_and_contributes_again(run_dir, tmp_path):
         assert {_latest(run.records(n))[r]["checksum"] for n in "abc"} == {merged[r]["checksum"]}
 
 
-def test_the_coordinator_restarts_under_running_islands(run_dir, tmp_path):
+@pytest.mark.parametrize("fragments", [1, 2])
+def test_the_coordinator_restarts_under_running_islands(run_dir, tmp_path, fragments):
     overrides = [
         "--config.outer.rounds=6", "--config.checkpoint.every_rounds=1", "--config.eval.every_rounds=6",
         "--config.comm.link.bandwidth_gbps=10", "--config.comm.link.latency_ms=400",
+        f"--config.outer.fragments={fragments}",
     ]
     config = os.path.join(TESTS, "tiny_config.py")
     reference = run_dir(config, *overrides)  # the same run, never interrupted
@@ -161,9 +163,9 @@ def test_the_coordinator_restarts_under_running_islands(run_dir, tmp_path):
     run = run_dir(config, *overrides)
     for role in ("coordinator", "a", "b"):
         run.start(role)
-    run.wait_for(lambda: len(run.records("coordinator")) >= 3)
+    run.wait_for(lambda: len(run.records("coordinator")) >= 3 * fragments)
     run.kill("coordinator")
-    killed_after = len(run.records("coordinator"))
+    killed_after = len(run.records("coordinator")) // fragments
     time.sleep(5)
     run.start("coordinator")
     run.finish()
