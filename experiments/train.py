@@ -30,6 +30,10 @@ _ISLAND = flags.DEFINE_string("island", None, "With --role=island: the island's 
 _COORDINATOR = flags.DEFINE_string(
     "coordinator", "localhost:50051", "The coordinator's HOST:PORT (where it listens, or where islands reach it)."
 )
+_INSECURE = flags.DEFINE_bool(
+    "insecure", False, "With --role=coordinator: listen beyond loopback without TLS and tokens (comm.tls, comm.auth); "
+    "anyone who reaches the port can then join, read the model and contribute.",
+)
 flags.mark_flags_as_required(["config", "workdir"])
 
 
@@ -71,6 +75,7 @@ def main(argv):
     jax.config.update("jax_num_cpu_devices", max(devices, 1))
 
     from island_jax.checkpoint import CheckpointError
+    from island_jax.comm.security import SecurityError
     from island_jax.comm.transport import ExchangeError
     from island_jax.coordinator import ContributionError, HandshakeError
     from island_jax.data import DataError
@@ -83,7 +88,7 @@ def main(argv):
         elif role == "coordinator":
             from island_jax.coordinator.main import run_coordinator
 
-            run_coordinator(config, _WORKDIR.value, _COORDINATOR.value)
+            run_coordinator(config, _WORKDIR.value, _COORDINATOR.value, insecure=_INSECURE.value)
         else:
             from island_jax.island.main import run_island
 
@@ -91,7 +96,7 @@ def main(argv):
     except config_lib.ConfigError as e:
         sys.exit(str(e))
     except (DataError, HandshakeError, ContributionError, ExchangeError, CheckpointError, FileExistsError,
-            TimeoutError) as e:
+            SecurityError, TimeoutError) as e:
         sys.exit(f"{type(e).__name__}: {e}")
 
 

@@ -217,6 +217,19 @@ def _comm() -> dict:
         reconnect_seconds=300.0,
         connections=16,  # parallel gRPC channels per island; one TCP connection carries about window / RTT
         pipeline=True,  # merge, step and send the update back chunk by chunk while contributions arrive
+        tls=dict(  # TLS on the exchange port (docs/security.md); paths of PEM files, never their contents
+            cert_file="",  # the coordinator's certificate chain ("" with key_file "": no TLS)
+            key_file="",  # the coordinator's private key
+            ca_file="",  # the CA islands verify the coordinator with (and, with client certificates, the reverse)
+            client_cert_file="",  # an island's certificate, for mutual TLS ("": none)
+            client_key_file="",  # an island's private key, for mutual TLS
+            server_name="",  # the name islands check the coordinator's certificate for ("": the host dialled)
+        ),
+        auth=dict(  # per-island bearer tokens (docs/security.md); only where to read them, never a token
+            token_file="",  # an island's token, read from this file
+            token_env="",  # or from this environment variable
+            tokens_file="",  # the coordinator's table of island names and token hashes ("": no tokens)
+        ),
         link=dict(  # the emulated WAN path between each island and the coordinator (island_jax/comm/link.py)
             bandwidth_gbps=0.0,  # emulated WAN rate of each island's link, Gbit/s each way (0: not emulated)
             latency_ms=0.0,  # one-way latency, ms (RTT = 2x)
@@ -368,6 +381,19 @@ def _check_comm(comm: ml_collections.ConfigDict) -> None:
     _require(
         1 <= comm.connections <= MAX_CONNECTIONS,
         f"comm.connections is {comm.connections}; use 1..{MAX_CONNECTIONS} gRPC channels per island",
+    )
+    tls = comm.tls
+    _require(
+        bool(tls.cert_file) == bool(tls.key_file),
+        "comm.tls.cert_file and comm.tls.key_file go together: give both (TLS) or neither",
+    )
+    _require(
+        bool(tls.client_cert_file) == bool(tls.client_key_file),
+        "comm.tls.client_cert_file and comm.tls.client_key_file go together: give both (mutual TLS) or neither",
+    )
+    _require(
+        not tls.client_cert_file or tls.ca_file,
+        "comm.tls.client_cert_file needs comm.tls.ca_file: the CA that signed the coordinator's certificate",
     )
     link = comm.link
     _require(

@@ -26,8 +26,10 @@ network namespaces joined by a shaped veth pair, `ij-coord` (10.77.0.1) and
 `ij-island` (10.77.0.2); the launcher can start each role inside one of them:
 
   sudo launch/wan_netns.sh run 1gbit -- python launch/local.py --config=... --workdir=... \
-      --netns_coordinator=ij-coord --netns_islands=b=ij-island
+      --netns_coordinator=ij-coord --netns_islands=b=ij-island --tls
 
+(beyond loopback the coordinator needs TLS and tokens, which `--tls` makes for
+the run in WORKDIR/secrets, or `--insecure`).
 `--netns_coordinator=NS` runs the coordinator in NS (`ip netns exec NS ...`);
 `--netns_islands` lists `NAME=NS` pairs, or one bare `NS` for every island not
 named, and an island it does not place runs in the coordinator's namespace (the
@@ -93,6 +95,13 @@ _DIAL = flags.DEFINE_string(
 _RESTART = flags.DEFINE_integer(
     "restart", 0, "Start a role that exits abnormally again, up to this many times per role; once a role has used "
     "them up and fails again, stop every process. 0: stop every process at the first failure.", lower_bound=0
+)
+_TLS = flags.DEFINE_bool(
+    "tls", False, "Secure the exchange for this run: a throwaway CA, server and client certificates and a token per "
+    "island, made in WORKDIR/secrets (0600), passed to every role as comm.tls and comm.auth overrides."
+)
+_INSECURE = flags.DEFINE_bool(
+    "insecure", False, "Let the coordinator listen beyond loopback without TLS and tokens (passed to its role)."
 )
 flags.mark_flags_as_required(["config", "workdir"])
 
@@ -316,6 +325,8 @@ def _roles(workdir: str, names: list[str], coordinator_ns: str, island_ns: dict,
     for key, value in MALLOC_ENV.items():  # an explicit setting of the caller wins
         env.setdefault(key, value)
 
+    secure = _secure(workdir, names, [listen, dial]) if _TLS.value else None
+
     def role(name: str, ns: str, address: str, *args: str) -> Role:
         netns = ["ip", "netns", "exec", ns] if ns else []
         command = netns + [sys.executable, "-u", str(TRAIN), f"--workdir={workdir}", f"--coordinator={address}",
@@ -323,9 +334,31 @@ def _roles(workdir: str, names: list[str], coordinator_ns: str, island_ns: dict,
         pinned = cpus.get(name.removeprefix("island "))
         return Role(name, command, env, frozenset(pinned) if pinned else None, ns)
 
-    return [role("coordinator", coordinator_ns, listen, "--role=coordinator")] + [
-        role(f"island {n}", island_ns[n], dial, "--role=island", f"--island={n}") for n in names
+    coordinator = ["--role=coordinator", *(["--insecure"] if _INSECURE.value else [])]
+    if secure is not None:
+        coordinator += secure["coordinator"]
+    return [role("coordinator", coordinator_ns, listen, *coordinator)] + [
+        role(f"island {n}", island_ns[n], dial, "--role=island", f"--island={n}", *(secure or {}).get(n, []))
+        for n in names
     ]
+
+
+def _secure(workdir: str, names: list[str], addresses: list[str]) -> dict[str, list[str]]:
+    """`--tls`: the run's certificates and tokens (`security.make_run_credentials`, in WORKDIR/secrets), as
+    the config overrides of each role: {"coordinator": [...], island: [...]}."""
+    from island_jax.comm import security
+
+    hosts = sorted({a.rsplit(":", 1)[0].strip("[]") for a in addresses})
+    made = security.make_run_credentials(os.path.join(os.path.abspath(workdir), "secrets"), names, hosts)
+    tls = [f"--config.comm.tls.ca_file={made['ca_file']}",  # mutual TLS: every role has the client certificate
+           f"--config.comm.tls.client_cert_file={made['client_cert_file']}",
+           f"--config.comm.tls.client_key_file={made['client_key_file']}"]
+    roles = {"coordinator": [*tls, f"--config.comm.tls.cert_file={made['cert_file']}",
+                             f"--config.comm.tls.key_file={made['key_file']}",
+                             f"--config.comm.auth.tokens_file={made['tokens_file']}"]}
+    for n in names:
+        roles[n] = [*tls, f"--config.comm.auth.token_file={made['token_files'][n]}"]
+    return roles
 
 
 class _Output:

@@ -329,3 +329,33 @@ def test_restart_an_island_killed_mid_run_is_started_again_and_the_run_completes
     for pid in (island_b, int(restart[1])):
         with pytest.raises(ProcessLookupError):
             os.kill(pid, 0)
+
+
+def test_a_run_with_tls_and_tokens_gives_the_same_bits_and_writes_no_secret(straight, corpus, tmp_path):
+    workdir = tmp_path / "secure"
+    result = launch(workdir, corpus, "--tls")
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    final = json.load(open(workdir / "coordinator" / "summary.json"))["checksum"]
+    assert final == json.load(open(straight[0] / "coordinator" / "summary.json"))["checksum"]
+    secrets = workdir / "secrets"
+    token = (secrets / "token_a").read_text().strip()
+    key = (secrets / "server.key").read_text()
+    body = "".join(line for line in key.splitlines() if "-----" not in line)
+    assert {p.name for p in secrets.iterdir()} >= {"ca.pem", "server.pem", "server.key", "tokens.json", "token_a"}
+    assert all(p.stat().st_mode & 0o777 == 0o600 for p in secrets.iterdir())
+    logs = result.stdout + result.stderr
+    assert token not in logs and body[:40] not in logs
+    for path in workdir.rglob("*"):
+        if path.is_file() and secrets not in path.parents and "checkpoints" not in path.parts:
+            data = path.read_bytes()
+            assert token.encode() not in data and body[:40].encode() not in data, path
+
+
+def test_off_loopback_without_tls_the_coordinator_exits_naming_the_settings(corpus, tmp_path):
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    cmd = [sys.executable, os.path.join(ROOT, "experiments", "train.py"), f"--config={CONFIG}",
+           f"--workdir={tmp_path / 'open'}", f"--config.data.files={corpus}", "--role=coordinator",
+           "--coordinator=0.0.0.0:0"]
+    refused = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=120)
+    assert refused.returncode == 1
+    assert "SecurityError" in refused.stderr and "comm.tls" in refused.stderr and "--insecure" in refused.stderr

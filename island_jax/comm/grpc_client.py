@@ -47,7 +47,7 @@ from concurrent import futures
 import grpc
 
 from island_jax.comm import exchange_pb2 as pb
-from island_jax.comm import wire
+from island_jax.comm import security, wire
 from island_jax.comm.grpc_server import SERVICE_NAME, client_options
 from island_jax.comm.link import LinkEmulator
 from island_jax.comm.transport import CoordinatorRestarted, ExchangeError, SyncStats
@@ -250,6 +250,12 @@ class GrpcTransport:
       clock: seconds, monotonic; the link emulator's clock.
       reconnect_seconds: how long a call that lost the coordinator keeps retrying (`comm.reconnect_seconds`).
       finished: called before each retry; True stops retrying at once (the run finished without this island).
+      tls: `comm.tls`: with a ca_file, the channels are TLS, verifying the coordinator's certificate against
+        it (for `server_name` when set), with the island's client certificate when given (mutual TLS).
+      token: the island's bearer token (`security.read_token`), sent with the island's name on every call.
+
+    Raises:
+      SecurityError: unreadable TLS files.
     """
 
     def __init__(
@@ -264,16 +270,27 @@ class GrpcTransport:
         clock=time.monotonic,
         reconnect_seconds: float = 300.0,
         finished=None,
+        tls=None,
+        token: str | None = None,
     ):
         self.address, self.chunk_bytes = address, chunk_bytes
         self.reconnect_seconds, self.finished = reconnect_seconds, finished
         self.incarnation = ""  # the coordinator's, from the last join
+        self._joining = ""  # the island's name, from its first join
         self._who: tuple[str, str] | None = None  # (island, fingerprint JSON) of the last join
         self.join_timeout, self.round_timeout = join_timeout, round_timeout
         self.connections, self.pipeline, self.link = connections, pipeline, link
         self.clock = link.clock if link is not None else clock
         options = [*client_options(chunk_bytes), ("grpc.use_local_subchannel_pool", 1)]
-        self.channels = [grpc.insecure_channel(address, options=options) for _ in range(connections)]
+        if tls is not None and tls.ca_file:
+            credentials = security.channel_credentials(tls.ca_file, tls.client_cert_file, tls.client_key_file)
+            options += security.target_name_options(tls.server_name)
+            self.channels = [grpc.secure_channel(address, credentials, options=options) for _ in range(connections)]
+        else:
+            self.channels = [grpc.insecure_channel(address, options=options) for _ in range(connections)]
+        if token:  # every call carries the island's token and name (`security.AuthInterceptor` checks them)
+            stamp = _Metadata(lambda: security.call_metadata(self._island(), token))
+            self.channels = [grpc.intercept_channel(ch, stamp) for ch in self.channels]
         self._join = [ch.unary_unary(f"/{SERVICE_NAME}/Join", pb.JoinRequest.SerializeToString, pb.JoinReply.FromString) for ch in self.channels]
         self._contribute = [
             ch.stream_unary(f"/{SERVICE_NAME}/Contribute", _raw, pb.ContributeReply.FromString) for ch in self.channels
@@ -309,6 +326,7 @@ class GrpcTransport:
         request = pb.JoinRequest(
             island=island, fingerprint_json=json.dumps(config_fingerprint), params_checksum=params_checksum, round=round
         )
+        self._joining = island
         # The join itself on the first connection; the others only open (a Join with `reconnect` is answered
         # without admitting anything).
         probe = pb.JoinRequest(island=island, fingerprint_json=request.fingerprint_json, reconnect=True)
@@ -388,7 +406,7 @@ class GrpcTransport:
                 break
 
     def _island(self) -> str:
-        return self._who[0] if self._who else "?"
+        return self._who[0] if self._who else self._joining
 
     def _probe(self) -> str:
         """The coordinator's incarnation now (a Join with `reconnect`). Raises grpc.RpcError if unreachable."""
@@ -560,6 +578,27 @@ class GrpcTransport:
 
 def _raw(data: bytes) -> bytes:
     return data
+
+
+class _Metadata(
+    grpc.UnaryUnaryClientInterceptor, grpc.StreamUnaryClientInterceptor, grpc.UnaryStreamClientInterceptor
+):
+    """Adds `metadata()` to every call of a channel (the island's token and name)."""
+
+    def __init__(self, metadata):
+        self.metadata = metadata
+
+    def _details(self, details):
+        return details._replace(metadata=(*(details.metadata or ()), *self.metadata()))
+
+    def intercept_unary_unary(self, continuation, details, request):
+        return continuation(self._details(details), request)
+
+    def intercept_stream_unary(self, continuation, details, request_iterator):
+        return continuation(self._details(details), request_iterator)
+
+    def intercept_unary_stream(self, continuation, details, request):
+        return continuation(self._details(details), request)
 
 
 def _done(call) -> futures.Future:

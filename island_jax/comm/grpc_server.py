@@ -33,7 +33,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from island_jax.comm import exchange_pb2 as pb
-from island_jax.comm import wire
+from island_jax.comm import security, wire
 from island_jax.coordinator import (
     ContributionError,
     ContributionHeader,
@@ -65,11 +65,16 @@ def _message_limits(chunk_bytes: int) -> list[tuple[str, int]]:
     return [("grpc.max_send_message_length", limit), ("grpc.max_receive_message_length", limit)]
 
 
-def server_options(chunk_bytes: int) -> list[tuple[str, int]]:
+def server_options(chunk_bytes: int, receive_bytes: int | None = None) -> list[tuple[str, int]]:
     """The coordinator's gRPC server options: messages of one chunk frame of up to `chunk_bytes` (or one
-    whole piece), and pings admitted as often as `client_options` sends them, with or without calls."""
+    whole piece), and pings admitted as often as `client_options` sends them, with or without calls.
+    `receive_bytes`: the largest message it takes (`ExchangeService.receive_limit`, from the chunk plans); a
+    larger one is refused (RESOURCE_EXHAUSTED) before it is buffered."""
+    limits = _message_limits(chunk_bytes)
+    if receive_bytes is not None:
+        limits = [limits[0], ("grpc.max_receive_message_length", receive_bytes)]
     return [
-        *_message_limits(chunk_bytes),
+        *limits,
         ("grpc.keepalive_permit_without_calls", 1),
         ("grpc.http2.min_recv_ping_interval_without_data_ms", KEEPALIVE_SECONDS * 1000 // 2),
         ("grpc.http2.max_ping_strikes", 0),  # never GOAWAY a client for pinging
@@ -218,8 +223,8 @@ class _ContributionStream:
     the stream keeps reading while they merge and pays one thread hop per batch.
     """
 
-    def __init__(self, service: "ExchangeService"):
-        self.service = service
+    def __init__(self, service: "ExchangeService", context):
+        self.service, self.context = service, context
         self.header: pb.PayloadHeader | None = None
         self.fragment: Coordinator | None = None  # set once the header names a fragment this run has
         self.entry: _Open | None = None
@@ -241,6 +246,7 @@ class _ContributionStream:
 
     async def _open(self, header: pb.PayloadHeader) -> None:
         s = self.service
+        await s._check_caller(self.context, header.island)
         s.check_incarnation(header.incarnation)
         self.header = header
         self.fragment = s._fragment(header.fragment, f"island {header.island!r}'s contribution")
@@ -300,8 +306,9 @@ class ExchangeService:
       wire_bytes: {island: {"received", "sent"}}, frame bytes per island.
     """
 
-    def __init__(self, coordinator: FragmentedCoordinator, chunk_bytes: int):
+    def __init__(self, coordinator: FragmentedCoordinator, chunk_bytes: int, authenticated: bool = False):
         self.coordinator = c = coordinator
+        self.authenticated = authenticated  # calls carry a token for the island they name (`security.AuthInterceptor`)
         self.layouts = [codec.layout(f.view, f.kind, f.block_size) for f in c.fragments]
         self.payload_bytes = sum(f.payload_bytes for f in c.fragments)  # one round of every fragment
         first = c.fragments[0]
@@ -370,6 +377,21 @@ class ExchangeService:
             )
         return self.coordinator.fragments[fragment]
 
+    async def _check_caller(self, context, island: str) -> None:
+        """Aborts with UNAUTHENTICATED when tokens are on and `island` (named in the request) is not the island
+        whose token the call carries."""
+        if self.authenticated and security.authenticated_island(context) != island:
+            await context.abort(
+                grpc.StatusCode.UNAUTHENTICATED,
+                f"the call names island {island!r} but carries the token of another; each island uses its own",
+            )
+
+    def receive_limit(self) -> int:
+        """Bytes of the largest message an island sends: a frame of the largest chunk of any fragment's plan, or
+        a header frame (its layout string and fields), with 4 KiB to spare."""
+        largest = max(k.nbytes for f in self.coordinator.fragments for k in f.plan)
+        return max(largest + wire.FRAMING_BYTES, max(map(len, self.layouts))) + 4096
+
     def check_incarnation(self, incarnation: str) -> None:
         """Raises WireError (ABORTED) for a call made to another incarnation of the coordinator ("" passes)."""
         if incarnation and incarnation != self.coordinator.incarnation:
@@ -386,6 +408,7 @@ class ExchangeService:
     # -- methods -----------------------------------------------------------------------------------------
 
     async def Join(self, request: pb.JoinRequest, context) -> pb.JoinReply:
+        await self._check_caller(context, request.island)
         try:
             fields = json.loads(request.fingerprint_json)
         except ValueError:
@@ -420,7 +443,7 @@ class ExchangeService:
         )
 
     async def Contribute(self, request_iterator, context) -> pb.ContributeReply:
-        stream = _ContributionStream(self)
+        stream = _ContributionStream(self, context)
         try:
             async for frame in request_iterator:
                 await stream.take(frame)
@@ -451,6 +474,7 @@ class ExchangeService:
             self.notify()
 
     async def FetchUpdate(self, request: pb.FetchRequest, context):
+        await self._check_caller(context, request.island)
         try:
             self.check_incarnation(request.incarnation)
             c = self._fragment(request.fragment, f"island {request.island!r}'s update request")
@@ -511,6 +535,7 @@ class ExchangeService:
         return wire.trailer_frame(header)
 
     async def FetchView(self, request: pb.FetchRequest, context):
+        await self._check_caller(context, request.island)
         c = self.coordinator
         while True:  # a rejoining island waits for the round it is admitted at
             version = self._version
@@ -566,8 +591,8 @@ class ExchangeService:
 class ExchangeServer:
     """A running exchange: its event loop thread and the aio server; `stop(grace)` ends both."""
 
-    def __init__(self, service: ExchangeService, address: str, chunk_bytes: int):
-        self.service = service
+    def __init__(self, service: ExchangeService, address: str, chunk_bytes: int, tls=None, tokens_file: str = ""):
+        self.service, self.tls, self.tokens_file = service, tls, tokens_file
         self.loop = asyncio.new_event_loop()
         self.port: int | None = None
         self._error: BaseException | None = None
@@ -588,12 +613,29 @@ class ExchangeServer:
     async def _start(self, address: str, chunk_bytes: int) -> None:
         service = self.service
         service.loop, service._changed = self.loop, asyncio.Event()
-        self.server = grpc.aio.server(options=server_options(chunk_bytes))
+        try:
+            interceptors = []
+            if self.tokens_file:  # every exchange call needs its island's token; the health service does not
+                interceptors.append(security.AuthInterceptor(security.TokenTable(self.tokens_file), SERVICE_NAME))
+            credentials = None
+            if self.tls is not None and self.tls.cert_file:
+                credentials = security.server_credentials(
+                    self.tls.cert_file, self.tls.key_file, self.tls.ca_file,
+                    require_client_cert=bool(self.tls.ca_file and self.tls.client_cert_file),
+                )
+        except security.SecurityError as e:
+            self._error = e
+            return
+        options = server_options(chunk_bytes, service.receive_limit())
+        self.server = grpc.aio.server(options=options, interceptors=interceptors)
         self.server.add_generic_rpc_handlers((service.handler(),))
         self.health = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         try:
-            self.port = self.server.add_insecure_port(address)
+            if credentials is None:
+                self.port = self.server.add_insecure_port(address)
+            else:
+                self.port = self.server.add_secure_port(address, credentials)
         except RuntimeError as e:
             self._error = RuntimeError(f"cannot listen on {address} ({e}); pick a free port with --coordinator=HOST:PORT")
             return
@@ -611,20 +653,58 @@ class ExchangeServer:
         self.service.close()
 
 
-def serve(coordinator: FragmentedCoordinator, address: str, chunk_bytes: int) -> tuple[ExchangeServer, ExchangeService, int]:
+LOOPBACK_HOSTS = ("localhost", "127.0.0.1", "::1")
+
+
+def is_loopback(address: str) -> bool:
+    """Whether "HOST:PORT" listens on this machine only (localhost, 127.0.0.0/8, ::1)."""
+    host = address.rsplit(":", 1)[0].strip("[]")
+    return host in LOOPBACK_HOSTS or host.startswith("127.")
+
+
+def check_exposure(address: str, tls, tokens_file: str, insecure: bool) -> None:
+    """Refuses to listen off loopback without TLS and tokens, unless `insecure` (the `--insecure` flag).
+
+    Raises:
+      SecurityError: `address` is not loopback, TLS (`comm.tls.cert_file`) or tokens (`comm.auth.tokens_file`)
+        are missing, and `insecure` is False.
+    """
+    secured = tls is not None and bool(tls.cert_file) and bool(tokens_file)
+    if is_loopback(address) or secured:
+        return
+    if insecure:
+        logging.warning("listening on %s without TLS and tokens (--insecure): anyone who reaches the port can "
+                        "join, read the model and contribute", address)
+        return
+    raise security.SecurityError(
+        f"the coordinator would listen on {address}, beyond this machine, without TLS and per-island tokens: set "
+        "comm.tls (cert_file, key_file, ca_file) and comm.auth.tokens_file (see docs/security.md; launch/local.py "
+        "--tls makes them for a run), or pass --insecure to listen in the clear anyway"
+    )
+
+
+def serve(
+    coordinator: FragmentedCoordinator, address: str, chunk_bytes: int, tls=None, tokens_file: str = "",
+    insecure: bool = False,
+) -> tuple[ExchangeServer, ExchangeService, int]:
     """Starts the exchange and health services on `address` ("HOST:PORT"; port 0 picks a free one).
 
     Args:
       coordinator: the run's `FragmentedCoordinator`.
       address: where to listen; chunk_bytes: `comm.chunk_bytes`.
+      tls: `comm.tls` (TLS when its cert_file is set; mutual TLS when client certificates are set too).
+      tokens_file: `comm.auth.tokens_file`: every exchange call then needs its island's bearer token.
+      insecure: listen off loopback without TLS and tokens all the same (`check_exposure`).
 
     Returns:
       (server, service, port): stop with `server.stop(grace_seconds)`.
 
     Raises:
       RuntimeError: if the address cannot be bound (port in use).
+      SecurityError: off loopback without TLS and tokens (and not `insecure`), or unreadable credentials.
       TypeError: `coordinator` is not a `FragmentedCoordinator`.
     """
-    service = ExchangeService(coordinator, chunk_bytes)
-    server = ExchangeServer(service, address, chunk_bytes)
+    check_exposure(address, tls, tokens_file, insecure)
+    service = ExchangeService(coordinator, chunk_bytes, authenticated=bool(tokens_file))
+    server = ExchangeServer(service, address, chunk_bytes, tls, tokens_file)
     return server, service, server.port

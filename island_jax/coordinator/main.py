@@ -27,10 +27,13 @@ from island_jax.workdir import RoleFolder, coordinator_dir, due, island_dir, ope
 class _GrpcEndpoint:
     """The gRPC service and server as the `comm.transport.Endpoint` the round loop serves."""
 
-    def __init__(self, coordinator: FragmentedCoordinator, address: str, chunk_bytes: int):
+    def __init__(self, coordinator: FragmentedCoordinator, address: str, config, insecure: bool):
         from island_jax.comm.grpc_server import serve
 
-        self.server, self.service, self.port = serve(coordinator, address, chunk_bytes)
+        c = config.comm
+        self.server, self.service, self.port = serve(
+            coordinator, address, c.chunk_bytes, tls=c.tls, tokens_file=c.auth.tokens_file, insecure=insecure
+        )
         self.lock, self.payload_bytes, self.wire_bytes = self.service.lock, self.service.payload_bytes, self.service.wire_bytes
         self.where = f"{address.rsplit(':', 1)[0]}:{self.port}"
 
@@ -51,14 +54,16 @@ class _GrpcEndpoint:
         self.server.stop(grace=grace)
 
 
-def _serve(coordinator: FragmentedCoordinator, exchange, config: ml_collections.ConfigDict) -> Endpoint:
+def _serve(coordinator: FragmentedCoordinator, exchange, config: ml_collections.ConfigDict, insecure: bool) -> Endpoint:
     """The endpoint islands reach: gRPC on `exchange` ("HOST:PORT") or the given `InProcessExchange`."""
     if isinstance(exchange, InProcessExchange):
         return exchange.serve(coordinator)
-    return _GrpcEndpoint(coordinator, exchange, config.comm.chunk_bytes)
+    return _GrpcEndpoint(coordinator, exchange, config, insecure)
 
 
-def run_coordinator(config: ml_collections.ConfigDict, workdir: str, exchange: str | InProcessExchange) -> dict:
+def run_coordinator(
+    config: ml_collections.ConfigDict, workdir: str, exchange: str | InProcessExchange, insecure: bool = False
+) -> dict:
     """Serves the exchange until every island has the last round's update.
 
     Per round and fragment it waits for the merge (a quorum's grace window is
@@ -74,6 +79,7 @@ def run_coordinator(config: ml_collections.ConfigDict, workdir: str, exchange: s
       workdir: the run's folder; this role writes under `workdir/coordinator`.
       exchange: HOST:PORT to serve gRPC on (port 0: any free port, logged), or
         the `InProcessExchange` the islands of this process use.
+      insecure: serve gRPC off loopback without TLS and tokens (`grpc_server.check_exposure`).
 
     Returns:
       The role's summary (also `coordinator/summary.json`): `rounds`, `params`,
@@ -82,7 +88,8 @@ def run_coordinator(config: ml_collections.ConfigDict, workdir: str, exchange: s
       `checksum` (of the view), `wall_seconds`. Empty if the run was complete.
 
     Raises:
-      ConfigError, FileExistsError, CheckpointError; TimeoutError if a round is
+      ConfigError, FileExistsError, CheckpointError, SecurityError (off loopback without TLS and tokens, or
+      unreadable credentials); TimeoutError if a round is
       not merged within `comm.round_timeout_seconds`, or waits for missing islands
       (its quorum not reached) for `outer.rejoin_timeout_seconds` after its first
       contribution; RunAborted when an in-process exchange is aborted.
@@ -104,7 +111,7 @@ def run_coordinator(config: ml_collections.ConfigDict, workdir: str, exchange: s
             return {}
         if role.checkpoints.latest_round() is None:  # so that a coordinator that dies early can restart too
             role.checkpoints.save(0, coordinator.state(), force=True)
-        endpoint = _serve(coordinator, exchange, config)
+        endpoint = _serve(coordinator, exchange, config, insecure)
         logging.info(
             "coordinator serving on %s for islands %s (%d parameters, %s payloads of %d bytes)",
             endpoint.where, names, count(params), config.codec.kind, endpoint.payload_bytes,

@@ -52,11 +52,13 @@ def connect(config: ml_collections.ConfigDict, exchange: str | InProcessExchange
     link, c = LinkEmulator.from_config(config), config.comm
     if isinstance(exchange, InProcessExchange):
         return InProcessTransport(exchange, link, c.connections, c.round_timeout_seconds, c.join_timeout_seconds)
+    from island_jax.comm import security
     from island_jax.comm.grpc_client import GrpcTransport
 
     return GrpcTransport(
         exchange, c.chunk_bytes, c.join_timeout_seconds, c.round_timeout_seconds, connections=c.connections,
-        pipeline=c.pipeline, link=link, reconnect_seconds=c.reconnect_seconds, finished=finished,
+        pipeline=c.pipeline, link=link, reconnect_seconds=c.reconnect_seconds, finished=finished, tls=c.tls,
+        token=security.read_token(c.auth.token_file, c.auth.token_env),
     )
 
 

@@ -1,0 +1,138 @@
+"""The coordinator's exchange behind TLS and per-island tokens: who is refused, and that nothing of theirs counts."""
+
+import json
+import logging
+import os
+import secrets
+
+import grpc
+import ml_collections
+import numpy as np
+import pytest
+
+from island_jax.comm import exchange_pb2 as pb
+from island_jax.comm import security, wire
+from island_jax.comm.grpc_client import GrpcTransport
+from island_jax.comm.grpc_server import SERVICE_NAME, client_options, serve
+from island_jax.config import default_config, fingerprint_fields, island
+from island_jax.coordinator import ContributionHeader, FragmentedCoordinator
+from island_jax.outer import codec
+
+
+def _config():
+    c = default_config()
+    c.islands.a = island(1, 1, 1, 1, 1)
+    c.islands.b = island(1, 1, 1, 1, 1)
+    c.codec.kind = "none"
+    c.comm.chunk_bytes = 64 * 1024
+    c.outer.update(learning_rate=1.0, momentum=0.0, nesterov=False)
+    return c
+
+
+@pytest.fixture
+def secure(tmp_path):
+    """A coordinator served with TLS and tokens for islands a and b; (config, coordinator, address, made)."""
+    c = _config()
+    made = security.make_run_credentials(str(tmp_path / "secrets"), ["a", "b"], ["localhost"])
+    c.comm.tls.update(cert_file=made["cert_file"], key_file=made["key_file"], ca_file=made["ca_file"])
+    coordinator = FragmentedCoordinator(c, {"w": np.zeros(100_000, np.float32)}, ["a", "b"])
+    server, _, port = serve(coordinator, "localhost:0", c.comm.chunk_bytes, tls=c.comm.tls,
+                            tokens_file=made["tokens_file"])
+    yield c, coordinator, f"localhost:{port}", made
+    server.stop(grace=0)
+
+
+def _token(made, name):
+    return open(made["token_files"][name]).read().strip()
+
+
+def _calls(address, made, metadata):
+    """The four exchange calls on a TLS channel that trusts the run's CA, each with `metadata`; their status codes."""
+    creds = security.channel_credentials(made["ca_file"])
+    with grpc.secure_channel(address, creds, options=client_options(64 * 1024)) as ch:
+        join = ch.unary_unary(f"/{SERVICE_NAME}/Join", pb.JoinRequest.SerializeToString, pb.JoinReply.FromString)
+        contribute = ch.stream_unary(f"/{SERVICE_NAME}/Contribute", lambda x: x, pb.ContributeReply.FromString)
+        fetch = ch.unary_stream(f"/{SERVICE_NAME}/FetchUpdate", pb.FetchRequest.SerializeToString, lambda x: x)
+        view = ch.unary_stream(f"/{SERVICE_NAME}/FetchView", pb.FetchRequest.SerializeToString, lambda x: x)
+        header = wire.header_frame(pb.PayloadHeader(round=0, island="a", tokens=1000, total_bytes=400_000))
+        attempts = {
+            "Join": lambda: join(pb.JoinRequest(island="a", fingerprint_json="{}"), metadata=metadata, timeout=10),
+            "Contribute": lambda: contribute(iter([header]), metadata=metadata, timeout=10),
+            "FetchUpdate": lambda: list(fetch(pb.FetchRequest(round=0, island="a"), metadata=metadata, timeout=10)),
+            "FetchView": lambda: list(view(pb.FetchRequest(island="a"), metadata=metadata, timeout=10)),
+        }
+        codes = {}
+        for name, call in attempts.items():
+            try:
+                call()
+                codes[name] = grpc.StatusCode.OK
+            except grpc.RpcError as e:
+                codes[name] = e.code()
+        return codes
+
+
+def test_every_exchange_call_needs_the_token_of_the_island_it_names(secure, caplog):
+    c, coordinator, address, made = secure
+    before = coordinator.checksum
+    b = _token(made, "b")
+    refused = {name: grpc.StatusCode.UNAUTHENTICATED for name in ("Join", "Contribute", "FetchUpdate", "FetchView")}
+    stranger = secrets.token_urlsafe(32)
+    with caplog.at_level(logging.WARNING):
+        assert _calls(address, made, ()) == refused  # no token
+        assert _calls(address, made, security.call_metadata("a", b)) == refused  # b's token, claiming to be a
+        assert _calls(address, made, security.call_metadata("z", stranger)) == refused  # an island not in the run
+        # b's own token and name, but a request that names a: refused by the handler
+        assert _calls(address, made, security.call_metadata("b", b)) == refused
+    assert coordinator.round == 0 and coordinator.checksum == before and not coordinator.fragments[0].history
+    assert b not in caplog.text and stranger not in caplog.text
+    # the two islands with their own tokens: a round merges
+    islands = {
+        n: GrpcTransport(address, c.comm.chunk_bytes, join_timeout=30, round_timeout=30, tls=c.comm.tls,
+                         token=_token(made, n))
+        for n in ("a", "b")
+    }
+    payload = codec.encode({"w": np.full(100_000, 0.5, np.float32)}, "none", 256)
+    for n, t in islands.items():
+        assert t.join(n, fingerprint_fields(c), before)["rejoin"] is False
+        assert t.contribute(ContributionHeader(0, n, 1000, before), payload) == "accepted"
+    assert islands["a"].fetch_update(0, "a") == islands["b"].fetch_update(0, "b")
+    assert coordinator.round == 1
+    for t in islands.values():
+        t.close()
+
+
+def test_a_plaintext_client_or_one_that_does_not_trust_the_ca_gets_nothing(secure, tmp_path):
+    c, coordinator, address, made = secure
+    with grpc.insecure_channel(address) as ch:
+        join = ch.unary_unary(f"/{SERVICE_NAME}/Join", pb.JoinRequest.SerializeToString, pb.JoinReply.FromString)
+        with pytest.raises(grpc.RpcError) as plain:
+            join(pb.JoinRequest(island="a"), metadata=security.call_metadata("a", _token(made, "a")), timeout=5)
+    assert plain.value.code() == grpc.StatusCode.UNAVAILABLE
+    other = security.make_run_credentials(str(tmp_path / "other"), ["a"], ["localhost"])
+    stranger = ml_collections.ConfigDict(dict(ca_file=other["ca_file"], client_cert_file="", client_key_file="",
+                                              server_name=""))
+    t = GrpcTransport(address, c.comm.chunk_bytes, join_timeout=3, round_timeout=5, tls=stranger,
+                      token=_token(made, "a"))
+    with pytest.raises(Exception, match="UNAVAILABLE|DEADLINE_EXCEEDED"):
+        t.join("a", fingerprint_fields(c), coordinator.checksum)
+    t.close()
+    assert coordinator.fragments[0].joined == set()
+
+
+def test_off_loopback_the_coordinator_needs_tls_and_tokens_or_insecure(caplog):
+    c = _config()
+    coordinator = FragmentedCoordinator(c, {"w": np.zeros(10, np.float32)}, ["a", "b"])
+    with pytest.raises(security.SecurityError, match=r"comm.tls .*comm.auth.tokens_file.*--insecure"):
+        serve(coordinator, "0.0.0.0:0", c.comm.chunk_bytes)
+    with caplog.at_level(logging.WARNING):
+        server, _, port = serve(coordinator, "0.0.0.0:0", c.comm.chunk_bytes, insecure=True)
+    assert "without TLS and tokens (--insecure)" in caplog.text and port > 0
+    server.stop(grace=0)
+
+
+def test_the_run_s_files_hold_no_secret(tmp_path):
+    made = security.make_run_credentials(str(tmp_path / "secrets"), ["a"], ["localhost"])
+    token = open(made["token_files"]["a"]).read().strip()
+    assert json.load(open(made["tokens_file"])) == {"islands": {"a": security.hash_token(token)}}
+    for path in made["token_files"].values():
+        assert os.stat(path).st_mode & 0o777 == 0o600
