@@ -1,8 +1,6 @@
 """The coordinator's exchange behind TLS and per-island tokens: who is refused, and that nothing of theirs counts."""
 
-import json
 import logging
-import os
 import secrets
 
 import grpc
@@ -130,9 +128,16 @@ def test_off_loopback_the_coordinator_needs_tls_and_tokens_or_insecure(caplog):
     server.stop(grace=0)
 
 
-def test_the_run_s_files_hold_no_secret(tmp_path):
-    made = security.make_run_credentials(str(tmp_path / "secrets"), ["a"], ["localhost"])
-    token = open(made["token_files"]["a"]).read().strip()
-    assert json.load(open(made["tokens_file"])) == {"islands": {"a": security.hash_token(token)}}
-    for path in made["token_files"].values():
-        assert os.stat(path).st_mode & 0o777 == 0o600
+def test_a_message_larger_than_the_chunk_plan_allows_is_refused_before_it_is_buffered():
+    c = _config()
+    coordinator = FragmentedCoordinator(c, {"w": np.zeros(100_000, np.float32)}, ["a", "b"])
+    server, service, port = serve(coordinator, "localhost:0", c.comm.chunk_bytes)
+    largest = max(k.nbytes for k in coordinator.fragments[0].plan)  # 65,536 bytes of float32 values
+    assert service.receive_limit() == largest + wire.FRAMING_BYTES + 4096
+    with grpc.insecure_channel(f"localhost:{port}", options=[("grpc.max_send_message_length", 1 << 24)]) as ch:
+        contribute = ch.stream_unary(f"/{SERVICE_NAME}/Contribute", lambda x: x, pb.ContributeReply.FromString)
+        with pytest.raises(grpc.RpcError) as refused:
+            contribute(iter([b"C" + bytes(service.receive_limit())]), timeout=10)
+    assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert coordinator.round == 0 and not coordinator.fragments[0].pending
+    server.stop(grace=0)
