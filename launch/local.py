@@ -320,6 +320,15 @@ class Role:
 def _roles(workdir: str, names: list[str], coordinator_ns: str, island_ns: dict, cpus: dict) -> list[Role]:
     """The coordinator and every island (`experiments/train.py --role=...`)."""
     listen, dial = _addresses(coordinator_ns, island_ns)
+    if not _TLS.value:  # refused here, before any role starts, as the coordinator would refuse it
+        from island_jax.comm.grpc_server import check_exposure
+        from island_jax.comm.security import SecurityError
+
+        comm = _CONFIG.value.comm
+        try:
+            check_exposure(listen, comm.tls, comm.auth.tokens_file, _INSECURE.value)
+        except SecurityError as e:
+            sys.exit(f"{e}; with this launcher, --tls makes them for the run")
     overrides = [a for a in sys.argv[1:] if a.startswith("--config")]  # the config and its overrides
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     for key, value in MALLOC_ENV.items():  # an explicit setting of the caller wins

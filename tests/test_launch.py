@@ -359,3 +359,9 @@ def test_off_loopback_without_tls_the_coordinator_exits_naming_the_settings(corp
     refused = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=120)
     assert refused.returncode == 1
     assert "SecurityError" in refused.stderr and "comm.tls" in refused.stderr and "--insecure" in refused.stderr
+
+
+def test_the_launcher_refuses_to_expose_the_coordinator_without_tls_before_starting_anything(corpus, tmp_path):
+    result = launch(tmp_path / "open", corpus, "--host=0.0.0.0")
+    assert result.returncode == 1 and "[launch] started" not in result.stdout
+    assert "comm.tls" in result.stderr and "--insecure" in result.stderr and "--tls makes them" in result.stderr
