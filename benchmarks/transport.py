@@ -1,6 +1,6 @@
 """Goodput of the island -> coordinator transfer against a plain TCP socket, and through the link emulator.
 
-  python benchmarks/transport.py [--megabytes=256] [--repeats=3]
+  python benchmarks/transport.py [--megabytes=256] [--repeats=3] [--tls_repeats=5]
 
 Part 1, loopback. A receiver process runs a plain TCP listener and the
 exchange's gRPC service (grpc.aio, raw frames, CRC32 per chunk) in front of a
@@ -14,6 +14,14 @@ compared. For reference it also times bare gRPC on the same channels: 1 MiB
 messages sliced beforehand, into a grpc.aio method that only counts them (no
 framing, no CRC, no copy into a buffer), which is gRPC Python's own ceiling on
 the machine. Last line: `transport: ratio=R` (exchange goodput / TCP goodput).
+
+TLS, loopback. The receiver also serves the same sink a second time, the
+secure way: mutual TLS and per-island bearer tokens, with one throwaway CA,
+certificates and token from `security.make_run_credentials`. The sender moves
+the same payload through the exchange in the clear (no tokens) and through
+TLS (with its token), taking turns, with 1 and `comm.connections` channels;
+the medians are compared. Line before the last: `transport_tls: ratio=R`
+(TLS seconds / plaintext seconds, `comm.connections` channels).
 
 Part 2, the emulated WAN (island_jax/comm/link.py) at 1 and 5 Gbit/s, 50 ms
 one way (100 ms RTT), a 4 MiB window per connection (Linux's default largest
@@ -30,12 +38,16 @@ import socket
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 
 from absl import app, flags
+from absl import logging as absl_logging
 
 _MEGABYTES = flags.DEFINE_integer("megabytes", 256, "Payload size, MiB.")
 _REPEATS = flags.DEFINE_integer("repeats", 3, "Timed transfers of each kind.")
+_TLS_REPEATS = flags.DEFINE_integer("tls_repeats", 5, "Timed transfers of each kind in the TLS comparison.")
+_SECRETS = flags.DEFINE_string("secrets", "", "The run's credentials folder (passed to the receiver by the sender).")
 _ROLE = flags.DEFINE_string("role", "sender", "sender | receiver (the receiver is started by the sender).")
 
 WINDOW_BYTES = 4 << 20
@@ -49,18 +61,20 @@ class Sink:
         import jax
         import numpy as np
 
+        from island_jax.config import default_config, fingerprint_fields
         from island_jax.outer import codec
 
+        self.fingerprint_fields = fingerprint_fields(default_config())
         self.kind, self.block_size = "none", 256
         self.view = {"w": jax.ShapeDtypeStruct((num_bytes // 4,), np.float32)}
         self.plan = codec.chunk_plan(self.view, "none", 256, chunk_bytes)
         self.payload_bytes = num_bytes
-        self.islands, self.round, self.checksum = ["a"], 0, "-"
+        self.islands, self.round, self.checksum, self.incarnation = ["a"], 0, "-", ""
         self.fragments = [self]
         self.buffer = bytearray(num_bytes)
 
     def join(self, island, fields, params_checksum, round=0):
-        return dict(round=0, checksum=self.checksum)
+        return dict(round=0, checksum=self.checksum, rejoin=False)
 
     def begin_contribution(self, header):
         return "accepted"
@@ -72,7 +86,7 @@ class Sink:
     def end_contribution(self, round, island):
         return "accepted"
 
-    def abandon(self, island, reason):
+    def abandon(self, island, reason, keep_complete=False):
         pass
 
 
@@ -93,20 +107,38 @@ def _bare_handler():
     return grpc.method_handlers_generic_handler("island_jax.bench.Bare", {"Count": handler})
 
 
-def receiver(num_bytes: int) -> None:
+def _credentials(folder: str):
+    """One run's mutual TLS settings (a `comm.tls`) and tokens file for island "a", made in `folder` or reused."""
+    import ml_collections
+
+    from island_jax.comm import security
+
+    made = security.make_run_credentials(folder, ["a"], ["127.0.0.1"])
+    tls = ml_collections.ConfigDict(
+        {k: made[k] for k in ("cert_file", "key_file", "ca_file", "client_cert_file", "client_key_file")}
+    )
+    tls.server_name = ""
+    return tls, made
+
+
+def receiver(num_bytes: int, secrets_folder: str) -> None:
     import asyncio
 
     from island_jax.comm.grpc_server import serve
     from island_jax.config import default_config
 
+    # Every transfer contributes round 0 again (the sink never ends a round), which the service logs as a retry.
+    absl_logging.set_verbosity(absl_logging.ERROR)
     chunk_bytes = default_config().comm.chunk_bytes
     sink = Sink(num_bytes, chunk_bytes)
     server, _, grpc_port = serve(sink, "127.0.0.1:0", chunk_bytes)
     asyncio.run_coroutine_threadsafe(_add_bare(server), server.loop).result()
+    tls, made = _credentials(secrets_folder)
+    _, _, tls_port = serve(sink, "127.0.0.1:0", chunk_bytes, tls=tls, tokens_file=made["tokens_file"])
     listener = socket.socket()
     listener.bind(("127.0.0.1", 0))
     listener.listen(1)
-    print(f"PORTS {listener.getsockname()[1]},{grpc_port}", flush=True)
+    print(f"PORTS {listener.getsockname()[1]},{grpc_port},{tls_port}", flush=True)
     buffer = bytearray(num_bytes)
     view = memoryview(buffer)
     while True:
@@ -145,12 +177,15 @@ def _tcp_seconds(port: int, payload: bytes) -> float:
     return time.perf_counter() - start
 
 
-def _transport(port: int, connections: int, link=None):
+def _transport(port: int, connections: int, link=None, tls=None, token=None):
     from island_jax.comm.grpc_client import GrpcTransport
     from island_jax.config import default_config, fingerprint_fields
 
     config = default_config()
-    t = GrpcTransport(f"127.0.0.1:{port}", config.comm.chunk_bytes, 60, 600, connections, pipeline=False, link=link)
+    t = GrpcTransport(
+        f"127.0.0.1:{port}", config.comm.chunk_bytes, 60, 600, connections, pipeline=False, link=link, tls=tls,
+        token=token,
+    )
     t.join("a", fingerprint_fields(config), "-")
     return t
 
@@ -163,17 +198,26 @@ def _grpc_seconds(transport, payload: bytes) -> float:
     return time.perf_counter() - start
 
 
-def sender(num_bytes: int, repeats: int) -> None:
+def sender(num_bytes: int, repeats: int, tls_repeats: int) -> None:
+    with tempfile.TemporaryDirectory(prefix="transport_bench_") as folder:
+        _sender(num_bytes, repeats, tls_repeats, os.path.join(folder, "secrets"))
+
+
+def _sender(num_bytes: int, repeats: int, tls_repeats: int, secrets_folder: str) -> None:
     from island_jax.comm.link import LinkEmulator
     from island_jax.config import default_config
 
     connections = default_config().comm.connections
+    tls, made = _credentials(secrets_folder)
+    with open(made["token_files"]["a"], encoding="utf-8") as f:
+        token = f.read().strip()
     proc = subprocess.Popen(
-        [sys.executable, __file__, "--role=receiver", f"--megabytes={num_bytes >> 20}"], stdout=subprocess.PIPE, text=True
+        [sys.executable, __file__, "--role=receiver", f"--megabytes={num_bytes >> 20}", f"--secrets={secrets_folder}"],
+        stdout=subprocess.PIPE, text=True,
     )
     try:
         line = proc.stdout.readline()
-        tcp_port, grpc_port = (int(p) for p in line.split()[1].split(","))
+        tcp_port, grpc_port, tls_port = (int(p) for p in line.split()[1].split(","))
         payload = os.urandom(num_bytes)
         counts = sorted({1, 4, connections})
         transports = {n: _transport(grpc_port, n) for n in counts}
@@ -188,7 +232,16 @@ def sender(num_bytes: int, repeats: int) -> None:
             for n, t in transports.items():
                 grpc[n].append(_grpc_seconds(t, payload))
                 bare[n].append(_bare_seconds(t, messages))
-        for t in transports.values():
+        tls_counts = sorted({1, connections})
+        secure = {n: _transport(tls_port, n, tls=tls, token=token) for n in tls_counts}
+        for t in secure.values():  # warm up the TLS channels once
+            _grpc_seconds(t, payload)
+        plain_s, tls_s = {n: [] for n in tls_counts}, {n: [] for n in tls_counts}
+        for _ in range(tls_repeats):  # plaintext, TLS, plaintext, TLS, ...
+            for n in tls_counts:
+                plain_s[n].append(_grpc_seconds(transports[n], payload))
+                tls_s[n].append(_grpc_seconds(secure[n], payload))
+        for t in [*transports.values(), *secure.values()]:
             t.close()
         tcp_gbps = num_bytes * 8 / statistics.median(tcp) / 1e9
         print(f"loopback, {num_bytes >> 20} MiB, median of {repeats}:")
@@ -199,6 +252,13 @@ def sender(num_bytes: int, repeats: int) -> None:
         for n in counts:
             gbps = num_bytes * 8 / statistics.median(bare[n]) / 1e9
             print(f"  bare gRPC,     {n:2d} connection{'s' if n > 1 else ' '}       {gbps:6.2f} Gbit/s = {gbps / tcp_gbps:.3f}")
+        print(f"TLS, loopback, {num_bytes >> 20} MiB, exchange, alternating, median of {tls_repeats}:")
+        for n in tls_counts:
+            p, s = statistics.median(plain_s[n]), statistics.median(tls_s[n])
+            print(
+                f"  {n:2d} connection{'s' if n > 1 else ' '}: plaintext, no tokens {p:6.3f} s ({num_bytes * 8 / p / 1e9:5.2f} Gbit/s)"
+                f" | mutual TLS + tokens {s:6.3f} s ({num_bytes * 8 / s / 1e9:5.2f} Gbit/s) | TLS / plaintext {s / p:.3f}"
+            )
         grpc_gbps = num_bytes * 8 / statistics.median(grpc[connections]) / 1e9
         print(f"emulated link, 50 ms one way, window {WINDOW_BYTES >> 20} MiB per connection (achieved / configured):")
         for gbps in (1.0, 5.0):
@@ -213,6 +273,8 @@ def sender(num_bytes: int, repeats: int) -> None:
                     f"  {gbps:3.0f} Gbit/s, {n:2d} connection{'s' if n > 1 else ' '} ({size >> 20} MiB): "
                     f"{achieved:6.3f} Gbit/s = {achieved / gbps:5.3f} (emulator's cap {min(gbps, n * link.one_connection_gbps()) / gbps:5.3f})"
                 )
+        tls_ratio = statistics.median(tls_s[connections]) / statistics.median(plain_s[connections])
+        print(f"transport_tls: ratio={tls_ratio:.3f} (TLS / plaintext seconds, {connections} connections)")
         print(f"transport: ratio={grpc_gbps / tcp_gbps:.3f}")
     finally:
         proc.kill()
@@ -223,9 +285,9 @@ def main(argv):
     del argv
     num_bytes = _MEGABYTES.value << 20
     if _ROLE.value == "receiver":
-        receiver(num_bytes)
+        receiver(num_bytes, _SECRETS.value)
     else:
-        sender(num_bytes, _REPEATS.value)
+        sender(num_bytes, _REPEATS.value, _TLS_REPEATS.value)
 
 
 if __name__ == "__main__":
