@@ -172,8 +172,10 @@ class _OpenContributions:
                                     "again while this attempt was still open; the retry counts")
         return self.coordinator.fragments[header.fragment].end_contribution(header.round, header.island)
 
-    def abandon(self, header: pb.PayloadHeader, reason: str) -> None:
-        """Forgets the attempt `header` opened (a stream failed), unless a retry replaced it already."""
+    def abandon(self, header: pb.PayloadHeader, reason: str, keep_complete: bool = True) -> None:
+        """Forgets the attempt `header` opened (a stream failed), unless a retry replaced it already. With
+        `keep_complete` (a dropped connection), a contribution whose every chunk arrived intact is kept; a
+        stream refused for what it sent keeps nothing."""
         key = (header.fragment, header.round, header.island)
         entry = self._open.get(key)
         if entry is None or entry.attempt != header.attempt:
@@ -181,7 +183,7 @@ class _OpenContributions:
         del self._open[key]
         c = self.coordinator.fragments[header.fragment]
         if header.round == c.round and entry.status == "accepted":
-            c.abandon(header.island, reason, keep_complete=True)
+            c.abandon(header.island, reason, keep_complete=keep_complete)
 
 
 def _check_header(header: pb.PayloadHeader, c: Coordinator, layout: str) -> None:
@@ -448,13 +450,15 @@ class ExchangeService:
             async for frame in request_iterator:
                 await stream.take(frame)
             status = await stream.finish()
-        except wire.WireError as e:
+        except wire.WireError as e:  # a refused stream leaves nothing of its own behind, whole or not
             await stream.settle()
             if stream.fragment is not None:
-                await self._call(self._contributions.abandon, stream.header, str(e))
+                await self._call(self._contributions.abandon, stream.header, str(e), False)
             await context.abort(grpc.StatusCode[e.code], f"WireError: {e}")
         except ContributionError as e:
             await stream.settle()
+            if stream.fragment is not None and stream.header is not None:
+                await self._call(self._contributions.abandon, stream.header, str(e), False)
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"ContributionError: {e}")
         except asyncio.CancelledError:  # the island's connection dropped mid-stream: it will send it again
             if stream.fragment is not None:

@@ -24,6 +24,7 @@ import random
 import struct
 
 import crc32c
+from google.protobuf.message import DecodeError
 
 from island_jax.comm import exchange_pb2 as pb
 from island_jax.coordinator.contribution import ContributionHeader
@@ -155,8 +156,10 @@ def parse(frame: bytes):
             return kind, pb.PayloadHeader.FromString(bytes(body))
         if kind == RESTART:
             return kind, _RESTART.unpack(frame)[1]
-    except (struct.error, ValueError) as e:
-        raise WireError(f"a truncated or malformed {kind!r} frame arrived ({e})") from None
+    except WireError:
+        raise
+    except (struct.error, ValueError, DecodeError) as e:
+        raise WireError(f"a truncated or malformed {kind!r} frame arrived ({type(e).__name__}: {e})") from None
     raise WireError(f"a frame of unknown kind {kind!r} arrived; this peer speaks frames H, C, R and T")
 
 
