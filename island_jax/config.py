@@ -224,6 +224,7 @@ def _comm() -> dict:
             client_cert_file="",  # an island's certificate, for mutual TLS ("": none)
             client_key_file="",  # an island's private key, for mutual TLS
             server_name="",  # the name islands check the coordinator's certificate for ("": the host dialled)
+            require_client_cert=False,  # the coordinator accepts only islands with a certificate of ca_file (mTLS)
         ),
         auth=dict(  # per-island bearer tokens (docs/security.md); only where to read them, never a token
             token_file="",  # an island's token, read from this file
@@ -394,6 +395,10 @@ def _check_comm(comm: ml_collections.ConfigDict) -> None:
     _require(
         not tls.client_cert_file or tls.ca_file,
         "comm.tls.client_cert_file needs comm.tls.ca_file: the CA that signed the coordinator's certificate",
+    )
+    _require(
+        not tls.require_client_cert or tls.ca_file,
+        "comm.tls.require_client_cert needs comm.tls.ca_file: the CA the islands' certificates must come from",
     )
     link = comm.link
     _require(

@@ -363,6 +363,7 @@ def _secure(workdir: str, names: list[str], addresses: list[str]) -> dict[str, l
            f"--config.comm.tls.client_cert_file={made['client_cert_file']}",
            f"--config.comm.tls.client_key_file={made['client_key_file']}"]
     roles = {"coordinator": [*tls, f"--config.comm.tls.cert_file={made['cert_file']}",
+                             "--config.comm.tls.require_client_cert=True",
                              f"--config.comm.tls.key_file={made['key_file']}",
                              f"--config.comm.auth.tokens_file={made['tokens_file']}"]}
     for n in names:

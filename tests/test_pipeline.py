@@ -135,7 +135,10 @@ def test_a_chunk_refused_mid_round_restarts_the_merge_without_that_island():
     bad[7] = np.nan
     with pytest.raises(ContributionError, match="island 'b', round 0: the pseudo-gradient holds NaN or Inf"):
         coordinator.add_chunk(0, "b", 1, bad.tobytes())
-    # The merge restarted without b, and a alone completes the round at once.
+    # The merge restarted without b: every chunk of a is merged again, and the round closes with a's stream
+    generation, merged, final = coordinator.update_chunks(0)
+    assert (generation, sorted(merged), final, coordinator.round) == (1, [0, 1, 2], False, 0)
+    assert coordinator.end_contribution(0, "a") == "accepted"
     generation, merged, final = coordinator.update_chunks(0)
     assert (generation, final, coordinator.round) == (1, True, 1)
     assert coordinator.history[-1].contributors == ["a"]
@@ -201,3 +204,25 @@ def test_an_island_fetching_through_a_restart_gets_the_final_update_only():
         b.close()
     finally:
         server.stop(0)
+
+
+def test_a_round_closes_only_once_its_contributions_ended_so_a_stream_refused_after_its_chunks_counts_for_nothing():
+    coordinator, _ = _two_island_coordinator()
+    a, b = _chunks(coordinator, 0.3), _chunks(coordinator, 0.1)
+    coordinator.begin_contribution(ContributionHeader(0, "b", 100))
+    for k in range(3):
+        coordinator.add_chunk(0, "b", k, b[k])
+    assert coordinator.end_contribution(0, "b") == "accepted"
+    coordinator.begin_contribution(ContributionHeader(0, "a", 100))
+    for k in range(3):
+        coordinator.add_chunk(0, "a", k, a[k])
+    generation, merged, final = coordinator.update_chunks(0)
+    assert (sorted(merged), final, coordinator.round) == ([0, 1, 2], False, 0)  # merged, not yet served whole
+    coordinator.abandon("a", "a frame after its chunks was refused")  # the stream failed before it ended
+    assert coordinator.round == 0 and "a" not in coordinator.pending
+    coordinator.begin_contribution(ContributionHeader(0, "a", 100))  # a sends again: this one counts
+    for k in range(3):
+        coordinator.add_chunk(0, "a", k, _chunks(coordinator, 0.5)[k])
+    assert coordinator.end_contribution(0, "a") == "accepted" and coordinator.round == 1
+    np.testing.assert_array_equal(np.frombuffer(coordinator.fetch_update(0, "a"), "<f4"),
+                                  np.full(40_000, -0.3, np.float32))  # -(0.5 + 0.1) / 2

@@ -1,7 +1,9 @@
 """The coordinator's exchange behind TLS and per-island tokens: who is refused, and that nothing of theirs counts."""
 
+import json
 import logging
 import secrets
+import time
 
 import grpc
 import ml_collections
@@ -44,20 +46,21 @@ def _token(made, name):
     return open(made["token_files"][name]).read().strip()
 
 
-def _calls(address, made, metadata):
-    """The four exchange calls on a TLS channel that trusts the run's CA, each with `metadata`; their status codes."""
+def _calls(address, made, metadata, island="a"):
+    """The four exchange calls, naming `island`, on a TLS channel that trusts the run's CA, each with `metadata`;
+    their status codes."""
     creds = security.channel_credentials(made["ca_file"])
     with grpc.secure_channel(address, creds, options=client_options(64 * 1024)) as ch:
         join = ch.unary_unary(f"/{SERVICE_NAME}/Join", pb.JoinRequest.SerializeToString, pb.JoinReply.FromString)
         contribute = ch.stream_unary(f"/{SERVICE_NAME}/Contribute", lambda x: x, pb.ContributeReply.FromString)
         fetch = ch.unary_stream(f"/{SERVICE_NAME}/FetchUpdate", pb.FetchRequest.SerializeToString, lambda x: x)
         view = ch.unary_stream(f"/{SERVICE_NAME}/FetchView", pb.FetchRequest.SerializeToString, lambda x: x)
-        header = wire.header_frame(pb.PayloadHeader(round=0, island="a", tokens=1000, total_bytes=400_000))
+        header = wire.header_frame(pb.PayloadHeader(round=0, island=island, tokens=1000, total_bytes=400_000))
         attempts = {
-            "Join": lambda: join(pb.JoinRequest(island="a", fingerprint_json="{}"), metadata=metadata, timeout=10),
+            "Join": lambda: join(pb.JoinRequest(island=island, fingerprint_json="{}"), metadata=metadata, timeout=10),
             "Contribute": lambda: contribute(iter([header]), metadata=metadata, timeout=10),
-            "FetchUpdate": lambda: list(fetch(pb.FetchRequest(round=0, island="a"), metadata=metadata, timeout=10)),
-            "FetchView": lambda: list(view(pb.FetchRequest(island="a"), metadata=metadata, timeout=10)),
+            "FetchUpdate": lambda: list(fetch(pb.FetchRequest(round=0, island=island), metadata=metadata, timeout=10)),
+            "FetchView": lambda: list(view(pb.FetchRequest(island=island), metadata=metadata, timeout=10)),
         }
         codes = {}
         for name, call in attempts.items():
@@ -141,3 +144,53 @@ def test_a_message_larger_than_the_chunk_plan_allows_is_refused_before_it_is_buf
     assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
     assert coordinator.round == 0 and not coordinator.fragments[0].pending
     server.stop(grace=0)
+
+
+def test_an_island_will_not_send_its_token_in_the_clear_beyond_loopback():
+    c = _config()
+    with pytest.raises(security.SecurityError, match="in the clear: set comm.tls.ca_file"):
+        GrpcTransport("coordinator.example.org:50051", c.comm.chunk_bytes, token="x" * 43)
+
+
+def test_a_token_listed_for_an_island_outside_the_run_opens_nothing(secure, tmp_path):
+    c, coordinator, address, made = secure
+    token = secrets.token_urlsafe(32)
+    tokens = json.load(open(made["tokens_file"]))
+    tokens["islands"]["z"] = security.hash_token(token)  # a stale entry: z is not in this run's config
+    with open(made["tokens_file"], "w") as f:
+        json.dump(tokens, f)
+    time.sleep(security.RELOAD_CHECK_SECONDS + 0.1)
+    refused = {name: grpc.StatusCode.UNAUTHENTICATED for name in ("Join", "Contribute", "FetchUpdate", "FetchView")}
+    assert _calls(address, made, security.call_metadata("z", token), island="z") == refused
+    assert coordinator.fragments[0].joined == set() and coordinator.viewed == set()
+
+
+def test_a_stream_refused_after_its_last_chunk_is_not_merged(secure):
+    c, coordinator, address, made = secure
+    start = coordinator.checksum
+    t = GrpcTransport(address, c.comm.chunk_bytes, join_timeout=30, round_timeout=30, tls=c.comm.tls,
+                      token=_token(made, "a"))
+    t.join("a", fingerprint_fields(c), start)
+    payload = codec.encode({"w": np.full(100_000, 0.5, np.float32)}, "none", 256)
+    b = GrpcTransport(address, c.comm.chunk_bytes, join_timeout=30, round_timeout=30, tls=c.comm.tls,
+                      token=_token(made, "b"), pipeline=False)
+    b.join("b", fingerprint_fields(c), start)
+    assert b.contribute(ContributionHeader(0, "b", 1000, start), payload) == "accepted"  # a's chunks would close it
+    header = wire.payload_header(ContributionHeader(0, "a", 1000, start), t.layouts[0], 1, len(payload),
+                                 wire.new_attempt(), t.incarnation)
+    frames = [wire.header_frame(header), *(f for _, f in wire.chunk_frames(payload, t.plans[0]))]
+
+    def stream():  # every chunk, then (once they have reached the merge) a frame of no known kind
+        yield from frames
+        time.sleep(1.0)
+        yield b"X"
+
+    creds = security.channel_credentials(made["ca_file"])
+    with grpc.secure_channel(address, creds, options=client_options(c.comm.chunk_bytes)) as ch:
+        contribute = ch.stream_unary(f"/{SERVICE_NAME}/Contribute", lambda x: x, pb.ContributeReply.FromString)
+        with pytest.raises(grpc.RpcError) as refused:
+            contribute(stream(), metadata=security.call_metadata("a", _token(made, "a")), timeout=10)
+    assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert coordinator.round == 0 and "a" not in coordinator.fragments[0].pending and coordinator.checksum == start
+    t.close()
+    b.close()

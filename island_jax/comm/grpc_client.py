@@ -48,7 +48,7 @@ import grpc
 
 from island_jax.comm import exchange_pb2 as pb
 from island_jax.comm import security, wire
-from island_jax.comm.grpc_server import SERVICE_NAME, client_options
+from island_jax.comm.grpc_server import SERVICE_NAME, client_options, is_loopback
 from island_jax.comm.link import LinkEmulator
 from island_jax.comm.transport import CoordinatorRestarted, ExchangeError, SyncStats
 from island_jax.coordinator import ContributionError, ContributionHeader, HandshakeError, StaleRoundError
@@ -282,6 +282,11 @@ class GrpcTransport:
         self.connections, self.pipeline, self.link = connections, pipeline, link
         self.clock = link.clock if link is not None else clock
         options = [*client_options(chunk_bytes), ("grpc.use_local_subchannel_pool", 1)]
+        if token and not (tls is not None and tls.ca_file) and not is_loopback(address):
+            raise security.SecurityError(
+                f"island would send its token to {address} in the clear: set comm.tls.ca_file to the CA that signed "
+                "the coordinator's certificate (docs/security.md)"
+            )
         if tls is not None and tls.ca_file:
             credentials = security.channel_credentials(tls.ca_file, tls.client_cert_file, tls.client_key_file)
             options += security.target_name_options(tls.server_name)
@@ -342,6 +347,7 @@ class GrpcTransport:
                     raise _error(e, "join", self.address) from None
                 if self.finished is not None and self.finished():
                     raise ExchangeError("join: the coordinator finished the run") from None
+                self._why_not(island, probe)
         self.incarnation, self._who = reply.incarnation, (island, request.fingerprint_json)
         for fetch in self._fetches.values():  # opened for the coordinator before (a restart): void
             fetch.cancel()
@@ -351,6 +357,15 @@ class GrpcTransport:
         self.plans = [_plan(list(f.chunk_offsets), f.payload_bytes) for f in reply.fragments]
         self.view_plan = _plan(list(reply.view_chunk_offsets), reply.view_bytes)
         return dict(round=reply.round, checksum=reply.params_checksum, rejoin=reply.rejoin)
+
+    def _why_not(self, island: str, probe: pb.JoinRequest) -> None:
+        """Logs why the coordinator does not answer yet (not started, or a TLS handshake that fails: a CA, a
+        server name or a client certificate that does not match), from one call that does not wait."""
+        try:
+            self._join[0](probe, timeout=5.0)
+        except grpc.RpcError as e:
+            logging.warning("island %s: the coordinator at %s does not answer yet (%s: %s); still trying",
+                            island, self.address, e.code().name, e.details())
 
     # -- reconnecting ------------------------------------------------------------------------------------
 

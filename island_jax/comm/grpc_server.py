@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import ipaddress
 import json
 import logging
 import threading
@@ -382,11 +383,15 @@ class ExchangeService:
     async def _check_caller(self, context, island: str) -> None:
         """Aborts with UNAUTHENTICATED when tokens are on and `island` (named in the request) is not the island
         whose token the call carries."""
-        if self.authenticated and security.authenticated_island(context) != island:
+        if not self.authenticated:
+            return
+        if security.authenticated_island(context) != island:
             await context.abort(
                 grpc.StatusCode.UNAUTHENTICATED,
                 f"the call names island {island!r} but carries the token of another; each island uses its own",
             )
+        if island not in self.coordinator.islands:
+            await context.abort(grpc.StatusCode.UNAUTHENTICATED, f"island {island!r} is not in this run")
 
     def receive_limit(self) -> int:
         """Bytes of the largest message an island sends: a frame of the largest chunk of any fragment's plan, or
@@ -625,7 +630,7 @@ class ExchangeServer:
             if self.tls is not None and self.tls.cert_file:
                 credentials = security.server_credentials(
                     self.tls.cert_file, self.tls.key_file, self.tls.ca_file,
-                    require_client_cert=bool(self.tls.ca_file and self.tls.client_cert_file),
+                    require_client_cert=bool(self.tls.require_client_cert),
                 )
         except security.SecurityError as e:
             self._error = e
@@ -657,13 +662,15 @@ class ExchangeServer:
         self.service.close()
 
 
-LOOPBACK_HOSTS = ("localhost", "127.0.0.1", "::1")
-
-
 def is_loopback(address: str) -> bool:
-    """Whether "HOST:PORT" listens on this machine only (localhost, 127.0.0.0/8, ::1)."""
+    """Whether "HOST:PORT" is on this machine only ("localhost", 127.0.0.0/8, ::1)."""
     host = address.rsplit(":", 1)[0].strip("[]")
-    return host in LOOPBACK_HOSTS or host.startswith("127.")
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:  # another host name
+        return False
 
 
 def check_exposure(address: str, tls, tokens_file: str, insecure: bool) -> None:

@@ -94,15 +94,26 @@ def read_token(token_file: str, token_env: str) -> str | None:
                                 "permissions") from None
         if not token:
             raise SecurityError(f"the island's token file {token_file} is empty; write the island's token there")
-        return token
+        return _checked_token(token, f"the token in {token_file}")
     if token_env:
+        if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", token_env):
+            raise SecurityError("comm.auth.token_env must name an environment variable (letters, digits, _), "
+                                "not hold the token itself")
         token = os.environ.get(token_env, "").strip()
         if not token:
             state = "is empty" if token_env in os.environ else "is not set"
             raise SecurityError(f"the environment variable {token_env}, which should hold the island's token, "
                                 f"{state}; export {token_env}=<token> before starting the island, or use a token file")
-        return token
+        return _checked_token(token, f"the token in ${token_env}")
     return None
+
+
+def _checked_token(token: str, where: str) -> str:
+    """`token`, if it can travel as gRPC metadata (printable ASCII, no spaces); SecurityError (never naming it)."""
+    if not all(33 <= ord(ch) < 127 for ch in token):
+        raise SecurityError(f"{where} holds spaces or characters other than printable ASCII; a token is one word "
+                            "such as secrets.token_urlsafe(32) makes")
+    return token
 
 
 def call_metadata(island: str, token: str) -> tuple[tuple[str, str], ...]:
@@ -267,10 +278,12 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):
 
     def _refusal(self, metadata) -> tuple[str, str, str] | None:
         """(claimed island, reason for the log, message for the caller), or None when the call may go on."""
-        claimed = (_metadata_value(metadata, ISLAND_KEY) or "")[:128]  # the caller's words: kept short
+        claimed = _metadata_value(metadata, ISLAND_KEY) or ""
         authorization = _metadata_value(metadata, AUTHORIZATION_KEY)
         if not claimed:
             return ("", "no island name", f"the call carries no '{ISLAND_KEY}' metadata naming the island")
+        if not _NAME.match(claimed):  # the caller's words: an island name or nothing
+            return (claimed[:64], "not an island name", f"the '{ISLAND_KEY}' metadata is not an island name")
         if authorization is None:
             return (claimed, "no token", f"the call carries no '{AUTHORIZATION_KEY}: Bearer <token>' metadata; "
                                          "give the island its token")

@@ -48,9 +48,14 @@ class Contribution:
     island: str
     tokens: int
     chunks: dict[int, tuple[np.ndarray, np.ndarray]] = field(default_factory=dict)
+    ended: bool = False  # its stream(s) ended well (`end_contribution`): nothing after its chunks was refused
+
+    def has_chunks(self, num_chunks: int) -> bool:
+        return len(self.chunks) == num_chunks
 
     def complete(self, num_chunks: int) -> bool:
-        return len(self.chunks) == num_chunks
+        """Every chunk is in and the contribution was closed: it may be merged into a finished round."""
+        return self.ended and self.has_chunks(num_chunks)
 
     def check_chunk(self, round: int, index: int, nbytes: int, plan: list) -> None:
         """Raises ContributionError for an index the plan lacks or this contribution has, or a size off the plan."""
@@ -496,9 +501,10 @@ class Coordinator:
         contribution = self._round.pending.get(island)
         if contribution is None:
             raise ContributionError(f"island {island!r}'s contribution to round {round} was refused")
-        if not contribution.complete(len(self.plan)):
+        if not contribution.has_chunks(len(self.plan)):
             missing = sorted(set(range(len(self.plan))) - set(contribution.chunks))
             raise ContributionError(f"island {island!r}, round {round}: chunks {missing[:8]} never arrived")
+        contribution.ended = True
         self.poll()
         return "accepted"
 
@@ -506,7 +512,8 @@ class Coordinator:
         """Drops an island's contribution to the current round (logged); the round goes on without it."""
         logging.warning("island %s: %s; refused", island, reason)
         self._restarted(island, self._round.without(island, refused=True))
-        self.poll()
+        if not self.poll() and self.pipeline:
+            self._merge_ready()  # merges again, without it, the chunks the others sent
 
     def abandon(self, island: str, reason: str, keep_complete: bool = False) -> None:
         """Forgets an island's open contribution to the current round (a transfer that failed); it may send
@@ -554,6 +561,8 @@ class Coordinator:
         if self._round.merge is None:
             self._round.merge = PartialMerge.start(contributions, self._state)
         if not self._round.merge.merge_ready(contributions, self._state):
+            return False
+        if not all(c.complete(len(self.plan)) for c in contributions):  # chunks merged; their streams not ended
             return False
         self._finish_round(contributions, self._round.merge)
         return True
