@@ -61,6 +61,9 @@ def _idle_between_calls(server_name: str) -> dict:
     channel.subscribe(lambda state: states.append((time.monotonic(), state.name)), try_to_connect=True)
     stub = health_pb2_grpc.HealthStub(channel)
     stub.Check(health_pb2.HealthCheckRequest(), timeout=30, wait_for_ready=True)
+    deadline = time.monotonic() + 5  # the callbacks run on gRPC's thread: let READY be delivered first
+    while (not states or states[-1][1] != "READY") and time.monotonic() < deadline:
+        time.sleep(0.01)
     start, seen = time.monotonic(), len(states)
     time.sleep(IDLE_SECONDS)
     gap = [(round(at - start, 2), state) for at, state in states[seen:]]
