@@ -163,6 +163,7 @@ def _outer() -> dict:
         learning_rate=0.7,  # outer SGD learning rate (DiLoCo default)
         momentum=0.9,  # outer SGD momentum (DiLoCo default)
         nesterov=True,  # Nesterov momentum for the outer SGD
+        momentum_warmup_rounds=0,  # the momentum ramps linearly from 0 over this many rounds (Pier; 0: none)
         sync="steps",  # steps: each island's inner_steps; auto: scaled by devices x catalog peak; time: round_seconds
         reference_island="",  # with sync=auto, the island whose inner_steps is kept ("" = the first)
         auto_from="catalog",  # with sync=auto: "catalog" peaks, or "measured" step times of round 0
@@ -336,6 +337,10 @@ def _check_outer(outer: ml_collections.ConfigDict, islands: ml_collections.Confi
     )
     _require(outer.round_seconds > 0, f"outer.round_seconds is {outer.round_seconds}; it must be positive")
     _require(outer.grace_seconds >= 0, f"outer.grace_seconds is {outer.grace_seconds}; use 0 or more")
+    _require(
+        outer.momentum_warmup_rounds >= 0,
+        f"outer.momentum_warmup_rounds is {outer.momentum_warmup_rounds}; use 0 (no warm-up) or a number of rounds",
+    )
     _require(
         outer.rejoin_timeout_seconds > 0,
         f"outer.rejoin_timeout_seconds is {outer.rejoin_timeout_seconds}; it must be a positive number of seconds",

@@ -1,5 +1,7 @@
 """Outer step and token-weighted merge, through the coordinator's real path."""
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -13,6 +15,7 @@ from island_jax.coordinator import (
 )
 from island_jax.model.init import checksum
 from island_jax.outer import codec
+from island_jax.outer.optimizer import outer_optimizer
 
 
 def _config(lr, momentum, nesterov, kind="none"):
@@ -161,3 +164,25 @@ def test_view_of_bfloat16_and_float32_leaves_is_what_islands_compute(kind):
         island_view = codec.decode_and_apply(island_view, coord.fetch_update(r, "a"), kind, config.codec.block_size)
         assert {k: v.dtype for k, v in coord.view.items()} == {"w": ml_dtypes.bfloat16, "b": np.float32}
         assert checksum(coord.view) == checksum(island_view) == coord.history[-1].checksum
+
+
+def test_outer_momentum_warms_up_linearly_with_one_state_structure():
+    c = default_config()
+    c.outer.update(learning_rate=1.0, momentum=0.9, nesterov=True, momentum_warmup_rounds=4)
+    tx = outer_optimizer(c)
+    state = tx.init(jnp.zeros(1, jnp.float32))
+    used, updates, traces = [], [], []
+    for _ in range(6):  # the same pseudo-gradient g = [1.0] every round, from m = 0
+        update, state = tx.update(jnp.ones(1, jnp.float32), state)
+        used.append(float(state.hyperparams["momentum"]))  # the momentum this round's update used
+        updates.append(float(update[0]))
+        traces.append(float(state.inner_state[0].trace[0]))
+    np.testing.assert_allclose(used, [0.0, 0.225, 0.45, 0.675, 0.9, 0.9], rtol=1e-6)
+    np.testing.assert_allclose(traces[:2], [1.0, 1.225], rtol=1e-6)  # m_1 = 0.225 x 1.0 + 1.0
+    np.testing.assert_allclose(updates[:2], [-1.0, -1.275625], rtol=1e-6)  # -(1.0 + 0.225 x 1.225)
+    plain = default_config()
+    plain.outer.update(learning_rate=1.0, momentum=0.0, nesterov=False)
+    zero = outer_optimizer(plain).init(jnp.zeros(1, jnp.float32))
+    assert jax.tree.structure(zero) == jax.tree.structure(state)  # checkpoints keep their shape
+    update, _ = outer_optimizer(plain).update(jnp.full(1, 0.3, jnp.float32), zero)
+    assert float(update[0]) == -np.float32(0.3)  # plain averaging, exactly
