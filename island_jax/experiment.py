@@ -1,0 +1,411 @@
+"""Runs and sweeps from Python (a notebook, a script): `run(config, workdir)` and `sweep(base, grid, workdir)`.
+
+Each run trains in a process of its own (`python -m island_jax.experiment _run
+WORKDIR`, every role of the run in that process, as `run_in_process`), so that
+JAX there gets exactly the virtual CPU devices the config asks for and a failed
+or stopped run leaves the caller untouched. The config travels as
+`WORKDIR/variant.json` (`ConfigDict.to_json_best_effort`); what the run writes
+is the usual workdir (`island_jax.workdir`), and `Result` reads it back as
+pandas DataFrames. A run stopped halfway resumes from its checkpoints when run
+again with the same workdir; a finished one is read back, not run again.
+
+`sweep` runs every combination of a grid of overrides (dotted config paths)
+times seeds, one workdir per variant, and returns one row per variant.
+pandas and tqdm are needed here (`pip install island_jax[notebook]`).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import copy
+import dataclasses
+import hashlib
+import itertools
+import json
+import math
+import os
+import re
+import subprocess
+import sys
+import traceback
+from collections.abc import Sequence
+from typing import Any
+
+import ml_collections
+
+from island_jax import config as config_lib
+
+VARIANT_FILE = "variant.json"  # the config a run's process trains, in its workdir
+LOG_FILE = "run.log"  # the run process's stdout and stderr (absl logs), in its workdir
+STDERR_TAIL_LINES = 20  # lines of a failed run's log its error quotes
+
+# Grid keys that stand for other keys. "islands.*.X" sets field X of every island.
+ALIASES = {"outer.inner_steps": "islands.*.inner_steps"}
+
+# The columns of a sweep's rows after the grid keys and `seed`.
+ROW_COLUMNS = ("eval_loss_final", "wall_seconds", "bytes_per_round", "error")
+
+_PACKAGE_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+class ExperimentError(RuntimeError):
+    """A run's process failed; the message names its workdir and quotes the end of its log.
+
+    Attributes:
+      workdir: the run's folder.
+      returncode: the process's exit status.
+      tail: the last `STDERR_TAIL_LINES` lines of its stdout and stderr (`WORKDIR/run.log`).
+    """
+
+    def __init__(self, workdir: str, returncode: int, tail: str):
+        self.workdir, self.returncode, self.tail = workdir, returncode, tail
+        super().__init__(f"the run in {workdir} failed (exit status {returncode}); the end of its log:\n{tail}")
+
+
+@dataclasses.dataclass
+class Result:
+    """What a finished run wrote, as pandas DataFrames (`Result.load`).
+
+    Attributes:
+      workdir: the run's folder.
+      summary: one row, `WORKDIR/summary.json` with nested dicts flattened with dots
+        (e.g. `islands.a.bytes_sent`); losses in nats per byte, times in seconds, bytes in bytes.
+      rounds: one row per round record (kind "round") of the coordinator and every island,
+        `role` ("coordinator" or "island"), `island` (the island's name; None for the
+        coordinator), then the record's fields flattened with dots (e.g. `weights.a`).
+        A round logged twice (a resumed run trains it again) appears once, with its latest record.
+      steps: one row per inner-step record (kind "inner") of every island, with an `island`
+        column; a step logged twice appears once, with its latest record.
+    """
+
+    workdir: str
+    summary: Any  # pandas.DataFrame
+    rounds: Any  # pandas.DataFrame
+    steps: Any  # pandas.DataFrame
+
+    @classmethod
+    def load(cls, workdir: str) -> Result:
+        """Reads a finished run's workdir.
+
+        Raises:
+          FileNotFoundError: `WORKDIR/summary.json` is missing (the run did not finish).
+        """
+        import pandas as pd
+
+        from island_jax.metrics import read_jsonl
+        from island_jax.workdir import coordinator_dir, island_dir
+
+        with open(os.path.join(workdir, "summary.json"), encoding="utf-8") as f:
+            summary = pd.json_normalize(json.load(f), sep=".")
+        rounds, steps = [], []
+        coordinator = os.path.join(coordinator_dir(workdir), "metrics.jsonl")
+        if os.path.exists(coordinator):
+            rounds += _latest(
+                [dict(role="coordinator", island=None, **r) for r in read_jsonl(coordinator) if r.get("kind") == "round"],
+                "round",
+            )
+        islands = os.path.join(workdir, "islands")
+        for name in sorted(os.listdir(islands)) if os.path.isdir(islands) else []:
+            path = os.path.join(island_dir(workdir, name), "metrics.jsonl")
+            if not os.path.exists(path):
+                continue
+            records = read_jsonl(path)
+            rounds += _latest([dict(role="island", island=name, **r) for r in records if r.get("kind") == "round"], "round")
+            steps += _latest([dict(island=name, **r) for r in records if r.get("kind") == "inner"], "step")
+        return cls(workdir, summary, pd.json_normalize(rounds, sep="."), pd.json_normalize(steps, sep="."))
+
+    @property
+    def bytes_per_round(self) -> float:
+        """Mean bytes an island sent per round (its round records' `bytes_sent`); NaN without any."""
+        if "bytes_sent" not in self.rounds:
+            return math.nan
+        sent = self.rounds.loc[self.rounds["role"] == "island", "bytes_sent"]
+        return float(sent.mean()) if len(sent) else math.nan
+
+
+def _latest(records: list[dict], key: str) -> list[dict]:
+    """Records with one per `key` value (the latest logged), in order of that value."""
+    by_key = {r[key]: r for r in records}
+    return [by_key[k] for k in sorted(by_key)]
+
+
+def run(config: ml_collections.ConfigDict, workdir: str, timeout: float | None = None) -> Result:
+    """Trains `config` in a process of its own, with every role of the run in it, and reads back what it wrote.
+
+    The config is written to `WORKDIR/variant.json` and the process
+    (`python -m island_jax.experiment _run WORKDIR`) gets one virtual CPU
+    device per device the islands need; its output goes to `WORKDIR/run.log`.
+    An unfinished run in `workdir` resumes from its checkpoints; a finished
+    one of the same config is read back without running anything.
+
+    Args:
+      config: the run's config (see `island_jax.config`).
+      workdir: the run's folder (created).
+      timeout: seconds the process may run; None for no limit.
+
+    Returns:
+      The run's `Result`.
+
+    Raises:
+      ConfigError: an invalid config (checked here, before the process starts).
+      FileExistsError: `workdir` holds a finished run of another config.
+      ExperimentError: the process failed; the message names `workdir` and quotes the end of its log.
+      subprocess.TimeoutExpired: it ran past `timeout` (it is killed).
+    """
+    config_lib.validate(config)
+    os.makedirs(workdir, exist_ok=True)
+    text = config.to_json_best_effort(indent=2, sort_keys=True)
+    variant = os.path.join(workdir, VARIANT_FILE)
+    if os.path.exists(os.path.join(workdir, "summary.json")):
+        if os.path.exists(variant) and _same_json(variant, text):
+            return Result.load(workdir)
+        raise FileExistsError(
+            f"{workdir} holds a finished run of another config (or of one not started by island_jax.experiment); "
+            "pass a new workdir, or move that one away first"
+        )
+    with open(variant, "w", encoding="utf-8") as f:
+        f.write(text)
+    log = os.path.join(workdir, LOG_FILE)
+    with open(log, "ab") as out:
+        proc = subprocess.run(
+            [sys.executable, "-m", "island_jax.experiment", "_run", os.path.abspath(workdir)],
+            stdout=out, stderr=subprocess.STDOUT, env=_child_env(), timeout=timeout, check=False,
+        )
+    if proc.returncode != 0:
+        raise ExperimentError(workdir, proc.returncode, _tail(log, STDERR_TAIL_LINES))
+    return Result.load(workdir)
+
+
+def _same_json(path: str, text: str) -> bool:
+    with open(path, encoding="utf-8") as f:
+        return json.load(f) == json.loads(text)
+
+
+def _child_env() -> dict:
+    """This process's environment, without a forced host device count (the run process sets its own)
+    and with this package importable."""
+    env = dict(os.environ)
+    flags = [f for f in env.get("XLA_FLAGS", "").split() if not f.startswith("--xla_force_host_platform_device_count")]
+    if flags:
+        env["XLA_FLAGS"] = " ".join(flags)
+    else:
+        env.pop("XLA_FLAGS", None)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (_PACKAGE_ROOT, env.get("PYTHONPATH")) if p)
+    return env
+
+
+def _tail(path: str, lines: int) -> str:
+    with open(path, encoding="utf-8", errors="replace") as f:
+        return "".join(f.readlines()[-lines:]).rstrip()
+
+
+def resolve(key: str) -> str:
+    """The config path a grid key stands for (`ALIASES`), else the key itself."""
+    return ALIASES.get(key, key)
+
+
+def apply_override(config: ml_collections.ConfigDict, key: str, value: Any) -> None:
+    """Sets the field at dotted path `key` (an alias of `ALIASES`, or with `*` for every entry of a dict) in place.
+
+    Raises:
+      ConfigError: `key` names no field of the config, or `value` has the wrong type for it.
+    """
+    path = resolve(key).split(".")
+
+    def put(node, parts, done):
+        head, rest = parts[0], parts[1:]
+        if head == "*":
+            if not isinstance(node, ml_collections.ConfigDict) or not len(node):
+                raise config_lib.ConfigError(f"{key}: {'.'.join(done) or 'the config'} has no entries for '*'")
+            for name in node.keys():
+                put(node, [name, *rest], done)
+            return
+        if not isinstance(node, ml_collections.ConfigDict) or head not in node:
+            raise config_lib.ConfigError(f"{key}: the config has no field {'.'.join([*done, head])}")
+        if rest:
+            put(node[head], rest, [*done, head])
+            return
+        try:
+            setattr(node, head, value)
+        except (TypeError, ValueError) as e:
+            raise config_lib.ConfigError(f"{key}={value!r}: {e}") from e
+
+    put(config, path, [])
+
+
+@dataclasses.dataclass(frozen=True)
+class Variant:
+    """One point of a sweep: `overrides` ({grid key: value}, in grid order) and `seed`."""
+
+    overrides: tuple[tuple[str, Any], ...]
+    seed: int
+
+    def describe(self) -> str:
+        """E.g. `codec.kind=int4, seed=1`."""
+        return ", ".join([*(f"{k}={v}" for k, v in self.overrides), f"seed={self.seed}"])
+
+    @property
+    def name(self) -> str:
+        """A stable, filesystem-safe folder name, e.g. `codec.kind=int4,seed=1`. Characters other than
+        letters, digits and `._=,+-` become `_`; then (or past 120 characters) a hash of the exact overrides
+        is appended, so that different variants never share a folder."""
+        raw = ",".join([*(f"{k}={v}" for k, v in self.overrides), f"seed={self.seed}"])
+        safe = re.sub(r"[^A-Za-z0-9._=,+-]", "_", raw)
+        if safe != raw or len(safe) > 120:
+            digest = hashlib.sha1(json.dumps([self.overrides, self.seed], default=repr).encode()).hexdigest()[:10]
+            safe = f"{safe[:100]}-{digest}"
+        return safe
+
+    def config(self, base: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
+        """A copy of `base` with the overrides and seed applied and validated.
+
+        Raises:
+          ConfigError: naming the variant and the invalid key.
+        """
+        config = copy.deepcopy(base)
+        try:
+            for key, value in self.overrides:
+                apply_override(config, key, value)
+            config.seed = self.seed
+            config_lib.validate(config)
+        except config_lib.ConfigError as e:
+            raise config_lib.ConfigError(f"variant {self.describe()}: {e.args[0]}") from e
+        return config
+
+
+def variants(grid: dict[str, Sequence], seeds: Sequence[int] = (0,)) -> list[Variant]:
+    """Every combination of the grid's values (in the grid's key order, the last key varying fastest) times seeds.
+
+    Raises:
+      ValueError: "seed" is a grid key (pass `seeds`), a key has no values, or no seeds are given.
+    """
+    if "seed" in grid:
+        raise ValueError("pass seeds with seeds=..., not as the grid key 'seed'")
+    for key, values in grid.items():
+        if len(values) == 0:
+            raise ValueError(f"grid key {key} has no values")
+    if len(seeds) == 0:
+        raise ValueError("seeds is empty; pass at least one seed")
+    keys = list(grid)
+    return [
+        Variant(tuple(zip(keys, combo)), int(seed))
+        for combo in itertools.product(*(grid[k] for k in keys))
+        for seed in seeds
+    ]
+
+
+def sweep(
+    base_config: ml_collections.ConfigDict,
+    grid: dict[str, Sequence],
+    workdir: str,
+    seeds: Sequence[int] = (0,),
+    max_parallel: int = 1,
+    timeout: float | None = None,
+):
+    """Runs every combination of `grid` times `seeds`, each in its own process and folder, and tabulates them.
+
+    Every variant's config (a copy of `base_config` with its overrides and
+    `seed`) is built and validated before anything runs. Variant V runs with
+    `run` in `WORKDIR/<V.name>`: one whose folder holds a finished run is read
+    back (no process starts), an unfinished one resumes from its checkpoints.
+    A variant that fails while running gets a row with its `error` and the
+    others still run. Running variants `max_parallel` at a time changes
+    nothing in their results (each run is deterministic on its own devices),
+    only the wall-clock time. A tqdm bar counts the variants done.
+
+    Args:
+      base_config: the config every variant starts from (not changed).
+      grid: {dotted config path: values}, e.g. {"codec.kind": ["int8", "int4"]};
+        `ALIASES` and `islands.*.FIELD` (every island) are accepted.
+      workdir: the sweep's folder (created); one subfolder per variant.
+      seeds: values of `seed` (parameter initialisation and data order) per combination.
+      max_parallel: variants running at once (each in a process with the devices it needs).
+      timeout: seconds one variant's process may run; None for no limit.
+
+    Returns:
+      A pandas DataFrame, one row per variant in `variants` order: the grid keys,
+      `seed`, `eval_loss_final` (nats per byte), `wall_seconds` (the run's, seconds;
+      of its last part when it was resumed), `bytes_per_round` (mean bytes an
+      island sent per round), `error` (None, or why the run failed; then the
+      others are NaN), and `workdir` (the variant's folder).
+
+    Raises:
+      ConfigError: a variant's config is invalid; the message names the variant and the key.
+      ValueError: an empty grid value list or seeds, or "seed" as a grid key.
+    """
+    import pandas as pd
+    from tqdm.auto import tqdm
+
+    if max_parallel < 1:
+        raise ValueError(f"max_parallel is {max_parallel}; use 1 or more")
+    points = variants(grid, seeds)
+    configs = [v.config(base_config) for v in points]  # every ConfigError before anything runs
+    os.makedirs(workdir, exist_ok=True)
+    rows: list[dict | None] = [None] * len(points)
+
+    def one(i: int) -> dict:
+        folder = os.path.join(workdir, points[i].name)
+        row = {**dict(points[i].overrides), "seed": points[i].seed}
+        try:
+            result = run(configs[i], folder, timeout=timeout)
+        except (ExperimentError, FileExistsError, subprocess.TimeoutExpired, OSError) as e:
+            return {**row, **{k: math.nan for k in ROW_COLUMNS[:-1]}, "error": str(e), "workdir": folder}
+        summary = result.summary.iloc[0]
+        return {
+            **row,
+            "eval_loss_final": _float(summary.get("eval_loss_final")),
+            "wall_seconds": _float(summary.get("wall_seconds")),
+            "bytes_per_round": result.bytes_per_round,
+            "error": None,
+            "workdir": folder,
+        }
+
+    with tqdm(total=len(points), desc="sweep", unit="variant") as bar:
+        if max_parallel == 1:
+            for i in range(len(points)):
+                rows[i] = one(i)
+                bar.update(1)
+        else:
+            with concurrent.futures.ThreadPoolExecutor(max_workers=max_parallel) as pool:
+                futures = {pool.submit(one, i): i for i in range(len(points))}
+                for future in concurrent.futures.as_completed(futures):
+                    rows[futures[future]] = future.result()
+                    bar.update(1)
+    table = pd.DataFrame(rows, columns=[*grid, "seed", *ROW_COLUMNS, "workdir"])
+    table["error"] = pd.Series([r["error"] for r in rows], dtype=object)  # None, not NaN, when fine
+    return table
+
+
+def _float(value) -> float:
+    return math.nan if value is None else float(value)
+
+
+def _main(argv: list[str]) -> int:
+    """`python -m island_jax.experiment _run WORKDIR`: trains WORKDIR/variant.json with every role in this process."""
+    if len(argv) != 2 or argv[0] != "_run":
+        print("usage: python -m island_jax.experiment _run WORKDIR", file=sys.stderr)
+        return 2
+    workdir = argv[1]
+    from absl import logging as absl_logging
+
+    absl_logging.set_verbosity(absl_logging.INFO)
+    absl_logging.use_absl_handler()
+    try:
+        with open(os.path.join(workdir, VARIANT_FILE), encoding="utf-8") as f:
+            config = ml_collections.ConfigDict(json.load(f))
+        config_lib.validate(config)
+        import jax  # the backend starts at the first device query, after this
+
+        jax.config.update("jax_num_cpu_devices", max(config_lib.total_devices(config), 1))
+        from island_jax.run import run_in_process
+
+        run_in_process(config, workdir)
+    except Exception as e:  # noqa: BLE001 - reported in the log the caller quotes
+        traceback.print_exc()
+        print(f"{type(e).__name__}: {e}" if not isinstance(e, config_lib.ConfigError) else str(e), file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(_main(sys.argv[1:]))
