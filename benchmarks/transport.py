@@ -209,8 +209,9 @@ def _sender(num_bytes: int, repeats: int, tls_repeats: int, secrets_folder: str)
 
     connections = default_config().comm.connections
     tls, made = _credentials(secrets_folder)
-    with open(made["token_files"]["a"], encoding="utf-8") as f:
-        token = f.read().strip()
+    from island_jax.comm import security
+
+    token = security.read_token(made["token_files"]["a"], "")
     proc = subprocess.Popen(
         [sys.executable, __file__, "--role=receiver", f"--megabytes={num_bytes >> 20}", f"--secrets={secrets_folder}"],
         stdout=subprocess.PIPE, text=True,

@@ -382,11 +382,11 @@ class GrpcTransport:
         while True:
             try:
                 if incarnation != self.incarnation:
-                    raise self._restarted(what, self.incarnation)
+                    raise self._restarted(what)
                 return call(incarnation)
             except grpc.RpcError as e:
                 if e.code() == grpc.StatusCode.ABORTED:
-                    raise self._restarted(what, None) from None
+                    raise self._restarted(what) from None
                 if e.code() == grpc.StatusCode.DATA_LOSS:
                     corrupt += 1
                 elif e.code() not in _UNREACHABLE:
@@ -411,29 +411,28 @@ class GrpcTransport:
                                 self._island(), what, failure, attempt, delay, elapsed, self.reconnect_seconds)
                 time.sleep(delay)
                 try:
-                    now = self._probe()
+                    now = self._probe().incarnation
                 except grpc.RpcError as e:
                     failure = f"{e.code().name}: {e.details()}"
                     continue
                 if now != incarnation:
-                    raise self._restarted(what, now)
+                    raise self._restarted(what)
                 logging.warning("island %s: reconnected to the coordinator; %s again", self._island(), what)
                 break
 
     def _island(self) -> str:
         return self._who[0] if self._who else self._joining
 
-    def _probe(self) -> str:
-        """The coordinator's incarnation now (a Join with `reconnect`). Raises grpc.RpcError if unreachable."""
+    def _probe(self) -> pb.JoinReply:
+        """Who the coordinator is now (a Join with `reconnect`: its incarnation and round). Raises grpc.RpcError
+        if it is unreachable."""
         island, fingerprint = self._who
         request = pb.JoinRequest(island=island, fingerprint_json=fingerprint, reconnect=True)
-        return self._join[0](request, timeout=10.0).incarnation
+        return self._join[0](request, timeout=10.0)
 
-    def _restarted(self, what: str, incarnation: str | None) -> CoordinatorRestarted:
+    def _restarted(self, what: str) -> CoordinatorRestarted:
         try:
-            reply = self._join[0](pb.JoinRequest(island=self._island(), fingerprint_json=self._who[1],
-                                                 reconnect=True), timeout=10.0)
-            round = reply.round
+            round = self._probe().round
         except grpc.RpcError:
             round = -1
         logging.warning("island %s: the coordinator restarted (at round %d); %s is void, the island joins again",

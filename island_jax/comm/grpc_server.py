@@ -565,6 +565,11 @@ class ExchangeService:
             )
         )
 
+    def fetched_by(self, fragment: int, round: int) -> set[str]:
+        """The islands that received the whole update of `round` of `fragment`."""
+        with self.lock:
+            return set(self.fetched.get((fragment, round), ()))
+
     def wait_until_fetched(self, round: int, islands=None, timeout: float | None = None) -> bool:
         """Blocks until `islands` (default: all) have received the whole update of `round` of every
         fragment; False on timeout (seconds)."""

@@ -47,8 +47,7 @@ class _GrpcEndpoint:
         return self.service.wait_until_fetched(round, islands, timeout)
 
     def fetched_by(self, fragment: int, round: int) -> set[str]:
-        with self.lock:
-            return set(self.service.fetched.get((fragment, round), ()))
+        return self.service.fetched_by(fragment, round)
 
     def stop(self, grace: float) -> None:
         self.server.stop(grace=grace)

@@ -248,7 +248,7 @@ class Quorum:
             return None
         if len(complete) == len(expected):
             return []
-        if len(complete) < self.min_islands:
+        if not self.reached(current, islands, num_chunks):
             return None
         now = self.clock()
         if current.quorum_since is None:

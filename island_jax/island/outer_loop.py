@@ -143,6 +143,11 @@ class _Schedule:
     contributed: set[int] = dataclasses.field(default_factory=set)  # fragments contributed this round
     planned_inner_steps: int | None = None  # H planned by the coordinator from measured step times
 
+    def start_at(self, rounds: list[int], step: int) -> None:
+        """Every fragment's next round (`rounds`, one each) and its last contribution at inner step `step`."""
+        self.next_round = list(rounds)
+        self.steps_at_contribution = [step] * len(rounds)
+
 
 @dataclasses.dataclass
 class _RoundClock:
@@ -450,8 +455,7 @@ class StreamingSync:
         rounds, view = self.transport.fetch_view(self.island.name)
         self.island.load_view(view)
         logging.warning("island %s fell behind; rejoined from the view at rounds %s", self.island.name, rounds)
-        self.schedule.next_round = list(rounds)
-        self.schedule.steps_at_contribution = [self.island.step] * self.settings.fragments
+        self.schedule.start_at(rounds, self.island.step)
         self.rejoined_round = min(rounds)
 
     def forget_inflight(self, timeout: float | None = None) -> None:
@@ -465,8 +469,7 @@ class StreamingSync:
         to `timeout` seconds for their threads), the schedule and the round clock start afresh."""
         self.forget_inflight(timeout)
         fragments = self.settings.fragments
-        self.schedule.next_round = list(fragment_rounds or [first_round] * fragments)
-        self.schedule.steps_at_contribution = [self.island.step] * fragments
+        self.schedule.start_at(fragment_rounds or [first_round] * fragments, self.island.step)
         self.schedule.contributed = set()
         self.clock = _RoundClock(round=first_round, first_round=first_round)
         self.rejoined_round = None
