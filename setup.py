@@ -2,6 +2,13 @@
 
 from setuptools import find_packages, setup
 
+# island_jax.experiment (run, sweep) and notebooks: results as DataFrames, progress bars (widgets in
+# Jupyter), plots; nbclient and ipykernel execute notebooks (`jupyter execute`).
+NOTEBOOK = [
+    "pandas>=3.1,<4", "tqdm>=4.70,<5", "ipywidgets>=8.1,<9", "nbclient>=0.11,<0.12", "ipykernel>=7.4,<8",
+    "matplotlib>=3.8,<4",
+]
+
 setup(
     name="island_jax",
     version="0.1.0",
@@ -38,16 +45,12 @@ setup(
         # grpcio-tools: a test regenerates the gRPC stubs and compares them with the committed ones.
         # filelock: the tests' shared JAX compilation cache is written under a file lock (tests/conftest.py);
         # ruff: tests/test_lint.py runs the checks configured in pyproject.toml;
-        # pandas, tqdm: tests/test_experiment.py (island_jax.experiment).
+        # and everything of `notebook`: tests/test_experiment.py and tests/test_notebook.py.
         "test": [
             "pytest>=8,<10", "tensorboard>=2.20,<3", "grpcio-tools==1.85.1", "filelock>=3.12,<5",
-            "ruff>=0.17.6,<0.18", "pandas>=3.1,<4", "tqdm>=4.70,<5",
+            "ruff>=0.17.6,<0.18", *NOTEBOOK,
         ],
-        # island_jax.experiment (run, sweep) and notebooks: results as DataFrames, progress bars, plots;
-        # nbclient and ipykernel execute notebooks.
-        "notebook": [
-            "pandas>=3.1,<4", "tqdm>=4.70,<5", "nbclient>=0.11,<0.12", "ipykernel>=7.4,<8", "matplotlib>=3.8,<4",
-        ],
+        "notebook": NOTEBOOK,
         # Regenerates the gRPC stubs: python island_jax/comm/generate_stubs.py
         "dev": ["grpcio-tools==1.85.1"],
         # benchmarks/sync_vs_gloo.py's baseline: torch.distributed's gloo all_reduce (CPU build).

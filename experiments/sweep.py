@@ -24,42 +24,15 @@ _MAX_PARALLEL = flags.DEFINE_integer("max_parallel", 1, "Variants running at onc
 flags.mark_flags_as_required(["config", "workdir"])
 
 
-def parse_value(config, key: str, text: str):
-    """`text` as the type of the config field `key` stands for (`experiment.resolve`; `*` takes the first entry).
-
-    Raises:
-      ConfigError: `key` names no field, or `text` is not a value of its type.
-    """
-    from island_jax import experiment
-    from island_jax.config import ConfigError
-
-    node = config
-    for part in experiment.resolve(key).split("."):
-        if part == "*" and len(node):
-            part = next(iter(node.keys()))
-        if not hasattr(node, "keys") or part not in node:
-            raise ConfigError(f"--sweep {key}: the config has no field {key}")
-        node = node[part]
-    try:
-        if isinstance(node, bool):
-            if text.lower() not in ("true", "false", "1", "0"):
-                raise ValueError(f"{text!r} is not true or false")
-            return text.lower() in ("true", "1")
-        if isinstance(node, int):
-            return int(text)
-        if isinstance(node, float):
-            return float(text)
-    except ValueError as e:
-        raise ConfigError(f"--sweep {key}={text}: {e}") from e
-    return text
-
-
 def parse_grid(config, specs: list[str]) -> dict:
     """{key: [values]} from `KEY=V1,V2` strings.
 
     Raises:
       app.UsageError: a spec without `=` or values, or a key given twice.
+      ConfigError: a key that names no field, or a value not of its field's type.
     """
+    from island_jax import experiment
+
     grid = {}
     for spec in specs:
         key, sep, values = spec.partition("=")
@@ -67,7 +40,7 @@ def parse_grid(config, specs: list[str]) -> dict:
             raise app.UsageError(f"--sweep={spec}: use KEY=V1,V2,...")
         if key in grid:
             raise app.UsageError(f"--sweep: {key} is given twice; list all its values in one --sweep")
-        grid[key] = [parse_value(config, key, v) for v in values.split(",")]
+        grid[key] = [experiment.parse_override(config, key, v) for v in values.split(",")]
     return grid
 
 

@@ -38,6 +38,7 @@ from island_jax.outer.codec import KINDS as CODEC_KINDS
 
 SYNC = ("steps", "auto", "time")  # values of outer.sync (island_jax/planning.py)
 AUTO_FROM = ("catalog", "measured")  # values of outer.auto_from
+WEIGHTINGS = ("tokens", "uniform")  # values of outer.weighting
 MIB = 1 << 20
 MAX_CHUNK_BYTES = 64 * MIB  # far below protobuf's 2 GiB message ceiling
 MAX_CONNECTIONS = 256
@@ -164,6 +165,9 @@ def _outer() -> dict:
         momentum=0.9,  # outer SGD momentum (DiLoCo default)
         nesterov=True,  # Nesterov momentum for the outer SGD
         momentum_warmup_rounds=0,  # the momentum ramps linearly from 0 over this many rounds (Pier; 0: none)
+        # how the merge weighs the round's contributions: "tokens" (each island's share of the round's tokens,
+        # Decoupled DiLoCo) or "uniform" (1/K for each of the K contributors, DiLoCo's plain average)
+        weighting="tokens",
         sync="steps",  # steps: each island's inner_steps; auto: scaled by devices x catalog peak; time: round_seconds
         reference_island="",  # with sync=auto, the island whose inner_steps is kept ("" = the first)
         auto_from="catalog",  # with sync=auto: "catalog" peaks, or "measured" step times of round 0
@@ -344,6 +348,10 @@ def _check_outer(outer: ml_collections.ConfigDict, islands: ml_collections.Confi
     _require(
         outer.rejoin_timeout_seconds > 0,
         f"outer.rejoin_timeout_seconds is {outer.rejoin_timeout_seconds}; it must be a positive number of seconds",
+    )
+    _require(
+        outer.weighting in WEIGHTINGS,
+        f"outer.weighting is {outer.weighting!r}; choose 'tokens' (by each island's tokens) or 'uniform' (1/K each)",
     )
     _require(
         outer.auto_from in AUTO_FROM,

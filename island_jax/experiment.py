@@ -24,6 +24,7 @@ import itertools
 import json
 import math
 import os
+import queue
 import re
 import subprocess
 import sys
@@ -46,6 +47,7 @@ ALIASES = {"outer.inner_steps": "islands.*.inner_steps"}
 ROW_COLUMNS = ("eval_loss_final", "wall_seconds", "bytes_per_round", "error")
 
 _PACKAGE_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO_ROOT = _PACKAGE_ROOT  # the folder island_jax sits in (a clone's root with `pip install -e .`)
 
 
 class ExperimentError(RuntimeError):
@@ -123,25 +125,55 @@ class Result:
         return float(sent.mean()) if len(sent) else math.nan
 
 
+def load_config(path: str) -> ml_collections.ConfigDict:
+    """The config of an experiment file's `get_config()` (e.g. "experiments/configs/two_islands.py").
+
+    A relative path is looked up from the working directory, then from the
+    repository this package sits in, so a notebook finds the configs from any folder.
+
+    Raises:
+      FileNotFoundError: no such file in either place.
+      AttributeError: the file defines no `get_config`.
+    """
+    import importlib.util
+
+    found = next((p for p in (path, os.path.join(_PACKAGE_ROOT, path)) if os.path.isfile(p)), None)
+    if found is None:
+        raise FileNotFoundError(f"no config file {path} (looked in {os.getcwd()} and {_PACKAGE_ROOT})")
+    spec = importlib.util.spec_from_file_location(f"_island_jax_config_{abs(hash(found))}", found)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    if not hasattr(module, "get_config"):
+        raise AttributeError(f"{found} defines no get_config(); an experiment config file returns its config from it")
+    return module.get_config()
+
+
 def _latest(records: list[dict], key: str) -> list[dict]:
     """Records with one per `key` value (the latest logged), in order of that value."""
     by_key = {r[key]: r for r in records}
     return [by_key[k] for k in sorted(by_key)]
 
 
-def run(config: ml_collections.ConfigDict, workdir: str, timeout: float | None = None) -> Result:
+def run(
+    config: ml_collections.ConfigDict, workdir: str, timeout: float | None = None,
+    progress: bool = True, position: int = 0,
+) -> Result:
     """Trains `config` in a process of its own, with every role of the run in it, and reads back what it wrote.
 
     The config is written to `WORKDIR/variant.json` and the process
     (`python -m island_jax.experiment _run WORKDIR`) gets one virtual CPU
     device per device the islands need; its output goes to `WORKDIR/run.log`.
     An unfinished run in `workdir` resumes from its checkpoints; a finished
-    one of the same config is read back without running anything.
+    one of the same config is read back without running anything. While it
+    runs, a `tqdm.auto` bar counts its rounds (read from the islands'
+    metrics.jsonl, as the launcher's progress lines are).
 
     Args:
       config: the run's config (see `island_jax.config`).
       workdir: the run's folder (created).
       timeout: seconds the process may run; None for no limit.
+      progress: show the bar over rounds (needs tqdm); False for none.
+      position: the bar's line (`tqdm`'s position), for bars of runs side by side.
 
     Returns:
       The run's `Result`.
@@ -167,13 +199,59 @@ def run(config: ml_collections.ConfigDict, workdir: str, timeout: float | None =
         f.write(text)
     log = os.path.join(workdir, LOG_FILE)
     with open(log, "ab") as out:
-        proc = subprocess.run(
+        proc = subprocess.Popen(
             [sys.executable, "-m", "island_jax.experiment", "_run", os.path.abspath(workdir)],
-            stdout=out, stderr=subprocess.STDOUT, env=_child_env(), timeout=timeout, check=False,
+            stdout=out, stderr=subprocess.STDOUT, env=_child_env(),
         )
-    if proc.returncode != 0:
-        raise ExperimentError(workdir, proc.returncode, _tail(log, STDERR_TAIL_LINES))
+        try:
+            returncode = _wait(proc, config, workdir, timeout, progress, position)
+        finally:
+            if proc.poll() is None:  # a timeout, or the caller interrupted (a notebook's stop button)
+                proc.kill()
+                proc.wait()
+    if returncode != 0:
+        raise ExperimentError(workdir, returncode, _tail(log, STDERR_TAIL_LINES))
     return Result.load(workdir)
+
+
+POLL_SECONDS = 0.5  # how often `run` looks at its process and the islands' metrics
+
+
+def _wait(proc: subprocess.Popen, config, workdir: str, timeout, progress: bool, position: int) -> int:
+    """Waits for the run's process, moving a bar over its rounds; its exit status.
+
+    Raises:
+      subprocess.TimeoutExpired: it ran past `timeout` seconds.
+    """
+    import time
+
+    from island_jax.progress import Progress
+
+    deadline = None if timeout is None else time.monotonic() + timeout
+    rounds = Progress(workdir, list(config.islands.keys()), config.outer.rounds)
+    bar = None
+    if progress:
+        from tqdm.auto import tqdm
+
+        bar = tqdm(
+            total=config.outer.rounds, desc=os.path.basename(os.path.normpath(workdir)), unit="round",
+            position=position, leave=False,
+        )
+    try:
+        while True:
+            try:
+                returncode = proc.wait(timeout=POLL_SECONDS)
+            except subprocess.TimeoutExpired:
+                returncode = None
+            if bar is not None and rounds.poll():
+                bar.update(rounds.next_round - 1 - bar.n)
+            if returncode is not None:
+                return returncode
+            if deadline is not None and time.monotonic() > deadline:
+                raise subprocess.TimeoutExpired(proc.args, timeout)
+    finally:
+        if bar is not None:
+            bar.close()
 
 
 def _same_json(path: str, text: str) -> bool:
@@ -204,33 +282,68 @@ def resolve(key: str) -> str:
     return ALIASES.get(key, key)
 
 
+def _fields(config: ml_collections.ConfigDict, key: str) -> list[tuple[ml_collections.ConfigDict, str]]:
+    """(parent, name) of every field the dotted path `key` names (`resolve`d; `*` stands for every entry of a dict).
+
+    Raises:
+      ConfigError: `key` names no field of the config.
+    """
+    found = []
+
+    def walk(node, parts, done):
+        head, rest = parts[0], parts[1:]
+        if head == "*":
+            if not isinstance(node, ml_collections.ConfigDict) or not len(node):
+                raise config_lib.ConfigError(f"{key}: {'.'.join(done) or 'the config'} has no entries for '*'")
+            for name in node.keys():
+                walk(node, [name, *rest], done)
+            return
+        if not isinstance(node, ml_collections.ConfigDict) or head not in node:
+            raise config_lib.ConfigError(f"{key}: the config has no field {'.'.join([*done, head])}")
+        if rest:
+            walk(node[head], rest, [*done, head])
+        else:
+            found.append((node, head))
+
+    walk(config, resolve(key).split("."), [])
+    return found
+
+
 def apply_override(config: ml_collections.ConfigDict, key: str, value: Any) -> None:
     """Sets the field at dotted path `key` (an alias of `ALIASES`, or with `*` for every entry of a dict) in place.
 
     Raises:
       ConfigError: `key` names no field of the config, or `value` has the wrong type for it.
     """
-    path = resolve(key).split(".")
-
-    def put(node, parts, done):
-        head, rest = parts[0], parts[1:]
-        if head == "*":
-            if not isinstance(node, ml_collections.ConfigDict) or not len(node):
-                raise config_lib.ConfigError(f"{key}: {'.'.join(done) or 'the config'} has no entries for '*'")
-            for name in node.keys():
-                put(node, [name, *rest], done)
-            return
-        if not isinstance(node, ml_collections.ConfigDict) or head not in node:
-            raise config_lib.ConfigError(f"{key}: the config has no field {'.'.join([*done, head])}")
-        if rest:
-            put(node[head], rest, [*done, head])
-            return
+    for node, name in _fields(config, key):
         try:
-            setattr(node, head, value)
+            setattr(node, name, value)
         except (TypeError, ValueError) as e:
             raise config_lib.ConfigError(f"{key}={value!r}: {e}") from e
 
-    put(config, path, [])
+
+def parse_override(config: ml_collections.ConfigDict, key: str, text: str) -> Any:
+    """`text` (from a command line) as a value of the type of the field(s) `key` names in `config`.
+
+    bool: true/false (or 1/0); int; float; str as given; a field holding None takes the text as given.
+
+    Raises:
+      ConfigError: `key` names no field, or `text` is not a value of the field's type.
+    """
+    node, name = _fields(config, key)[0]  # every field `*` names holds the same setting, of one type
+    current = node[name]
+    try:
+        if isinstance(current, bool):
+            if text.lower() not in ("true", "false", "1", "0"):
+                raise ValueError(f"{text!r} is not true or false")
+            return text.lower() in ("true", "1")
+        if isinstance(current, int):
+            return int(text)
+        if isinstance(current, float):
+            return float(text)
+    except ValueError as e:
+        raise config_lib.ConfigError(f"{key}={text}: {e}") from e
+    return text
 
 
 @dataclasses.dataclass(frozen=True)
@@ -273,22 +386,40 @@ class Variant:
         return config
 
 
-def variants(grid: dict[str, Sequence], seeds: Sequence[int] = (0,)) -> list[Variant]:
+def grid_keys(grid: dict) -> list[str]:
+    """The config keys a grid sets, in order: a tuple key (keys set together) contributes each of its keys."""
+    return [k for key in grid for k in (key if isinstance(key, tuple) else (key,))]
+
+
+def variants(grid: dict, seeds: Sequence[int] = (0,)) -> list[Variant]:
     """Every combination of the grid's values (in the grid's key order, the last key varying fastest) times seeds.
 
+    A key is a dotted config path with a list of values, or a tuple of paths
+    whose values are tuples set together (not combined), e.g.
+    `{("outer.inner_steps", "outer.rounds"): [(5, 60), (25, 12)]}` for H at equal steps.
+
     Raises:
-      ValueError: "seed" is a grid key (pass `seeds`), a key has no values, or no seeds are given.
+      ValueError: "seed" is a grid key (pass `seeds`), a key has no values, a tuple key's value
+        has another length, or no seeds are given.
     """
-    if "seed" in grid:
+    if "seed" in grid_keys(grid):
         raise ValueError("pass seeds with seeds=..., not as the grid key 'seed'")
     for key, values in grid.items():
         if len(values) == 0:
             raise ValueError(f"grid key {key} has no values")
+        if isinstance(key, tuple):
+            for value in values:
+                if not isinstance(value, Sequence) or isinstance(value, str) or len(value) != len(key):
+                    raise ValueError(f"grid key {key} sets {len(key)} fields together; {value!r} is not {len(key)} values")
     if len(seeds) == 0:
         raise ValueError("seeds is empty; pass at least one seed")
+
+    def pairs(key, value):
+        return tuple(zip(key, value)) if isinstance(key, tuple) else ((key, value),)
+
     keys = list(grid)
     return [
-        Variant(tuple(zip(keys, combo)), int(seed))
+        Variant(tuple(p for key, value in zip(keys, combo) for p in pairs(key, value)), int(seed))
         for combo in itertools.product(*(grid[k] for k in keys))
         for seed in seeds
     ]
@@ -296,7 +427,7 @@ def variants(grid: dict[str, Sequence], seeds: Sequence[int] = (0,)) -> list[Var
 
 def sweep(
     base_config: ml_collections.ConfigDict,
-    grid: dict[str, Sequence],
+    grid: dict,
     workdir: str,
     seeds: Sequence[int] = (0,),
     max_parallel: int = 1,
@@ -311,19 +442,21 @@ def sweep(
     A variant that fails while running gets a row with its `error` and the
     others still run. Running variants `max_parallel` at a time changes
     nothing in their results (each run is deterministic on its own devices),
-    only the wall-clock time. A tqdm bar counts the variants done.
+    only the wall-clock time. A `tqdm.auto` bar counts the variants done, and
+    one bar under it per running variant counts that variant's rounds.
 
     Args:
       base_config: the config every variant starts from (not changed).
       grid: {dotted config path: values}, e.g. {"codec.kind": ["int8", "int4"]};
-        `ALIASES` and `islands.*.FIELD` (every island) are accepted.
+        `ALIASES` and `islands.*.FIELD` (every island) are accepted, and a tuple of
+        paths with tuples of values sets those fields together (`variants`).
       workdir: the sweep's folder (created); one subfolder per variant.
       seeds: values of `seed` (parameter initialisation and data order) per combination.
       max_parallel: variants running at once (each in a process with the devices it needs).
       timeout: seconds one variant's process may run; None for no limit.
 
     Returns:
-      A pandas DataFrame, one row per variant in `variants` order: the grid keys,
+      A pandas DataFrame, one row per variant in `variants` order: the grid keys (`grid_keys`),
       `seed`, `eval_loss_final` (nats per byte), `wall_seconds` (the run's, seconds;
       of its last part when it was resumed), `bytes_per_round` (mean bytes an
       island sent per round), `error` (None, or why the run failed; then the
@@ -343,13 +476,20 @@ def sweep(
     os.makedirs(workdir, exist_ok=True)
     rows: list[dict | None] = [None] * len(points)
 
+    lines = queue.SimpleQueue()  # the bar lines under the sweep's bar free for a running variant's rounds
+    for line in range(1, max_parallel + 1):
+        lines.put(line)
+
     def one(i: int) -> dict:
         folder = os.path.join(workdir, points[i].name)
         row = {**dict(points[i].overrides), "seed": points[i].seed}
+        line = lines.get()
         try:
-            result = run(configs[i], folder, timeout=timeout)
+            result = run(configs[i], folder, timeout=timeout, position=line)
         except (ExperimentError, FileExistsError, subprocess.TimeoutExpired, OSError) as e:
             return {**row, **{k: math.nan for k in ROW_COLUMNS[:-1]}, "error": str(e), "workdir": folder}
+        finally:
+            lines.put(line)
         summary = result.summary.iloc[0]
         return {
             **row,
@@ -371,9 +511,25 @@ def sweep(
                 for future in concurrent.futures.as_completed(futures):
                     rows[futures[future]] = future.result()
                     bar.update(1)
-    table = pd.DataFrame(rows, columns=[*grid, "seed", *ROW_COLUMNS, "workdir"])
+    table = pd.DataFrame(rows, columns=[*grid_keys(grid), "seed", *ROW_COLUMNS, "workdir"])
     table["error"] = pd.Series([r["error"] for r in rows], dtype=object)  # None, not NaN, when fine
     return table
+
+
+def over_seeds(rows, by: Sequence[str], value: str = "eval_loss_final"):
+    """Mean, standard deviation (ddof 1; NaN for one seed) and seed count of `value` per group of a sweep's rows.
+
+    Args:
+      rows: a `sweep` DataFrame (rows with an `error` are left out).
+      by: the columns that make a group (e.g. the grid keys).
+      value: the column to aggregate.
+
+    Returns:
+      A DataFrame, one row per group in order of first appearance: `by`, then `mean`, `std`, `seeds`.
+    """
+    ok = rows[rows["error"].isna()] if "error" in rows else rows
+    groups = ok.groupby(list(by), sort=False, dropna=False)[value]
+    return groups.agg(mean="mean", std="std", seeds="count").reset_index()
 
 
 def _float(value) -> float:

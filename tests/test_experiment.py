@@ -95,3 +95,106 @@ def test_sweep_script_parses_values_and_refuses_an_invalid_variant(tmp_path):
     assert result.returncode != 0
     assert "variant moe.num_experts=3, codec.error_feedback=True, seed=0" in result.stderr, result.stderr[-2000:]
     assert not (tmp_path / "sweep").exists()
+
+
+def test_a_tuple_key_sets_its_fields_together(tmp_path):
+    grid = {("outer.inner_steps", "outer.rounds"): [(1, 4), (2, 2)], "codec.kind": ["int8", "int4"]}
+    points = experiment.variants(grid, seeds=(0,))
+    assert [v.overrides for v in points] == [
+        (("outer.inner_steps", 1), ("outer.rounds", 4), ("codec.kind", "int8")),
+        (("outer.inner_steps", 1), ("outer.rounds", 4), ("codec.kind", "int4")),
+        (("outer.inner_steps", 2), ("outer.rounds", 2), ("codec.kind", "int8")),
+        (("outer.inner_steps", 2), ("outer.rounds", 2), ("codec.kind", "int4")),
+    ]
+    assert experiment.grid_keys(grid) == ["outer.inner_steps", "outer.rounds", "codec.kind"]
+    config = points[2].config(tiny(tmp_path))
+    assert (config.islands.a.inner_steps, config.islands.b.inner_steps, config.outer.rounds) == (2, 2, 2)
+    with pytest.raises(ValueError, match=r"sets 2 fields together; \(1, 4, 5\) is not 2 values"):
+        experiment.variants({("outer.inner_steps", "outer.rounds"): [(1, 4, 5)]})
+
+
+def test_command_line_values_take_the_type_of_their_field(tmp_path):
+    c = tiny(tmp_path)
+    assert experiment.parse_override(c, "codec.error_feedback", "true") is True
+    assert experiment.parse_override(c, "outer.rounds", "7") == 7
+    assert experiment.parse_override(c, "outer.learning_rate", "1") == 1.0
+    assert isinstance(experiment.parse_override(c, "outer.learning_rate", "1"), float)
+    assert experiment.parse_override(c, "islands.*.batch_size", "16") == 16  # every island's field, one type
+    assert experiment.parse_override(c, "outer.inner_steps", "5") == 5  # an alias
+    assert experiment.parse_override(c, "codec.kind", "int4") == "int4"
+    with pytest.raises(ConfigError, match=r"outer.rounds=seven: invalid literal"):
+        experiment.parse_override(c, "outer.rounds", "seven")
+    with pytest.raises(ConfigError, match=r"'maybe' is not true or false"):
+        experiment.parse_override(c, "codec.error_feedback", "maybe")
+    with pytest.raises(ConfigError, match="no field islands.a.batch"):
+        experiment.parse_override(c, "islands.*.batch", "1")
+
+
+def test_over_seeds_gives_mean_spread_and_count_per_group():
+    rows = pd.DataFrame(
+        {
+            "codec.kind": ["int8", "int8", "int4", "int4"],
+            "seed": [0, 1, 0, 1],
+            "eval_loss_final": [2.0, 2.5, 3.0, float("nan")],
+            "error": [None, None, None, "the run failed"],
+        }
+    )
+    table = experiment.over_seeds(rows, ["codec.kind"])
+    assert table["codec.kind"].tolist() == ["int8", "int4"]
+    assert table["mean"].tolist() == [2.25, 3.0] and table["seeds"].tolist() == [2, 1]
+    assert table["std"][0] == pytest.approx(0.3535533905932738, rel=1e-12) and pd.isna(table["std"][1])
+
+
+def test_load_config_finds_an_experiment_file_from_any_folder(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    config = experiment.load_config("experiments/configs/two_islands.py")
+    assert config.outer.rounds == 60 and sorted(config.islands) == ["a", "b"]
+    with pytest.raises(FileNotFoundError, match="no config file experiments/configs/nope.py"):
+        experiment.load_config("experiments/configs/nope.py")
+
+
+class _Bars:
+    """Stands in for tqdm.auto.tqdm and records each bar's description, total and final count."""
+
+    made: list = []
+
+    def __init__(self, total=None, desc=None, **kwargs):
+        self.total, self.desc, self.n = total, desc, 0
+        _Bars.made.append(self)
+
+    def update(self, n=1):
+        self.n += n
+
+    def close(self):
+        pass
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+@pytest.mark.slow
+def test_an_unfinished_variant_resumes_to_the_bits_of_a_run_without_a_stop(tmp_path, monkeypatch):
+    import tqdm.auto
+
+    monkeypatch.setattr(tqdm.auto, "tqdm", _Bars)
+    _Bars.made = []
+    base = tiny(tmp_path, rounds=4)  # a checkpoint after every round
+    grid = {"codec.kind": ["int4"]}
+    crashing = tiny(tmp_path, rounds=4)
+    crashing.islands.b.crash_at_round = 3  # the process fails as round 3 starts, after round 2's checkpoints
+    first = experiment.sweep(crashing, grid, str(tmp_path / "sweep"))
+    assert "crash_at_round" in first.loc[0, "error"] and pd.isna(first.loc[0, "eval_loss_final"])
+    resumed = experiment.sweep(base, grid, str(tmp_path / "sweep"))
+    assert resumed.loc[0, "error"] is None
+    fresh = experiment.sweep(base, grid, str(tmp_path / "fresh"))
+    assert resumed.loc[0, "eval_loss_final"] == fresh.loc[0, "eval_loss_final"]
+    steps = experiment.Result.load(resumed.loc[0, "workdir"]).steps
+    assert len(steps) == 2 * 4 * 2 and sorted(steps["step"].unique()) == list(range(1, 9))  # islands x rounds x H
+    # bars: the sweep's over variants, and one over the rounds of each variant that ran
+    sweeps = [b for b in _Bars.made if b.desc == "sweep"]
+    rounds = [b for b in _Bars.made if b.desc == "codec.kind=int4,seed=0"]
+    assert [(b.total, b.n) for b in sweeps] == [(1, 1)] * 3
+    assert [(b.total, b.n) for b in rounds] == [(4, 2), (4, 4), (4, 4)]  # the first stopped after round 2

@@ -195,3 +195,37 @@ def test_a_resent_contribution_counts_once_and_held_updates_wait_for_the_checkpo
     update = codec.decode_view(coordinator.fetch_update(0, "a"), {"w": np.zeros(1, np.float32)})
     # one contribution of a's: the merged pseudo-gradient is 0.6 x 0.4 (float32), and SGD at lr 1 steps by it
     np.testing.assert_array_equal(update["w"], -(np.float32(0.6) * np.float32(0.4))[None])
+
+
+@pytest.mark.parametrize(
+    "weighting, weights, master",
+    [
+        # tokens 3000 and 1000: 0.75 * 0.4 + 0.25 * 0.2 = 0.35
+        ("tokens", {"a": 0.75, "b": 0.25}, np.float32(-0.75) * np.float32(0.4) - np.float32(0.25) * np.float32(0.2)),
+        # 1/2 each whatever the tokens: 0.5 * 0.4 + 0.5 * 0.2 = 0.3
+        ("uniform", {"a": 0.5, "b": 0.5}, np.float32(-0.5) * np.float32(0.4) - np.float32(0.5) * np.float32(0.2)),
+    ],
+)
+def test_outer_weighting_weighs_contributions_by_tokens_or_uniformly(weighting, weights, master):
+    c = default_config()
+    for name in ("a", "b"):
+        c.islands[name] = island(1, 1, 1, 1, 1)
+    c.codec.kind = "none"
+    c.outer.update(learning_rate=1.0, momentum=0.0, nesterov=False, weighting=weighting)
+    coordinator = Coordinator(c, {"w": np.zeros(1, np.float32)}, ["a", "b"])
+    for name in ("a", "b"):
+        coordinator.join(name, fingerprint_fields(c), coordinator.checksum)
+    coordinator.contribute(ContributionHeader(0, "a", 3000), _pg(0.4))
+    coordinator.contribute(ContributionHeader(0, "b", 1000), _pg(0.2))
+    assert coordinator.round == 1 and coordinator.history[-1].weights == weights
+    np.testing.assert_allclose(coordinator.state()["master"]["w"], [master], rtol=1e-6)
+
+
+def test_an_unknown_outer_weighting_is_refused_with_the_choices():
+    from island_jax.config import ConfigError, validate
+
+    c = default_config()
+    c.islands.a = island(1, 1, 1, 1, 1)
+    c.outer.weighting = "equal"
+    with pytest.raises(ConfigError, match=r"outer.weighting is 'equal'; choose 'tokens' .* or 'uniform'"):
+        validate(c)

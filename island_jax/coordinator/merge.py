@@ -97,6 +97,27 @@ class RoundRecord:
         return self.view_checksum
 
 
+def merge_weights(contributions: list[Contribution], weighting: str) -> dict[str, float]:
+    """Each contributor's weight in the round's average (`outer.weighting`); the weights sum to 1.
+
+    "tokens": w_k = n_k / sum_j n_j, with n_k the tokens island k trained on this
+    round (token-weighted merging for unequal learners, Decoupled DiLoCo, arXiv
+    2604.21428). "uniform": w_k = 1 / K for K contributors (DiLoCo's average,
+    arXiv 2311.08105), however many tokens each trained on.
+
+    Raises:
+      ValueError: another `weighting`, or no contributions.
+    """
+    if not contributions:
+        raise ValueError("a merge needs at least one contribution")
+    if weighting == "tokens":
+        total = sum(c.tokens for c in contributions)
+        return {c.island: c.tokens / total for c in contributions}
+    if weighting == "uniform":
+        return {c.island: 1.0 / len(contributions) for c in contributions}
+    raise ValueError(f"outer.weighting is {weighting!r}; choose 'tokens' or 'uniform'")
+
+
 @dataclass
 class PartialMerge:
     """A round's merge in progress: the chunks merged so far, from one fixed set of contributors.
@@ -108,7 +129,8 @@ class PartialMerge:
     """
 
     contributors: list[str]
-    weights: np.ndarray  # float32 [K], tokens / total tokens
+    shares: dict[str, float]  # `merge_weights` of the contributors (what the round record logs)
+    weights: np.ndarray  # float32 [K], `shares` in contributor order
     master: list
     opt: list
     view: list
@@ -118,12 +140,13 @@ class PartialMerge:
     lost_sq: float = 0.0
 
     @classmethod
-    def start(cls, contributions: list[Contribution], state: FragmentState) -> "PartialMerge":
-        """A merge of `contributions` (in run order) from the fragment's current rows, weighted by tokens."""
-        total = sum(c.tokens for c in contributions)
+    def start(cls, contributions: list[Contribution], state: FragmentState, weighting: str) -> "PartialMerge":
+        """A merge of `contributions` (in run order) from the fragment's current rows, weighted by `merge_weights`."""
+        weights = merge_weights(contributions, weighting)
         return cls(
             contributors=[c.island for c in contributions],
-            weights=np.asarray([np.float32(c.tokens / total) for c in contributions], np.float32),
+            shares=weights,
+            weights=np.asarray([np.float32(weights[c.island]) for c in contributions], np.float32),
             master=list(state.master_rows), opt=list(state.opt), view=list(state.view_rows),
         )
 
@@ -154,12 +177,11 @@ class PartialMerge:
             for j, q in enumerate(names)
             if j > i
         }
-        total = sum(c.tokens for c in contributions)
         return RoundRecord(
             round=round,
             contributors=list(names),
             tokens={c.island: c.tokens for c in contributions},
-            weights={c.island: c.tokens / total for c in contributions},
+            weights=dict(self.shares),
             pseudo_gradient_norm=norms,
             cosine_similarity=cosine,
             update_bytes=sum(len(c) for c in self.chunks.values()),
@@ -291,6 +313,7 @@ class Coordinator:
         self.islands = list(islands)
         self.fingerprint_fields = fingerprint_fields(config)
         self.pipeline = bool(config.comm.pipeline)
+        self.weighting = config.outer.weighting
         self._state = FragmentState(config, params)
         self.kind, self.block_size = self._state.kind, self._state.block_size
         self.plan, self.payload_bytes = self._state.plan, self._state.payload_bytes
@@ -559,7 +582,7 @@ class Coordinator:
         if not self.pipeline and not all(c.complete(len(self.plan)) for c in contributions):
             return False
         if self._round.merge is None:
-            self._round.merge = PartialMerge.start(contributions, self._state)
+            self._round.merge = PartialMerge.start(contributions, self._state, self.weighting)
         if not self._round.merge.merge_ready(contributions, self._state):
             return False
         if not all(c.complete(len(self.plan)) for c in contributions):  # chunks merged; their streams not ended
