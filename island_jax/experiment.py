@@ -28,6 +28,7 @@ import queue
 import re
 import subprocess
 import sys
+import threading
 import traceback
 from collections.abc import Sequence
 from typing import Any
@@ -163,8 +164,9 @@ def run(
     The config is written to `WORKDIR/variant.json` and the process
     (`python -m island_jax.experiment _run WORKDIR`) gets one virtual CPU
     device per device the islands need; its output goes to `WORKDIR/run.log`.
-    An unfinished run in `workdir` resumes from its checkpoints; a finished
-    one of the same config is read back without running anything. While it
+    An unfinished run of the same config in `workdir` resumes from its
+    checkpoints (a fault-injection field, `FAULT_FIELDS`, may differ); a
+    finished one is read back without running anything. While it
     runs, a `tqdm.auto` bar counts its rounds (read from the islands'
     metrics.jsonl, as the launcher's progress lines are).
 
@@ -180,7 +182,7 @@ def run(
 
     Raises:
       ConfigError: an invalid config (checked here, before the process starts).
-      FileExistsError: `workdir` holds a finished run of another config.
+      FileExistsError: `workdir` holds a run (finished or not) of another config.
       ExperimentError: the process failed; the message names `workdir` and quotes the end of its log.
       subprocess.TimeoutExpired: it ran past `timeout` (it is killed).
     """
@@ -195,6 +197,11 @@ def run(
             f"{workdir} holds a finished run of another config (or of one not started by island_jax.experiment); "
             "pass a new workdir, or move that one away first"
         )
+    if os.path.exists(variant) and not _same_json(variant, text, ignore=FAULT_FIELDS):
+        raise FileExistsError(
+            f"{workdir} holds an unfinished run of another config; its checkpoints would resume under this one. "
+            "Pass a new workdir, or move that one away first"
+        )
     with open(variant, "w", encoding="utf-8") as f:
         f.write(text)
     log = os.path.join(workdir, LOG_FILE)
@@ -203,9 +210,13 @@ def run(
             [sys.executable, "-m", "island_jax.experiment", "_run", os.path.abspath(workdir)],
             stdout=out, stderr=subprocess.STDOUT, env=_child_env(),
         )
+        with _RUNNING_LOCK:
+            _RUNNING.add(proc)
         try:
             returncode = _wait(proc, config, workdir, timeout, progress, position)
         finally:
+            with _RUNNING_LOCK:
+                _RUNNING.discard(proc)
             if proc.poll() is None:  # a timeout, or the caller interrupted (a notebook's stop button)
                 proc.kill()
                 proc.wait()
@@ -215,6 +226,8 @@ def run(
 
 
 POLL_SECONDS = 0.5  # how often `run` looks at its process and the islands' metrics
+_RUNNING: set = set()  # the run processes of this process's `run` calls, killed when a sweep is interrupted
+_RUNNING_LOCK = threading.Lock()
 
 
 def _wait(proc: subprocess.Popen, config, workdir: str, timeout, progress: bool, position: int) -> int:
@@ -254,9 +267,21 @@ def _wait(proc: subprocess.Popen, config, workdir: str, timeout, progress: bool,
             bar.close()
 
 
-def _same_json(path: str, text: str) -> bool:
+# Fault-injection fields: a run stopped by one resumes without it (the config is otherwise the same run).
+FAULT_FIELDS = ("crash_at_round",)
+
+
+def _same_json(path: str, text: str, ignore: Sequence[str] = ()) -> bool:
+    """Whether the config in `path` equals `text`, leaving out island fields named in `ignore`."""
+
+    def strip(config: dict) -> dict:
+        for isl in config.get("islands", {}).values():
+            for name in ignore:
+                isl.pop(name, None)
+        return config
+
     with open(path, encoding="utf-8") as f:
-        return json.load(f) == json.loads(text)
+        return strip(json.load(f)) == strip(json.loads(text))
 
 
 def _child_env() -> dict:
@@ -399,11 +424,15 @@ def variants(grid: dict, seeds: Sequence[int] = (0,)) -> list[Variant]:
     `{("outer.inner_steps", "outer.rounds"): [(5, 60), (25, 12)]}` for H at equal steps.
 
     Raises:
-      ValueError: "seed" is a grid key (pass `seeds`), a key has no values, a tuple key's value
-        has another length, or no seeds are given.
+      ValueError: "seed" is a grid key (pass `seeds`), a field is set by two keys, a key has no
+        values, a tuple key's value has another length, or no seeds are given.
     """
     if "seed" in grid_keys(grid):
         raise ValueError("pass seeds with seeds=..., not as the grid key 'seed'")
+    resolved = [resolve(k) for k in grid_keys(grid)]
+    twice = sorted({k for k in resolved if resolved.count(k) > 1})
+    if twice:
+        raise ValueError(f"grid keys {twice} are set more than once (directly, in a tuple key or by an alias); set each once")
     for key, values in grid.items():
         if len(values) == 0:
             raise ValueError(f"grid key {key} has no values")
@@ -464,7 +493,8 @@ def sweep(
 
     Raises:
       ConfigError: a variant's config is invalid; the message names the variant and the key.
-      ValueError: an empty grid value list or seeds, or "seed" as a grid key.
+      ValueError: `max_parallel` below 1, or a grid `variants` refuses (an empty value list or
+        seeds, "seed" as a grid key, a field set twice, a tuple value of the wrong length).
     """
     import pandas as pd
     from tqdm.auto import tqdm
@@ -506,11 +536,19 @@ def sweep(
                 rows[i] = one(i)
                 bar.update(1)
         else:
-            with concurrent.futures.ThreadPoolExecutor(max_workers=max_parallel) as pool:
+            pool = concurrent.futures.ThreadPoolExecutor(max_workers=max_parallel)
+            try:
                 futures = {pool.submit(one, i): i for i in range(len(points))}
                 for future in concurrent.futures.as_completed(futures):
                     rows[futures[future]] = future.result()
                     bar.update(1)
+            except BaseException:  # an interrupt (a notebook's stop button): no variant starts, the running stop
+                pool.shutdown(wait=False, cancel_futures=True)
+                with _RUNNING_LOCK:
+                    for proc in _RUNNING:
+                        proc.kill()
+                raise
+            pool.shutdown()
     table = pd.DataFrame(rows, columns=[*grid_keys(grid), "seed", *ROW_COLUMNS, "workdir"])
     table["error"] = pd.Series([r["error"] for r in rows], dtype=object)  # None, not NaN, when fine
     return table

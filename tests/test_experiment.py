@@ -1,5 +1,6 @@
 """`island_jax.experiment`: runs in processes of their own, sweeps over a grid, reuse of finished variants."""
 
+import json
 import subprocess
 
 import pandas as pd
@@ -111,6 +112,25 @@ def test_a_tuple_key_sets_its_fields_together(tmp_path):
     assert (config.islands.a.inner_steps, config.islands.b.inner_steps, config.outer.rounds) == (2, 2, 2)
     with pytest.raises(ValueError, match=r"sets 2 fields together; \(1, 4, 5\) is not 2 values"):
         experiment.variants({("outer.inner_steps", "outer.rounds"): [(1, 4, 5)]})
+
+
+def test_a_field_set_twice_in_a_grid_is_refused():
+    with pytest.raises(ValueError, match=r"grid keys \['islands.\*.inner_steps'\] are set more than once"):
+        experiment.variants({"outer.inner_steps": [1], ("islands.*.inner_steps", "outer.rounds"): [(2, 2)]})
+    with pytest.raises(ValueError, match=r"grid keys \['codec.kind'\] are set more than once"):
+        experiment.variants({"codec.kind": ["int8"], ("codec.kind", "outer.rounds"): [("int4", 2)]})
+
+
+def test_an_unfinished_run_of_another_config_is_not_resumed(tmp_path, monkeypatch):
+    monkeypatch.setattr(subprocess, "Popen", refuse)
+    folder = tmp_path / "run"
+    folder.mkdir()
+    other = tiny(tmp_path)
+    other.codec.kind = "int4"
+    (folder / experiment.VARIANT_FILE).write_text(other.to_json_best_effort())
+    with pytest.raises(FileExistsError, match="holds an unfinished run of another config"):
+        experiment.run(tiny(tmp_path), str(folder))
+    assert json.loads((folder / experiment.VARIANT_FILE).read_text())["codec"]["kind"] == "int4"  # left as it was
 
 
 def test_command_line_values_take_the_type_of_their_field(tmp_path):

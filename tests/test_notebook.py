@@ -44,6 +44,7 @@ def test_the_notebook_executes_at_tiny_with_a_table_and_a_figure_per_section(tmp
     monkeypatch.setenv("ISLAND_JAX_NOTEBOOK_SIZE", "tiny")
     monkeypatch.setenv("ISLAND_JAX_NOTEBOOK_WORKDIR", str(tmp_path / "ablations"))
     nb = nbformat.read(NOTEBOOK, as_version=4)
+    # a cell that raises fails execute() with CellExecutionError, naming the cell
     NotebookClient(nb, timeout=480, kernel_name="python3", resources={"metadata": {"path": str(tmp_path)}}).execute()
     setup = next(c for c in nb.cells if c.cell_type == "code" and "parameters" not in c.metadata.get("tags", []))
     assert "SIZE=tiny" in "".join(o.get("text", "") for o in setup.outputs)
@@ -54,7 +55,6 @@ def test_the_notebook_executes_at_tiny_with_a_table_and_a_figure_per_section(tmp
         tables = [d for d in data if 'class="dataframe' in d.get("text/html", "")]
         figures = [d for d in data if d.get("image/png")]
         assert tables and figures, f"section {name!r}: {len(tables)} tables, {len(figures)} figures"
-        assert not [o for o in outputs if o.output_type == "error"]
     # every variant ran in its own folder under the workdir the environment named
     assert sorted(os.listdir(tmp_path / "ablations")) == [
         "codec", "diloco_vs_dp", "fragments", "inner_steps", "islands", "outer_optimizer", "weighting",
