@@ -135,14 +135,17 @@ def test_a_killed_island_rejoins_and_contributes_again(run_dir, tmp_path):
 
     merged = _latest(run.records("coordinator"))
     assert sorted(merged) == list(range(1, 9))
-    for r in (3, 4):  # without c: weights from a's and b's tokens only (8 and 4 sequences of 32 bytes, 2 steps)
-        assert merged[r]["contributors"] == ["a", "b"]
-        assert merged[r]["weights"] == {"a": 512 / 768, "b": 256 / 768}
     log = run.log("c")
     assert "resumed from the checkpoint of round 2" in log
     rejoined = [r for r in run.records("c") if r["round"] > 2]
     first = rejoined[0]["round"]  # c's first round after the restart, trained whole from the view
     assert first >= 5 and f"rejoined the run at round {first}" in log
+    # c may have sent round 3 before it was killed (its round-2 checkpoint completes in the background)
+    gap = range(4 if merged[3]["contributors"] == ["a", "b", "c"] else 3, first)
+    assert len(gap) >= 1
+    for r in gap:  # without c: weights from a's and b's tokens only (8 and 4 sequences of 32 bytes, 2 steps)
+        assert merged[r]["contributors"] == ["a", "b"]
+        assert merged[r]["weights"] == {"a": 512 / 768, "b": 256 / 768}
     assert merged[first]["weights"]["c"] > 0
     assert merged[first]["weights"] == {"a": 512 / 1024, "b": 256 / 1024, "c": 256 / 1024}
     for r in range(first, 9):
