@@ -69,10 +69,9 @@ def main(argv):
     except config_lib.ConfigError as e:
         sys.exit(str(e))
 
-    import jax
+    from island_jax.mesh import use_cpu_devices
 
-    devices = {"all": config_lib.total_devices(config), "coordinator": 1}.get(role) or config.islands[name].num_devices
-    jax.config.update("jax_num_cpu_devices", max(devices, 1))
+    use_cpu_devices({"all": config_lib.total_devices(config), "coordinator": 1}.get(role) or config.islands[name].num_devices)
 
     from island_jax.checkpoint import CheckpointError
     from island_jax.comm.security import SecurityError

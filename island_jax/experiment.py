@@ -241,11 +241,11 @@ def _wait(proc: subprocess.Popen, config, workdir: str, timeout, progress: bool,
     from island_jax.progress import Progress
 
     deadline = None if timeout is None else time.monotonic() + timeout
-    rounds = Progress(workdir, list(config.islands.keys()), config.outer.rounds)
-    bar = None
+    rounds = bar = None
     if progress:
         from tqdm.auto import tqdm
 
+        rounds = Progress(workdir, list(config.islands.keys()), config.outer.rounds)
         bar = tqdm(
             total=config.outer.rounds, desc=os.path.basename(os.path.normpath(workdir)), unit="round",
             position=position, leave=False,
@@ -531,24 +531,19 @@ def sweep(
         }
 
     with tqdm(total=len(points), desc="sweep", unit="variant") as bar:
-        if max_parallel == 1:
-            for i in range(len(points)):
-                rows[i] = one(i)
+        pool = concurrent.futures.ThreadPoolExecutor(max_workers=max_parallel)
+        try:
+            futures = {pool.submit(one, i): i for i in range(len(points))}
+            for future in concurrent.futures.as_completed(futures):
+                rows[futures[future]] = future.result()
                 bar.update(1)
-        else:
-            pool = concurrent.futures.ThreadPoolExecutor(max_workers=max_parallel)
-            try:
-                futures = {pool.submit(one, i): i for i in range(len(points))}
-                for future in concurrent.futures.as_completed(futures):
-                    rows[futures[future]] = future.result()
-                    bar.update(1)
-            except BaseException:  # an interrupt (a notebook's stop button): no variant starts, the running stop
-                pool.shutdown(wait=False, cancel_futures=True)
-                with _RUNNING_LOCK:
-                    for proc in _RUNNING:
-                        proc.kill()
-                raise
-            pool.shutdown()
+        except BaseException:  # an interrupt (a notebook's stop button): no variant starts, the running stop
+            pool.shutdown(wait=False, cancel_futures=True)
+            with _RUNNING_LOCK:
+                for proc in _RUNNING:
+                    proc.kill()
+            raise
+        pool.shutdown()
     table = pd.DataFrame(rows, columns=[*grid_keys(grid), "seed", *ROW_COLUMNS, "workdir"])
     table["error"] = pd.Series([r["error"] for r in rows], dtype=object)  # None, not NaN, when fine
     return table
@@ -588,9 +583,9 @@ def _main(argv: list[str]) -> int:
         with open(os.path.join(workdir, VARIANT_FILE), encoding="utf-8") as f:
             config = ml_collections.ConfigDict(json.load(f))
         config_lib.validate(config)
-        import jax  # the backend starts at the first device query, after this
+        from island_jax.mesh import use_cpu_devices  # the backend starts at the first device query, after this
 
-        jax.config.update("jax_num_cpu_devices", max(config_lib.total_devices(config), 1))
+        use_cpu_devices(config_lib.total_devices(config))
         from island_jax.run import run_in_process
 
         run_in_process(config, workdir)

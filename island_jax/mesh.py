@@ -13,6 +13,12 @@ AXES = (DATA_AXIS, EXPERT_AXIS)  # the mesh's axes, in order
 BATCH_AXES = AXES  # the batch is split over both axes
 
 
+def use_cpu_devices(count: int) -> None:
+    """Gives this process `count` (at least 1) virtual CPU devices; call it before JAX starts its backend
+    (the first device query). Processes on accelerators use their own devices and ignore it."""
+    jax.config.update("jax_num_cpu_devices", max(count, 1))
+
+
 def island_mesh(data: int, expert: int, devices: Sequence[jax.Device]) -> jax.sharding.Mesh:
     """A (data, expert) mesh over exactly these devices, with Explicit axis types.
 

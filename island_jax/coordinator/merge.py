@@ -20,6 +20,7 @@ its own (`FragmentedCoordinator`).
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from dataclasses import dataclass, field
@@ -130,7 +131,6 @@ class PartialMerge:
 
     contributors: list[str]
     shares: dict[str, float]  # `merge_weights` of the contributors (what the round record logs)
-    weights: np.ndarray  # float32 [K], `shares` in contributor order
     master: list
     opt: list
     view: list
@@ -142,13 +142,16 @@ class PartialMerge:
     @classmethod
     def start(cls, contributions: list[Contribution], state: FragmentState, weighting: str) -> "PartialMerge":
         """A merge of `contributions` (in run order) from the fragment's current rows, weighted by `merge_weights`."""
-        weights = merge_weights(contributions, weighting)
         return cls(
             contributors=[c.island for c in contributions],
-            shares=weights,
-            weights=np.asarray([np.float32(weights[c.island]) for c in contributions], np.float32),
+            shares=merge_weights(contributions, weighting),
             master=list(state.master_rows), opt=list(state.opt), view=list(state.view_rows),
         )
+
+    @functools.cached_property
+    def weights(self) -> np.ndarray:
+        """float32 [K]: `shares` in contributor order, as the merge program takes them."""
+        return np.asarray([np.float32(self.shares[n]) for n in self.contributors], np.float32)
 
     def merge_ready(self, contributions: list[Contribution], state: FragmentState) -> bool:
         """Merges every chunk that all `contributions` hold and is not merged yet; whether all are merged."""
