@@ -5,7 +5,10 @@
   python experiments/train.py --config=CONFIG.py --workdir=DIR --role=coordinator --coordinator=HOST:PORT
       the coordinator, serving gRPC on HOST:PORT;
   python experiments/train.py --config=CONFIG.py --workdir=DIR --role=island --island=NAME --coordinator=HOST:PORT
-      island NAME, exchanging with the coordinator at HOST:PORT.
+      island NAME, exchanging with the coordinator at HOST:PORT;
+      an island of several processes (islands.NAME.num_processes) runs one such command per process, each
+      with --process_id=I and --island_coordinator=HOST:PORT of its process 0 (or neither, where
+      jax.distributed finds them in the cluster's environment: SLURM, TPU VMs; docs/cluster.md).
 
 `launch/local.py` starts the coordinator and every island as separate processes
 on this machine. Overrides use ml_collections syntax, e.g.
@@ -29,6 +32,14 @@ _ROLE = flags.DEFINE_enum(
 _ISLAND = flags.DEFINE_string("island", None, "With --role=island: the island's name in config.islands.")
 _COORDINATOR = flags.DEFINE_string(
     "coordinator", "localhost:50051", "The coordinator's HOST:PORT (where it listens, or where islands reach it)."
+)
+_PROCESS_ID = flags.DEFINE_integer(
+    "process_id", None, "With --role=island, of an island of several processes: this process's index in it (0 hosts "
+    "its jax.distributed coordinator). Default: from the cluster environment (SLURM, TPU VM).",
+)
+_ISLAND_COORDINATOR = flags.DEFINE_string(
+    "island_coordinator", None, "With --role=island, of an island of several processes: HOST:PORT where its process "
+    "0 runs the island's jax.distributed coordinator. Default: from the cluster environment (SLURM, TPU VM).",
 )
 _INSECURE = flags.DEFINE_bool(
     "insecure", False, "With --role=coordinator: listen beyond loopback without TLS and tokens (comm.tls, comm.auth); "
@@ -71,7 +82,12 @@ def main(argv):
 
     from island_jax.mesh import use_cpu_devices
 
-    use_cpu_devices({"all": config_lib.total_devices(config), "coordinator": 1}.get(role) or config.islands[name].num_devices)
+    island = config.islands[name] if role == "island" else None
+    use_cpu_devices({"all": config_lib.total_devices(config), "coordinator": 1}.get(role) or config_lib.devices_per_process(island))
+    if island is not None and island.num_processes > 1:
+        from island_jax import distributed
+
+        distributed.initialize(island.num_processes, _PROCESS_ID.value, _ISLAND_COORDINATOR.value, config.distributed)
 
     from island_jax.checkpoint import CheckpointError
     from island_jax.comm.security import SecurityError

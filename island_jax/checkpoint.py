@@ -12,6 +12,14 @@ renames it to `<round>` when it is complete, so a save that fails (a full
 disk, say) leaves the checkpoints before it whole: a restart resumes from the
 newest complete one. The failure itself surfaces as `CheckpointError` at the
 next `save` or at `close`.
+
+A process of a multi-process island (`jax.process_count() > 1`) saves its own
+shards of the island's arrays with orbax's multi-host support (every process
+writes its shards into the one folder, which all of them must see), and
+restores them straight onto its devices. Orbax's multi-host saves are
+collectives of the island's processes, so there they run on the calling
+(training) thread, at the same point on every process, and a failed save
+raises at once.
 """
 
 from __future__ import annotations
@@ -44,6 +52,19 @@ def _host(tree: Any) -> Any:
     return jax.tree.map(lambda x: np.array(jax.device_get(x), copy=True), tree)
 
 
+def _spans_processes(x: Any) -> bool:
+    return isinstance(x, jax.Array) and not x.is_fully_addressable
+
+
+def _abstract(tree: Any) -> Any:
+    """What orbax restores into: arrays of several processes as their shape, dtype and sharding; the rest
+    as NumPy."""
+    return jax.tree.map(
+        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding) if _spans_processes(x) else
+        np.array(jax.device_get(x), copy=True), tree,
+    )
+
+
 class Checkpointer:
     """Saves and restores one role's state every `every_rounds` rounds.
 
@@ -68,6 +89,7 @@ class Checkpointer:
         self._last: futures.Future | None = None  # the most recent background save
         self._unreported: futures.Future | None = None  # a save whose error, if any, the caller has not seen
         self._closed = False
+        self.multi_process = jax.process_count() > 1  # a process of a multi-process island
 
     def _open_manager(self) -> ocp.CheckpointManager:
         return ocp.CheckpointManager(
@@ -122,6 +144,9 @@ class Checkpointer:
             self._raise_unreported()  # waits for the previous save
             if self.latest_round() == round:
                 return False
+            if self.multi_process:  # every process writes its shards, here (orbax's saves are collectives)
+                self._save_in_background(round, state)
+                return True
             host = _host(state)
             self._last = self._unreported = _WRITER.submit(self._save_in_background, round, host)
         return True  # the caller only pays for the host copy
@@ -241,7 +266,7 @@ class Checkpointer:
                 f"no complete checkpoint of round {round} in {self.directory}; the complete ones are of rounds "
                 f"{self._complete}"
             )
-        like = _host(like)
+        like = _abstract(like) if self.multi_process else _host(like)
         try:
             restored = self._manager.restore(round, args=ocp.args.StandardRestore(like))
         except Exception as e:  # orbax raises several types for a mismatched tree
@@ -251,14 +276,13 @@ class Checkpointer:
             ) from e
         restored_leaves = jax.tree.leaves(restored)
         for (path, a), b in zip(jax.tree_util.tree_flatten_with_path(like)[0], restored_leaves, strict=True):
-            b = np.asarray(b)
-            if a.shape != b.shape or a.dtype != b.dtype:
+            if a.shape != np.shape(b) or a.dtype != b.dtype:
                 raise CheckpointError(
                     f"the checkpoint of round {round} in {self.directory} holds {jax.tree_util.keystr(path)} as "
                     f"{b.dtype}{list(b.shape)} but this run has {a.dtype}{list(a.shape)}; resume with the config that "
                     "wrote it, or pass a new --workdir"
                 )
-        return jax.tree.map(np.asarray, restored)
+        return jax.tree.map(lambda x: x if _spans_processes(x) else np.asarray(x), restored)
 
     def close(self) -> None:
         """Waits for the save in progress, then closes the manager; a second call does nothing.

@@ -61,6 +61,8 @@ def island(
     hardware: str = "cpu",
     crash_at_round: int = 0,
     simulated_speed: float = 1.0,
+    num_processes: int = 1,
+    devices_per_process: int = 0,
 ) -> ml_collections.ConfigDict:
     """One island's entry for `config.islands` (keys as the arguments; `data` and `expert` under `mesh`).
 
@@ -79,6 +81,10 @@ def island(
         island's process fails at the start of this round (1-based; 0 = never).
       simulated_speed: s in (0, 1]; on one machine, makes the island s times as
         fast by sleeping (1/s - 1) x its recent median step time after each step.
+      num_processes: the island's processes (hosts): one `jax.distributed` job whose mesh spans them all
+        (docs/cluster.md).
+      devices_per_process: the devices of each of those processes; 0 (the default) is num_devices /
+        num_processes, and a value set must make num_devices = num_processes x devices_per_process.
     """
     return ml_collections.ConfigDict(
         dict(
@@ -89,6 +95,8 @@ def island(
             hardware=hardware,
             crash_at_round=crash_at_round,
             simulated_speed=simulated_speed,
+            num_processes=num_processes,
+            devices_per_process=devices_per_process,
         )
     )
 
@@ -107,7 +115,17 @@ def default_config() -> ml_collections.ConfigDict:
     c.eval = _eval()
     c.comm = _comm()
     c.checkpoint = _checkpoint()
+    c.distributed = _distributed()
     return c
+
+
+def _distributed() -> dict:
+    """`distributed`: the `jax.distributed` job of an island of several processes (island_jax/distributed.py)."""
+    return dict(
+        initialization_timeout_seconds=300,  # how long process 0 waits for the others to come up, s
+        heartbeat_timeout_seconds=30,  # a process whose heartbeats stop this long counts as dead; its peers end, s
+        shutdown_timeout_seconds=30,  # how long a process that ends waits for its peers at shutdown, s
+    )
 
 
 def _model() -> dict:
@@ -285,6 +303,8 @@ def validate(
     _check_checkpoint(config.checkpoint)
     _check_eval(config.eval)
     _check_data(config.data)
+    for key in ("initialization_timeout_seconds", "heartbeat_timeout_seconds", "shutdown_timeout_seconds"):
+        _require(config.distributed[key] >= 1, f"distributed.{key} is {config.distributed[key]}; use at least 1 s")
     for name, isl in config.islands.items():
         _check_island(config, name, isl)
     _check_devices(config, num_available_devices, island)
@@ -461,6 +481,11 @@ def _check_island(config: ml_collections.ConfigDict, name: str, isl: ml_collecti
         0 < isl.simulated_speed <= 1,
         f"{p}.simulated_speed is {isl.simulated_speed}; use a value in (0, 1] (0.5: half as fast)",
     )
+    _require(
+        isl.num_processes == 1 or config.outer.sync != "time",
+        f"{p}.num_processes is {isl.num_processes} with outer.sync='time': the processes of one island would each "
+        "count their own steps by the clock; use outer.sync='steps' or 'auto' for an island of several processes",
+    )
     _require(isl.crash_at_round >= 0, f"{p}.crash_at_round is {isl.crash_at_round}; use 0 (never) or a round")
     _require(
         config.eval.batch_size % isl.num_devices == 0,
@@ -470,8 +495,19 @@ def _check_island(config: ml_collections.ConfigDict, name: str, isl: ml_collecti
 
 
 def _check_island_mesh(p: str, isl: ml_collections.ConfigDict, moe: ml_collections.ConfigDict) -> None:
-    """The mesh against the device count, the experts and the batch."""
+    """The mesh against the device count and the processes, the experts and the batch."""
     mesh_devices = isl.mesh.data * isl.mesh.expert
+    _require(
+        isl.num_processes >= 1 and isl.devices_per_process >= 0,
+        f"{p} has num_processes={isl.num_processes}, devices_per_process={isl.devices_per_process}; use at least "
+        "1 process, and 0 (num_devices / num_processes) or more devices per process",
+    )
+    _require(
+        isl.num_devices % isl.num_processes == 0
+        and isl.num_processes * devices_per_process(isl) == isl.num_devices,
+        f"{p}.num_devices is {isl.num_devices} but num_processes x devices_per_process is {isl.num_processes} x "
+        f"{devices_per_process(isl)}; make num_devices their product (or leave devices_per_process 0)",
+    )
     _require(
         isl.mesh.data > 0 and isl.mesh.expert > 0,
         f"{p}.mesh has data={isl.mesh.data}, expert={isl.mesh.expert}; both axes must be at least 1",
@@ -537,6 +573,11 @@ def _check_devices(config: ml_collections.ConfigDict, num_available_devices: int
             f"the islands need {total} devices in all (sum of islands.*.num_devices) but this machine has "
             f"{num_available_devices}; shrink the islands or run on more devices",
         )
+
+
+def devices_per_process(isl: ml_collections.ConfigDict) -> int:
+    """The devices each process of island `isl` (an entry of `config.islands`) has."""
+    return isl.devices_per_process or isl.num_devices // max(isl.num_processes, 1)
 
 
 def total_devices(config: ml_collections.ConfigDict) -> int:

@@ -137,7 +137,9 @@ class Windows:
         return self.data[start : start + self.seq_len + 1]
 
 
-def train_dataset(data: np.ndarray, seq_len: int, batch_size: int, seed: int) -> grain.MapDataset:
+def train_dataset(
+    data: np.ndarray, seq_len: int, batch_size: int, seed: int, rows: slice | None = None
+) -> grain.MapDataset:
     """Shuffled, repeating batches: `ds[step]` is a uint8 array [batch_size, seq_len + 1].
 
     Indexing by step makes the data position one integer (the inner step count).
@@ -147,15 +149,19 @@ def train_dataset(data: np.ndarray, seq_len: int, batch_size: int, seed: int) ->
       seq_len: bytes per input sequence (each row has one more, the last target).
       batch_size: sequences per batch.
       seed: shuffle seed (`config.seed`).
+      rows: only these rows of every batch (a process of a multi-process island reads the rows its own
+        devices hold, `island.Shardings.local_rows`): `ds[step]` is then [rows, seq_len + 1], and the
+        processes' rows together are the whole batch, the same one a single process reads.
 
     Raises:
       DataError: fewer than seq_len + 1 bytes.
     """
-    return (
-        grain.MapDataset.source(Windows(data, seq_len))
-        .shuffle(seed=seed)
-        .repeat()
-        .batch(batch_size, drop_remainder=True)
+    windows = grain.MapDataset.source(Windows(data, seq_len)).shuffle(seed=seed).repeat()
+    lo, hi, _ = (rows or slice(None)).indices(batch_size)
+    if (lo, hi) == (0, batch_size):
+        return windows.batch(batch_size, drop_remainder=True)
+    return grain.MapDataset.range(0, len(windows) // batch_size, 1).map(
+        lambda step: np.stack([windows[step * batch_size + r] for r in range(lo, hi)])
     )
 
 

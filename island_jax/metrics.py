@@ -43,6 +43,17 @@ def _scalars(record: dict, prefix: str) -> dict[str, float]:
     return out
 
 
+class NoMetrics:
+    """Writes nothing: what the processes of a multi-process island other than process 0 log to, since
+    process 0 writes the island's metrics once."""
+
+    def write(self, record: dict) -> None:
+        del record
+
+    def close(self) -> None:
+        pass
+
+
 class MetricsWriter:
     """Appends records to `folder/metrics.jsonl` (flushed per write) and, optionally, TensorBoard events.
 

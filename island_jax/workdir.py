@@ -24,7 +24,7 @@ import ml_collections
 
 from island_jax.checkpoint import Checkpointer
 from island_jax.comm.transport import gbps
-from island_jax.metrics import MetricsWriter, read_jsonl, write_json
+from island_jax.metrics import MetricsWriter, NoMetrics, read_jsonl, write_json
 from island_jax.plots import plot_timeline
 
 
@@ -63,7 +63,7 @@ class RoleFolder:
 
     path: str
     checkpoints: Checkpointer
-    metrics: MetricsWriter
+    metrics: MetricsWriter | NoMetrics
 
     def close(self) -> None:
         """Finishes the save in progress and the metrics (both wait for their background writes)."""
@@ -109,8 +109,11 @@ def island_saves(rounds_done: int, coordinator_every: int, every: int) -> bool:
     return rounds_done % every == 0 or rounds_done % coordinator_every == 0
 
 
-def open_role(config: ml_collections.ConfigDict, path: str, coordinator: bool = False) -> RoleFolder:
+def open_role(config: ml_collections.ConfigDict, path: str, coordinator: bool = False, primary: bool = True) -> RoleFolder:
     """Opens (creating) a role's folder: its `Checkpointer`, `MetricsWriter` and `config.json`.
+
+    Every process of a multi-process island opens the one folder (its checkpoints hold every process's
+    shards); only process 0, the `primary`, writes the metrics and `config.json` (the others get `NoMetrics`).
 
     The `Checkpointer` saves and keeps what `checkpoint_schedule` says for the
     coordinator (`coordinator=True`) or an island; its `every_rounds` is the
@@ -136,6 +139,8 @@ def open_role(config: ml_collections.ConfigDict, path: str, coordinator: bool = 
             f"{every_rounds}); pass a new --workdir, or move that one away first, so that nothing "
             "it holds is overwritten"
         )
+    if not primary:
+        return RoleFolder(path, checkpoints, NoMetrics())
     config_path = os.path.join(path, "config.json")
     if not os.path.exists(config_path):
         with open(config_path, "w", encoding="utf-8") as f:

@@ -35,6 +35,7 @@ class VectorIsland:
         self.lr, self.step_seconds, self.total_steps = np.float32(lr), step_seconds, total_steps
         self.step = 0
         self.last_step_compiled = False
+        self.multi_process = False
         self.keys = sorted(params)
         self.params = [np.array(params[k], np.float32) for k in self.keys]
         self.anchor = [p.copy() for p in self.params]
@@ -70,6 +71,12 @@ class VectorIsland:
 
     def fragment_checksum(self, p):
         return checksum([self.global_leaves[i] for i in self.partition[p]])
+
+    def agree(self, value):
+        return [value]
+
+    def gather_update(self, p, payload):
+        return payload
 
     def decode_fragment(self, p, payload):
         c = self.config.codec

@@ -55,7 +55,7 @@ class FragmentPlan(_message.Message):
     def __init__(self, payload_bytes: _Optional[int] = ..., layout: _Optional[str] = ..., chunk_offsets: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class PayloadHeader(_message.Message):
-    __slots__ = ("round", "island", "tokens", "total_bytes", "crc32", "layout", "params_checksum", "step_seconds", "inner_steps", "streams", "fragment", "attempt", "fragment_rounds", "incarnation")
+    __slots__ = ("round", "island", "tokens", "total_bytes", "crc32", "layout", "params_checksum", "step_seconds", "inner_steps", "streams", "fragment", "attempt", "fragment_rounds", "incarnation", "part", "parts")
     ROUND_FIELD_NUMBER: _ClassVar[int]
     ISLAND_FIELD_NUMBER: _ClassVar[int]
     TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -70,6 +70,8 @@ class PayloadHeader(_message.Message):
     ATTEMPT_FIELD_NUMBER: _ClassVar[int]
     FRAGMENT_ROUNDS_FIELD_NUMBER: _ClassVar[int]
     INCARNATION_FIELD_NUMBER: _ClassVar[int]
+    PART_FIELD_NUMBER: _ClassVar[int]
+    PARTS_FIELD_NUMBER: _ClassVar[int]
     round: int
     island: str
     tokens: int
@@ -84,7 +86,9 @@ class PayloadHeader(_message.Message):
     attempt: int
     fragment_rounds: _containers.RepeatedScalarFieldContainer[int]
     incarnation: str
-    def __init__(self, round: _Optional[int] = ..., island: _Optional[str] = ..., tokens: _Optional[int] = ..., total_bytes: _Optional[int] = ..., crc32: _Optional[int] = ..., layout: _Optional[str] = ..., params_checksum: _Optional[str] = ..., step_seconds: _Optional[float] = ..., inner_steps: _Optional[int] = ..., streams: _Optional[int] = ..., fragment: _Optional[int] = ..., attempt: _Optional[int] = ..., fragment_rounds: _Optional[_Iterable[int]] = ..., incarnation: _Optional[str] = ...) -> None: ...
+    part: int
+    parts: int
+    def __init__(self, round: _Optional[int] = ..., island: _Optional[str] = ..., tokens: _Optional[int] = ..., total_bytes: _Optional[int] = ..., crc32: _Optional[int] = ..., layout: _Optional[str] = ..., params_checksum: _Optional[str] = ..., step_seconds: _Optional[float] = ..., inner_steps: _Optional[int] = ..., streams: _Optional[int] = ..., fragment: _Optional[int] = ..., attempt: _Optional[int] = ..., fragment_rounds: _Optional[_Iterable[int]] = ..., incarnation: _Optional[str] = ..., part: _Optional[int] = ..., parts: _Optional[int] = ...) -> None: ...
 
 class RawFrame(_message.Message):
     __slots__ = ()
@@ -105,7 +109,7 @@ class ContributeReply(_message.Message):
     def __init__(self, round: _Optional[int] = ..., bytes_received: _Optional[int] = ..., crc32: _Optional[int] = ..., discarded: _Optional[bool] = ..., duplicate: _Optional[bool] = ...) -> None: ...
 
 class FetchRequest(_message.Message):
-    __slots__ = ("round", "island", "connection", "connections", "fragment", "min_round", "incarnation")
+    __slots__ = ("round", "island", "connection", "connections", "fragment", "min_round", "incarnation", "part", "parts")
     ROUND_FIELD_NUMBER: _ClassVar[int]
     ISLAND_FIELD_NUMBER: _ClassVar[int]
     CONNECTION_FIELD_NUMBER: _ClassVar[int]
@@ -113,6 +117,8 @@ class FetchRequest(_message.Message):
     FRAGMENT_FIELD_NUMBER: _ClassVar[int]
     MIN_ROUND_FIELD_NUMBER: _ClassVar[int]
     INCARNATION_FIELD_NUMBER: _ClassVar[int]
+    PART_FIELD_NUMBER: _ClassVar[int]
+    PARTS_FIELD_NUMBER: _ClassVar[int]
     round: int
     island: str
     connection: int
@@ -120,4 +126,6 @@ class FetchRequest(_message.Message):
     fragment: int
     min_round: int
     incarnation: str
-    def __init__(self, round: _Optional[int] = ..., island: _Optional[str] = ..., connection: _Optional[int] = ..., connections: _Optional[int] = ..., fragment: _Optional[int] = ..., min_round: _Optional[int] = ..., incarnation: _Optional[str] = ...) -> None: ...
+    part: int
+    parts: int
+    def __init__(self, round: _Optional[int] = ..., island: _Optional[str] = ..., connection: _Optional[int] = ..., connections: _Optional[int] = ..., fragment: _Optional[int] = ..., min_round: _Optional[int] = ..., incarnation: _Optional[str] = ..., part: _Optional[int] = ..., parts: _Optional[int] = ...) -> None: ...

@@ -89,9 +89,9 @@ class _Fetch:
 
     def __init__(
         self, transport: "GrpcTransport", round: int, island: str, what: str, plan, methods: list, fragment: int = 0,
-        incarnation: str = "", min_round: int = 0,
+        incarnation: str = "", min_round: int = 0, share=None, part: int = 0, parts: int = 1,
     ):
-        self.assembler = wire.ChunkAssembler(plan)
+        self.assembler = wire.ChunkAssembler(plan, share)
         self.lock = threading.Lock()
         self.trailers: list[pb.PayloadHeader] = []
         self.first_receipt: float | None = None
@@ -105,7 +105,8 @@ class _Fetch:
                 self._receive,
                 method,
                 pb.FetchRequest(round=round, island=island, connection=i, connections=n, fragment=fragment,
-                                incarnation=incarnation, min_round=min_round),
+                                incarnation=incarnation, min_round=min_round, part=part,
+                                parts=parts if parts > 1 else 0),
                 i,
                 n,
             )
@@ -143,7 +144,7 @@ class _Fetch:
                 if kind == wire.CHUNK:
                     self.assembler.add(*value)
                 elif kind == wire.RESTART:  # the merge restarted: this connection's chunks so far are void
-                    self.assembler.forget(range(connection, len(self.assembler.plan), connections))
+                    self.assembler.forget(c.index for c in self.assembler.share[connection::connections])
                 elif kind == wire.TRAILER:
                     self.trailers.append(value)
                 else:
@@ -186,9 +187,9 @@ class _Upload:
         self.cache = {} if cache is None else cache
         self.arrivals = {}
         if transport.link is not None:
-            for chunk in plan:
+            for position, chunk in enumerate(plan):
                 frame_bytes = wire.FRAMING_BYTES + chunk.nbytes
-                self.arrivals[chunk.index] = transport.link.arrival("up", chunk.index % n, frame_bytes, now=start)
+                self.arrivals[chunk.index] = transport.link.arrival("up", position % n, frame_bytes, now=start)
         self.encoder = None if isinstance(payload, (bytes, bytearray, memoryview)) else payload
         if self.encoder is not None and [c.offset for c in self.encoder.plan] != [c.offset for c in plan]:
             raise ExchangeError(
@@ -253,6 +254,9 @@ class GrpcTransport:
       tls: `comm.tls`: with a ca_file, the channels are TLS, verifying the coordinator's certificate against
         it (for `server_name` when set), with the island's client certificate when given (mutual TLS).
       token: the island's bearer token (`security.read_token`), sent with the island's name on every call.
+      part, parts: this process's index and the island's process count. Of an island of several processes,
+        each process sends and receives only its share of every payload's chunks (`codec.deal`) over its own
+        connections; process 0 alone joins the coordinator for the island (the others ask who it is).
 
     Raises:
       SecurityError: unreadable TLS files.
@@ -272,8 +276,11 @@ class GrpcTransport:
         finished=None,
         tls=None,
         token: str | None = None,
+        part: int = 0,
+        parts: int = 1,
     ):
         self.address, self.chunk_bytes = address, chunk_bytes
+        self.part, self.parts = part, parts
         self.reconnect_seconds, self.finished = reconnect_seconds, finished
         self.incarnation = ""  # the coordinator's, from the last join
         self._joining = ""  # the island's name, from its first join
@@ -310,6 +317,7 @@ class GrpcTransport:
         self.view_bytes: int | None = None
         self.layouts: list[str] = []  # per fragment
         self.plans: list[list[codec.Chunk]] = []  # per fragment
+        self.shares: list[list[codec.Chunk]] = []  # per fragment: this process's chunks (all of them with one)
         self.view_plan: list[codec.Chunk] = []
         self.last_stats = SyncStats()
         self._stats: dict[tuple[int, int], SyncStats] = {}  # (fragment, round) -> its exchange
@@ -333,8 +341,10 @@ class GrpcTransport:
         )
         self._joining = island
         # The join itself on the first connection; the others only open (a Join with `reconnect` is answered
-        # without admitting anything).
+        # without admitting anything). Of an island of several processes, only process 0 joins.
         probe = pb.JoinRequest(island=island, fingerprint_json=request.fingerprint_json, reconnect=True)
+        if self.part > 0:
+            request = probe
         deadline = self.clock() + self.join_timeout
         while True:  # in slices, so that a run that finished meanwhile is noticed
             try:
@@ -355,6 +365,7 @@ class GrpcTransport:
         self.payload_bytes, self.view_bytes = reply.payload_bytes, reply.view_bytes
         self.layouts = [f.layout for f in reply.fragments]
         self.plans = [_plan(list(f.chunk_offsets), f.payload_bytes) for f in reply.fragments]
+        self.shares = [codec.deal(plan, self.parts)[self.part] if self.parts > 1 else plan for plan in self.plans]
         self.view_plan = _plan(list(reply.view_chunk_offsets), reply.view_bytes)
         return dict(round=reply.round, checksum=reply.params_checksum, rejoin=reply.rejoin)
 
@@ -484,9 +495,10 @@ class GrpcTransport:
                 if old is not None:  # opened for an attempt that failed
                     old.cancel()
                 self._fetches[(fragment, round, island)] = self._open_fetch(round, island, fragment, incarnation)
-            fields = wire.payload_header(header, self.layouts[fragment], n, len(payload), wire.new_attempt(),
-                                         incarnation)
-            upload = _Upload(self, self.plans[fragment], n, wire.header_frame(fields), payload, self.clock(), cache)
+            total = sum(c.nbytes for c in self.plans[fragment])
+            fields = wire.payload_header(header, self.layouts[fragment], n, total, wire.new_attempt(), incarnation,
+                                         self.part, self.parts)
+            upload = _Upload(self, self.shares[fragment], n, wire.header_frame(fields), payload, self.clock(), cache)
             sent += upload.bytes_sent
             calls = [self._contribute[i].future(upload.frames(i), timeout=self.round_timeout) for i in range(n)]
             try:
@@ -519,16 +531,18 @@ class GrpcTransport:
             self._send_spans.pop(key, None)
 
     def _streams(self, fragment: int = 0) -> int:
-        """Connections a payload of `fragment` uses: one per chunk, up to `connections`."""
-        return wire.stream_count(self.connections, self.plans[fragment])
+        """Connections this process's share of a payload of `fragment` uses: one per chunk, up to `connections`."""
+        return wire.stream_count(self.connections, self.shares[fragment])
 
     def _open_fetch(self, round: int, island: str, fragment: int = 0, incarnation: str | None = None) -> _Fetch:
         methods = self._fetch_update[: self._streams(fragment)]
         return _Fetch(self, round, island, "fetch_update", self.plans[fragment], methods, fragment,
-                      incarnation=self.incarnation if incarnation is None else incarnation)
+                      incarnation=self.incarnation if incarnation is None else incarnation,
+                      share=self.shares[fragment], part=self.part, parts=self.parts)
 
     def fetch_update(self, round: int, island: str, fragment: int = 0) -> bytes:
-        """The round's update bytes; waits up to `round_timeout` seconds for the merge.
+        """The round's update bytes; waits up to `round_timeout` seconds for the merge. Of an island of several
+        processes, the payload holds this process's share of the chunks (the others are zero bytes).
 
         Raises:
           ExchangeError: late, unreachable, or a corrupt stream (CRC-32C).

@@ -118,10 +118,20 @@ class _Open:
     streams: int
     attempt: int  # PayloadHeader.attempt: the streams of one attempt share it
     ended: int = 0
+    chunks: set = dataclasses.field(default_factory=set)  # of a share (parts > 1): the chunks it handed on
+
+
+def _share(plan: list[codec.Chunk], request: pb.FetchRequest) -> list[codec.Chunk]:
+    """The chunks of `plan` an update request asks for: share `part` of `parts` (`codec.deal`), or all."""
+    return codec.deal(plan, request.parts)[request.part] if request.parts > 1 else plan
+
+
+def _key(header: pb.PayloadHeader) -> tuple[int, int, str, int]:
+    return header.fragment, header.round, header.island, header.part
 
 
 class _OpenContributions:
-    """The contributions in flight, keyed by (fragment, round, island), each over one or more streams.
+    """The contributions in flight, keyed by (fragment, round, island, part), each over one or more streams.
 
     The first stream's header opens the contribution at the fragment's
     coordinator and the last stream's end closes it. A header with another
@@ -129,62 +139,89 @@ class _OpenContributions:
     forgotten (its chunks never reach the merge) unless it was complete, in
     which case the retry is a duplicate and counted once. Every method runs
     under the service's lock, on its worker threads.
+
+    An island of several processes sends its contribution in `parts` shares
+    (`codec.deal`), one per process, each with attempts of its own: the first
+    share to arrive opens the contribution, a share that fails or is sent
+    again loses only its own chunks, and the contribution closes when every
+    share's streams have ended.
     """
 
     def __init__(self, coordinator: FragmentedCoordinator):
         self.coordinator = coordinator
-        self._open: dict[tuple[int, int, str], _Open] = {}
+        self._open: dict[tuple[int, int, str, int], _Open] = {}
+        self._shares_ended: dict[tuple[int, int, str], set[int]] = {}  # parts > 1: the shares that ended well
+
+    def _forget_share(self, header: pb.PayloadHeader, entry: _Open, reason: str, keep_complete: bool) -> None:
+        c = self.coordinator.fragments[header.fragment]
+        if header.round != c.round or entry.status != "accepted":
+            return
+        if header.parts > 1 and keep_complete:
+            self._shares_ended.get(_key(header)[:3], set()).discard(header.part)
+            c.forget_chunks(header.island, entry.chunks, reason)
+        else:
+            c.abandon(header.island, reason, keep_complete=keep_complete)
 
     def begin(self, header: pb.PayloadHeader) -> _Open:
-        key = (header.fragment, header.round, header.island)
+        key = _key(header)
         entry = self._open.get(key)
         c = self.coordinator.fragments[header.fragment]
         if entry is not None and entry.attempt != header.attempt:  # a retry: the last attempt is over
             logging.warning("island %s resends round %d of fragment %d (a retry)", header.island, header.round,
                             header.fragment)
             del self._open[key]
-            if header.round == c.round and entry.status == "accepted":
-                c.abandon(header.island, "the island sent it again", keep_complete=True)
+            self._forget_share(header, entry, "the island sent it again", keep_complete=True)
             entry = None
         if entry is None:
-            status = c.begin_contribution(ContributionHeader(
-                header.round, header.island, header.tokens, header.params_checksum or None,
-                header.step_seconds or None, header.fragment,
-            ))
+            if header.parts > 1 and c.is_open(header.round, header.island):  # another share opened it
+                status = "accepted"
+            else:
+                status = c.begin_contribution(ContributionHeader(
+                    header.round, header.island, header.tokens, header.params_checksum or None,
+                    header.step_seconds or None, header.fragment,
+                ))
             entry = self._open[key] = _Open(status, max(header.streams, 1), header.attempt)
             for old in [k for k in self._open if k[0] == header.fragment and k[1] < c.round - 1]:
                 del self._open[old]
+            for old in [k for k in self._shares_ended if k[0] == header.fragment and k[1] < c.round - 1]:
+                del self._shares_ended[old]
         return entry
 
     def add_chunks(self, header: pb.PayloadHeader, chunks: list) -> None:
-        entry = self._open.get((header.fragment, header.round, header.island))
+        entry = self._open.get(_key(header))
         if entry is None or entry.attempt != header.attempt:  # a retry replaced this attempt
             return
         c = self.coordinator.fragments[header.fragment]
         for index, data in chunks:
             c.add_chunk(header.round, header.island, index, data)
+            if header.parts > 1:
+                entry.chunks.add(index)
 
     def end(self, header: pb.PayloadHeader, entry: _Open) -> str:
         entry.ended += 1
         if entry.status != "accepted" or entry.ended < entry.streams:
             return entry.status
-        if self._open.get((header.fragment, header.round, header.island)) is not entry:
+        if self._open.get(_key(header)) is not entry:
             raise ContributionError(f"island {header.island!r}'s contribution to round {header.round} was sent "
                                     "again while this attempt was still open; the retry counts")
+        if header.parts > 1:
+            ended = self._shares_ended.setdefault(_key(header)[:3], set())
+            ended.add(header.part)
+            if len(ended) < header.parts:  # this share is in; the last share's end closes the contribution
+                return entry.status
         return self.coordinator.fragments[header.fragment].end_contribution(header.round, header.island)
 
     def abandon(self, header: pb.PayloadHeader, reason: str, keep_complete: bool = True) -> None:
         """Forgets the attempt `header` opened (a stream failed), unless a retry replaced it already. With
-        `keep_complete` (a dropped connection), a contribution whose every chunk arrived intact is kept; a
-        stream refused for what it sent keeps nothing."""
-        key = (header.fragment, header.round, header.island)
+        `keep_complete` (a dropped connection), a contribution whose every chunk arrived intact is kept (of an
+        island of several processes, the other shares' chunks are kept too); a stream refused for what it
+        sent keeps nothing."""
+        key = _key(header)
         entry = self._open.get(key)
         if entry is None or entry.attempt != header.attempt:
             return
         del self._open[key]
-        c = self.coordinator.fragments[header.fragment]
-        if header.round == c.round and entry.status == "accepted":
-            c.abandon(header.island, reason, keep_complete=keep_complete)
+        self._forget_share(header, entry, reason, keep_complete)
 
 
 def _check_header(header: pb.PayloadHeader, c: Coordinator, layout: str) -> None:
@@ -490,6 +527,8 @@ class ExchangeService:
         except wire.WireError as e:
             await context.abort(grpc.StatusCode[e.code], f"WireError: {e}")
         connection, connections = request.connection, max(request.connections, 1)
+        # this stream's chunks: every connections-th of the (share of the) plan, from `connection` on
+        mine = {k.index for k in _share(c.plan, request)[connection::connections]}
         sent_chunks: set[int] = set()
         generation, sent = None, 0
         while True:
@@ -505,7 +544,7 @@ class ExchangeService:
                 sent_chunks.clear()
             generation = now_generation
             for k in sorted(chunks):
-                if k % connections == connection and k not in sent_chunks:
+                if k in mine and k not in sent_chunks:
                     frame = wire.chunk_frame(k, c.plan[k].offset, chunks[k])
                     sent += len(frame)
                     yield frame
@@ -524,22 +563,36 @@ class ExchangeService:
         with self.lock:
             if request.island in self.wire_bytes:
                 self.wire_bytes[request.island]["sent"] += sent
-            done = self._streams_done.setdefault((request.fragment, request.round, request.island), set())
-            done.add(request.connection)
-            if len(done) == connections:
+            done = self._streams_done.setdefault((request.fragment, request.round, request.island), {})
+            done.setdefault(request.part, set()).add(request.connection)
+            parts = max(request.parts, 1)
+            if len(done) == parts and len(done[request.part]) == connections and (
+                parts == 1 or all(len(v) == self._streams_of(request, p) for p, v in done.items())
+            ):
                 self.fetched.setdefault((request.fragment, request.round), set()).add(request.island)
             self.notify()
 
+    def _streams_of(self, request: pb.FetchRequest, part: int) -> int:
+        """Update streams of share `part` of an island of `request.parts` processes (as `GrpcTransport` opens them)."""
+        plan = self.coordinator.fragments[request.fragment].plan
+        return wire.stream_count(max(request.connections, 1), codec.deal(plan, request.parts)[part])
+
     def _update_trailer(self, request: pb.FetchRequest) -> bytes:
-        _, chunks, _ = self.coordinator.fragments[request.fragment].update_chunks(request.round)
-        known = self._update_crc.get(request.fragment)
-        if known is None or known[0] != request.round:
-            known = (request.round, wire.fold_crc32(wire.crc32(chunks[k]) for k in range(len(chunks))))
-            self._update_crc[request.fragment] = known
+        c = self.coordinator.fragments[request.fragment]
+        _, chunks, _ = c.update_chunks(request.round)
+        if request.parts > 1:  # a share: its own bytes and CRC
+            share = [k.index for k in _share(c.plan, request)]
+            total, crc = sum(len(chunks[k]) for k in share), wire.fold_crc32(wire.crc32(chunks[k]) for k in share)
+        else:
+            known = self._update_crc.get(request.fragment)
+            if known is None or known[0] != request.round:
+                known = (request.round, wire.fold_crc32(wire.crc32(chunks[k]) for k in range(len(chunks))))
+                self._update_crc[request.fragment] = known
+            total, crc = sum(len(x) for x in chunks.values()), known[1]
         header = pb.PayloadHeader(
             round=request.round, island=request.island, layout=self.layouts[request.fragment],
             inner_steps=self.coordinator.planned_inner_steps(request.island) or 0,
-            total_bytes=sum(len(x) for x in chunks.values()), crc32=known[1], fragment=request.fragment,
+            total_bytes=total, crc32=crc, fragment=request.fragment, part=request.part, parts=request.parts,
         )
         return wire.trailer_frame(header)
 

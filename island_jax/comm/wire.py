@@ -109,14 +109,17 @@ def stream_count(connections: int, plan: list[codec.Chunk]) -> int:
 
 
 def payload_header(
-    header: ContributionHeader, layout: str, streams: int, total_bytes: int, attempt: int = 0, incarnation: str = ""
+    header: ContributionHeader, layout: str, streams: int, total_bytes: int, attempt: int = 0, incarnation: str = "",
+    part: int = 0, parts: int = 1,
 ) -> pb.PayloadHeader:
     """The 'H' frame's header of a contribution sent over `streams` streams (`codec.layout` of its payload), for
-    one `attempt` (a random 64-bit number per try) to the coordinator `incarnation` the island joined."""
+    one `attempt` (a random 64-bit number per try) to the coordinator `incarnation` the island joined; of an
+    island of several processes, share `part` of `parts` (`codec.deal`)."""
     return pb.PayloadHeader(
         round=header.round, island=header.island, tokens=header.tokens, layout=layout,
         params_checksum=header.params_checksum or "", step_seconds=header.step_seconds or 0.0, streams=streams,
-        total_bytes=total_bytes, fragment=header.fragment, attempt=attempt, incarnation=incarnation,
+        total_bytes=total_bytes, fragment=header.fragment, attempt=attempt, incarnation=incarnation, part=part,
+        parts=parts if parts > 1 else 0,  # one process: the header of before (no share fields)
     )
 
 
@@ -179,14 +182,18 @@ class ChunkAssembler:
     Args:
       plan: the payload's chunks (`codec.chunk_plan`), which fixes every chunk's
         offset and size.
+      share: the chunks expected (a process's share of an island's payload, `codec.deal`); default: all.
 
     `add` checks one chunk and copies it into place; `finish(header)` checks
-    that every chunk came and that the CRC of their CRCs equals the
-    header's, then returns the payload. `forget(indices)` drops chunks (a restart).
+    that every expected chunk came and that the CRC of their CRCs equals the
+    header's, then returns the payload (the chunks outside the share left zero).
+    `forget(indices)` drops chunks (a restart).
     """
 
-    def __init__(self, plan: list[codec.Chunk]):
+    def __init__(self, plan: list[codec.Chunk], share: list[codec.Chunk] | None = None):
         self.plan = plan
+        self.share = plan if share is None else share
+        self._expected = {c.index for c in self.share}
         self.total = sum(c.nbytes for c in plan)
         self.buffer = bytearray(self.total)
         self.crcs: dict[int, int] = {}
@@ -206,6 +213,8 @@ class ChunkAssembler:
         """
         if not 0 <= index < len(self.plan):
             raise WireError(f"chunk {index} is not in this payload's plan of {len(self.plan)} chunks")
+        if index not in self._expected:
+            raise WireError(f"chunk {index} is not in this process's share of the payload ({len(self.share)} chunks)")
         if index in self.crcs:
             raise WireError(f"chunk {index} arrived twice")
         chunk = self.plan[index]
@@ -225,7 +234,7 @@ class ChunkAssembler:
 
     @property
     def complete(self) -> bool:
-        return len(self.crcs) == len(self.plan)
+        return len(self.crcs) == len(self.share)
 
     def finish(self, header: pb.PayloadHeader) -> bytearray:
         """The whole payload (the assembler's own buffer, not a copy), once every chunk is in and the
@@ -235,14 +244,15 @@ class ChunkAssembler:
           WireError: missing chunks or a size / CRC other than the header's (DATA_LOSS).
         """
         if not self.complete:
-            missing = sorted(set(range(len(self.plan))) - set(self.crcs))
+            missing = sorted({c.index for c in self.share} - set(self.crcs))
             raise WireError(
-                f"the stream ended with {len(missing)} of {len(self.plan)} chunks missing (first: {missing[:4]})",
+                f"the stream ended with {len(missing)} of {len(self.share)} chunks missing (first: {missing[:4]})",
                 code="DATA_LOSS",
             )
-        if header.total_bytes != self.total or header.crc32 != fold_crc32(self.crcs[k] for k in range(len(self.plan))):
+        total = sum(c.nbytes for c in self.share)
+        if header.total_bytes != total or header.crc32 != fold_crc32(self.crcs[c.index] for c in self.share):
             raise WireError(
-                f"the reassembled payload ({self.total} bytes) disagrees with its trailer ({header.total_bytes} "
+                f"the reassembled payload ({total} bytes) disagrees with its trailer ({header.total_bytes} "
                 "bytes, or the CRC of its chunks); refused",
                 code="DATA_LOSS",
             )

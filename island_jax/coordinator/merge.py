@@ -534,6 +534,25 @@ class Coordinator:
         self.poll()
         return "accepted"
 
+    def is_open(self, round: int, island: str) -> bool:
+        """Whether `island` has an open contribution to `round` (the current one), which the other shares of an
+        island of several processes join."""
+        return round == self.round and island in self._round.pending and not self._closed_for(round, island)
+
+    def forget_chunks(self, island: str, indices, reason: str) -> None:
+        """Forgets chunks `indices` of an island's open contribution (one process's share, whose transfer failed:
+        it sends them again), restarting the merge if it had taken any; a complete contribution is kept."""
+        contribution = self._round.pending.get(island)
+        if contribution is None or self._round.has_complete(island, len(self.plan)):
+            return
+        dropped = [k for k in indices if k in contribution.chunks]
+        for k in dropped:
+            del contribution.chunks[k]
+        if dropped:
+            logging.warning("island %s: %d chunks of its contribution to round %d were dropped: %s", island,
+                            len(dropped), self.round, reason)
+            self._restarted(island, self._round.forget_merge_with(island))
+
     def _refuse(self, island: str, reason: str) -> None:
         """Drops an island's contribution to the current round (logged); the round goes on without it."""
         logging.warning("island %s: %s; refused", island, reason)

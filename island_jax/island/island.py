@@ -24,10 +24,12 @@ import jax
 import ml_collections
 import numpy as np
 from flax import nnx
+from jax.experimental import multihost_utils
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from island_jax import data as data_lib
+from island_jax import distributed
 from island_jax.island import step as step_lib
 from island_jax.mesh import BATCH_AXES, island_mesh
 from island_jax.model.init import checksum
@@ -64,25 +66,72 @@ class FragmentLeaves:
 
 class Shardings:
     """Where an island's arrays live on its mesh: parameters by their partition specs, batches split over
-    `mesh.BATCH_AXES`."""
+    `mesh.BATCH_AXES`.
+
+    On a mesh that spans several processes (a multi-process island) every process places only the shards its
+    own devices hold (`jax.make_array_from_callback`, no communication, so it is safe on any thread), and
+    reads arrays back whole through a jitted all-gather over the island's interconnect (`to_host`, a
+    collective: the training thread only, at the same point on every process).
+
+    Attributes:
+      multi_process: the mesh spans devices of other processes.
+    """
 
     def __init__(self, mesh: jax.sharding.Mesh, specs: dict):
         self.params = jax.tree.map(lambda s: NamedSharding(mesh, s), specs, is_leaf=lambda x: isinstance(x, P))
         self.leaves = jax.tree.leaves(self.params)
         self.batch = NamedSharding(mesh, P(BATCH_AXES))
+        self.multi_process = any(d.process_index != jax.process_index() for d in mesh.devices.flat)
+        self._replicate = jax.jit(lambda tree: tree, out_shardings=NamedSharding(mesh, P()))
+
+    def _put(self, tree, shardings):
+        if not self.multi_process:
+            return jax.device_put(tree, shardings)
+        def put(x, sharding):
+            if isinstance(x, jax.Array):  # restored onto the devices already
+                return jax.device_put(x, sharding)
+            return jax.make_array_from_callback(np.shape(x), sharding, lambda index: np.asarray(x)[index])
+
+        return jax.tree.map(put, tree, shardings)
 
     def place(self, host_params: dict) -> dict:
-        """The parameters (a NumPy pytree) on the devices, sharded."""
-        return jax.device_put(host_params, self.params)
+        """The parameters (a NumPy pytree, whole on every process) on the devices, sharded."""
+        return self._put(host_params, self.params)
 
     def place_leaves(self, indices: Sequence[int], leaves: Sequence[np.ndarray]) -> list[jax.Array]:
         """Parameter leaves number `indices` (`jax.tree.leaves` order) on the devices, sharded."""
-        return jax.device_put(list(leaves), [self.leaves[i] for i in indices])
+        return self._put(list(leaves), [self.leaves[i] for i in indices])
 
-    def batch_of(self, windows: np.ndarray) -> tuple[jax.Array, jax.Array]:
-        """uint8 [B, S + 1] windows -> int32 (inputs, targets) [B, S] each, on the devices."""
+    def local_rows(self, batch_size: int) -> slice:
+        """The rows of a [batch_size, ...] batch that this process's devices hold (all of them in one process).
+
+        Raises:
+          ValueError: they are not contiguous (a mesh whose devices are not grouped by process).
+        """
+        spans = sorted({(i[0].start or 0, batch_size if i[0].stop is None else i[0].stop)
+                        for i in self.batch.addressable_devices_indices_map((batch_size, 1)).values()})
+        lo, hi = spans[0][0], spans[-1][1]
+        if sum(b - a for a, b in spans) != hi - lo:
+            raise ValueError(f"this process's rows of the batch are not contiguous: {spans}")
+        return slice(lo, hi)
+
+    def batch_of(self, windows: np.ndarray, batch_size: int | None = None) -> tuple[jax.Array, jax.Array]:
+        """uint8 [b, S + 1] windows -> int32 (inputs, targets) [B, S] each, on the devices. `windows` are this
+        process's rows (`local_rows`) of a batch of `batch_size` (default: b, one process holds all)."""
         windows = windows.astype(np.int32)
-        return jax.device_put(windows[:, :-1], self.batch), jax.device_put(windows[:, 1:], self.batch)
+        inputs, targets = windows[:, :-1], windows[:, 1:]
+        if not self.multi_process:
+            return jax.device_put(inputs, self.batch), jax.device_put(targets, self.batch)
+        shape = (batch_size or len(windows), inputs.shape[1])
+        return tuple(jax.make_array_from_process_local_data(self.batch, x, shape) for x in (inputs, targets))
+
+    def to_host(self, tree):
+        """Every leaf whole, as NumPy (a collective on a multi-process mesh unless the leaves are replicated)."""
+        if not self.multi_process:
+            return jax.device_get(tree)
+        if not all(x.is_fully_replicated for x in jax.tree.leaves(tree)):
+            tree = self._replicate(tree)
+        return jax.tree.map(lambda x: np.asarray(x.addressable_data(0)), tree)
 
 
 class SimulatedSpeed:
@@ -155,9 +204,15 @@ class Island:
         check_dispatch(config.moe.dispatch, cfg.mesh.expert, devices[0].platform)
         self.mesh = island_mesh(cfg.mesh.data, cfg.mesh.expert, devices)
         self.shardings = Shardings(self.mesh, specs)
+        # Of an island of several processes: this process's index and their count; each sends its share of
+        # every payload (`fragment_shares`), and every process holds the same global parameters.
+        self.multi_process = self.shardings.multi_process
+        self.part, self.parts = (jax.process_index(), jax.process_count()) if self.multi_process else (0, 1)
         self.global_params = params  # host copy of the global view (NumPy): the anchor
         self._global_checksum: str | None = None
-        self.dataset = data_lib.train_dataset(train_bytes, config.model.seq_len, cfg.batch_size, config.seed)
+        self.dataset = data_lib.train_dataset(
+            train_bytes, config.model.seq_len, cfg.batch_size, config.seed, rows=self.shardings.local_rows(cfg.batch_size)
+        )
         self.step = 0
         self._graphdef = graphdef
         self._build_train_step(self.inner_steps * total_rounds)
@@ -175,6 +230,7 @@ class Island:
             codec.chunk_plan(self.fragments.take(params, f), c.kind, c.block_size, config.comm.chunk_bytes)
             for f in range(len(self.partition))
         ]
+        self.fragment_shares = [codec.deal(plan, self.parts) for plan in self.fragment_plans]  # per fragment, part
 
     def _build_train_step(self, total_steps: int) -> None:
         """The inner optimizer for `total_steps` steps in all, and the jitted step that uses it (its first
@@ -199,7 +255,7 @@ class Island:
         with self.device_lock, jax.set_mesh(self.mesh):
             params = jax.tree.map(lambda x: x.copy(), self.params)
             opt_state = jax.tree.map(lambda x: x.copy(), self.opt_state)
-            inputs, targets = self.shardings.batch_of(self.dataset[self.step])
+            inputs, targets = self.shardings.batch_of(self.dataset[self.step], self.batch_size)
             jax.block_until_ready(self._train_step(params, opt_state, inputs, targets, self.step))
             self._compile_pending = False
             for f in range(len(self.partition)):
@@ -240,7 +296,7 @@ class Island:
                 not history or time.perf_counter() - start < budget
             ):
                 step_start = time.perf_counter()
-                inputs, targets = self.shardings.batch_of(self.dataset[self.step])
+                inputs, targets = self.shardings.batch_of(self.dataset[self.step], self.batch_size)
                 with self.device_lock:
                     self.params, self.opt_state, metrics = self._train_step(
                         self.params, self.opt_state, inputs, targets, self.step
@@ -259,7 +315,7 @@ class Island:
                 self.step += 1
                 if after_step is not None:
                     after_step(len(history), time.perf_counter() - start, step_times[-1])
-            history = jax.device_get(history)
+            history = self.shardings.to_host(history)
         seconds = time.perf_counter() - start
         out = {k: [float(m[k]) for m in history] for k in step_lib.STEP_METRICS}
         out["layers"] = [{k: np.asarray(m["layers"][k]) for k in LAYER_METRICS} for m in history]
@@ -289,10 +345,13 @@ class Island:
 
         Runs on the calling (training) thread and waits for the result, so the
         next inner step may take (donate) the parameters.
+        Of an island of several processes, the values come back whole to every process's host (an all-gather over
+        the island's interconnect), which encodes its share of the chunks from them.
         """
         anchor, params = self.fragments.take(self.anchor, fragment), self.fragments.take(self.params, fragment)
         with self.device_lock, jax.set_mesh(self.mesh):
-            return jax.block_until_ready(step_lib.pseudo_gradient(anchor, params))
+            pseudo_gradient = jax.block_until_ready(step_lib.pseudo_gradient(anchor, params))
+            return self.shardings.to_host(pseudo_gradient) if self.multi_process else pseudo_gradient
 
     def encode_fragment(self, fragment: int, pseudo_gradient: list) -> codec.ChunkEncoder:
         """The fragment's pseudo-gradient for the wire (`codec.ChunkEncoder` over `fragment_plans[fragment]`,
@@ -305,14 +364,25 @@ class Island:
         """
         c = self.config.codec
         residual = self.fragments.take(self.residual, fragment) if c.error_feedback else None
-        return codec.ChunkEncoder(
-            pseudo_gradient, c.kind, c.block_size, self.fragment_plans[fragment], residual, measure=True
-        )
+        share = self.fragment_shares[fragment][self.part]
+        return codec.ChunkEncoder(pseudo_gradient, c.kind, c.block_size, share, residual, measure=True)
 
     def fragment_checksum(self, fragment: int) -> str:
         """`model.init.checksum` of the fragment's global leaves (a list): what its contribution carries. With one
         fragment it equals `global_checksum`."""
         return checksum(self.fragments.take(self.global_params, fragment))
+
+    def gather_update(self, fragment: int, payload: bytes) -> bytes:
+        """The fragment's whole update on every process, from each process's share (`GrpcTransport.fetch_update`
+        of an island of several processes): a collective, on the training thread. One process: `payload`."""
+        if not self.multi_process:
+            return payload
+        return distributed.gather_shares(payload, self.fragment_shares[fragment])
+
+    def agree(self, value) -> list:
+        """Every process's `value` (JSON), in process order (`distributed.allgather_json`, a collective on the
+        training thread); [value] for an island of one process."""
+        return distributed.allgather_json(value) if self.multi_process else [value]
 
     def decode_fragment(self, fragment: int, payload: bytes) -> list[np.ndarray]:
         """The fragment's new global leaves: its update applied with `codec.decode_and_apply` (host NumPy,
@@ -370,17 +440,37 @@ class Island:
             self.params = self.shardings.place(self.global_params)
             self.anchor = self.shardings.place(self.global_params)
 
+    def _merged_residual(self) -> Any:
+        """The error-feedback residual whole: each process keeps it for the chunks it encodes (its share), so
+        the processes' residuals are put together chunk by chunk (a collective); one process: its own."""
+        if not self.multi_process or not self.config.codec.error_feedback:
+            return self.residual
+        gathered = multihost_utils.process_allgather(self.residual)  # leaves [processes, *shape]
+        leaves = [np.array(x[0], np.float32) for x in jax.tree.leaves(gathered)]
+        flat = [x.reshape(-1) for x in leaves]
+        everyone = [x.reshape(x.shape[0], -1) for x in jax.tree.leaves(gathered)]
+        for f, shares in enumerate(self.fragment_shares):
+            for p, share in enumerate(shares):
+                for chunk in share:
+                    for piece in chunk.pieces:
+                        leaf = self.partition[f][piece.leaf]
+                        flat[leaf][piece.start : piece.stop] = everyone[leaf][p, piece.start : piece.stop]
+        self.residual = jax.tree.unflatten(jax.tree.structure(self.residual), leaves)
+        return self.residual
+
     # -- checkpoints and evaluation --------------------------------------------------------------------
 
-    def state(self, round: int) -> dict:
+    def state(self, round: int, template: bool = False) -> dict:
         """What a checkpoint holds after `round` completed rounds: `params`, `anchor`,
         `opt_state` (AdamW), `residual` (error feedback, float32 NumPy), `step` (inner steps taken,
-        also the data position; int64 []) and `round` (int64 [])."""
+        also the data position; int64 []) and `round` (int64 []). Of an island of several processes, the
+        residual is first put together from every process's share (a collective), unless the state is only
+        a `template` to restore into."""
         return dict(
             params=self.params,
             anchor=self.anchor,
             opt_state=self.opt_state,
-            residual=self.residual,
+            residual=self.residual if template else self._merged_residual(),
             step=np.asarray(self.step, np.int64),
             round=np.asarray(round, np.int64),
         )
@@ -388,7 +478,7 @@ class Island:
     def load_state(self, state: dict) -> int:
         """Continues from a checkpointed `state()`; returns its round (completed rounds)."""
         opt_sharding = jax.tree.map(lambda x: x.sharding, self.opt_state)
-        self.global_params = state["anchor"]
+        self.global_params = jax.tree.map(np.asarray, self.shardings.to_host(state["anchor"]))
         self._global_checksum = None
         with jax.set_mesh(self.mesh):
             self.params = self.shardings.place(state["params"])
@@ -405,5 +495,9 @@ class Island:
         params = self.anchor if global_params else self.params
         with self.device_lock, jax.set_mesh(self.mesh):
             # One batch in flight at a time, as in train_round (XLA:CPU rendezvous).
-            losses = [float(self._eval_step(params, *self.shardings.batch_of(b))) for b in batches]
+            rows = self.shardings.local_rows(len(batches[0])) if batches else slice(None)
+            losses = [
+                float(self.shardings.to_host(self._eval_step(params, *self.shardings.batch_of(b[rows], len(b)))))
+                for b in batches
+            ]
             return float(np.mean(np.asarray(losses, np.float32)))

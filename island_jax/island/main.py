@@ -24,6 +24,7 @@ from absl import logging
 
 from island_jax import config as config_lib
 from island_jax import data as data_lib
+from island_jax import distributed
 from island_jax.comm.inprocess import InProcessExchange, InProcessTransport, RunAborted
 from island_jax.comm.link import LinkEmulator
 from island_jax.comm.transport import CoordinatorRestarted, ExchangeError, gbps
@@ -43,10 +44,14 @@ from island_jax.workdir import (
 )
 
 
-def connect(config: ml_collections.ConfigDict, exchange: str | InProcessExchange | None, finished=None):
+def connect(
+    config: ml_collections.ConfigDict, exchange: str | InProcessExchange | None, finished=None, part: int = 0,
+    parts: int = 1,
+):
     """Island's transport to `exchange`: gRPC to "HOST:PORT", in process to an `InProcessExchange`, or None
     (no outer loop). An emulated link (`comm.link` in the config) sits under either transport. `finished`
-    (gRPC): called while the coordinator is unreachable; True ends the retries (the run is over)."""
+    (gRPC): called while the coordinator is unreachable; True ends the retries (the run is over). `part`,
+    `parts`: this process of an island of several (gRPC), which moves its share of every payload."""
     if exchange is None:
         return None
     link, c = LinkEmulator.from_config(config), config.comm
@@ -58,7 +63,7 @@ def connect(config: ml_collections.ConfigDict, exchange: str | InProcessExchange
     return GrpcTransport(
         exchange, c.chunk_bytes, c.join_timeout_seconds, c.round_timeout_seconds, connections=c.connections,
         pipeline=c.pipeline, link=link, reconnect_seconds=c.reconnect_seconds, finished=finished, tls=c.tls,
-        token=security.read_token(c.auth.token_file, c.auth.token_env),
+        token=security.read_token(c.auth.token_file, c.auth.token_env), part=part, parts=parts,
     )
 
 
@@ -109,25 +114,37 @@ def run_island(
     devices = list(devices) if devices is not None else jax.devices()[: cfg.num_devices]
     config_lib.validate(config, num_available_devices=len(devices), island=name)
     start = time.perf_counter()
-    role = open_role(config, island_dir(workdir, name))
+    # An island of several processes runs as one in a single process (the in-process run: the same devices).
+    multi_process = cfg.num_processes > 1 and jax.process_count() > 1
+    if multi_process and jax.process_count() != cfg.num_processes:
+        raise config_lib.ConfigError(
+            f"islands.{name}.num_processes is {cfg.num_processes} but this process is one of {jax.process_count()}; "
+            "start each of the island's processes with --process_id and --island_coordinator (docs/cluster.md)"
+        )
+    primary = jax.process_index() == 0 if multi_process else True  # writes the island's metrics, once
+    role = open_role(config, island_dir(workdir, name), primary=primary)
     names, rounds = list(config.islands.keys()), config.outer.rounds
     transport = events = sync = None
     try:
         corpus = data_lib.load_corpus(config.data.files, config.data.eval_fraction, names)
         graphdef, params, specs = init_params(config)
+        if multi_process and devices[0].platform == "cpu":  # gloo between the processes: check it first
+            leaf_sizes = [int(np.size(x)) for x in jax.tree.leaves(params)]
+            distributed.check_collectives(devices, distributed.check_sizes(leaf_sizes, len(devices)))
         island = Island(name, config, devices, graphdef, params, specs, corpus.train_bytes[name], rounds, device_lock)
         first = 0
         if role.checkpoints.latest_round() is not None:
-            first = island.load_state(role.checkpoints.restore(island.state(0)))
+            first = island.load_state(role.checkpoints.restore(island.state(0, template=True)))
             logging.info("island %s resumed from the checkpoint of round %d (step %d)", name, first, island.step)
         if first >= rounds:
             logging.info("the run is complete (%d of %d rounds); nothing to do", first, rounds)
             return {}
         island.warm_up()  # compiles before the first round's clock starts
-        transport = connect(config, exchange, finished=lambda: run_finished(workdir))
+        transport = connect(config, exchange, finished=lambda: run_finished(workdir), part=island.part,
+                            parts=island.parts)
         evaluator = _Evaluator(config, corpus, island, role, global_params=transport is not None) if name == names[0] else None
         first, fragment_rounds = _join(config, island, transport, role, first, evaluator)
-        events = EventLog(os.path.join(role.path, "events.jsonl"), name)
+        events = EventLog(os.path.join(role.path, "events.jsonl") if primary else None, name)
         link = transport.link if transport is not None else None
         sync = StreamingSync(island, transport, config, first, link=link, events=events, fragment_rounds=fragment_rounds)
         _train_rounds(config, island, sync, role, evaluator, first, stop)
@@ -140,6 +157,8 @@ def run_island(
             if part is not None:
                 part.close()
         role.close()
+    if not primary:
+        return {}
     summary = summarize_island(role.path)
     summary.update(
         params=count(params), codec=config.codec.kind, block_size=config.codec.block_size,
@@ -194,7 +213,7 @@ def _join(config, island: Island, transport, role: RoleFolder, first: int, evalu
     if evaluator is not None:
         loss = evaluator(first, write=first == 0)
         logging.info("round %d: eval loss %.4f nats/byte", first, loss)
-    if transport is not None and not rejoined:  # every island starts its first round at the same moment
+    if transport is not None and not rejoined and island.part == 0:  # every island starts its first round together
         transport.start_together(name, fingerprint, island.global_checksum, first)
     return first, fragment_rounds
 
@@ -216,12 +235,13 @@ def align(config, island: Island, transport, role: RoleFolder, at: int, resume: 
       the island's state was replaced).
     """
     name = island.name
-    reply = transport.join(name, config_lib.fingerprint_fields(config), island.global_checksum, at)
+    # process 0's join decides for every process of the island (the others only learn the coordinator's plans)
+    reply = island.agree(transport.join(name, config_lib.fingerprint_fields(config), island.global_checksum, at))[0]
     target = reply["round"]
     if resume and not reply["rejoin"]:
         return at, None, False
     if target <= at and target in role.checkpoints.rounds(wait=True):
-        island.load_state(role.checkpoints.restore(island.state(0), round=target))
+        island.load_state(role.checkpoints.restore(island.state(0, template=True), round=target))
         if island.global_checksum == reply["checksum"]:
             logging.warning("island %s rolls back from round %d to its checkpoint of round %d, the coordinator's: "
                             "the run goes on bit for bit", name, at, target)
@@ -285,6 +305,8 @@ def _train_rounds(config, island: Island, sync: StreamingSync, role: RoleFolder,
             _log_rejoin(island, role, r + 1, sync.rejoined_round, "view")
             r, sync.rejoined_round = sync.rejoined_round - 1, None  # the rounds completed are now the view's
         record = _round_record(island, result, r)
+        if island.multi_process:
+            _agree_on_round(island, record, r)
         if evaluator is not None and due(r + 1, config.eval.every_rounds, rounds):
             with sync.between_rounds("eval"):
                 record["eval_loss"] = evaluator(r + 1)
@@ -294,7 +316,7 @@ def _train_rounds(config, island: Island, sync: StreamingSync, role: RoleFolder,
                 state = island.state(r + 1)
                 saved = role.checkpoints.save(r + 1, state, force=True)
             if saved:
-                checksums = {k: checksum(jax.device_get(v)) for k, v in state.items()}
+                checksums = {k: checksum(island.shardings.to_host(v)) for k, v in state.items()}
                 role.metrics.write(dict(kind="checkpoint", round=r + 1, checksums=checksums))
         logging.info(
             "island %s round %d/%d | loss %.4f | eval %s | sent/received %.2f/%.2f MB | compute %.1f s, blocked "
@@ -307,10 +329,30 @@ def _train_rounds(config, island: Island, sync: StreamingSync, role: RoleFolder,
         r += 1
 
 
+def _agree_on_round(island: Island, record: dict, r: int) -> None:
+    """Of an island of several processes: checks that every process holds the same global parameters after
+    round `r` (0-based), and books the island's bytes as all its processes moved them (`process_*` fields:
+    per process, in process order; `bytes_sent` and `bytes_received`: their sums).
+
+    Raises:
+      RuntimeError: the processes' global parameters differ (their checksums are named).
+    """
+    shared = island.agree([island.global_checksum, record["bytes_sent"], record["bytes_received"]])
+    checksums = [c for c, _, _ in shared]
+    if len(set(checksums)) != 1:
+        raise RuntimeError(f"island {island.name}: after round {r + 1} its processes hold different global "
+                           f"parameters (checksums {checksums}); the update was not applied alike")
+    record.update(
+        process_checksums=checksums, process_bytes_sent=[s for _, s, _ in shared],
+        process_bytes_received=[b for _, _, b in shared],
+        bytes_sent=sum(s for _, s, _ in shared), bytes_received=sum(b for _, _, b in shared),
+    )
+
+
 def _round_record(island: Island, result: dict, r: int) -> dict:
     """The island's metrics record of round `r` (0-based); see `StreamingSync.run_round` for the fields."""
     # Without an outer loop the run's parameters are the island's own (copied now: the next step donates them).
-    params = island.global_params if island.config.outer.enabled else jax.device_get(island.params)
+    params = island.global_params if island.config.outer.enabled else island.shardings.to_host(island.params)
     return dict(
         kind="round",
         round=r + 1,

@@ -39,7 +39,7 @@ from typing import Callable, Protocol, runtime_checkable
 import numpy as np
 from absl import logging
 
-from island_jax.comm.transport import Transport
+from island_jax.comm.transport import CoordinatorRestarted, ExchangeError, Transport
 from island_jax.coordinator import ContributionHeader, StaleRoundError
 from island_jax.island.accounting import BetweenRounds, EventLog, RoundAccounting, StepTimes
 from island_jax.outer import codec
@@ -58,9 +58,13 @@ class OuterLoopIsland(Protocol):
       partition: per fragment, its leaf indices in `jax.tree.leaves` order.
       fragment_plans: per fragment, its payload's `codec.Chunk`s (their `nbytes` sum to the payload's bytes).
       last_step_compiled: the last inner step compiled, so its seconds say nothing of the step time.
+      multi_process: the island spans several processes: each exchanges its share of every payload, and the
+        update is put together (`gather_update`) and applied on the training thread, where the processes'
+        collectives run in the same order.
     """
 
     name: str
+    multi_process: bool
     step: int
     inner_steps: int
     tokens_per_step: int
@@ -90,8 +94,14 @@ class OuterLoopIsland(Protocol):
     def fragment_checksum(self, fragment: int) -> str:
         """`model.init.checksum` of the fragment's global leaves (called on an exchange thread)."""
 
+    def agree(self, value) -> list:
+        """Every process's `value`, in process order ([value] with one process; training thread)."""
+
+    def gather_update(self, fragment: int, payload: bytes) -> bytes:
+        """The whole update from every process's share (`payload` itself with one process; training thread)."""
+
     def decode_fragment(self, fragment: int, payload: bytes) -> list[np.ndarray]:
-        """The fragment's new global leaves from the update (called on an exchange thread)."""
+        """The fragment's new global leaves from the update (called on an exchange thread with one process)."""
 
     def place_fragment(self, fragment: int, global_leaves: list[np.ndarray], copies: int) -> list:
         """`copies` device placements of the new global leaves (called on an exchange thread)."""
@@ -103,6 +113,18 @@ class OuterLoopIsland(Protocol):
 
     def load_view(self, payload: bytes) -> None:
         """Replaces every global parameter with the coordinator's view (a float32 "none" payload)."""
+
+
+_FAILURES = ("restarted", "stale", "error")  # how an exchange can fail, the one every process follows first
+
+
+def _outcome_of(error: BaseException) -> list:
+    """[kind, round, message] of a failed exchange, as the processes of an island share it (JSON)."""
+    if isinstance(error, CoordinatorRestarted):
+        return ["restarted", error.round, str(error)]
+    if isinstance(error, StaleRoundError):
+        return ["stale", 0, str(error)]
+    return ["error", 0, f"{type(error).__name__}: {error}"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -378,6 +400,8 @@ class StreamingSync:
         schedule.steps_at_contribution[fragment] = island.step
         pseudo_gradient = island.fragment_pseudo_gradient(fragment)
         tau = self.current_tau(fragment)
+        if island.multi_process:  # every process applies the update at the same step: process 0's tau
+            tau = island.agree(tau)[0]
         schedule.last_tau = tau
         step_seconds = self.clean_step_seconds()
         tokens = max(steps, 1) * island.tokens_per_step
@@ -401,8 +425,11 @@ class StreamingSync:
         t1 = time.time()
         self.events.add("send", t0, t1, round=round + 1, fragment=fragment)
         update = transport.fetch_update(round, island.name, fragment=fragment)
-        new_leaves = island.decode_fragment(fragment, update)
-        placed = island.place_fragment(fragment, new_leaves, 2 if tau == 0 else 1)
+        if island.multi_process:  # this process's share: put together on the training thread (`_apply`)
+            new_leaves, placed = update, None
+        else:
+            new_leaves = island.decode_fragment(fragment, update)
+            placed = island.place_fragment(fragment, new_leaves, 2 if tau == 0 else 1)
         t2 = time.time()
         self.events.add("receive", t1, t2, round=round + 1, fragment=fragment)
         stats = transport.stats(round, fragment)
@@ -432,7 +459,7 @@ class StreamingSync:
             self.accounting.waits += 1
             self.events.add("wait", t0, t1, round=flight.round + 1, fragment=fragment)
         try:
-            done = flight.future.result()
+            done = self._outcome(flight)
         except StaleRoundError:
             self._rejoin()
             return
@@ -442,6 +469,35 @@ class StreamingSync:
         self.accounting.exchanges.append(done)
         if done["planned"]:
             self.schedule.planned_inner_steps = done["planned"]
+
+    def _outcome(self, flight: _Flight) -> dict:
+        """The finished exchange's result. Of an island of several processes, every process's outcome is
+        shared first, so that all of them go on the same way (apply, rejoin from the view, or fail), and the
+        update is put together from their shares and decoded here.
+
+        Raises:
+          The exchange's error, or that of another process of the island (StaleRoundError on any: all rejoin).
+        """
+        island = self.island
+        if not island.multi_process:
+            return flight.future.result()
+        error = flight.future.exception()
+        outcomes = island.agree(None if error is None else _outcome_of(error))
+        failed = [(p, o) for p, o in enumerate(outcomes) if o is not None]
+        if failed:  # every process fails the same way: a coordinator restart first, then a rejoin, then errors
+            p, (kind, round, message) = min(failed, key=lambda f: (_FAILURES.index(f[1][0]), f[0]))
+            if error is not None and _outcome_of(error)[0] == kind:
+                raise error
+            if kind == "restarted":
+                raise CoordinatorRestarted(round, f"process {p} of the island: {message}")
+            if kind == "stale":
+                raise StaleRoundError(f"process {p} of the island: {message}")
+            raise ExchangeError(f"island {island.name}: process {p}'s exchange of round {flight.round + 1} failed "
+                                f"({message})")
+        done = flight.future.result()
+        payload = island.gather_update(flight.fragment, done["new_leaves"])
+        done["new_leaves"] = island.decode_fragment(flight.fragment, payload)
+        return done
 
     def _apply_due(self, step: int | None = None) -> None:
         """Applies the updates due by inner step `step` (every one when None), in the order they are due."""

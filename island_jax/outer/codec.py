@@ -160,6 +160,25 @@ def chunk_plan(like: Any, kind: str, block_size: int, chunk_bytes: int) -> list[
     return plan
 
 
+def deal(plan: list[Chunk], parts: int) -> list[list[Chunk]]:
+    """The chunks of `plan` dealt out to `parts` senders (the processes of one island), balanced by bytes.
+
+    In index order, each chunk goes to the part with the fewest bytes so far (the lowest part on a tie), so
+    every part's bytes are within one chunk of the others' and each part's chunks spread over the whole
+    payload (they arrive interleaved, as the chunk-wise merge takes them). Every end derives the same deal.
+
+    Returns:
+      Per part, its chunks in index order (a part may have none when there are fewer chunks than parts).
+    """
+    shares: list[list[Chunk]] = [[] for _ in range(parts)]
+    loads = [0] * parts
+    for chunk in plan:
+        part = min(range(parts), key=lambda p: (loads[p], p))
+        shares[part].append(chunk)
+        loads[part] += chunk.nbytes
+    return shares
+
+
 def payload_bytes(like: Any, kind: str, block_size: int) -> int:
     """Bytes of a whole payload for a pytree shaped like `like` (arrays or ShapeDtypeStructs).
 
@@ -356,18 +375,19 @@ class ChunkEncoder:
         if plan is None:
             plan = [Chunk(0, 0, payload_bytes(tree, kind, block_size), tuple(pieces(tree, kind, block_size)))]
         self.plan = plan
+        self._chunks = {c.index: c for c in plan}  # a share of a payload's plan is a plan too
         self.nbytes = sum(c.nbytes for c in plan)
         self._lock = threading.Lock()
-        self._ready: list[threading.Event] | None = None  # after start(): chunk k is encoded
-        self._built: list[list | None] = []
+        self._ready: dict[int, threading.Event] | None = None  # after start(): chunk k is encoded
+        self._built: dict[int, list | None] = {}
         self._error: BaseException | None = None
         self._scratch: np.ndarray | None = None
 
     def start(self) -> "ChunkEncoder":
         """Encodes every chunk, in order, on a background thread; `chunk(k)` then waits for chunk k."""
         if self._ready is None:
-            self._ready = [threading.Event() for _ in self.plan]
-            self._built = [None] * len(self.plan)
+            self._ready = {c.index: threading.Event() for c in self.plan}
+            self._built = dict.fromkeys(self._ready)
             threading.Thread(target=self._produce, name="encode", daemon=True).start()
         return self
 
@@ -380,7 +400,7 @@ class ChunkEncoder:
                 self._ready[chunk.index].set()
         except BaseException as e:  # noqa: BLE001 - handed to the thread that asks for the chunk
             self._error = e
-            for event in self._ready:
+            for event in self._ready.values():
                 event.set()
         finally:
             self._scratch = None
@@ -411,7 +431,7 @@ class ChunkEncoder:
         if self._encoded is not None:
             return self._cut(index)
         parts, intended_sq, lost_sq = [], 0.0, 0.0
-        for piece in self.plan[index].pieces:
+        for piece in self._chunks[index].pieces:
             x = self.leaves[piece.leaf][piece.start : piece.stop]
             if self.residuals is not None:
                 x = x + self.residuals[piece.leaf][piece.start : piece.stop]
@@ -444,7 +464,7 @@ class ChunkEncoder:
     def _cut(self, index: int) -> list:
         """Chunk `index` cut from the device program's codes (the same layout, piece by piece)."""
         parts = []
-        for piece in self.plan[index].pieces:
+        for piece in self._chunks[index].pieces:
             encoded = self._encoded[piece.leaf]
             values = encoded[0][piece.start : piece.stop]
             if self.kind == "none":

@@ -1,0 +1,166 @@
+"""An island of several processes (hosts): one `jax.distributed` job, and a check of its CPU collectives.
+
+Every process of a multi-process island calls `initialize` before JAX starts
+its backend. The island's processes then form one job of their own (each
+island has its own JAX coordinator; islands never share one): `jax.devices()`
+lists every device of the island, the mesh spans them, and the inner step is
+one SPMD program over all of them. The coordinator address, process count and
+id come from the flags (`--island_coordinator`, `--process_id`) or, when those
+are not given, from the cluster environment `jax.distributed` detects itself
+(SLURM, TPU VMs); docs/cluster.md shows both.
+
+The distributed runtime's heartbeat and shutdown timeouts
+(`config.distributed`) bound how long a process whose peer died waits:
+the runtime notices the missing heartbeats and ends the survivor with an
+error, instead of leaving it in a collective forever.
+
+`check_collectives` is the start-up self-check of a multi-process CPU island
+(gloo collectives): a reduce-scatter and an all-gather of known values, at
+the sizes the island's own programs move, compared with the exact expected
+result. It exists because a JAX release made CPU `psum_scatter` return wrong
+values at chunk ends, intermittently and with no error (jax-ml/jax#40830).
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Iterable, Sequence
+
+import jax
+import numpy as np
+from absl import logging
+from jax.experimental import multihost_utils
+from jax.lax import all_gather, psum_scatter
+from jax.sharding import AxisType, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+_AXIS = "processes"  # the self-check's one mesh axis, over every device of the island
+
+
+class CollectiveCheckError(RuntimeError):
+    """A collective of the island returned other values than the exact expected ones (see `check_collectives`)."""
+
+
+def initialize(num_processes: int, process_id: int | None, coordinator_address: str | None, timeouts) -> None:
+    """Joins this process to its island's `jax.distributed` job (before JAX starts its backend).
+
+    Args:
+      num_processes: `islands.NAME.num_processes` (more than 1).
+      process_id: this process's index in the island (0 hosts the island's JAX coordinator), or None: from
+        the cluster environment (SLURM, TPU VM).
+      coordinator_address: the island's JAX coordinator, "HOST:PORT" of its process 0, or None: from the
+        cluster environment.
+      timeouts: `config.distributed` (`initialization_timeout_seconds`, `heartbeat_timeout_seconds`,
+        `shutdown_timeout_seconds`).
+
+    Raises:
+      RuntimeError: the job formed with another process count than the config's.
+    """
+    # On CPU, collectives between processes run over gloo (TCP); other backends bring their own.
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    jax.distributed.initialize(
+        coordinator_address=coordinator_address,
+        num_processes=num_processes,
+        process_id=process_id,
+        initialization_timeout=int(timeouts.initialization_timeout_seconds),
+        heartbeat_timeout_seconds=int(timeouts.heartbeat_timeout_seconds),
+        shutdown_timeout_seconds=int(timeouts.shutdown_timeout_seconds),
+    )
+    if jax.process_count() != num_processes:
+        raise RuntimeError(
+            f"the island's jax.distributed job has {jax.process_count()} processes but its config says "
+            f"num_processes={num_processes}; start exactly that many, or correct the config"
+        )
+    logging.info("process %d of %d of the island joined its jax.distributed job (%d devices in all, %d here)",
+                 jax.process_index(), jax.process_count(), jax.device_count(), jax.local_device_count())
+
+
+def allgather_json(value) -> list:
+    """Every process's `value` (anything JSON can hold), in process order: a collective over the island's
+    devices, so the training thread calls it at the same point on every process. One process: [value]."""
+    if jax.process_count() == 1:
+        return [value]
+    data = np.frombuffer(json.dumps(value).encode(), np.uint8)
+    sizes = multihost_utils.process_allgather(np.asarray([data.size], np.int64))
+    padded = np.zeros(int(sizes.max()), np.uint8)
+    padded[: data.size] = data
+    rows = multihost_utils.process_allgather(padded)
+    return [json.loads(bytes(row[: int(n)])) for row, n in zip(rows, sizes.reshape(-1))]
+
+
+def gather_shares(payload, shares: Sequence[Sequence]) -> bytes:
+    """The whole payload on every process, from each process's share of its chunks (`codec.deal`): process p's
+    `payload` holds the chunks `shares[p]` at their offsets. A collective over the island's devices (its fast
+    interconnect): the training thread calls it at the same point on every process."""
+    mine = np.frombuffer(payload, np.uint8)
+    if jax.process_count() == 1:
+        return bytes(mine)
+    rows = multihost_utils.process_allgather(mine)  # uint8 [processes, payload bytes]
+    whole = np.empty_like(mine)
+    for p, share in enumerate(shares):
+        for chunk in share:
+            whole[chunk.offset : chunk.offset + chunk.nbytes] = rows[p, chunk.offset : chunk.offset + chunk.nbytes]
+    return whole.tobytes()
+
+
+def check_sizes(leaf_sizes: Iterable[int], num_devices: int) -> list[int]:
+    """The element counts the self-check moves per device: each distinct parameter leaf size (what the inner
+    step reduces and the exchange gathers), rounded up to a multiple of `num_devices`, ascending."""
+    return sorted({-(-int(n) // num_devices) * num_devices for n in leaf_sizes if n > 0})
+
+
+def _pattern(num_elements: int, salt: int) -> np.ndarray:
+    """float32 integers below 2**12, so that sums over up to 4096 devices are exact."""
+    return ((np.arange(num_elements, dtype=np.int64) * 7 + salt) % 1021).astype(np.float32)
+
+
+def check_collectives(devices: Sequence[jax.Device], sizes: Sequence[int]) -> None:
+    """A reduce-scatter and an all-gather of known float32 values over `devices`, compared exactly.
+
+    For each size n (elements per device, a multiple of len(devices)): device d holds
+    `_pattern(n, d)`; the reduce-scatter must leave device d the d-th n/D slice of their sum, and the
+    all-gather of those slices must give every device the whole sum, bit for bit.
+
+    Raises:
+      CollectiveCheckError: naming the collective, the size, the device and the first wrong element (with
+        its value, the expected one and the distance in ulps).
+    """
+    count = len(devices)
+    mesh = jax.make_mesh((count,), (_AXIS,), axis_types=(AxisType.Explicit,), devices=list(devices))
+    sharding = NamedSharding(mesh, P(_AXIS))
+    reduce_scatter = jax.jit(jax.shard_map(
+        lambda x: psum_scatter(x, _AXIS, scatter_dimension=0, tiled=True), mesh=mesh, in_specs=P(_AXIS),
+        out_specs=P(_AXIS), check_vma=False,
+    ))
+    gather = jax.jit(jax.shard_map(
+        lambda x: all_gather(x, _AXIS, axis=0, tiled=True), mesh=mesh, in_specs=P(_AXIS), out_specs=P(_AXIS),
+        check_vma=False,
+    ))
+    for n in sizes:
+        parts = [_pattern(n, d) for d in range(count)]
+        total = np.sum(np.stack(parts), axis=0, dtype=np.float32)
+        inputs = jax.make_array_from_callback((count * n,), sharding, lambda idx: np.concatenate(parts)[idx])
+        scattered = reduce_scatter(inputs)
+        piece = n // count
+        for shard in scattered.addressable_shards:
+            d = shard.index[0].start // piece
+            _compare("reduce-scatter", n, d, np.asarray(shard.data), total[d * piece : (d + 1) * piece])
+        gathered = gather(scattered)
+        for shard in gathered.addressable_shards:
+            _compare("all-gather", n, shard.index[0].start // n, np.asarray(shard.data), total)
+    logging.info("the island's collectives over %d devices returned the exact values at %d sizes (up to %d "
+                 "float32 elements per device)", count, len(sizes), max(sizes, default=0))
+
+
+def _compare(what: str, n: int, device: int, got: np.ndarray, expected: np.ndarray) -> None:
+    wrong = np.flatnonzero(got.view(np.uint32) != expected.view(np.uint32))
+    if wrong.size:
+        i = int(wrong[0])
+        ulps = abs(int(got.view(np.int32)[i]) - int(expected.view(np.int32)[i]))
+        raise CollectiveCheckError(
+            f"the island's {what} of {n} float32 elements per device returned wrong values on device {device}: "
+            f"{wrong.size} of {got.size} elements differ, the first at element {i} of {got.size} ({got[i]!r}, "
+            f"expected {expected[i]!r}: {ulps} ulp off). The collectives between this island's processes corrupt "
+            "data silently (as in jax-ml/jax#40830); training would diverge between its hosts. Use a jax/jaxlib "
+            "release without the fault, or run the island as one process"
+        )
