@@ -62,6 +62,27 @@ def _quiet_libraries() -> None:
     )
 
 
+def _leave_island(name: str, error: Exception) -> None:
+    """Ends this process of a multi-process island at once, saying why: its peers cannot go on without it (nor
+    it without them), and waiting for the distributed runtime's shutdown barrier would only delay the exit."""
+    import os
+
+    import jax
+
+    why = f"{type(error).__name__}: {error}"
+    if isinstance(error, jax.errors.JaxRuntimeError):
+        why = ("a collective with the island's other processes failed, most likely because one of them died "
+               f"({why})")
+    sys.stdout.flush()
+    sys.stderr.write(
+        f"island {name}, process {jax.process_index()} of {jax.process_count()}: {why}. This process ends; the "
+        "island's other processes end too (within distributed.heartbeat_timeout_seconds). Start all of them again "
+        "to resume the island from its checkpoints.\n"
+    )
+    sys.stderr.flush()
+    os._exit(1)
+
+
 def main(argv):
     del argv
     from island_jax import config as config_lib
@@ -107,7 +128,12 @@ def main(argv):
         else:
             from island_jax.island.main import run_island
 
-            run_island(config, _WORKDIR.value, name, _COORDINATOR.value if config.outer.enabled else None)
+            try:
+                run_island(config, _WORKDIR.value, name, _COORDINATOR.value if config.outer.enabled else None)
+            except Exception as e:
+                if island.num_processes > 1:
+                    _leave_island(name, e)
+                raise
     except config_lib.ConfigError as e:
         sys.exit(str(e))
     except (DataError, HandshakeError, ContributionError, ExchangeError, CheckpointError, FileExistsError,

@@ -1,4 +1,4 @@
-"""Starts a multi-process run on this machine: the coordinator and one process per island.
+"""Starts a multi-process run on this machine: the coordinator and the processes of every island.
 
   python launch/local.py --config=experiments/configs/two_islands.py --workdir=workdir/two_islands
 
@@ -11,6 +11,15 @@ stopped and the launcher exits with that process's status; on success it
 writes `WORKDIR/summary.json` from all roles. Overrides (`--config.a.b=v`, with
 `=`) go to every role. Running it again with the same workdir resumes every
 role from its newest checkpoint.
+
+An island of several processes (`islands.NAME.num_processes`, e.g.
+`--config.islands.a.num_processes=2`) is started as that many processes,
+`[island a/0]`, `[island a/1]`, ..., each with `--process_id` and the
+`--island_coordinator` of its process 0 on a free local port: one
+`jax.distributed` job per island, its CPU collectives over gloo, as a
+multi-host island on a cluster (docs/cluster.md). They fail and restart
+together: when one of them fails, the others are stopped, and with restarts
+left all of them start again (one restart of the island).
 
 `--restart=N` starts a role that exits with a non-zero status or a signal again,
 up to N times per role, with the same command line, environment and CPUs (it
@@ -308,6 +317,8 @@ class Role:
       env: its environment; None: the launcher's.
       cpus: CPUs it is kept to (Linux sched_setaffinity); None: any.
       netns: the network namespace the command enters (shown in the started line only; `command` enters it).
+      group: the island's name for each process of an island of several processes ("" otherwise): when one of
+        them fails, the others are stopped, and they are restarted together (counted once, under the group).
     """
 
     name: str
@@ -315,6 +326,7 @@ class Role:
     env: dict[str, str] | None = None
     cpus: frozenset[int] | None = None
     netns: str = ""
+    group: str = ""  # the processes of one island of several share it: they stop and restart together
 
 
 def _roles(workdir: str, names: list[str], coordinator_ns: str, island_ns: dict, cpus: dict) -> list[Role]:
@@ -336,20 +348,31 @@ def _roles(workdir: str, names: list[str], coordinator_ns: str, island_ns: dict,
 
     secure = _secure(workdir, names, [listen, dial]) if _TLS.value else None
 
-    def role(name: str, ns: str, address: str, *args: str) -> Role:
+    def role(name: str, ns: str, address: str, *args: str, pin: str = "", group: str = "") -> Role:
         netns = ["ip", "netns", "exec", ns] if ns else []
         command = netns + [sys.executable, "-u", str(TRAIN), f"--workdir={workdir}", f"--coordinator={address}",
                            *overrides, *args]
-        pinned = cpus.get(name.removeprefix("island "))
-        return Role(name, command, env, frozenset(pinned) if pinned else None, ns)
+        pinned = cpus.get(pin or name)
+        return Role(name, command, env, frozenset(pinned) if pinned else None, ns, group)
 
     coordinator = ["--role=coordinator", *(["--insecure"] if _INSECURE.value else [])]
     if secure is not None:
         coordinator += secure["coordinator"]
-    return [role("coordinator", coordinator_ns, listen, *coordinator)] + [
-        role(f"island {n}", island_ns[n], dial, "--role=island", f"--island={n}", *(secure or {}).get(n, []))
-        for n in names
-    ]
+    roles = [role("coordinator", coordinator_ns, listen, *coordinator)]
+    for n in names:
+        args = ["--role=island", f"--island={n}", *(secure or {}).get(n, [])]
+        processes = _CONFIG.value.islands[n].num_processes
+        if processes == 1:
+            roles.append(role(f"island {n}", island_ns[n], dial, *args, pin=n))
+            continue
+        # one jax.distributed job: its coordinator on process 0, in the island's namespace
+        port = _free_port_in(island_ns[n], "127.0.0.1") if island_ns[n] else _free_port("localhost")
+        roles += [
+            role(f"island {n}/{i}", island_ns[n], dial, *args, f"--process_id={i}",
+                 f"--island_coordinator=localhost:{port}", pin=n, group=f"island {n}")
+            for i in range(processes)
+        ]
+    return roles
 
 
 def _secure(workdir: str, names: list[str], addresses: list[str]) -> dict[str, list[str]]:
@@ -418,7 +441,7 @@ class Supervisor:
         self.restarts, self.out, self.interval, self.grace = restarts, out, interval, grace
         self.procs: dict[str, subprocess.Popen] = {}
         self.outputs: dict[str, _Output] = {}  # the newest process's output of each role
-        self.restarted = dict.fromkeys(self.roles, 0)
+        self.restarted = dict.fromkeys((r.group or r.name for r in roles), 0)  # per role, or per island group
         self.selector = selectors.DefaultSelector()
 
     def run(self, progress: Callable[[], list[str]] = list) -> tuple[str, int] | None:
@@ -498,25 +521,40 @@ class Supervisor:
         for role, _ in failures:  # their last lines come before the launcher's line about them
             if not self.outputs[role].pipe.closed:
                 self._forward(self.outputs[role])
-        fatal = [(role, code) for role, code in failures if self.restarted[role] >= self.restarts]
+        fatal = [(role, code) for role, code in failures if self.restarted[self._unit(role)] >= self.restarts]
         if fatal:
             for role, code in failures:
                 self._say(f"{role} exited with status {code}; stopping the other processes")
             return fatal[0]
-        for role, code in failures:
-            self.restarted[role] += 1
-            proc = self._spawn(self.roles[role])
-            self._say(f"{role} exited with status {code}; restarting it (restart {self.restarted[role]} of "
-                      f"{self.restarts}, pid {proc.pid})")
+        failed = dict(failures)
+        for unit in dict.fromkeys(self._unit(role) for role in failed):
+            self.restarted[unit] += 1
+            members = [name for name, r in self.roles.items() if (r.group or name) == unit]
+            others = [name for name in members if name not in failed]
+            if others:  # the processes of one island restart together
+                self._say(f"{', '.join(n for n in members if n in failed)} of {unit} failed; stopping its other "
+                          f"processes ({', '.join(others)})")
+                self._stop(others)
+            for name in members:
+                proc = self._spawn(self.roles[name])
+                why = f"exited with status {failed[name]}" if name in failed else "was stopped with it"
+                self._say(f"{name} {why}; restarting it (restart {self.restarted[unit]} of {self.restarts}, "
+                          f"pid {proc.pid})")
         return None
 
-    def _stop(self) -> None:
-        """SIGTERM to every process still running; SIGKILL to those still running `grace` seconds later."""
-        for p in self.procs.values():
+    def _unit(self, role: str) -> str:
+        """What restarts as one: the role, or the island whose process it is."""
+        return self.roles[role].group or role
+
+    def _stop(self, names: list[str] | None = None) -> None:
+        """SIGTERM to every process (of `names`, default all) still running; SIGKILL to those still running
+        `grace` seconds later."""
+        procs = [p for name, p in self.procs.items() if names is None or name in names]
+        for p in procs:
             if p.poll() is None:
                 p.terminate()
         deadline = time.time() + self.grace
-        for p in self.procs.values():
+        for p in procs:
             try:
                 p.wait(timeout=max(deadline - time.time(), 0.1))
             except subprocess.TimeoutExpired:

@@ -8,21 +8,12 @@ dies and when it comes back.
 import json
 import os
 import re
-import signal
-import socket
-import subprocess
-import sys
 import time
 
 import pytest
-from tiny_config import write_corpus
-
-from island_jax.metrics import read_jsonl
+from processes import TESTS, checkpointed, latest
 
 pytestmark = pytest.mark.slow  # every test here starts processes
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-TESTS = os.path.join(ROOT, "tests")
 
 THREE = """
 import tiny_config
@@ -36,88 +27,6 @@ def get_config():
 """
 
 
-class Run:
-    """The roles of one run in `workdir`, each a process logging to `workdir/ROLE.log`."""
-
-    def __init__(self, workdir, config: str, overrides: list[str], port: int):
-        self.workdir, self.config, self.overrides = workdir, config, overrides
-        self.address = f"localhost:{port}"
-        self.procs: dict[str, subprocess.Popen] = {}
-        self.env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"} | {"PYTHONPATH": TESTS}
-
-    def start(self, role: str) -> subprocess.Popen:
-        which = ["--role=coordinator"] if role == "coordinator" else ["--role=island", f"--island={role}"]
-        cmd = [sys.executable, "-u", os.path.join(ROOT, "experiments", "train.py"), f"--config={self.config}",
-               f"--workdir={self.workdir}", f"--coordinator={self.address}", *self.overrides, *which]
-        log = open(self.workdir / f"{role}.log", "a")
-        self.procs[role] = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=self.env)
-        return self.procs[role]
-
-    def kill(self, role: str) -> None:
-        self.procs.pop(role).send_signal(signal.SIGKILL)
-
-    def log(self, role: str) -> str:
-        return (self.workdir / f"{role}.log").read_text()
-
-    def records(self, role: str, kind: str = "round") -> list[dict]:
-        folder = self.workdir / ("coordinator" if role == "coordinator" else f"islands/{role}")
-        path = folder / "metrics.jsonl"
-        return [r for r in read_jsonl(path) if r["kind"] == kind] if path.exists() else []
-
-    def wait_for(self, what, timeout: float = 240.0, poll: float = 0.2) -> None:
-        deadline = time.monotonic() + timeout
-        while not what():
-            failed = {r: p.returncode for r, p in self.procs.items() if p.poll() not in (None, 0)}
-            assert not failed and time.monotonic() < deadline, (failed, self.tails())
-            time.sleep(poll)
-
-    def finish(self, timeout: float = 300.0) -> None:
-        for role, p in self.procs.items():
-            assert p.wait(timeout=timeout) == 0, (role, self.tails())
-
-    def tails(self) -> str:
-        return "\n".join(f"--- {r}\n{self.log(r)[-2500:]}" for r in self.procs)
-
-    def stop(self) -> None:
-        for p in self.procs.values():
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("localhost", 0))
-        return s.getsockname()[1]
-
-
-@pytest.fixture
-def run_dir(tmp_path):
-    runs = []
-
-    def make(config: str, *overrides: str) -> Run:
-        files = write_corpus(tmp_path / "corpus")
-        run = Run(tmp_path / f"run{len(runs)}", config, [f"--config.data.files={files}", *overrides], _free_port())
-        run.workdir.mkdir()
-        runs.append(run)
-        return run
-
-    yield make
-    for run in runs:
-        run.stop()
-
-
-def _checkpointed(run: Run, role: str, round: int) -> bool:
-    """Whether `role` holds a complete checkpoint of `round` (orbax renames it into place once complete)."""
-    folder = run.workdir / ("coordinator" if role == "coordinator" else f"islands/{role}") / "checkpoints"
-    return (folder / str(round)).is_dir()
-
-
-def _latest(records: list[dict]) -> dict[int, dict]:
-    """The newest record of each round (a round trained again after a restart is logged again)."""
-    return {r["round"]: r for r in records}
-
-
 def test_a_killed_island_rejoins_and_contributes_again(run_dir, tmp_path):
     (tmp_path / "three.py").write_text(THREE)
     run = run_dir(
@@ -129,13 +38,13 @@ def test_a_killed_island_rejoins_and_contributes_again(run_dir, tmp_path):
     )
     for role in ("coordinator", "a", "b", "c"):
         run.start(role)
-    run.wait_for(lambda: _checkpointed(run, "c", 2))
+    run.wait_for(lambda: checkpointed(run, "c", 2))
     run.kill("c")
     run.wait_for(lambda: len(run.records("coordinator")) >= 4)
     run.start("c")
     run.finish()
 
-    merged = _latest(run.records("coordinator"))
+    merged = latest(run.records("coordinator"))
     assert sorted(merged) == list(range(1, 17))
     log = run.log("c")
     assert "resumed from the checkpoint of round 2" in log
@@ -156,7 +65,7 @@ def test_a_killed_island_rejoins_and_contributes_again(run_dir, tmp_path):
     assert merged[first]["weights"]["c"] > 0
     assert merged[first]["weights"] == {"a": 512 / 1024, "b": 256 / 1024, "c": 256 / 1024}
     for r in range(first, 17):
-        assert {_latest(run.records(n))[r]["checksum"] for n in "abc"} == {merged[r]["checksum"]}
+        assert {latest(run.records(n))[r]["checksum"] for n in "abc"} == {merged[r]["checksum"]}
 
 
 @pytest.mark.parametrize("fragments", [1, 2])
@@ -190,4 +99,4 @@ def test_the_coordinator_restarts_under_running_islands(run_dir, tmp_path, fragm
     final = json.load(open(run.workdir / "coordinator" / "summary.json"))["checksum"]
     assert final == json.load(open(reference.workdir / "coordinator" / "summary.json"))["checksum"]
     for name in ("a", "b"):
-        assert _latest(run.records(name))[6]["checksum"] == final
+        assert latest(run.records(name))[6]["checksum"] == final

@@ -129,9 +129,12 @@ class Shardings:
         """Every leaf whole, as NumPy (a collective on a multi-process mesh unless the leaves are replicated)."""
         if not self.multi_process:
             return jax.device_get(tree)
-        if not all(x.is_fully_replicated for x in jax.tree.leaves(tree)):
-            tree = self._replicate(tree)
-        return jax.tree.map(lambda x: np.asarray(x.addressable_data(0)), tree)
+        leaves, treedef = jax.tree.flatten(tree)
+        spread = [i for i, x in enumerate(leaves) if isinstance(x, jax.Array) and not x.is_fully_replicated]
+        for i, x in zip(spread, self._replicate([leaves[i] for i in spread]) if spread else ()):
+            leaves[i] = x
+        host = [np.asarray(x.addressable_data(0)) if isinstance(x, jax.Array) else np.asarray(x) for x in leaves]
+        return jax.tree.unflatten(treedef, host)
 
 
 class SimulatedSpeed:

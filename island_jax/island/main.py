@@ -332,20 +332,22 @@ def _train_rounds(config, island: Island, sync: StreamingSync, role: RoleFolder,
 def _agree_on_round(island: Island, record: dict, r: int) -> None:
     """Of an island of several processes: checks that every process holds the same global parameters after
     round `r` (0-based), and books the island's bytes as all its processes moved them (`process_*` fields:
-    per process, in process order; `bytes_sent` and `bytes_received`: their sums).
+    per process, in process order; `bytes_sent`, `bytes_received` and `payload_bytes`: their sums).
 
     Raises:
       RuntimeError: the processes' global parameters differ (their checksums are named).
     """
-    shared = island.agree([island.global_checksum, record["bytes_sent"], record["bytes_received"]])
-    checksums = [c for c, _, _ in shared]
+    shared = island.agree([island.global_checksum, record["bytes_sent"], record["bytes_received"],
+                           record["payload_bytes"]])
+    checksums = [c for c, *_ in shared]
     if len(set(checksums)) != 1:
         raise RuntimeError(f"island {island.name}: after round {r + 1} its processes hold different global "
                            f"parameters (checksums {checksums}); the update was not applied alike")
+    _, sent, received, payload = zip(*shared)
     record.update(
-        process_checksums=checksums, process_bytes_sent=[s for _, s, _ in shared],
-        process_bytes_received=[b for _, _, b in shared],
-        bytes_sent=sum(s for _, s, _ in shared), bytes_received=sum(b for _, _, b in shared),
+        process_checksums=checksums, process_bytes_sent=list(sent), process_bytes_received=list(received),
+        process_payload_bytes=list(payload), bytes_sent=sum(sent), bytes_received=sum(received),
+        payload_bytes=sum(payload),
     )
 
 

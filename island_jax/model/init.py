@@ -24,7 +24,7 @@ def init_params(config: ml_collections.ConfigDict) -> tuple[nnx.GraphDef, dict, 
       values as a nested dict of NumPy arrays (`config.model.param_dtype`,
       except the float32 routers); and a matching dict of PartitionSpecs.
     """
-    with jax.default_device(jax.devices("cpu")[0]):
+    with jax.default_device(jax.local_devices(backend="cpu")[0]):
         model = Transformer(config, rngs=nnx.Rngs(config.seed))
         graphdef, state = nnx.split(model, nnx.Param)
         specs = partition_specs(state)
