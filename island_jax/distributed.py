@@ -95,8 +95,14 @@ def gather_shares(payload, shares: Sequence[Sequence]) -> bytes:
     mine = np.frombuffer(payload, np.uint8)
     if jax.process_count() == 1:
         return bytes(mine)
-    rows = multihost_utils.process_allgather(mine)  # uint8 [processes, payload bytes]
-    whole = np.empty_like(mine)
+    return combine_shares(multihost_utils.process_allgather(mine), shares)
+
+
+def combine_shares(rows, shares: Sequence[Sequence]) -> bytes:
+    """The whole payload from every process's copy of it, uint8 [processes, bytes] `rows`: the bytes of each
+    chunk of `shares[p]` taken from row p."""
+    rows = np.asarray(rows, np.uint8)
+    whole = np.zeros(rows.shape[1], np.uint8)
     for p, share in enumerate(shares):
         for chunk in share:
             whole[chunk.offset : chunk.offset + chunk.nbytes] = rows[p, chunk.offset : chunk.offset + chunk.nbytes]

@@ -1,0 +1,118 @@
+"""The start-up self-check of an island's collectives, and the pieces of a multi-process exchange that one
+process can check: dealing chunks out by bytes, and sending and receiving an island's payload in shares."""
+
+import threading
+
+import jax
+import numpy as np
+import pytest
+
+from island_jax import distributed
+from island_jax.comm.grpc_client import GrpcTransport
+from island_jax.comm.grpc_server import serve
+from island_jax.comm.proxy import FaultProxy
+from island_jax.config import default_config, fingerprint_fields, island
+from island_jax.coordinator import ContributionHeader, FragmentedCoordinator
+from island_jax.outer import codec
+
+
+def test_the_self_check_passes_on_exact_collectives():
+    sizes = distributed.check_sizes([5, 1000, 70_000, 1000], 4)
+    assert sizes == [8, 1000, 70_000]
+    distributed.check_collectives(jax.devices()[:4], sizes)
+
+
+@pytest.mark.parametrize("collective", ["psum_scatter", "all_gather"])
+def test_the_self_check_fails_loudly_on_a_value_one_ulp_off_at_a_chunk_end(monkeypatch, collective):
+    """A collective that returns its last element one ulp too high (as jax-ml/jax#40830 did at chunk ends)."""
+    real = getattr(distributed, collective)
+
+    def off_by_one_ulp(x, *args, **kwargs):
+        y = real(x, *args, **kwargs)
+        return y.at[-1].set(jax.numpy.nextafter(y[-1], np.float32(np.inf)))
+
+    monkeypatch.setattr(distributed, collective, off_by_one_ulp)
+    what = {"psum_scatter": "reduce-scatter", "all_gather": "all-gather"}[collective]
+    got = 256 if collective == "psum_scatter" else 1024  # elements per device: a quarter of 1024, or all of them
+    with pytest.raises(distributed.CollectiveCheckError, match=(
+        rf"the island's {what} of 1024 float32 elements per device returned wrong values on device 0: 1 of {got} "
+        rf"elements differ, the first at element {got - 1} of {got} .*: 1 ulp off\)"
+    )):
+        distributed.check_collectives(jax.devices()[:4], [1024])
+
+
+def _chunk(index: int, offset: int, nbytes: int) -> codec.Chunk:
+    return codec.Chunk(index, offset, nbytes, ())
+
+
+def test_chunks_are_dealt_out_by_bytes_in_index_order():
+    sizes = [5, 5, 5, 3, 3, 1]
+    offsets = np.concatenate([[0], np.cumsum(sizes)[:-1]])
+    plan = [_chunk(i, int(o), n) for i, (o, n) in enumerate(zip(offsets, sizes))]
+    shares = codec.deal(plan, 2)
+    assert [[c.index for c in s] for s in shares] == [[0, 2, 5], [1, 3, 4]]
+    assert [sum(c.nbytes for c in s) for s in shares] == [11, 11]
+    assert codec.deal(plan, 1) == [plan]
+    assert [[c.index for c in s] for s in codec.deal(plan[:1], 3)] == [[0], [], []]
+
+
+def test_an_island_of_two_processes_sends_and_receives_its_shares():
+    """Island a's two processes contribute a share each (process 1's connection reset halfway, so it sends its
+    share again) and receive a share of the update each; put together, the update is the one a coordinator
+    that received whole contributions serves."""
+    c = default_config()
+    c.islands.a = island(2, 1, 2, 2, 1, num_processes=2)
+    c.islands.b = island(1, 1, 1, 1, 1)
+    c.codec.kind = "none"
+    c.comm.chunk_bytes = 64 * 1024
+    c.outer.update(learning_rate=1.0, momentum=0.0, nesterov=False)
+    params = {"w": np.zeros(100_000, np.float32)}
+    coordinator = FragmentedCoordinator(c, params, ["a", "b"])
+    start = coordinator.checksum
+    server, _, port = serve(coordinator, "localhost:0", c.comm.chunk_bytes)
+    address = f"localhost:{port}"
+    rng = np.random.default_rng(0)
+    pg = {"a": [rng.standard_normal(100_000, dtype=np.float32)], "b": [rng.standard_normal(100_000, dtype=np.float32)]}
+    plan = codec.chunk_plan(params, "none", 256, c.comm.chunk_bytes)
+    shares = codec.deal(plan, 2)
+    assert len(plan) == 7 and [len(s) for s in shares] == [4, 3]
+    try:
+        with FaultProxy(address) as proxy:
+            kw = dict(join_timeout=30, round_timeout=30, reconnect_seconds=30, connections=2)
+            a = [GrpcTransport(address, c.comm.chunk_bytes, part=0, parts=2, **kw),
+                 GrpcTransport(proxy.address, c.comm.chunk_bytes, part=1, parts=2, **kw)]
+            b = GrpcTransport(address, c.comm.chunk_bytes, **kw)
+            for t in a:
+                t.join("a", fingerprint_fields(c), start)
+            b.join("b", fingerprint_fields(c), start)
+            assert [[k.offset for k in t.shares[0]] for t in a] == [[k.offset for k in s] for s in shares]
+            proxy.reset_after(100_000)  # about half of process 1's share (chunks 1, 3 and 5: 196,608 bytes)
+
+            def share(p):
+                encoder = codec.ChunkEncoder(pg["a"], "none", 256, shares[p])
+                assert a[p].contribute(ContributionHeader(0, "a", 3000, start), encoder) == "accepted"
+
+            threads = [threading.Thread(target=share, args=(p,)) for p in (0, 1)]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
+            assert proxy.wait_fired(timeout=0) and proxy.resets == 1
+            assert b.contribute(ContributionHeader(0, "b", 1000, start), codec.encode(pg["b"], "none", 256)) == "accepted"
+            parts = [t.fetch_update(0, "a") for t in a]
+            whole = b.fetch_update(0, "b")
+        for t in (*a, b):
+            t.close()
+    finally:
+        server.stop(grace=0)
+    for p, part in enumerate(parts):  # each process holds its own share's bytes, zeros elsewhere
+        theirs = [k for q, s in enumerate(shares) if q != p for k in s]
+        assert all(part[k.offset : k.offset + k.nbytes] == bytes(k.nbytes) for k in theirs)
+    assert distributed.combine_shares([np.frombuffer(x, np.uint8) for x in parts], shares) == whole
+    record = coordinator.fragments[0].history[0]
+    assert record.contributors == ["a", "b"] and record.weights == {"a": 0.75, "b": 0.25}
+    reference = FragmentedCoordinator(c, params, ["a", "b"])
+    for name, tokens in (("a", 3000), ("b", 1000)):
+        reference.join(name, fingerprint_fields(c), start)
+        reference.contribute(ContributionHeader(0, name, tokens, start), codec.encode(pg[name], "none", 256))
+    assert whole == reference.fetch_update(0, "a")
