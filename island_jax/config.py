@@ -23,6 +23,8 @@ island's entry, in `island`. A run is described by one
   comm        the gRPC exchange between islands and the coordinator, and the
               emulated WAN link of every island (island_jax/comm/link.py) (`_comm`).
   checkpoint  orbax checkpoints of every role (island_jax/checkpoint.py) (`_checkpoint`).
+  distributed the `jax.distributed` job of an island of several processes: its
+              timeouts (island_jax/distributed.py, docs/cluster.md) (`_distributed`).
 
 `validate(config)` checks everything that can be checked before JAX compiles
 anything and raises `ConfigError` naming the field and the fix.

@@ -85,6 +85,8 @@ def test_a_killed_process_ends_its_peer_and_the_island_rejoins(run_dir):
         CONFIG, *TWO_PROCESSES, "--config.outer.rounds=16", "--config.outer.min_islands=1",
         "--config.outer.grace_seconds=1", "--config.checkpoint.every_rounds=2", "--config.eval.every_rounds=16",
         f"--config.distributed.heartbeat_timeout_seconds={heartbeat}",
+        # each process keeps the residual of its own share; a checkpoint puts them together
+        "--config.codec.error_feedback=True",
         # each exchange crosses an emulated link of 0.4 s one way, so that the run outlasts a's restart
         "--config.comm.link.bandwidth_gbps=10", "--config.comm.link.latency_ms=400",
     )
