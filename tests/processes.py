@@ -6,6 +6,7 @@ corpus; `Run.start("a/1")` starts process 1 of a multi-process island a.
 """
 
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -109,3 +110,10 @@ def latest(records: list[dict]) -> dict[int, dict]:
     return {r["round"]: r for r in records}
 
 
+
+
+def rejoined_round(log: str) -> int:
+    """The round an island rejoined the run at, from its log (which says so once)."""
+    joined = re.findall(r"rejoined the run at round (\d+)", log)
+    assert len(joined) == 1, joined
+    return int(joined[0])

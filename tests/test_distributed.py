@@ -69,7 +69,7 @@ def test_an_island_of_two_processes_sends_and_receives_its_shares():
     params = {"w": np.zeros(100_000, np.float32)}
     coordinator = FragmentedCoordinator(c, params, ["a", "b"])
     start = coordinator.checksum
-    server, _, port = serve(coordinator, "localhost:0", c.comm.chunk_bytes)
+    server, service, port = serve(coordinator, "localhost:0", c.comm.chunk_bytes)
     address = f"localhost:{port}"
     rng = np.random.default_rng(0)
     pg = {"a": [rng.standard_normal(100_000, dtype=np.float32)], "b": [rng.standard_normal(100_000, dtype=np.float32)]}
@@ -78,7 +78,9 @@ def test_an_island_of_two_processes_sends_and_receives_its_shares():
     assert len(plan) == 7 and [len(s) for s in shares] == [4, 3]
     try:
         with FaultProxy(address) as proxy:
-            kw = dict(join_timeout=30, round_timeout=30, reconnect_seconds=30, connections=2)
+            # 4 connections: process 0's share travels on 4 streams, process 1's (3 chunks) on 3; without pipelining
+            # the update streams open at fetch_update, so process 1's end last
+            kw = dict(join_timeout=30, round_timeout=30, reconnect_seconds=30, connections=4, pipeline=False)
             a = [GrpcTransport(address, c.comm.chunk_bytes, part=0, parts=2, **kw),
                  GrpcTransport(proxy.address, c.comm.chunk_bytes, part=1, parts=2, **kw)]
             b = GrpcTransport(address, c.comm.chunk_bytes, **kw)
@@ -101,6 +103,7 @@ def test_an_island_of_two_processes_sends_and_receives_its_shares():
             assert b.contribute(ContributionHeader(0, "b", 1000, start), codec.encode(pg["b"], "none", 256)) == "accepted"
             parts = [t.fetch_update(0, "a") for t in a]
             whole = b.fetch_update(0, "b")
+            assert service.wait_until_fetched(0, timeout=10)  # the island has its update once both shares came
         for t in (*a, b):
             t.close()
     finally:

@@ -7,11 +7,10 @@ dies and when it comes back.
 
 import json
 import os
-import re
 import time
 
 import pytest
-from processes import TESTS, checkpointed, latest
+from processes import TESTS, checkpointed, latest, rejoined_round
 
 pytestmark = pytest.mark.slow  # every test here starts processes
 
@@ -50,9 +49,7 @@ def test_a_killed_island_rejoins_and_contributes_again(run_dir, tmp_path):
     assert "resumed from the checkpoint of round 2" in log
     # c's first round after the restart, trained whole from the view (the records before it may include
     # rounds c sent before it was killed, so the log says which round that is)
-    joined = re.findall(r"rejoined the run at round (\d+)", log)
-    assert len(joined) == 1
-    first = int(joined[0])
+    first = rejoined_round(log)
     assert first >= 4 and first in {r["round"] for r in run.records("c")}
     # c may have sent rounds after 2 before it was killed (its round-2 checkpoint completes in the background)
     sent = [r for r in range(3, first) if "c" in merged[r]["contributors"]]

@@ -12,7 +12,7 @@ import time
 
 import numpy as np
 import pytest
-from processes import TESTS, checkpointed, latest
+from processes import TESTS, checkpointed, latest, rejoined_round
 from tiny_config import get_config, write_corpus
 
 from island_jax.metrics import read_jsonl
@@ -113,10 +113,7 @@ def test_a_killed_process_ends_its_peer_and_the_island_rejoins(run_dir):
     assert sorted(merged) == list(range(1, 17))
     log = run.log("a/0")
     assert "resumed from the checkpoint of round 2" in log
-    joined = [int(line.rsplit("rejoined the run at round ", 1)[1].split(":")[0]) for line in log.splitlines()
-              if "rejoined the run at round " in line]
-    assert len(joined) == 1
-    first = joined[0]
+    first = rejoined_round(log)
     without = [r for r in range(3, first) if merged[r]["contributors"] == ["b"]]
     assert without and all(merged[r]["weights"] == {"b": 1.0} for r in without)
     assert merged[first]["weights"] == {"a": 512 / 768, "b": 256 / 768}

@@ -365,7 +365,7 @@ class ExchangeService:
         self.loop: asyncio.AbstractEventLoop | None = None
         self._changed: asyncio.Event | None = None
         self._version = 0  # counts changes; update streams wait for the next one
-        self._streams_done: dict[tuple[int, int, str], set[int]] = {}
+        self._streams_done: dict[tuple[int, int, str], dict[int, tuple[int, set[int]]]] = {}  # per share
         self._update_crc: dict[int, tuple[int, int]] = {}  # fragment -> (round, CRC-32C of its update's chunk CRCs)
 
     # -- helpers -----------------------------------------------------------------------------------------
@@ -563,19 +563,12 @@ class ExchangeService:
         with self.lock:
             if request.island in self.wire_bytes:
                 self.wire_bytes[request.island]["sent"] += sent
+            # per share (one of an island of one process): its streams' count, and those that ended
             done = self._streams_done.setdefault((request.fragment, request.round, request.island), {})
-            done.setdefault(request.part, set()).add(request.connection)
-            parts = max(request.parts, 1)
-            if len(done) == parts and len(done[request.part]) == connections and (
-                parts == 1 or all(len(v) == self._streams_of(request, p) for p, v in done.items())
-            ):
+            done.setdefault(request.part, (connections, set()))[1].add(request.connection)
+            if len(done) == max(request.parts, 1) and all(len(ended) == n for n, ended in done.values()):
                 self.fetched.setdefault((request.fragment, request.round), set()).add(request.island)
             self.notify()
-
-    def _streams_of(self, request: pb.FetchRequest, part: int) -> int:
-        """Update streams of share `part` of an island of `request.parts` processes (as `GrpcTransport` opens them)."""
-        plan = self.coordinator.fragments[request.fragment].plan
-        return wire.stream_count(max(request.connections, 1), codec.deal(plan, request.parts)[part])
 
     def _update_trailer(self, request: pb.FetchRequest) -> bytes:
         c = self.coordinator.fragments[request.fragment]
