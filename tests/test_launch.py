@@ -8,6 +8,7 @@ import socket
 import subprocess
 import sys
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -311,6 +312,11 @@ def test_restart_an_island_killed_mid_run_is_started_again_and_the_run_completes
                 break
         assert seen and seen[-1].startswith("[launch] round 2/30"), "".join(seen)[-3000:]
         island_b = int(re.search(r"started island b \(pid (\d+)\)", "".join(seen))[1])
+        # once b holds a complete checkpoint (written in the background; b's round records alone, with no
+        # checkpoint to resume from, would rightly stop its restart)
+        folder, deadline = workdir / "islands" / "b" / "checkpoints", time.monotonic() + 60
+        while not (folder.is_dir() and any(p.name.isdigit() for p in folder.iterdir())) and time.monotonic() < deadline:
+            time.sleep(0.05)
         os.kill(island_b, signal.SIGKILL)
         rest, _ = proc.communicate(timeout=600)
     finally:
