@@ -117,3 +117,14 @@ def rejoined_round(log: str) -> int:
     joined = re.findall(r"rejoined the run at round (\d+)", log)
     assert len(joined) == 1, joined
     return int(joined[0])
+
+
+def merged_and_rejoined(run: Run, role: str, rounds: int, resumed_at: int) -> tuple[dict[int, dict], int]:
+    """After `run.finish()`: checks that the coordinator merged every one of `rounds` rounds and that `role`
+    resumed from its checkpoint of round `resumed_at`; returns (the newest record of each merged round, the
+    round `role` rejoined the run at)."""
+    merged = latest(run.records("coordinator"))
+    assert sorted(merged) == list(range(1, rounds + 1))
+    log = run.log(role)
+    assert f"resumed from the checkpoint of round {resumed_at}" in log
+    return merged, rejoined_round(log)

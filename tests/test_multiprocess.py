@@ -12,7 +12,7 @@ import time
 
 import numpy as np
 import pytest
-from processes import TESTS, checkpointed, latest, rejoined_round
+from processes import TESTS, checkpointed, latest, merged_and_rejoined
 from tiny_config import get_config, write_corpus
 
 from island_jax.metrics import read_jsonl
@@ -109,11 +109,7 @@ def test_a_killed_process_ends_its_peer_and_the_island_rejoins(run_dir):
     run.start("a/1")
     run.finish()
 
-    merged = latest(run.records("coordinator"))
-    assert sorted(merged) == list(range(1, 17))
-    log = run.log("a/0")
-    assert "resumed from the checkpoint of round 2" in log
-    first = rejoined_round(log)
+    merged, first = merged_and_rejoined(run, "a/0", 16, resumed_at=2)
     without = [r for r in range(3, first) if merged[r]["contributors"] == ["b"]]
     assert without and all(merged[r]["weights"] == {"b": 1.0} for r in without)
     # a contributes again from its first whole round, unless that round closed after b's and the 2 s grace
