@@ -42,7 +42,7 @@ _PART = flags.DEFINE_integer("part", 0, "sender: its index among the island's pr
 _PARTS = flags.DEFINE_integer("parts", 1, "sender: the island's process count.")
 
 
-def _config(num_bytes: int):
+def _config():
     from island_jax.config import default_config, island
 
     c = default_config()
@@ -70,7 +70,7 @@ def sender() -> None:
     from island_jax.outer import codec
 
     num_bytes = _MEGABYTES.value << 20
-    config = _config(num_bytes)
+    config = _config()
     transport = GrpcTransport(_ADDRESS.value, config.comm.chunk_bytes, round_timeout=300.0,
                               connections=_CONNECTIONS.value, part=_PART.value, parts=_PARTS.value)
     params = _params(num_bytes)
@@ -94,7 +94,7 @@ def _run(parts: int) -> dict:
     from island_jax.coordinator import FragmentedCoordinator
 
     num_bytes = _MEGABYTES.value << 20
-    config = _config(num_bytes)
+    config = _config()
     coordinator = FragmentedCoordinator(config, _params(num_bytes), ["a"])
     server, _, port = serve(coordinator, "localhost:0", config.comm.chunk_bytes)
     cpu = time.process_time()

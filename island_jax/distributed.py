@@ -82,7 +82,8 @@ def allgather_json(value) -> list:
         return [value]
     data = np.frombuffer(json.dumps(value).encode(), np.uint8)
     sizes = multihost_utils.process_allgather(np.asarray([data.size], np.int64))
-    padded = np.zeros(int(sizes.max()), np.uint8)
+    # padded to a power of two (256 bytes at least), so that the gather's few shapes each compile once
+    padded = np.zeros(max(256, 1 << (int(sizes.max()) - 1).bit_length()), np.uint8)
     padded[: data.size] = data
     rows = multihost_utils.process_allgather(padded)
     return [json.loads(bytes(row[: int(n)])) for row, n in zip(rows, sizes.reshape(-1))]

@@ -347,7 +347,7 @@ def _agree_on_round(island: Island, record: dict, r: int) -> None:
     record.update(
         process_checksums=checksums, process_bytes_sent=list(sent), process_bytes_received=list(received),
         process_payload_bytes=list(payload), bytes_sent=sum(sent), bytes_received=sum(received),
-        payload_bytes=sum(payload),
+        payload_bytes=sum(payload), checksum=checksums[0],  # computed already: not again on the metrics thread
     )
 
 
