@@ -272,7 +272,7 @@ def _sender(num_bytes: int, repeats: int, tls_repeats: int, secrets_folder: str)
                 achieved = size * 8 / (seconds - link.latency_s) / 1e9
                 print(
                     f"  {gbps:3.0f} Gbit/s, {n:2d} connection{'s' if n > 1 else ' '} ({size >> 20} MiB): "
-                    f"{achieved:6.3f} Gbit/s = {achieved / gbps:5.3f} (emulator's cap {min(gbps, n * link.one_connection_gbps()) / gbps:5.3f})"
+                    f"{achieved:6.3f} Gbit/s = {achieved / gbps:5.3f} (emulator's cap {link.rate_gbps(n) / gbps:5.3f})"
                 )
         tls_ratio = statistics.median(tls_s[connections]) / statistics.median(plain_s[connections])
         print(f"transport_tls: ratio={tls_ratio:.3f} (TLS / plaintext seconds, {connections} connections)")

@@ -38,9 +38,16 @@ def plan_inner_steps(config: ml_collections.ConfigDict) -> dict[str, int]:
     ref = islands[ref_name]
     ref_speed = ref.num_devices * lookup(ref.hardware).peak_tflops
     return {
-        name: max(1, round(ref.inner_steps * isl.num_devices * lookup(isl.hardware).peak_tflops / ref_speed))
+        name: scaled_inner_steps(ref.inner_steps, isl.num_devices * lookup(isl.hardware).peak_tflops, ref_speed)
         for name, isl in islands.items()
     }
+
+
+def scaled_inner_steps(h_ref: int, speed: float, ref_speed: float) -> int:
+    """max(1, round(h_ref x speed / ref_speed)): the inner steps of an island `speed / ref_speed` times as fast
+    as the reference island (speeds in any one unit, e.g. devices x catalog TFLOP/s), so that both finish
+    a round together."""
+    return max(1, round(h_ref * speed / ref_speed))
 
 
 def plan_from_step_times(config: ml_collections.ConfigDict, step_seconds: dict[str, float]) -> dict[str, int]:

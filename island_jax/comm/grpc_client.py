@@ -286,7 +286,7 @@ class GrpcTransport:
         self._joining = ""  # the island's name, from its first join
         self._who: tuple[str, str] | None = None  # (island, fingerprint JSON) of the last join
         self.join_timeout, self.round_timeout = join_timeout, round_timeout
-        self.connections, self.pipeline, self.link = connections, pipeline, link
+        self.connections, self.pipelined, self.link = connections, pipeline, link
         self.clock = link.clock if link is not None else clock
         options = [*client_options(chunk_bytes), ("grpc.use_local_subchannel_pool", 1)]
         if token and not (tls is not None and tls.ca_file) and not is_loopback(address):
@@ -490,7 +490,7 @@ class GrpcTransport:
 
         def attempt(incarnation: str):
             nonlocal sent
-            if self.pipeline:
+            if self.pipelined:
                 old = self._fetches.pop((fragment, round, island), None)
                 if old is not None:  # opened for an attempt that failed
                     old.cancel()

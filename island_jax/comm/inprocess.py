@@ -168,6 +168,7 @@ class InProcessTransport:
     ):
         self.exchange, self.link, self.connections = exchange, link, connections
         self.timeout, self.join_timeout = timeout, join_timeout
+        self.pipelined = False  # the update's chunks are booked on the link after the contribution's
         self._stats: dict[tuple[int, int], SyncStats] = {}  # (fragment, round) -> its exchange; under the lock
         self._planned: dict[str, int] = {}
 

@@ -31,8 +31,8 @@ Consequences: one connection streaming window-sized segments sends one segment
 per `RTT + window / rate` seconds, so it is capped near `window / RTT` (a
 window of 1 MiB over a 100 ms round trip carries about 84 Mbit/s), as a single
 TCP connection on a long path is. N connections carry about N times that, up to
-the link's bandwidth. `one_connection_gbps` and `connections_needed` give the
-exact figures of this model.
+the link's bandwidth. `steady_gbps`, `one_connection_gbps` and
+`connections_needed` give the exact figures of this model.
 
 The emulator is thread-safe: several connection threads may call `arrival` and
 `transfer` at once; the bookkeeping is done under a lock and the sleeping of
@@ -50,6 +50,29 @@ import time
 from collections.abc import Callable
 
 DIRECTIONS = ("up", "down")
+
+
+def steady_gbps(bandwidth_gbps: float, rtt_s: float, window_bytes: int, connections: int) -> float:
+    """Highest steady rate, Gbit/s, of `connections` connections that always have data, in this model.
+
+    A connection sends one window every RTT + window / rate seconds, so one
+    carries `window * 8 / (rtt_s + window * 8 / (bandwidth_gbps * 1e9)) / 1e9`
+    Gbit/s: about window / RTT when the window is much smaller than the
+    bandwidth-delay product. `connections` of them carry that many times as
+    much, never more than `bandwidth_gbps`. Without a window (`window_bytes`
+    0) the rate is `bandwidth_gbps` (`math.inf` stays `math.inf`).
+
+    Args:
+      bandwidth_gbps: the link's rate each way, Gbit/s (> 0; may be `math.inf`).
+      rtt_s: round trip, seconds (>= 0).
+      window_bytes: bytes in flight per connection (0: no window).
+      connections: parallel connections (at least 1 counts).
+    """
+    if window_bytes == 0:
+        return bandwidth_gbps
+    bits = window_bytes * 8
+    one = bits / (rtt_s + bits / (bandwidth_gbps * 1e9)) / 1e9
+    return min(bandwidth_gbps, max(1, connections) * one)
 
 
 class LinkEmulator:
@@ -176,18 +199,13 @@ class LinkEmulator:
         return wait
 
     def one_connection_gbps(self) -> float:
-        """Highest steady rate of one connection, Gbit/s: its window per round trip.
+        """Highest steady rate of one connection, Gbit/s: `steady_gbps` with one connection, about window /
+        RTT when the window is much smaller than the bandwidth-delay product; `math.inf` without a window."""
+        return math.inf if self.window_bytes == 0 else steady_gbps(self.bandwidth_gbps, self.rtt_s, self.window_bytes, 1)
 
-        In this model a connection that always has data sends one window every
-        RTT + window / rate seconds, so this is
-        `window * 8 / (RTT + window * 8 / (bandwidth_gbps * 1e9)) / 1e9`: about
-        window / RTT when the window is much smaller than the bandwidth-delay
-        product, and never above `bandwidth_gbps`. `math.inf` without a window.
-        """
-        if self.window_bytes == 0:
-            return math.inf
-        bits = self.window_bytes * 8
-        return bits / (self.rtt_s + bits / (self.bandwidth_gbps * 1e9)) / 1e9
+    def rate_gbps(self, connections: int) -> float:
+        """Highest steady rate of `connections` connections streaming at once, Gbit/s (`steady_gbps`)."""
+        return steady_gbps(self.bandwidth_gbps, self.rtt_s, self.window_bytes, connections)
 
     def connections_needed(self) -> int:
         """Fewest connections that, all streaming, keep the link busy; 1 without a window.

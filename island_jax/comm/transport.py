@@ -71,9 +71,12 @@ class Transport(Protocol):
 
     Attributes:
       link: the `LinkEmulator` under the transport (None: no emulated link).
+      pipelined: whether the update flows back while the contribution still arrives (the gRPC client
+        with `comm.pipeline`); False where the update is fetched after the contribution is in.
     """
 
     link: LinkEmulator | None
+    pipelined: bool
 
     def join(self, island: str, config_fingerprint: dict, params_checksum: str, round: int = 0) -> dict:
         """The handshake, with the rounds the island completed: {"round": where it is admitted, "checksum": of

@@ -193,6 +193,8 @@ def _join(config, island: Island, transport, role: RoleFolder, first: int, evalu
     name, cfg = island.name, config.islands[island.name]
     fingerprint = config_lib.fingerprint_fields(config)
     link = transport.link if transport is not None else None
+    if transport is not None:  # how its exchanges move, for island_jax.plan.predict
+        role.metrics.write(dict(kind="exchange", pipelined=bool(transport.pipelined)))
     if link is not None:
         logging.info(
             "island %s: emulated link %.3g Gbit/s, %.3g ms one way, window %d bytes (one connection: %.3g Gbit/s; "

@@ -279,7 +279,7 @@ class StreamingSync:
         if link is None:
             return 0.0
         nbytes = sum(c.nbytes for c in self.island.fragment_plans[fragment])
-        rate = min(link.bandwidth_gbps, max(1, self.settings.connections) * link.one_connection_gbps()) * 1e9
+        rate = link.rate_gbps(self.settings.connections) * 1e9
         return 2 * (link.latency_ms / 1e3 + nbytes * 8 / rate)
 
     def _due_fragments(self, steps_done: int) -> list[int]:

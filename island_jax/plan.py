@@ -1,0 +1,767 @@
+"""The bandwidth budget of a run across islands: compute utilization, and the link it needs, before it runs.
+
+  python -m island_jax.plan --config=experiments/configs/two_islands.py
+  python -m island_jax.plan --total_params=671e9 --active_params=37e9 --layers=61 \\
+      --island=name=us,hardware=h100,devices=2048,batch=1024,seq_len=4096 \\
+      --island=name=eu,hardware=h100,devices=2048,batch=1024,seq_len=4096 --gbps=25 --rtt_ms=150
+  python -m island_jax.plan --workdir=WORKDIR      # a finished run: predicted against measured
+
+`plan(model, islands, outer, coordinator)` returns a `Plan`: per island and
+per round the compute seconds, the bytes each way, the transfer and exposed
+communication seconds and the compute utilization; the lowest link rate that
+keeps every island at 90/95/99% utilization; the coordinator's memory, CPU
+seconds and bytes per day; and a data-parallel baseline beside it.
+docs/planner.md gives the equations and sets them beside published runs.
+
+The model (all seconds per round, P the payload bytes each way, F fragments):
+  step       t_i = 6 x active params x tokens per step / (devices x peak x MFU),
+             or a measured step time (Kaplan et al. 2020, C = 6ND).
+  compute    C_i = H_i x t_i (sync "steps"; "auto": H_i = H_ref x t_ref / t_i;
+             "time": C_i = round_seconds).
+  rate       r_i = min(link Gbit/s, connections x window / RTT-bound rate)
+             (`comm.link.steady_gbps`), divided among the K islands when they
+             share one link, and at most the coordinator's Gbit/s / K.
+  transfer   U_i = D_i = (P / F) x 8 / r_i, each fragment, each way.
+  merge      m = params / F x (fixed + per_island x K) ns / coordinator cores.
+  exchange   E_i = max_j U_j + m + D_i + RTT                (comm.pipeline False)
+             E_i = max(max_j U_j, m, D_i) + RTT             (pipelined: the update
+             flows back chunk by chunk while contributions arrive).
+  exposed    X_i = F x (max(0, E_i - tau_i x t_i) + fragment overhead);
+             tau "auto" = ceil(E_i / t_i) + 1, at most H_i - 1 (as the islands choose it).
+  round      W = max over islands of (C_i + X_i), and at least F x the busiest link
+             direction or merge; utilization_i = C_i / W.
+  DP         a ring all-reduce across the K islands every step: 2 (K - 1) / K x params
+             x (2 or 4) bytes each way, overlapped with the backward pass (2/3 of a step).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+import statistics
+from collections.abc import Sequence
+
+import ml_collections
+
+from island_jax.comm.link import steady_gbps
+from island_jax.hardware import lookup
+from island_jax.outer import codec as codec_lib
+from island_jax.outer.fragments import auto_overlap_steps
+from island_jax.planning import scaled_inner_steps
+
+SECONDS_PER_DAY = 86400.0
+TARGETS = (0.90, 0.95, 0.99)
+TOPOLOGIES = ("coordinator", "ring")  # compute utilizations the required link rate is given for
+DP_BYTES = {"bf16": 2, "fp32": 4}  # bytes per gradient element of the data-parallel baseline
+BACKWARD_FRACTION = 2.0 / 3.0  # of a step: the backward pass (4 of the 6 N FLOPs per token) a reduction hides in
+# The coordinator's CPU per round in ns per parameter, params x (fixed + per_island x K), fitted by
+# benchmarks/merge.py on the machine of docs/benchmarks.md#the-coordinators-merge (int8, block 256).
+MERGE_FIXED_NS = 22.0
+MERGE_PER_ISLAND_NS = 3.0
+_GBPS_RANGE = (1e-6, 1e9)  # Gbit/s searched for a required rate
+
+
+class PlanError(ValueError):
+    """An input of the planner is invalid; the message names it and what to give instead."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Link:
+    """One island's path to the coordinator.
+
+    Attributes:
+      gbps: rate each way, Gbit/s (`math.inf`: not a constraint).
+      rtt_ms: round trip, ms.
+      connections: parallel connections (gRPC channels) the exchange streams over.
+      window_bytes: bytes in flight per connection, like a TCP window (0: no window).
+    """
+
+    gbps: float = 25.0
+    rtt_ms: float = 0.0
+    connections: int = 16
+    window_bytes: int = 0
+
+    def rate_gbps(self) -> float:
+        """The steady rate the connections reach, Gbit/s (`comm.link.steady_gbps`)."""
+        return steady_gbps(self.gbps, self.rtt_ms / 1e3, self.window_bytes, self.connections)
+
+
+@dataclasses.dataclass(frozen=True)
+class Model:
+    """Attributes: total_params (all parameters, what the exchange moves); active_params (per token, what
+    a step computes; 0: total_params); num_layers (Streaming DiLoCo's fragments are groups of whole
+    layers: a plan with more fragments than layers says so; 0: unknown)."""
+
+    total_params: float
+    active_params: float = 0.0
+    num_layers: int = 0
+
+    @property
+    def active(self) -> float:
+        return self.active_params or self.total_params
+
+
+@dataclasses.dataclass(frozen=True)
+class Island:
+    """One island: its hardware, its step and its link.
+
+    Attributes:
+      name: the island's name.
+      num_devices: accelerators in its mesh.
+      hardware: a kind of island_jax/hardware.py's catalog (its dense bf16 peak, TFLOP/s per device).
+      mfu: model FLOPs utilization, of that peak, the step time is computed with.
+      step_seconds: a measured seconds per inner step (0: from the catalog and `mfu`).
+      batch_size: sequences per inner step; seq_len: tokens per sequence.
+      inner_steps: H, inner steps per round (the reference island's H under sync "auto").
+      link: its path to the coordinator.
+      busy_step_seconds: a measured mean step time with the exchange running beside it, where the
+        exchange's host work slows the steps (0: `step_seconds`); utilization counts the steps at
+        `step_seconds`, as an island's accounting does.
+    """
+
+    name: str
+    num_devices: int = 8
+    hardware: str = "h100"
+    mfu: float = 0.4
+    step_seconds: float = 0.0
+    batch_size: int = 256
+    seq_len: int = 4096
+    inner_steps: int = 100
+    link: Link = Link()
+    busy_step_seconds: float = 0.0
+
+    @property
+    def tokens_per_step(self) -> int:
+        return self.batch_size * self.seq_len
+
+    def seconds_per_step(self, model: Model) -> float:
+        """`step_seconds`, else 6 x active params x tokens per step / (devices x peak x MFU), seconds.
+
+        Raises:
+          KeyError: hardware outside the catalog.
+        """
+        if self.step_seconds > 0:
+            return self.step_seconds
+        flops = self.num_devices * lookup(self.hardware).peak_tflops * 1e12 * self.mfu
+        return 6.0 * model.active * self.tokens_per_step / flops
+
+
+@dataclasses.dataclass(frozen=True)
+class Outer:
+    """The outer loop and the exchange.
+
+    Attributes:
+      codec: `codec.kind` (none, bf16, int8, int4); block_size: elements per scale.
+      bytes_per_param: bytes on the wire per parameter (0: from the codec: int8 1 + 4 / block).
+      sync: "steps" (each island's H), "auto" (H scaled by step time from the first island's), "time".
+      round_seconds: with sync "time", the compute seconds of every round.
+      fragments: F (Streaming DiLoCo); overlap_steps: tau, an int or "auto".
+      pipeline: `comm.pipeline` (the update flows back while contributions arrive).
+      shared_link: the islands share one link (each island's rate is divided among the K).
+      fragment_overhead_seconds: training-thread seconds per fragment exchanged (its pseudo-gradient,
+        the update's placement and mixing), added per fragment whatever tau hides.
+      backward_overlap: steps (a fraction) that hide an exchange before tau's: 2/3 where the exchange
+        starts with the backward pass of the step it follows, as the published simulators assume; 0 for
+        island_jax, whose islands contribute after the step.
+      topology: "coordinator" (island_jax: every island sends its payload up and takes the update down)
+        or "ring" (an all-reduce among the islands, no coordinator: each moves 2 (K - 1) / K of the
+        payload each way and waits 2 (K - 1) one-way latencies, as DiLoCo's papers and INTELLECT-1 do).
+    """
+
+    codec: str = "int8"
+    block_size: int = 256
+    bytes_per_param: float = 0.0
+    sync: str = "steps"
+    round_seconds: float = 0.0
+    fragments: int = 1
+    overlap_steps: int | str = 0
+    pipeline: bool = True
+    shared_link: bool = False
+    fragment_overhead_seconds: float = 0.0
+    backward_overlap: float = 0.0
+    topology: str = "coordinator"
+
+    def wire_bytes_per_param(self) -> float:
+        """Bytes per parameter on the wire (`bytes_per_param`, else the codec's for a long leaf)."""
+        if self.bytes_per_param > 0:
+            return self.bytes_per_param
+        n = 2 * self.block_size * 1024  # whole blocks and an even count: the codec's rate exactly
+        return codec_lib.leaf_bytes(n, self.codec, self.block_size) / n
+
+
+@dataclasses.dataclass(frozen=True)
+class Coordinator:
+    """Attributes: gbps (its own link each way, Gbit/s, which all islands' traffic crosses; `math.inf`:
+    not a constraint); cores (CPU cores its merge spreads over); fixed_ns_per_param and
+    per_island_ns_per_param (its CPU per round, params x (fixed + per_island x K) ns, from
+    benchmarks/merge.py); momentum (the outer optimizer keeps a momentum buffer)."""
+
+    gbps: float = math.inf
+    cores: int = 64
+    fixed_ns_per_param: float = MERGE_FIXED_NS
+    per_island_ns_per_param: float = MERGE_PER_ISLAND_NS
+    momentum: bool = True
+
+
+@dataclasses.dataclass(frozen=True)
+class IslandRound:
+    """One island's round. Seconds are wall-clock seconds, bytes are bytes, per round."""
+
+    name: str
+    step_seconds: float
+    inner_steps: float
+    tokens_per_round: float
+    compute_seconds: float  # H x step seconds
+    bytes_up: float  # contributions, island -> coordinator
+    bytes_down: float  # updates, coordinator -> island
+    rate_gbps: float  # the rate its transfers get
+    transfer_up_seconds: float
+    transfer_down_seconds: float
+    exchange_seconds: float  # one fragment: contribution leaving to its update in
+    overlap_steps: int  # tau
+    exposed_seconds: float  # communication the steps do not hide, overheads included
+    compute_utilization: float
+    bytes_per_day: float  # both ways
+
+
+@dataclasses.dataclass(frozen=True)
+class DataParallel:
+    """The baseline: a ring all-reduce of the gradients across the islands every step."""
+
+    bytes_per_step: float  # each way, per island
+    step_seconds: float  # the balanced step (`_data_parallel`)
+    comm_seconds: float
+    exposed_seconds: float
+    compute_utilization: float
+    required_gbps: dict  # target -> Gbit/s (None: no rate reaches it)
+    bytes_per_day: float  # both ways, per island
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """What `plan` returns; `str(plan)` (`format`) is what the command line prints."""
+
+    model: Model
+    outer: Outer
+    payload_bytes: float  # each way, per island per round
+    islands: list  # IslandRound
+    wall_seconds: float  # one round
+    compute_utilization: float  # the lowest island's
+    required_gbps: dict  # target -> Gbit/s of every island's link (None: no rate reaches it)
+    coordinator_memory: dict  # bytes: master, momentum, view, buffered contributions, kept update, total
+    coordinator_cpu_seconds: float  # per round
+    merge_seconds: float  # per round, over its cores
+    coordinator_bytes_per_day: float  # both ways
+    dp: DataParallel
+    notes: list
+
+    def __str__(self) -> str:
+        return format_plan(self)
+
+
+def _check(model: Model, islands: Sequence[Island], outer: Outer, coordinator: Coordinator) -> None:
+    def need(ok, message):
+        if not ok:
+            raise PlanError(message)
+
+    need(model.total_params > 0, f"total_params is {model.total_params}; give the model's parameters (> 0)")
+    need(0 <= model.active <= model.total_params, f"active_params is {model.active_params}; give 0 < active <= total")
+    need(len(islands) > 0, "no islands; give at least one (--island=name=a,...)")
+    need(len({i.name for i in islands}) == len(islands), "two islands share a name; give each its own")
+    need(outer.sync in ("steps", "auto", "time"), f"sync is {outer.sync!r}; choose steps, auto or time")
+    need(outer.sync != "time" or outer.round_seconds > 0, "sync is 'time'; give round_seconds > 0")
+    need(outer.fragments >= 1, f"fragments is {outer.fragments}; give 1 or more")
+    need(outer.overlap_steps == "auto" or int(outer.overlap_steps) >= 0,
+         f"overlap_steps is {outer.overlap_steps!r}; give an int >= 0 or 'auto'")
+    need(outer.topology in TOPOLOGIES, f"topology is {outer.topology!r}; choose one of {TOPOLOGIES}")
+    need(outer.backward_overlap >= 0, f"backward_overlap is {outer.backward_overlap}; give a fraction of a step >= 0")
+    need(coordinator.cores >= 1, f"coordinator cores is {coordinator.cores}; give 1 or more")
+    for isl in islands:
+        p = f"island {isl.name!r}"
+        need(isl.link.gbps > 0, f"{p}: link gbps is {isl.link.gbps}; give a rate > 0 Gbit/s (inf: unlimited)")
+        need(isl.link.rtt_ms >= 0 and isl.link.window_bytes >= 0, f"{p}: rtt_ms and window_bytes must be >= 0")
+        need(isl.inner_steps >= 1, f"{p}: inner_steps is {isl.inner_steps}; give H >= 1")
+        if isl.step_seconds <= 0:
+            lookup(isl.hardware)
+            need(isl.num_devices >= 1 and 0 < isl.mfu <= 1 and isl.tokens_per_step > 0,
+                 f"{p}: without step_seconds give devices >= 1, 0 < mfu <= 1, batch and seq_len > 0")
+
+
+def _inner_steps(islands: Sequence[Island], steps: list[float], outer: Outer) -> list[float]:
+    if outer.sync == "steps":
+        return [float(i.inner_steps) for i in islands]
+    if outer.sync == "time":  # as many steps as the round's seconds hold, at the steps' busy pace
+        return [outer.round_seconds / (i.busy_step_seconds or t) for i, t in zip(islands, steps)]
+    ref = 0  # auto: the first island keeps its H; the others take as many steps as fit in its round
+    return [float(scaled_inner_steps(islands[ref].inner_steps, 1.0 / t, 1.0 / steps[ref])) for t in steps]
+
+
+def _rounds(model, islands, outer, coordinator, gbps=None):
+    """The islands' rounds, every island's link at `gbps` when given. Returns (rounds, W, merge s, CPU s)."""
+    k, f = len(islands), outer.fragments
+    ring = outer.topology == "ring"
+    payload = model.total_params * outer.wire_bytes_per_param()
+    moved = payload * (2 * (k - 1) / k if ring else 1.0)  # each way, per island per round
+    steps = [i.seconds_per_step(model) for i in islands]
+    inner = _inner_steps(islands, steps, outer)
+    links = [dataclasses.replace(i.link, gbps=gbps) if gbps is not None else i.link for i in islands]
+    rates = []
+    for link in links:
+        rate = link.rate_gbps() / (k if outer.shared_link else 1)
+        rates.append(rate if ring else min(rate, coordinator.gbps / k))
+    seconds = [moved / f * 8 / (r * 1e9) if math.isfinite(r) else 0.0 for r in rates]
+    one_way = [link.rtt_ms / 2e3 for link in links]
+    if ring:
+        cpu = merge = 0.0
+    else:
+        cpu = model.total_params * (coordinator.fixed_ns_per_param + coordinator.per_island_ns_per_param * k) * 1e-9
+        merge = cpu / coordinator.cores / f
+    rows, walls = [], []
+    for isl, t, h, rate, s, lat in zip(islands, steps, inner, rates, seconds, one_way):
+        if ring:  # a ring moves at its slowest link and waits 2 (K - 1) hops
+            exchange = max(seconds) + 2 * (k - 1) * max(one_way)
+        elif outer.pipeline:  # a chunk's merge waits for every island's copy of it; the update flows back
+            exchange = max(max(seconds), merge, s) + max(one_way) + lat
+        else:
+            exchange = max(seconds) + max(one_way) + merge + s + lat
+        cap = max(int(math.ceil(h)) - 1, 0)
+        tau = auto_overlap_steps(exchange, t, cap) if outer.overlap_steps == "auto" else int(outer.overlap_steps)
+        hidden = (tau + outer.backward_overlap) * t
+        exposed = f * (max(0.0, exchange - hidden) + outer.fragment_overhead_seconds)
+        busy = h * (isl.busy_step_seconds or t)
+        walls.append(max(busy + exposed, f * max(s, merge)))
+        rows.append(dict(name=isl.name, step_seconds=t, inner_steps=h, tokens_per_round=h * isl.tokens_per_step,
+                         compute_seconds=h * t, bytes_up=moved, bytes_down=moved, rate_gbps=rate,
+                         transfer_up_seconds=f * s, transfer_down_seconds=f * s, exchange_seconds=exchange,
+                         overlap_steps=tau, exposed_seconds=exposed))
+    wall = max(walls)
+    out = [IslandRound(**r, compute_utilization=r["compute_seconds"] / wall,
+                       bytes_per_day=2 * moved * SECONDS_PER_DAY / wall) for r in rows]
+    return out, wall, merge * f, cpu
+
+
+def _required(utilization, target: float) -> float | None:
+    """The lowest Gbit/s at which `utilization(gbps)` reaches `target` (bisection in log rate; None: never)."""
+    lo, hi = _GBPS_RANGE
+    if utilization(hi) < target:
+        return None
+    if utilization(lo) >= target:
+        return lo
+    for _ in range(100):
+        mid = math.sqrt(lo * hi)
+        lo, hi = (mid, hi) if utilization(mid) < target else (lo, mid)
+        if hi / lo < 1 + 1e-6:
+            break
+    return hi
+
+
+def _data_parallel(model, islands, dp_bytes, targets) -> DataParallel:
+    """The ring all-reduce baseline. Its global batch is every island's tokens per step, split so that every
+    island's share takes the same time: the step is sum(tokens) / sum(tokens_i / t_i)."""
+    k = len(islands)
+    steps = [i.seconds_per_step(model) for i in islands]
+    tokens = [i.tokens_per_step or 1 for i in islands]
+    step = sum(tokens) / sum(n / t for n, t in zip(tokens, steps))
+    nbytes = 2 * (k - 1) / k * model.total_params * dp_bytes
+
+    def at(gbps=None):
+        if k == 1:
+            return 0.0, 0.0, 1.0
+        links = [dataclasses.replace(i.link, gbps=gbps) if gbps is not None else i.link for i in islands]
+        comm = max(
+            (nbytes * 8 / (link.rate_gbps() * 1e9) if math.isfinite(link.rate_gbps()) else 0.0)
+            + 2 * (k - 1) * link.rtt_ms / 2e3
+            for link in links
+        )
+        exposed = max(0.0, comm - BACKWARD_FRACTION * step)
+        return comm, exposed, step / (step + exposed)
+
+    comm, exposed, util = at()
+    return DataParallel(
+        bytes_per_step=nbytes, step_seconds=step, comm_seconds=comm, exposed_seconds=exposed,
+        compute_utilization=util, required_gbps={t: _required(lambda g: at(g)[2], t) for t in targets},
+        bytes_per_day=2 * nbytes * SECONDS_PER_DAY / (step + exposed),
+    )
+
+
+def plan(
+    model: Model,
+    islands: Sequence[Island],
+    outer: Outer = Outer(),
+    coordinator: Coordinator = Coordinator(),
+    dp_dtype: str = "bf16",
+    targets: Sequence[float] = TARGETS,
+) -> Plan:
+    """The round of `islands` training `model` under `outer` (the model is in this module's docstring).
+
+    Args:
+      model: parameter counts and layers.
+      islands: each island's hardware, step and link.
+      outer: the outer loop and the exchange (codec, H or sync, fragments, tau, pipeline, shared link).
+      coordinator: its link, cores and merge cost.
+      dp_dtype: "bf16" or "fp32" gradients for the data-parallel baseline.
+      targets: compute utilizations in (0, 1] to give the required link rate for.
+
+    Returns:
+      A `Plan` (seconds per round, bytes, Gbit/s; memory in bytes).
+
+    Raises:
+      PlanError: an input is invalid (the message names it).
+      KeyError: an island's hardware is not in the catalog.
+    """
+    _check(model, islands, outer, coordinator)
+    if dp_dtype not in DP_BYTES:
+        raise PlanError(f"dp_dtype is {dp_dtype!r}; choose one of {sorted(DP_BYTES)}")
+    rounds, wall, merge, cpu = _rounds(model, islands, outer, coordinator)
+
+    def utilization(gbps):
+        return min(r.compute_utilization for r in _rounds(model, islands, outer, coordinator, gbps)[0])
+
+    payload = model.total_params * outer.wire_bytes_per_param()
+    k = len(islands)
+    memory = dict(
+        master=4 * model.total_params,
+        momentum=4 * model.total_params if coordinator.momentum else 0.0,
+        view=4 * model.total_params,
+        buffered_contributions=k * payload,
+        kept_update=payload,
+    )
+    memory["total"] = sum(memory.values())
+    notes = []
+    if any(i.step_seconds <= 0 and i.hardware == "cpu" for i in islands):
+        notes.append("hardware 'cpu' has no real peak in the catalog; give a measured step time "
+                     "(--step_seconds, or --workdir of a finished run) for a meaningful step")
+    if model.num_layers and outer.fragments > model.num_layers:
+        notes.append(f"F={outer.fragments} fragments for {model.num_layers} layers: Streaming DiLoCo's fragments "
+                     "are groups of whole layers (island_jax's, of whole leaves), so some split a layer")
+    for isl in islands:
+        if isl.link.window_bytes and isl.link.rate_gbps() < isl.link.gbps:
+            notes.append(f"island {isl.name}: {isl.link.connections} connections x a {isl.link.window_bytes}-byte "
+                         f"window over {isl.link.rtt_ms:g} ms carry {isl.link.rate_gbps():.3g} Gbit/s of its "
+                         f"{isl.link.gbps:g}; more connections or a larger window would raise it")
+    return Plan(
+        model=model, outer=outer, payload_bytes=payload, islands=rounds, wall_seconds=wall,
+        compute_utilization=min(r.compute_utilization for r in rounds),
+        required_gbps={t: _required(utilization, t) for t in targets},
+        coordinator_memory=memory, coordinator_cpu_seconds=cpu, merge_seconds=merge,
+        coordinator_bytes_per_day=2 * k * payload * SECONDS_PER_DAY / wall,
+        dp=_data_parallel(model, islands, DP_BYTES[dp_dtype], targets), notes=notes,
+    )
+
+
+def _si(value: float, unit: str) -> str:
+    for scale, prefix in ((1e15, "P"), (1e12, "T"), (1e9, "G"), (1e6, "M"), (1e3, "k")):
+        if abs(value) >= scale:
+            return f"{value / scale:.3g} {prefix}{unit}"
+    return f"{value:.3g} {unit}"
+
+
+def _gbps(value: float | None) -> str:
+    return "unreachable" if value is None else f"{value:.3g}"
+
+
+def format_plan(p: Plan) -> str:
+    """The plan as the command line prints it."""
+    o = p.outer
+    tau = o.overlap_steps
+    lines = [
+        f"model: {_si(p.model.total_params, '')}params total, {_si(p.model.active, '')}active; codec {o.codec} "
+        f"({o.wire_bytes_per_param():.6g} bytes/param): {_si(p.payload_bytes, 'B')} each way per round; "
+        f"F={o.fragments}, tau={tau}, pipeline={o.pipeline}, sync={o.sync}"
+        + (", one shared link" if o.shared_link else ""),
+        "per round:",
+    ]
+    for r in p.islands:
+        lines.append(
+            f"  island {r.name}: H={r.inner_steps:.4g} x {r.step_seconds:.4g} s = compute {r.compute_seconds:.4g} s; "
+            f"{_si(r.bytes_up, 'B')} up, {_si(r.bytes_down, 'B')} down at {r.rate_gbps:.4g} Gbit/s: transfer "
+            f"{r.transfer_up_seconds:.4g} s each way, exchange {r.exchange_seconds:.4g} s per fragment, tau "
+            f"{r.overlap_steps}; exposed {r.exposed_seconds:.4g} s; utilization {r.compute_utilization:.4f}; "
+            f"{_si(r.bytes_per_day, 'B')}/day"
+        )
+    req = ", ".join(f"{t:.0%}: {_gbps(g)}" for t, g in p.required_gbps.items())
+    dreq = ", ".join(f"{t:.0%}: {_gbps(g)}" for t, g in p.dp.required_gbps.items())
+    mem = ", ".join(f"{k.replace('_', ' ')} {_si(v, 'B')}" for k, v in p.coordinator_memory.items())
+    lines += [
+        f"  round: {p.wall_seconds:.4g} s; compute utilization {p.compute_utilization:.4f} (lowest island)",
+        f"  link Gbit/s each way, every island, for utilization {req}",
+        f"  coordinator: {mem}; CPU {p.coordinator_cpu_seconds:.4g} s/round (merge {p.merge_seconds:.4g} s over "
+        f"its cores); {_si(p.coordinator_bytes_per_day, 'B')}/day",
+        f"data parallel ({len(p.islands)}-island ring all-reduce every step): {_si(p.dp.bytes_per_step, 'B')} each "
+        f"way per step, comm {p.dp.comm_seconds:.4g} s against a {p.dp.step_seconds:.4g} s step, exposed "
+        f"{p.dp.exposed_seconds:.4g} s; utilization {p.dp.compute_utilization:.4f}; link Gbit/s for {dreq}; "
+        f"{_si(p.dp.bytes_per_day, 'B')}/day",
+    ]
+    lines += [f"note: {n}" for n in p.notes]
+    return "\n".join(lines)
+
+
+# -- from a config, and against a finished run ---------------------------------------------------------
+
+
+def model_of(config: ml_collections.ConfigDict) -> Model:
+    """The parameter counts of `config.model` / `config.moe`, from the shapes alone (nothing is computed).
+
+    Active parameters count k of the E routed experts of each MoE layer.
+    """
+    import jax
+    import numpy as np
+    from flax import nnx
+
+    from island_jax.model.transformer import Transformer
+
+    abstract = nnx.eval_shape(lambda: Transformer(config, rngs=nnx.Rngs(0)))
+    state = nnx.to_pure_dict(nnx.state(abstract, nnx.Param))
+    total = routed = 0
+    for path, leaf in jax.tree_util.tree_flatten_with_path(state)[0]:
+        n = int(np.prod(leaf.shape))
+        total += n
+        keys = [str(getattr(k, "key", k)) for k in path]
+        if len(keys) >= 2 and keys[-2] == "moe" and keys[-1] in ("w_gate", "w_up", "w_down"):
+            routed += n
+    k, e = config.moe.num_experts_per_token, config.moe.num_experts
+    return Model(float(total), float(total - routed * (1 - k / e)), int(config.model.num_layers))
+
+
+def from_config(
+    config: ml_collections.ConfigDict,
+    step_seconds: dict | None = None,
+    mfu: float = 0.4,
+    link: Link | None = None,
+    busy_step_seconds: dict | None = None,
+) -> tuple[Model, list[Island], Outer]:
+    """The planner's inputs for a run's config (island_jax/config.py).
+
+    Args:
+      config: the run's config: model, islands (hardware, devices, batch, H), codec, outer, comm.
+      step_seconds: {island: measured seconds per step}; islands not in it take the catalog and `mfu`.
+      mfu: the MFU of catalog step times.
+      link: every island's link; None: `comm.link` and `comm.connections` (a 0 Gbit/s link, not
+        emulated, is unlimited).
+      busy_step_seconds: {island: measured mean step seconds with the exchange beside it}.
+    """
+    step_seconds, busy_step_seconds = step_seconds or {}, busy_step_seconds or {}
+    if link is None:
+        c = config.comm
+        link = Link(c.link.bandwidth_gbps or math.inf, 2 * c.link.latency_ms, c.connections, c.link.window_bytes)
+    o = config.outer
+    outer = Outer(
+        codec=config.codec.kind, block_size=config.codec.block_size, sync="time" if o.sync == "time" else
+        ("auto" if o.sync == "auto" else "steps"), round_seconds=o.round_seconds if o.sync == "time" else 0.0,
+        fragments=o.fragments, overlap_steps=o.overlap_steps, pipeline=bool(config.comm.pipeline),
+    )
+    islands = [
+        Island(name=name, num_devices=isl.num_devices, hardware=isl.hardware, mfu=mfu,
+               step_seconds=step_seconds.get(name, 0.0), batch_size=isl.batch_size, seq_len=config.model.seq_len,
+               inner_steps=isl.inner_steps, link=link, busy_step_seconds=busy_step_seconds.get(name, 0.0))
+        for name, isl in config.islands.items()
+    ]
+    return model_of(config), islands, outer
+
+
+@dataclasses.dataclass(frozen=True)
+class Prediction:
+    """A finished run's compute utilization per island: `predicted` by `plan` from the run's recorded step
+    times, payload and link settings, beside `measured` (its accounting), over the same rounds."""
+
+    plan: Plan
+    predicted: dict  # island -> utilization
+    measured: dict  # island -> utilization
+    rounds: list  # the rounds compared (1-based)
+
+    def __str__(self) -> str:
+        rows = [f"{'island':>8} {'predicted':>10} {'measured':>10} {'difference':>11}"]
+        for name in self.predicted:
+            p, m = self.predicted[name], self.measured[name]
+            rows.append(f"{name:>8} {p:10.4f} {m:10.4f} {p - m:+11.4f}")
+        return f"rounds {self.rounds[0]}..{self.rounds[-1]}:\n" + "\n".join(rows)
+
+
+def predict(workdir: str, fragment_overhead_seconds: float = 0.0) -> Prediction:
+    """Predicts a finished run's compute utilization per island and reads the measured one beside it.
+
+    The prediction takes from the run only its config (model, H or sync, codec, fragments, tau, link
+    settings: `comm.link` and `comm.connections`), each island's recorded step times (the median over
+    the rounds of `clean_step_seconds`, the step with no exchange in flight, and of the mean step,
+    `compute_seconds` / `inner_steps`) and its recorded steps per round; never its utilization, wall or
+    blocked seconds. Rounds compared: every round after the first (the islands' start) and before the
+    last (which waits for the final update), or all of them in a run of fewer than 3 rounds.
+
+    Raises:
+      FileNotFoundError: the workdir holds no island's config.json or metrics.jsonl.
+    """
+    from island_jax.metrics import read_jsonl
+    from island_jax.workdir import island_dir
+
+    names = sorted(os.listdir(os.path.join(workdir, "islands")))
+    with open(os.path.join(island_dir(workdir, names[0]), "config.json"), encoding="utf-8") as f:
+        import json
+
+        config = ml_collections.ConfigDict(json.load(f))
+    records, pipelined = {}, []
+    for name in config.islands.keys():
+        latest = {}
+        for rec in read_jsonl(os.path.join(island_dir(workdir, name), "metrics.jsonl")):
+            if rec.get("kind") == "round":
+                latest[rec["round"]] = rec
+            elif rec.get("kind") == "exchange":
+                pipelined.append(rec["pipelined"])
+        records[name] = latest
+    common = sorted(set.intersection(*(set(r) for r in records.values())))
+    chosen = common[1:-1] if len(common) >= 3 else common
+    clean, busy, steps = {}, {}, {}
+    for name, latest in records.items():
+        recs = [latest[r] for r in chosen]
+        clean[name] = statistics.median(r["clean_step_seconds"] for r in recs)
+        busy[name] = statistics.median(r["compute_seconds"] / r["inner_steps"] for r in recs)
+        steps[name] = statistics.median(r["inner_steps"] for r in recs)
+    model, islands, outer = from_config(config, step_seconds=clean, busy_step_seconds=busy)
+    islands = [dataclasses.replace(i, inner_steps=max(1, round(steps[i.name]))) for i in islands]
+    recs = [latest[r] for latest in records.values() for r in chosen]
+    exchanges = sum(r["exchanges"] for r in recs)
+    if not exchanges:
+        raise ValueError(f"{workdir}: no exchange was applied in rounds {chosen}; nothing to predict")
+    per_round = sum(r["payload_bytes"] for r in recs) / exchanges * outer.fragments  # the whole payload
+    outer = dataclasses.replace(
+        outer, sync="time" if config.outer.sync == "time" else "steps", bytes_per_param=per_round / model.total_params,
+        fragment_overhead_seconds=fragment_overhead_seconds, pipeline=all(pipelined) if pipelined else outer.pipeline,
+    )
+    p = plan(model, islands, outer)
+    measured = {
+        name: sum(latest[r]["ideal_compute_seconds"] for r in chosen) / sum(latest[r]["wall_seconds"] for r in chosen)
+        for name, latest in records.items()
+    }
+    return Prediction(p, {r.name: r.compute_utilization for r in p.islands}, measured, chosen)
+
+
+# -- the command line ----------------------------------------------------------------------------------
+
+_ISLAND_KEYS = {  # --island=KEY=VALUE,... : Island fields, and the Link fields of its path
+    "name": str, "hardware": str, "devices": int, "mfu": float, "step_seconds": float, "batch": int,
+    "seq_len": int, "inner_steps": int, "gbps": float, "rtt_ms": float, "connections": int, "window_bytes": int,
+}
+_RENAMED = {"devices": "num_devices", "batch": "batch_size"}
+_LINK_KEYS = ("gbps", "rtt_ms", "connections", "window_bytes")
+
+
+def parse_island(text: str, link: Link) -> Island:
+    """An `Island` from `--island=name=a,hardware=h100,devices=64,...` (keys: `_ISLAND_KEYS`); link keys
+    missing from it come from `link`.
+
+    Raises:
+      PlanError: an unknown key, a value of the wrong type, or no name.
+    """
+    fields, link_fields = {}, {}
+    for item in filter(None, text.split(",")):
+        key, sep, value = item.partition("=")
+        key = key.strip()
+        if not sep or key not in _ISLAND_KEYS:
+            raise PlanError(f"--island={text!r}: {item!r} is not KEY=VALUE with KEY one of {sorted(_ISLAND_KEYS)}")
+        try:
+            parsed = _ISLAND_KEYS[key](float(value) if _ISLAND_KEYS[key] is int else value)
+        except ValueError:
+            raise PlanError(f"--island={text!r}: {key}={value!r} is not a {_ISLAND_KEYS[key].__name__}") from None
+        (link_fields if key in _LINK_KEYS else fields)[_RENAMED.get(key, key)] = parsed
+    if "name" not in fields:
+        raise PlanError(f"--island={text!r} has no name=; give each island one")
+    return Island(**fields, link=dataclasses.replace(link, **link_fields))
+
+
+def _main(argv):
+    from absl import flags
+
+    del argv
+    f = flags.FLAGS
+    given = {name for name in f if f[name].present}
+    link = Link(f.gbps, f.rtt_ms, f.connections, f.window_bytes)
+    if f.workdir:
+        prediction = predict(f.workdir, f.fragment_overhead_seconds)
+        print(prediction.plan)
+        print(f"predicted against measured compute utilization ({f.workdir}):")
+        print(prediction)
+        return 0
+    if f.config is not None:
+        step = _per_island(f.step_seconds, f.config.islands.keys())
+        model, islands, outer = from_config(
+            f.config, step_seconds=step, mfu=f.mfu,
+            link=link if given & set(_LINK_KEYS) or not f.config.comm.link.bandwidth_gbps else None,
+        )
+        if "inner_steps" in given:
+            islands = [dataclasses.replace(i, inner_steps=f.inner_steps) for i in islands]
+        overrides = {k: getattr(f, k) for k in ("total_params", "active_params", "layers") if k in given}
+        model = Model(overrides.get("total_params", model.total_params), overrides.get("active_params", model.active_params),
+                      overrides.get("layers", model.num_layers))
+    else:
+        if not f.island:
+            raise PlanError("give --config=CONFIG, --workdir=WORKDIR, or the model and islands "
+                            "(--total_params=... --island=name=a,hardware=h100,devices=64,batch=512,seq_len=4096)")
+        model = Model(f.total_params, f.active_params, f.layers)
+        islands = [parse_island(text, link) for text in f.island]
+        if "inner_steps" in given:
+            islands = [dataclasses.replace(i, inner_steps=f.inner_steps) for i in islands]
+        outer = Outer()
+    outer_fields = dict(
+        codec="codec", block_size="block_size", bytes_per_param="bytes_per_param", sync="sync",
+        round_seconds="round_seconds", fragments="fragments", overlap_steps="overlap_steps", pipeline="pipeline",
+        shared_link="shared_link", fragment_overhead_seconds="fragment_overhead_seconds",
+        backward_overlap="backward_overlap", topology="topology",
+    )
+    changes = {field: getattr(f, flag) for field, flag in outer_fields.items() if flag in given or f.config is None}
+    if "overlap_steps" in changes and changes["overlap_steps"] != "auto":
+        changes["overlap_steps"] = int(changes["overlap_steps"])
+    outer = dataclasses.replace(outer, **changes)
+    coordinator = Coordinator(gbps=f.coordinator_gbps or math.inf, cores=f.coordinator_cores)
+    print(plan(model, islands, outer, coordinator, dp_dtype=f.dp_dtype))
+    return 0
+
+
+def _per_island(text: str, names) -> dict:
+    """{island: seconds} from "0.2" (every island) or "a=0.2,b=0.4" ("" : none)."""
+    if not text:
+        return {}
+    if "=" not in text:
+        return dict.fromkeys(names, float(text))
+    return {k: float(v) for k, v in (item.split("=", 1) for item in text.split(","))}
+
+
+def _define_flags() -> None:
+    from absl import flags
+    from ml_collections import config_flags
+
+    config_flags.DEFINE_config_file("config", None, "A run's config (its model, islands, codec, outer loop, link).")
+    flags.DEFINE_string("workdir", "", "A finished run's workdir: predict its utilization and print it beside the measured.")
+    flags.DEFINE_float("total_params", 1e9, "Parameters of the model (what the exchange moves).")
+    flags.DEFINE_float("active_params", 0.0, "Parameters active per token (what a step computes; 0: total).")
+    flags.DEFINE_integer("layers", 0, "Layers of the model (fragments hold whole layers; 0: unknown).")
+    flags.DEFINE_multi_string("island", [], "name=NAME,hardware=KIND,devices=N,mfu=F,step_seconds=S,batch=B,"
+                              "seq_len=T,inner_steps=H,gbps=G,rtt_ms=R,connections=C,window_bytes=W (repeat per island).")
+    flags.DEFINE_string("step_seconds", "", "With --config: measured seconds per step, S or a=S,b=S.")
+    flags.DEFINE_float("mfu", 0.4, "MFU of step times computed from the catalog peak.")
+    flags.DEFINE_integer("inner_steps", 100, "H of every island.")
+    flags.DEFINE_float("gbps", 25.0, "Every island's link, Gbit/s each way (inf: unlimited).")
+    flags.DEFINE_float("rtt_ms", 0.0, "Every island's round trip, ms.")
+    flags.DEFINE_integer("connections", 16, "Parallel connections per island.")
+    flags.DEFINE_integer("window_bytes", 0, "Bytes in flight per connection (0: no window).")
+    flags.DEFINE_enum("sync", "steps", ["steps", "auto", "time"], "Round planning (outer.sync).")
+    flags.DEFINE_float("round_seconds", 0.0, "With --sync=time: compute seconds per round.")
+    flags.DEFINE_enum("codec", "int8", list(codec_lib.KINDS), "Codec of the pseudo-gradients and updates.")
+    flags.DEFINE_integer("block_size", 256, "Elements per scale of int8 / int4.")
+    flags.DEFINE_float("bytes_per_param", 0.0, "Bytes on the wire per parameter (0: from --codec).")
+    flags.DEFINE_integer("fragments", 1, "F, Streaming DiLoCo fragments.")
+    flags.DEFINE_string("overlap_steps", "0", "tau: inner steps an update may arrive late, or auto.")
+    flags.DEFINE_bool("pipeline", True, "comm.pipeline: the update flows back while contributions arrive.")
+    flags.DEFINE_bool("shared_link", False, "The islands share one link (each gets 1/K of its rate).")
+    flags.DEFINE_enum("topology", "coordinator", list(TOPOLOGIES), "coordinator (island_jax) or ring (all-reduce).")
+    flags.DEFINE_float("backward_overlap", 0.0, "Steps that hide an exchange's start (2/3: from the backward pass).")
+    flags.DEFINE_float("fragment_overhead_seconds", 0.0, "Training-thread seconds per fragment exchanged.")
+    flags.DEFINE_float("coordinator_gbps", 0.0, "The coordinator's own link, Gbit/s each way (0: unlimited).")
+    flags.DEFINE_integer("coordinator_cores", 64, "CPU cores the coordinator's merge spreads over.")
+    flags.DEFINE_enum("dp_dtype", "bf16", sorted(DP_BYTES), "Gradient dtype of the data-parallel baseline.")
+
+
+if __name__ == "__main__":
+    from absl import app
+
+    _define_flags()
+    app.run(_main)
