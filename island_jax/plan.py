@@ -40,6 +40,7 @@ import dataclasses
 import math
 import os
 import statistics
+import sys
 from collections.abc import Sequence
 
 import ml_collections
@@ -57,8 +58,8 @@ DP_BYTES = {"bf16": 2, "fp32": 4}  # bytes per gradient element of the data-para
 BACKWARD_FRACTION = 2.0 / 3.0  # of a step: the backward pass (4 of the 6 N FLOPs per token) a reduction hides in
 # The coordinator's CPU per round in ns per parameter, params x (fixed + per_island x K), fitted by
 # benchmarks/merge.py on the machine of docs/benchmarks.md#the-coordinators-merge (int8, block 256).
-MERGE_FIXED_NS = 22.0
-MERGE_PER_ISLAND_NS = 3.0
+MERGE_FIXED_NS = 11.5
+MERGE_PER_ISLAND_NS = 4.2
 _GBPS_RANGE = (1e-6, 1e9)  # Gbit/s searched for a required rate
 
 
@@ -272,7 +273,7 @@ def _check(model: Model, islands: Sequence[Island], outer: Outer, coordinator: C
     need(outer.sync in ("steps", "auto", "time"), f"sync is {outer.sync!r}; choose steps, auto or time")
     need(outer.sync != "time" or outer.round_seconds > 0, "sync is 'time'; give round_seconds > 0")
     need(outer.fragments >= 1, f"fragments is {outer.fragments}; give 1 or more")
-    need(outer.overlap_steps == "auto" or int(outer.overlap_steps) >= 0,
+    need(outer.overlap_steps == "auto" or (isinstance(outer.overlap_steps, int) and outer.overlap_steps >= 0),
          f"overlap_steps is {outer.overlap_steps!r}; give an int >= 0 or 'auto'")
     need(outer.topology in TOPOLOGIES, f"topology is {outer.topology!r}; choose one of {TOPOLOGIES}")
     need(outer.backward_overlap >= 0, f"backward_overlap is {outer.backward_overlap}; give a fraction of a step >= 0")
@@ -440,11 +441,17 @@ def plan(
             notes.append(f"island {isl.name}: {isl.link.connections} connections x a {isl.link.window_bytes}-byte "
                          f"window over {isl.link.rtt_ms:g} ms carry {isl.link.rate_gbps():.3g} Gbit/s of its "
                          f"{isl.link.gbps:g}; more connections or a larger window would raise it")
+    required = {t: _required(utilization, t) for t in targets}
+    if any(g is None for g in required.values()):
+        notes.append(
+            f"with unlimited island links compute utilization stops at {utilization(_GBPS_RANGE[1]):.4f}: "
+            "what the links cannot change (the coordinator's link and merge, windows, per-fragment overhead, "
+            "islands of unequal rounds) caps it"
+        )
     return Plan(
         model=model, outer=outer, payload_bytes=payload, islands=rounds, wall_seconds=wall,
         compute_utilization=min(r.compute_utilization for r in rounds),
-        required_gbps={t: _required(utilization, t) for t in targets},
-        coordinator_memory=memory, coordinator_cpu_seconds=cpu, merge_seconds=merge,
+        required_gbps=required, coordinator_memory=memory, coordinator_cpu_seconds=cpu, merge_seconds=merge,
         coordinator_bytes_per_day=2 * k * payload * SECONDS_PER_DAY / wall,
         dp=_data_parallel(model, islands, DP_BYTES[dp_dtype], targets), notes=notes,
     )
@@ -462,36 +469,38 @@ def _gbps(value: float | None) -> str:
 
 
 def format_plan(p: Plan) -> str:
-    """The plan as the command line prints it."""
+    """The plan as the command line prints it: a line on the model and the exchange, a table of the
+    islands' rounds, then the required link rates, the coordinator and the data-parallel baseline."""
     o = p.outer
-    tau = o.overlap_steps
-    lines = [
-        f"model: {_si(p.model.total_params, '')}params total, {_si(p.model.active, '')}active; codec {o.codec} "
-        f"({o.wire_bytes_per_param():.6g} bytes/param): {_si(p.payload_bytes, 'B')} each way per round; "
-        f"F={o.fragments}, tau={tau}, pipeline={o.pipeline}, sync={o.sync}"
-        + (", one shared link" if o.shared_link else ""),
-        "per round:",
+    head = (
+        f"model: {_si(p.model.total_params, '')}parameters ({_si(p.model.active, '')}active); {o.codec} at "
+        f"{o.wire_bytes_per_param():.6g} bytes/parameter: {_si(p.payload_bytes, 'B')} each way per island per round; "
+        f"F={o.fragments}, tau={o.overlap_steps}, pipeline={'on' if o.pipeline else 'off'}, sync={o.sync}, "
+        f"topology={o.topology}" + (", one shared link" if o.shared_link else "")
+    )
+    columns = ("island", "H", "step s", "compute s", "up", "down", "Gbit/s", "transfer s", "tau", "exposed s",
+               "utilization", "bytes/day")
+    table = [columns] + [
+        (r.name, f"{r.inner_steps:.4g}", f"{r.step_seconds:.4g}", f"{r.compute_seconds:.4g}", _si(r.bytes_up, "B"),
+         _si(r.bytes_down, "B"), f"{r.rate_gbps:.4g}", f"{r.transfer_up_seconds:.4g}", str(r.overlap_steps),
+         f"{r.exposed_seconds:.4g}", f"{r.compute_utilization:.4f}", _si(r.bytes_per_day, "B"))
+        for r in p.islands
     ]
-    for r in p.islands:
-        lines.append(
-            f"  island {r.name}: H={r.inner_steps:.4g} x {r.step_seconds:.4g} s = compute {r.compute_seconds:.4g} s; "
-            f"{_si(r.bytes_up, 'B')} up, {_si(r.bytes_down, 'B')} down at {r.rate_gbps:.4g} Gbit/s: transfer "
-            f"{r.transfer_up_seconds:.4g} s each way, exchange {r.exchange_seconds:.4g} s per fragment, tau "
-            f"{r.overlap_steps}; exposed {r.exposed_seconds:.4g} s; utilization {r.compute_utilization:.4f}; "
-            f"{_si(r.bytes_per_day, 'B')}/day"
-        )
-    req = ", ".join(f"{t:.0%}: {_gbps(g)}" for t, g in p.required_gbps.items())
-    dreq = ", ".join(f"{t:.0%}: {_gbps(g)}" for t, g in p.dp.required_gbps.items())
-    mem = ", ".join(f"{k.replace('_', ' ')} {_si(v, 'B')}" for k, v in p.coordinator_memory.items())
+    widths = [max(len(row[i]) for row in table) for i in range(len(columns))]
+    lines = [head, "per round:"] + ["  " + "  ".join(c.rjust(w) for c, w in zip(row, widths)) for row in table]
+    req = ", ".join(f"{t:.0%} {_gbps(g)}" for t, g in p.required_gbps.items())
+    dreq = ", ".join(f"{t:.0%} {_gbps(g)}" for t, g in p.dp.required_gbps.items())
+    mem = ", ".join(f"{k.replace('_', ' ')} {_si(v, 'B')}" for k, v in p.coordinator_memory.items() if k != "total")
+    d = p.dp
     lines += [
-        f"  round: {p.wall_seconds:.4g} s; compute utilization {p.compute_utilization:.4f} (lowest island)",
-        f"  link Gbit/s each way, every island, for utilization {req}",
-        f"  coordinator: {mem}; CPU {p.coordinator_cpu_seconds:.4g} s/round (merge {p.merge_seconds:.4g} s over "
-        f"its cores); {_si(p.coordinator_bytes_per_day, 'B')}/day",
-        f"data parallel ({len(p.islands)}-island ring all-reduce every step): {_si(p.dp.bytes_per_step, 'B')} each "
-        f"way per step, comm {p.dp.comm_seconds:.4g} s against a {p.dp.step_seconds:.4g} s step, exposed "
-        f"{p.dp.exposed_seconds:.4g} s; utilization {p.dp.compute_utilization:.4f}; link Gbit/s for {dreq}; "
-        f"{_si(p.dp.bytes_per_day, 'B')}/day",
+        f"round: {p.wall_seconds:.4g} s; compute utilization {p.compute_utilization:.4f} (the lowest island)",
+        f"link Gbit/s each way, on every island's link, for compute utilization {req}",
+        f"coordinator: memory {_si(p.coordinator_memory['total'], 'B')} ({mem}); CPU {p.coordinator_cpu_seconds:.4g} "
+        f"s/round, {p.merge_seconds:.4g} s over its cores; {_si(p.coordinator_bytes_per_day, 'B')}/day",
+        f"data parallel (ring all-reduce across the {len(p.islands)} islands every step): "
+        f"{_si(d.bytes_per_step, 'B')} each way per step, {d.comm_seconds:.4g} s against a {d.step_seconds:.4g} s "
+        f"step ({d.exposed_seconds:.4g} s exposed); compute utilization {d.compute_utilization:.4f}; "
+        f"link Gbit/s for {dreq}; {_si(d.bytes_per_day, 'B')}/day",
     ]
     lines += [f"note: {n}" for n in p.notes]
     return "\n".join(lines)
@@ -683,9 +692,12 @@ def _main(argv):
         return 0
     if f.config is not None:
         step = _per_island(f.step_seconds, f.config.islands.keys())
+        emulated = bool(f.config.comm.link.bandwidth_gbps)
+        if not emulated and not given & set(_LINK_KEYS):
+            print(f"note: the config emulates no link (comm.link.bandwidth_gbps = 0); planned on --gbps={f.gbps:g} "
+                  f"--rtt_ms={f.rtt_ms:g} --connections={f.connections}")
         model, islands, outer = from_config(
-            f.config, step_seconds=step, mfu=f.mfu,
-            link=link if given & set(_LINK_KEYS) or not f.config.comm.link.bandwidth_gbps else None,
+            f.config, step_seconds=step, mfu=f.mfu, link=link if given & set(_LINK_KEYS) or not emulated else None,
         )
         if "inner_steps" in given:
             islands = [dataclasses.replace(i, inner_steps=f.inner_steps) for i in islands]
@@ -760,8 +772,15 @@ def _define_flags() -> None:
     flags.DEFINE_enum("dp_dtype", "bf16", sorted(DP_BYTES), "Gradient dtype of the data-parallel baseline.")
 
 
+def _run(argv):
+    try:
+        return _main(argv)
+    except (PlanError, KeyError, FileNotFoundError, ValueError) as e:  # bad input: say what to give, no traceback
+        sys.exit(f"island_jax.plan: {e}")
+
+
 if __name__ == "__main__":
     from absl import app
 
     _define_flags()
-    app.run(_main)
+    app.run(_run)
