@@ -32,111 +32,119 @@ NO_COORDINATOR = Coordinator(fixed_ns_per_param=0.0, per_island_ns_per_param=0.0
 BACKWARD = 2.0 / 3.0  # the published simulators start each reduction with the backward pass
 
 
+TARGETS = (0.5, 0.8, 0.9, 0.95, 0.99)  # the published tables' columns
+
+
 @dataclasses.dataclass(frozen=True)
 class Case:
-    """One published figure and the planner's inputs for it.
+    """One published row and the planner's inputs for it.
 
     Attributes:
-      source, row: where it is published, and which row and column.
+      source, row: where it is published, and which row.
       assumptions: the publication's assumptions, as the planner takes them.
-      published: the published figure (Gbit/s for a required rate; a fraction for a utilization).
+      published: Gbit/s per target utilization (`TARGETS`; None: beyond the table's 1000 Gbit/s).
       model, islands, outer, coordinator: the planner's inputs.
-      target: the utilization the required rate is for.
-      baseline: the data-parallel baseline's rate, not the outer loop's.
+      baseline: the row is the data-parallel baseline, not the outer loop.
     """
 
     source: str
     row: str
     assumptions: str
-    published: float
+    published: tuple
     model: Model
     islands: tuple
     outer: Outer
     coordinator: Coordinator
-    target: float
     baseline: bool = False
 
-    def planned(self) -> float:
-        """The planner's required Gbit/s for `target` (math.inf where no rate reaches it)."""
-        p = plan(self.model, self.islands, self.outer, self.coordinator, targets=(self.target,))
-        rate = (p.dp if self.baseline else p).required_gbps[self.target]
-        return math.inf if rate is None else rate
+    def planned(self) -> dict:
+        """{target: the planner's required Gbit/s} (math.inf where no rate reaches it)."""
+        p = plan(self.model, self.islands, self.outer, self.coordinator, targets=TARGETS)
+        rates = (p.dp if self.baseline else p).required_gbps
+        return {t: math.inf if g is None else g for t, g in rates.items()}
 
 
 def _workers(k: int, step: float, h: int, rtt_ms: float = 0.0) -> tuple:
     return tuple(Island(f"w{i}", step_seconds=step, inner_steps=h, link=Link(1.0, rtt_ms)) for i in range(k))
 
 
-_STREAMING = dict(
-    source="Streaming DiLoCo, Table 4", model=Model(1e9, num_layers=24), islands=_workers(2, 0.1, 100),
-    coordinator=NO_COORDINATOR, target=0.95,
-)
-_SCALING = dict(
-    source="Scaling Laws for DiLoCo, Table 6", model=Model(671e9, 37e9, 61), islands=_workers(2, 20.0, 100),
-    coordinator=NO_COORDINATOR, target=0.95,
-)
-_INTELLECT = dict(
-    source="INTELLECT-1", model=Model(10e9, num_layers=42), islands=_workers(14, 2280.0 / 100, 100, rtt_ms=100.0),
-    coordinator=NO_COORDINATOR,
-    outer=Outer(bytes_per_param=1.0, topology="ring", pipeline=False),
-)
+def _ring(**fields) -> Outer:
+    return Outer(backward_overlap=BACKWARD, topology="ring", **fields)
+
+
+_STREAMING = dict(source="Streaming DiLoCo, Table 4", model=Model(1e9, num_layers=24), coordinator=NO_COORDINATOR,
+                  islands=_workers(2, 0.1, 100))
+_SCALING = dict(source="Scaling Laws for DiLoCo, Table 6", model=Model(671e9, 37e9, 61), coordinator=NO_COORDINATOR)
 
 PUBLISHED = (
-    Case(row="1B, Streaming DiLoCo w/ overlapped FP4 com., 95%", published=2.0,
-         assumptions="step 0.1 s, H=100, F=8 (3 of 24 layers), tau=1, FP4 (0.5 B/param), 2 workers, "
-                     "all-reduce, from the backward pass",
-         outer=Outer(bytes_per_param=0.5, fragments=8, overlap_steps=1, backward_overlap=BACKWARD,
-                     topology="ring"), **_STREAMING),
-    Case(row="1B, Streaming DiLoCo w/ overlapped com., 95%", published=9.1,
-         assumptions="as above, bf16 (2 B/param)",
-         outer=Outer(bytes_per_param=2.0, fragments=8, overlap_steps=1, backward_overlap=BACKWARD,
-                     topology="ring"), **_STREAMING),
-    Case(row="1B, Streaming DiLoCo (no overlap), 95%", published=16.0,
-         assumptions="F=8, tau=0, bf16, from the backward pass",
-         outer=Outer(bytes_per_param=2.0, fragments=8, backward_overlap=BACKWARD, topology="ring"), **_STREAMING),
-    Case(row="1B, DiLoCo, 95%", published=23.3, assumptions="H=100, F=1, tau=0, bf16, from the backward pass",
-         outer=Outer(bytes_per_param=2.0, backward_overlap=BACKWARD, topology="ring"), **_STREAMING),
-    Case(row="1B, Data-Parallel, 95%", published=222.3,
-         assumptions="bf16 gradients every 0.1 s step, all-reduce overlapped with the backward pass",
-         outer=Outer(bytes_per_param=2.0, backward_overlap=BACKWARD, topology="ring"), baseline=True,
+    Case(row="1B, Data-Parallel", published=(86.8, 152.6, 184.2, 222.3, 569.0),
+         assumptions="bf16 gradients every 0.1 s step, 2 workers, reduced during the backward pass",
+         outer=_ring(bytes_per_param=2.0), baseline=True, **_STREAMING),
+    Case(row="1B, DiLoCo", published=(1.4, 6.2, 13.3, 23.3, 86.8),
+         assumptions="H=100, F=1, tau=0, bf16, 2 workers, all-reduce from the backward pass",
+         outer=_ring(bytes_per_param=2.0), **_STREAMING),
+    Case(row="1B, Streaming DiLoCo", published=(1.4, 5.2, 9.1, 16.0, 28.1),
+         assumptions="F=8 (3 of 24 layers each), tau=0, bf16", outer=_ring(bytes_per_param=2.0, fragments=8),
          **_STREAMING),
-    Case(row="671B MoE (DeepSeek-V3), DiLoCo H=100, 95%", published=72.0,
-         assumptions="step 20 s, H=100, all 671B as bf16, 2 workers, all-reduce, from the backward pass",
-         outer=Outer(bytes_per_param=2.0, backward_overlap=BACKWARD, topology="ring"), **_SCALING),
-    Case(row="671B MoE (DeepSeek-V3), Data-Parallel, 95%", published=686.6,
-         assumptions="bf16 gradients every 20 s step, overlapped with the backward pass",
-         outer=Outer(bytes_per_param=2.0, backward_overlap=BACKWARD, topology="ring"), baseline=True, **_SCALING),
-    Case(row="10B, USA: 95.7% measured", published=0.957, target=0.957,
-         assumptions="14 nodes in a ring, int8 (1 B/param), H=100 in 38 min, blocking all-reduce, RTT 100 ms",
-         **_INTELLECT),
-    Case(row="10B, global: 83.0% measured", published=0.83, target=0.83,
-         assumptions="as above", **_INTELLECT),
+    Case(row="1B, Streaming DiLoCo w/ overlapped com.", published=(1.4, 4.3, 6.2, 9.1, 11.0),
+         assumptions="F=8, tau=1, bf16", outer=_ring(bytes_per_param=2.0, fragments=8, overlap_steps=1),
+         **_STREAMING),
+    Case(row="1B, Streaming DiLoCo w/ overlapped FP4 com.", published=(0.4, 0.9, 1.7, 2.0, 3.0),
+         assumptions="F=8, tau=1, FP4 E3M0 (0.5 B/param)",
+         outer=_ring(bytes_per_param=0.5, fragments=8, overlap_steps=1), **_STREAMING),
+    Case(row="671B MoE, Data-Parallel", published=(323.8, 569.0, 686.6, 686.6, None),
+         assumptions="DeepSeek-V3 (37B active), all 671B as bf16 gradients every 20 s step, 2 workers",
+         outer=_ring(bytes_per_param=2.0), baseline=True, islands=_workers(2, 20.0, 100), **_SCALING),
+    *(
+        Case(row=f"671B MoE, DiLoCo H={h}", published=published, islands=_workers(2, 20.0, h),
+             assumptions=f"H={h}, F=1, tau=0, all 671B as bf16, 2 workers, all-reduce from the backward pass",
+             outer=_ring(bytes_per_param=2.0), **_SCALING)
+        for h, published in (
+            (10, (49.4, 152.6, 268.3, 390.7, 686.6)), (50, (7.5, 33.9, 72.0, 126.5, 390.7)),
+            (100, (4.3, 16.0, 41.0, 72.0, 268.3)), (300, (1.7, 6.2, 13.3, 28.1, 126.5)),
+        )
+    ),
 )
+
+# INTELLECT-1: 14 nodes in a ring of int8 pseudo-gradients (1 B/param; its 256-entry float32 lookup table per
+# chunk left out), H = 100 inner steps in 38 minutes, the all-reduce blocking; RTT 100 ms assumed.
+INTELLECT = dict(model=Model(10e9, num_layers=42), islands=_workers(14, 2280.0 / 100, 100, rtt_ms=100.0),
+                 outer=Outer(bytes_per_param=1.0, topology="ring", pipeline=False), coordinator=NO_COORDINATOR)
+INTELLECT_MEASURED = (("USA", 103.0, 0.957), ("USA and Europe", 382.0, 0.856), ("global", 469.0, 0.830))
+
+
+def _rate(g: float | None) -> str:
+    return "1000+" if g is None or g > 1000 else f"{g:.3g}"
 
 
 def published_table() -> str:
-    """The markdown table of `PUBLISHED`: assumptions, published figure, planner's figure, ratio."""
-    rows = ["| source | row | assumptions (the planner's inputs) | published | planner | planner / published |",
-            "|---|---|---|---|---|---|"]
+    """Markdown: each published row, the planner's row, and their ratio per target."""
+    head = " | ".join(f"{t:.0%}" for t in TARGETS)
+    rows = [f"| source | row | assumptions (the planner's inputs) | | {head} |",
+            "|---|---|---|---|" + "---|" * len(TARGETS)]
     for case in PUBLISHED:
         planned = case.planned()
-        if case.published < 1:  # a measured utilization: the planner gives the rate it needs
-            rows.append(f"| {case.source} | {case.row} | {case.assumptions} | {case.published:.1%} at 0.5-4 Gbit/s "
-                        f"(median all-reduce) | needs {planned:.3g} Gbit/s | - |")
-        else:
-            rows.append(f"| {case.source} | {case.row} | {case.assumptions} | {case.published:g} Gbit/s | "
-                        f"{planned:.3g} Gbit/s | {planned / case.published:.3f} |")
+        rows.append(f"| {case.source} | {case.row} | {case.assumptions} | published | "
+                    + " | ".join(_rate(g) for g in case.published) + " |")
+        rows.append("| | | | planner | " + " | ".join(_rate(planned[t]) for t in TARGETS) + " |")
+        rows.append("| | | | planner / published | " + " | ".join(
+            "-" if g is None else f"{planned[t] / g:.2f}" for t, g in zip(TARGETS, case.published)) + " |")
     return "\n".join(rows)
 
 
 def intellect_table() -> str:
-    """INTELLECT-1's ring at the ends of its measured bandwidth range."""
+    """INTELLECT-1's ring: the planner across its measured bandwidth range, and the rate its measured
+    utilizations imply."""
     rows = ["| link Gbit/s | all-reduce s (planner) | compute utilization (planner) |", "|---|---|---|"]
-    case = PUBLISHED[-1]
     for gbps in (0.5, 1.0, 2.0, 4.0):
-        islands = tuple(dataclasses.replace(i, link=dataclasses.replace(i.link, gbps=gbps)) for i in case.islands)
-        p = plan(case.model, islands, case.outer, case.coordinator)
+        islands = tuple(dataclasses.replace(i, link=dataclasses.replace(i.link, gbps=gbps)) for i in INTELLECT["islands"])
+        p = plan(INTELLECT["model"], islands, INTELLECT["outer"], INTELLECT["coordinator"])
         rows.append(f"| {gbps:g} | {p.islands[0].exposed_seconds:.0f} | {p.compute_utilization:.3f} |")
+    rows += ["", "| setting | measured median all-reduce | measured utilization | planner's rate for it |",
+             "|---|---|---|---|"]
+    for setting, seconds, utilization in INTELLECT_MEASURED:
+        p = plan(**INTELLECT, targets=(utilization,))
+        rows.append(f"| {setting} | {seconds:.0f} s | {utilization:.1%} | {p.required_gbps[utilization]:.3g} Gbit/s |")
     return "\n".join(rows)
 
 
@@ -148,30 +156,35 @@ SEED_MODEL = Model(671e9, 37e9, 61)
 SEED_COORDINATOR = Coordinator(gbps=100.0, cores=512)
 
 
-def seed_islands(h: int, rtt_ms: float, gbps: float = 25.0) -> tuple:
+WINDOW = 16 << 20  # bytes: a TCP window of 16 MiB per connection, as WAN-tuned hosts allow
+
+
+def seed_islands(h: int, rtt_ms: float, gbps: float = 25.0, window_bytes: int = 0) -> tuple:
     return tuple(
         Island(name, num_devices=1024, hardware="h100", mfu=0.4, batch_size=2048, seq_len=4096, inner_steps=h,
-               link=Link(gbps, rtt_ms, 16, 0))
+               link=Link(gbps, rtt_ms, 16, window_bytes))
         for name in ("us", "eu")
     )
 
 
 def seed_table() -> str:
     """Utilization at 25 Gbit/s and the rate for 95%, by codec, F, H and RTT."""
-    rows = ["| codec | F, tau | H | round compute s | exposed s (100 ms) | utilization (100 ms) | exposed s (200 ms) "
-            "| utilization (200 ms) | Gbit/s for 95% (200 ms) |", "|---|---|---|---|---|---|---|---|---|"]
+    rows = ["| codec | F, tau | H | compute s/round | RTT 100 ms: exposed s, utilization | RTT 200 ms: exposed s, "
+            "utilization | RTT 200 ms, 16 MiB windows: utilization | Gbit/s for 95% (RTT 200 ms) |",
+            "|---|---|---|---|---|---|---|---|"]
     for kind in ("int8", "int4"):
         for f, tau in ((1, 0), (4, "auto")):
             for h in (30, 100, 300):
                 outer = Outer(codec=kind, fragments=f, overlap_steps=tau)
                 near = plan(SEED_MODEL, seed_islands(h, 100.0), outer, SEED_COORDINATOR)
                 far = plan(SEED_MODEL, seed_islands(h, 200.0), outer, SEED_COORDINATOR)
+                windowed = plan(SEED_MODEL, seed_islands(h, 200.0, window_bytes=WINDOW), outer, SEED_COORDINATOR)
                 need = far.required_gbps[0.95]
                 rows.append(
                     f"| {kind} | F={f}, tau={tau} | {h} | {near.islands[0].compute_seconds:.0f} | "
-                    f"{near.islands[0].exposed_seconds:.1f} | {near.compute_utilization:.3f} | "
-                    f"{far.islands[0].exposed_seconds:.1f} | {far.compute_utilization:.3f} | "
-                    f"{'unreachable' if need is None else f'{need:.3g}'} |"
+                    f"{near.islands[0].exposed_seconds:.1f}, {near.compute_utilization:.3f} | "
+                    f"{far.islands[0].exposed_seconds:.1f}, {far.compute_utilization:.3f} | "
+                    f"{windowed.compute_utilization:.3f} | {'unreachable' if need is None else f'{need:.3g}'} |"
                 )
     return "\n".join(rows)
 
