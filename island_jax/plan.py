@@ -1,9 +1,9 @@
 """The bandwidth budget of a run across islands: compute utilization, and the link it needs, before it runs.
 
-  python -m island_jax.plan --config=experiments/configs/two_islands.py
+  python -m island_jax.plan --config=experiments/configs/two_islands.py --step_seconds=0.19
   python -m island_jax.plan --total_params=671e9 --active_params=37e9 --layers=61 \\
-      --island=name=us,hardware=h100,devices=2048,batch=1024,seq_len=4096 \\
-      --island=name=eu,hardware=h100,devices=2048,batch=1024,seq_len=4096 --gbps=25 --rtt_ms=150
+      --island=name=us,hardware=h100,devices=1024,batch=2048,seq_len=4096 \\
+      --island=name=eu,hardware=h100,devices=1024,batch=2048,seq_len=4096 --gbps=25 --rtt_ms=150
   python -m island_jax.plan --workdir=WORKDIR      # a finished run: predicted against measured
 
 `plan(model, islands, outer, coordinator)` returns a `Plan`: per island and
@@ -11,25 +11,29 @@ per round the compute seconds, the bytes each way, the transfer and exposed
 communication seconds and the compute utilization; the lowest link rate that
 keeps every island at 90/95/99% utilization; the coordinator's memory, CPU
 seconds and bytes per day; and a data-parallel baseline beside it.
-docs/planner.md gives the equations and sets them beside published runs.
+`predict(workdir)` sets a finished run's measured utilization beside the
+plan of its recorded step times and link settings. docs/planner.md gives the
+equations and sets them beside published runs.
 
-The model (all seconds per round, P the payload bytes each way, F fragments):
+The model (seconds per round, P the payload bytes each way, F fragments, K islands):
   step       t_i = 6 x active params x tokens per step / (devices x peak x MFU),
              or a measured step time (Kaplan et al. 2020, C = 6ND).
   compute    C_i = H_i x t_i (sync "steps"; "auto": H_i = H_ref x t_ref / t_i;
              "time": C_i = round_seconds).
-  rate       r_i = min(link Gbit/s, connections x window / RTT-bound rate)
-             (`comm.link.steady_gbps`), divided among the K islands when they
-             share one link, and at most the coordinator's Gbit/s / K.
+  rate       r_i = min(link Gbit/s, connections x one window per RTT) (`comm.link.steady_gbps`),
+             divided among the K islands when they share one link, and at most the
+             coordinator's Gbit/s / K.
   transfer   U_i = D_i = (P / F) x 8 / r_i, each fragment, each way.
-  merge      m = params / F x (fixed + per_island x K) ns / coordinator cores.
-  exchange   E_i = max_j U_j + m + D_i + RTT                (comm.pipeline False)
-             E_i = max(max_j U_j, m, D_i) + RTT             (pipelined: the update
-             flows back chunk by chunk while contributions arrive).
-  exposed    X_i = F x (max(0, E_i - tau_i x t_i) + fragment overhead);
-             tau "auto" = ceil(E_i / t_i) + 1, at most H_i - 1 (as the islands choose it).
-  round      W = max over islands of (C_i + X_i), and at least F x the busiest link
-             direction or merge; utilization_i = C_i / W.
+  merge      m = params x (fixed + per_island x K) ns / coordinator cores, m / F per fragment.
+  exchange   E_i = max_j U_j + m / F + D_i + RTT             (not pipelined)
+             E_i = max(max_j U_j, m / F, D_i) + RTT          (comm.pipeline: the update
+             flows back chunk by chunk while contributions arrive)
+             E = 2 (K - 1) / K x (P / F) x 8 / min_j r_j + (K - 1) x RTT   (a ring all-reduce)
+  exposed    X_i = F x (max(0, E_i - (tau + b) x t_i) + fragment overhead), b the fraction
+             of a step that hides the exchange before tau's steps (2/3 from the backward
+             pass; 0 for island_jax); tau "auto" = ceil(E_i / t_i) + 1, at most H_i - 1.
+  round      W = max over islands of (C_i + X_i), at least F x max(U_i, m / F);
+             compute utilization_i = C_i / W.
   DP         a ring all-reduce across the K islands every step: 2 (K - 1) / K x params
              x (2 or 4) bytes each way, overlapped with the backward pass (2/3 of a step).
 """
@@ -52,8 +56,8 @@ from island_jax.outer.fragments import auto_overlap_steps
 from island_jax.planning import scaled_inner_steps
 
 SECONDS_PER_DAY = 86400.0
-TARGETS = (0.90, 0.95, 0.99)
-TOPOLOGIES = ("coordinator", "ring")  # compute utilizations the required link rate is given for
+TARGETS = (0.90, 0.95, 0.99)  # compute utilizations the required link rate is given for
+TOPOLOGIES = ("coordinator", "ring")  # values of Outer.topology
 DP_BYTES = {"bf16": 2, "fp32": 4}  # bytes per gradient element of the data-parallel baseline
 BACKWARD_FRACTION = 2.0 / 3.0  # of a step: the backward pass (4 of the 6 N FLOPs per token) a reduction hides in
 # The coordinator's CPU per round in ns per parameter, params x (fixed + per_island x K), fitted by
@@ -298,6 +302,16 @@ def _inner_steps(islands: Sequence[Island], steps: list[float], outer: Outer) ->
     return [float(scaled_inner_steps(islands[ref].inner_steps, 1.0 / t, 1.0 / steps[ref])) for t in steps]
 
 
+def _links(islands: Sequence[Island], gbps: float | None) -> list[Link]:
+    """The islands' links, each at `gbps` when given."""
+    return [i.link if gbps is None else dataclasses.replace(i.link, gbps=gbps) for i in islands]
+
+
+def _seconds(nbytes: float, gbps: float) -> float:
+    """Seconds to move `nbytes` at `gbps` (0 at an unlimited rate)."""
+    return nbytes * 8 / (gbps * 1e9) if math.isfinite(gbps) else 0.0
+
+
 def _rounds(model, islands, outer, coordinator, gbps=None):
     """The islands' rounds, every island's link at `gbps` when given. Returns (rounds, W, merge s, CPU s)."""
     k, f = len(islands), outer.fragments
@@ -306,12 +320,12 @@ def _rounds(model, islands, outer, coordinator, gbps=None):
     moved = payload * (2 * (k - 1) / k if ring else 1.0)  # each way, per island per round
     steps = [i.seconds_per_step(model) for i in islands]
     inner = _inner_steps(islands, steps, outer)
-    links = [dataclasses.replace(i.link, gbps=gbps) if gbps is not None else i.link for i in islands]
+    links = _links(islands, gbps)
     rates = []
     for link in links:
         rate = link.rate_gbps() / (k if outer.shared_link else 1)
         rates.append(rate if ring else min(rate, coordinator.gbps / k))
-    seconds = [moved / f * 8 / (r * 1e9) if math.isfinite(r) else 0.0 for r in rates]
+    seconds = [_seconds(moved / f, r) for r in rates]
     one_way = [link.rtt_ms / 2e3 for link in links]
     if ring:
         cpu = merge = 0.0
@@ -369,12 +383,7 @@ def _data_parallel(model, islands, dp_bytes, targets) -> DataParallel:
     def at(gbps=None):
         if k == 1:
             return 0.0, 0.0, 1.0
-        links = [dataclasses.replace(i.link, gbps=gbps) if gbps is not None else i.link for i in islands]
-        comm = max(
-            (nbytes * 8 / (link.rate_gbps() * 1e9) if math.isfinite(link.rate_gbps()) else 0.0)
-            + 2 * (k - 1) * link.rtt_ms / 2e3
-            for link in links
-        )
+        comm = max(_seconds(nbytes, link.rate_gbps()) + 2 * (k - 1) * link.rtt_ms / 2e3 for link in _links(islands, gbps))
         exposed = max(0.0, comm - BACKWARD_FRACTION * step)
         return comm, exposed, step / (step + exposed)
 
