@@ -249,6 +249,7 @@ class Plan:
 
     model: Model
     outer: Outer
+    coordinator: Coordinator
     payload_bytes: float  # each way, per island per round
     islands: list  # IslandRound
     wall_seconds: float  # one round
@@ -458,7 +459,7 @@ def plan(
             "islands of unequal rounds) caps it"
         )
     return Plan(
-        model=model, outer=outer, payload_bytes=payload, islands=rounds, wall_seconds=wall,
+        model=model, outer=outer, coordinator=coordinator, payload_bytes=payload, islands=rounds, wall_seconds=wall,
         compute_utilization=min(r.compute_utilization for r in rounds),
         required_gbps=required, coordinator_memory=memory, coordinator_cpu_seconds=cpu, merge_seconds=merge,
         coordinator_bytes_per_day=2 * k * payload * SECONDS_PER_DAY / wall,
@@ -500,12 +501,14 @@ def format_plan(p: Plan) -> str:
     req = ", ".join(f"{t:.0%} {_gbps(g)}" for t, g in p.required_gbps.items())
     dreq = ", ".join(f"{t:.0%} {_gbps(g)}" for t, g in p.dp.required_gbps.items())
     mem = ", ".join(f"{k.replace('_', ' ')} {_si(v, 'B')}" for k, v in p.coordinator_memory.items() if k != "total")
-    d = p.dp
+    d, c = p.dp, p.coordinator
     lines += [
         f"round: {p.wall_seconds:.4g} s; compute utilization {p.compute_utilization:.4f} (the lowest island)",
         f"link Gbit/s each way, on every island's link, for compute utilization {req}",
         f"coordinator: memory {_si(p.coordinator_memory['total'], 'B')} ({mem}); CPU {p.coordinator_cpu_seconds:.4g} "
-        f"s/round, {p.merge_seconds:.4g} s over its cores; {_si(p.coordinator_bytes_per_day, 'B')}/day",
+        f"s/round (params x ({c.fixed_ns_per_param:g} + {c.per_island_ns_per_param:g} x K) ns, the merge rate "
+        f"benchmarks/merge.py measured), {p.merge_seconds:.4g} s over {c.cores} cores; "
+        f"{_si(p.coordinator_bytes_per_day, 'B')}/day",
         f"data parallel (ring all-reduce across the {len(p.islands)} islands every step): "
         f"{_si(d.bytes_per_step, 'B')} each way per step, {d.comm_seconds:.4g} s against a {d.step_seconds:.4g} s "
         f"step ({d.exposed_seconds:.4g} s exposed); compute utilization {d.compute_utilization:.4f}; "
@@ -548,8 +551,8 @@ def from_config(
     mfu: float = 0.4,
     link: Link | None = None,
     busy_step_seconds: dict | None = None,
-) -> tuple[Model, list[Island], Outer]:
-    """The planner's inputs for a run's config (island_jax/config.py).
+) -> tuple[Model, list[Island], Outer, Coordinator]:
+    """The planner's inputs for a run's config (island_jax/config.py): (model, islands, outer, coordinator).
 
     Args:
       config: the run's config: model, islands (hardware, devices, batch, H), codec, outer, comm.
@@ -575,7 +578,7 @@ def from_config(
                inner_steps=isl.inner_steps, link=link, busy_step_seconds=busy_step_seconds.get(name, 0.0))
         for name, isl in config.islands.items()
     ]
-    return model_of(config), islands, outer
+    return model_of(config), islands, outer, Coordinator(momentum=o.momentum > 0)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -634,7 +637,7 @@ def predict(workdir: str, fragment_overhead_seconds: float = 0.0) -> Prediction:
         clean[name] = statistics.median(r["clean_step_seconds"] for r in recs)
         busy[name] = statistics.median(r["compute_seconds"] / r["inner_steps"] for r in recs)
         steps[name] = statistics.median(r["inner_steps"] for r in recs)
-    model, islands, outer = from_config(config, step_seconds=clean, busy_step_seconds=busy)
+    model, islands, outer, coordinator = from_config(config, step_seconds=clean, busy_step_seconds=busy)
     islands = [dataclasses.replace(i, inner_steps=max(1, round(steps[i.name]))) for i in islands]
     recs = [latest[r] for latest in records.values() for r in chosen]
     exchanges = sum(r["exchanges"] for r in recs)
@@ -645,7 +648,7 @@ def predict(workdir: str, fragment_overhead_seconds: float = 0.0) -> Prediction:
         outer, sync="time" if config.outer.sync == "time" else "steps", bytes_per_param=per_round / model.total_params,
         fragment_overhead_seconds=fragment_overhead_seconds, pipeline=all(pipelined) if pipelined else outer.pipeline,
     )
-    p = plan(model, islands, outer)
+    p = plan(model, islands, outer, coordinator)
     measured = {
         name: sum(latest[r]["ideal_compute_seconds"] for r in chosen) / sum(latest[r]["wall_seconds"] for r in chosen)
         for name, latest in records.items()
@@ -686,6 +689,10 @@ def parse_island(text: str, link: Link) -> Island:
     return Island(**fields, link=dataclasses.replace(link, **link_fields))
 
 
+_OUTER_FLAGS = ("codec", "block_size", "bytes_per_param", "sync", "round_seconds", "fragments", "overlap_steps",
+                "pipeline", "shared_link", "fragment_overhead_seconds", "backward_overlap", "topology")  # = Outer's
+
+
 def _main(argv):
     from absl import flags
 
@@ -700,39 +707,32 @@ def _main(argv):
         print(prediction)
         return 0
     if f.config is not None:
-        step = _per_island(f.step_seconds, f.config.islands.keys())
         emulated = bool(f.config.comm.link.bandwidth_gbps)
         if not emulated and not given & set(_LINK_KEYS):
             print(f"note: the config emulates no link (comm.link.bandwidth_gbps = 0); planned on --gbps={f.gbps:g} "
                   f"--rtt_ms={f.rtt_ms:g} --connections={f.connections}")
-        model, islands, outer = from_config(
-            f.config, step_seconds=step, mfu=f.mfu, link=link if given & set(_LINK_KEYS) or not emulated else None,
+        model, islands, outer, coordinator = from_config(
+            f.config, step_seconds=_per_island(f.step_seconds, f.config.islands.keys()), mfu=f.mfu,
+            link=link if given & set(_LINK_KEYS) or not emulated else None,
         )
-        if "inner_steps" in given:
-            islands = [dataclasses.replace(i, inner_steps=f.inner_steps) for i in islands]
-        overrides = {k: getattr(f, k) for k in ("total_params", "active_params", "layers") if k in given}
-        model = Model(overrides.get("total_params", model.total_params), overrides.get("active_params", model.active_params),
-                      overrides.get("layers", model.num_layers))
-    else:
-        if not f.island:
-            raise PlanError("give --config=CONFIG, --workdir=WORKDIR, or the model and islands "
-                            "(--total_params=... --island=name=a,hardware=h100,devices=64,batch=512,seq_len=4096)")
+        model = Model(*(getattr(f, k) if k in given else getattr(model, a) for k, a in
+                        (("total_params", "total_params"), ("active_params", "active_params"), ("layers", "num_layers"))))
+    elif f.island:
         model = Model(f.total_params, f.active_params, f.layers)
         islands = [parse_island(text, link) for text in f.island]
-        if "inner_steps" in given:
-            islands = [dataclasses.replace(i, inner_steps=f.inner_steps) for i in islands]
-        outer = Outer()
-    outer_fields = dict(
-        codec="codec", block_size="block_size", bytes_per_param="bytes_per_param", sync="sync",
-        round_seconds="round_seconds", fragments="fragments", overlap_steps="overlap_steps", pipeline="pipeline",
-        shared_link="shared_link", fragment_overhead_seconds="fragment_overhead_seconds",
-        backward_overlap="backward_overlap", topology="topology",
-    )
-    changes = {field: getattr(f, flag) for field, flag in outer_fields.items() if flag in given or f.config is None}
-    if "overlap_steps" in changes and changes["overlap_steps"] != "auto":
+        outer, coordinator = Outer(), Coordinator()
+    else:
+        raise PlanError("give --config=CONFIG, --workdir=WORKDIR, or the model and islands "
+                        "(--total_params=... --island=name=a,hardware=h100,devices=64,batch=512,seq_len=4096)")
+    if "inner_steps" in given:
+        islands = [dataclasses.replace(i, inner_steps=f.inner_steps) for i in islands]
+    changes = {name: getattr(f, name) for name in _OUTER_FLAGS if name in given or f.config is None}
+    if changes.get("overlap_steps", "auto") != "auto":
+        if not changes["overlap_steps"].isdigit():
+            raise PlanError(f"--overlap_steps={changes['overlap_steps']}; give an int >= 0 or auto")
         changes["overlap_steps"] = int(changes["overlap_steps"])
     outer = dataclasses.replace(outer, **changes)
-    coordinator = Coordinator(gbps=f.coordinator_gbps or math.inf, cores=f.coordinator_cores)
+    coordinator = dataclasses.replace(coordinator, gbps=f.coordinator_gbps or math.inf, cores=f.coordinator_cores)
     print(plan(model, islands, outer, coordinator, dp_dtype=f.dp_dtype))
     return 0
 
