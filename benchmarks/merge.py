@@ -12,9 +12,10 @@ the view's update and the update's encoding. Its CPU seconds
 warm-up round, for each K side by side.
 
 The planner (`island_jax/plan.py`) models a round's coordinator CPU as
-params x (fixed + per_island x K) seconds. The last lines print the two
-constants fitted to these rounds, in nanoseconds per parameter, and the
-ratio of K = max to K = 1.
+params x (fixed + per_island x K) nanoseconds. The last lines print the two
+constants (ns per parameter) fitted to these rounds, when at least two K
+were timed, and the ratio of the largest K's CPU to the smallest's. The
+rounds are int8's; the planner applies the constants to every codec.
 """
 
 from __future__ import annotations
@@ -69,9 +70,10 @@ def main(argv):
         cpu, wall = cpu_seconds_per_round(params, k, _REPEATS.value)
         measured[k] = cpu
         print(f"K={k}: CPU {cpu:.3f} s/round, wall {wall:.3f} s/round, {cpu / params * 1e9:.2f} ns per parameter")
-    ks = np.asarray(counts, np.float64)
-    per_island, fixed = np.polyfit(ks, np.asarray([measured[k] for k in counts]) / params, 1)
-    print(f"merge: fixed_ns_per_param={fixed * 1e9:.2f} per_island_ns_per_param={per_island * 1e9:.2f}")
+    if len(set(counts)) >= 2:
+        ks = np.asarray(counts, np.float64)
+        per_island, fixed = np.polyfit(ks, np.asarray([measured[k] for k in counts]) / params, 1)
+        print(f"merge: fixed_ns_per_param={fixed * 1e9:.2f} per_island_ns_per_param={per_island * 1e9:.2f}")
     print(f"merge: ratio={measured[max(counts)] / measured[min(counts)]:.2f} (K={max(counts)} / K={min(counts)} CPU)")
 
 

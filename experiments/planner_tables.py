@@ -26,10 +26,10 @@ import math
 
 from absl import app
 
-from island_jax.plan import Coordinator, Island, Link, Model, Outer, plan
+from island_jax.plan import BACKWARD_FRACTION, Coordinator, Island, Link, Model, Outer, plan
 
 NO_COORDINATOR = Coordinator(fixed_ns_per_param=0.0, per_island_ns_per_param=0.0)  # a ring: no merge on a CPU
-BACKWARD = 2.0 / 3.0  # the published simulators start each reduction with the backward pass
+BACKWARD = BACKWARD_FRACTION  # the published simulators start each reduction with the backward pass
 
 
 TARGETS = (0.5, 0.8, 0.9, 0.95, 0.99)  # the published tables' columns

@@ -25,14 +25,16 @@ The model (seconds per round, P the payload bytes each way, F fragments, K islan
              coordinator's Gbit/s / K.
   transfer   U_i = D_i = (P / F) x 8 / r_i, each fragment, each way.
   merge      m = params x (fixed + per_island x K) ns / coordinator cores, m / F per fragment.
-  exchange   E_i = max_j U_j + m / F + D_i + RTT             (not pipelined)
-             E_i = max(max_j U_j, m / F, D_i) + RTT          (comm.pipeline: the update
+  exchange   E_i = max_j U_j + m / F + D_i + L + L_i           (not pipelined)
+             E_i = max(max_j U_j, m / F, D_i) + L + L_i        (comm.pipeline: the update
              flows back chunk by chunk while contributions arrive)
-             E = 2 (K - 1) / K x (P / F) x 8 / min_j r_j + (K - 1) x RTT   (a ring all-reduce)
+             E = 2 (K - 1) / K x (P / F) x 8 / min_j r_j + 2 (K - 1) L   (a ring all-reduce)
+             with L_i island i's one-way latency (RTT / 2) and L = max_j L_j.
   exposed    X_i = F x (max(0, E_i - (tau + b) x t_i) + fragment overhead), b the fraction
              of a step that hides the exchange before tau's steps (2/3 from the backward
              pass; 0 for island_jax); tau "auto" = ceil(E_i / t_i) + 1, at most H_i - 1.
-  round      W = max over islands of (C_i + X_i), at least F x max(U_i, m / F);
+  round      W = max over islands of (H_i x busy step_i + X_i), at least F x max(U_i, m / F)
+             (busy step: a measured mean step with the exchange beside it, else t_i);
              compute utilization_i = C_i / W.
   DP         a ring all-reduce across the K islands every step: 2 (K - 1) / K x params
              x (2 or 4) bytes each way, overlapped with the backward pass (2/3 of a step).
@@ -41,6 +43,7 @@ The model (seconds per round, P the payload bytes each way, F fragments, K islan
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 import os
 import statistics
@@ -88,7 +91,7 @@ class Link:
     window_bytes: int = 0
 
     def rate_gbps(self) -> float:
-        """The steady rate the connections reach, Gbit/s (`comm.link.steady_gbps`)."""
+        """The steady rate its connections reach, Gbit/s (`comm.link.steady_gbps`)."""
         return steady_gbps(self.gbps, self.rtt_ms / 1e3, self.window_bytes, self.connections)
 
 
@@ -158,8 +161,10 @@ class Outer:
 
     Attributes:
       codec: `codec.kind` (none, bf16, int8, int4); block_size: elements per scale.
-      bytes_per_param: bytes on the wire per parameter (0: from the codec: int8 1 + 4 / block).
-      sync: "steps" (each island's H), "auto" (H scaled by step time from the first island's), "time".
+      bytes_per_param: bytes on the wire per parameter (0: from the codec: int8 1 + 4 / block). The
+        coordinator's merge constants were measured for int8; other codecs use them as they are.
+      sync: "steps" (each island's H), "auto" (H scaled by step time from the reference island's), "time".
+      reference_island: under "auto", the island whose H is kept ("": the first).
       round_seconds: with sync "time", the compute seconds of every round.
       fragments: F (Streaming DiLoCo); overlap_steps: tau, an int or "auto".
       pipeline: `comm.pipeline` (the update flows back while contributions arrive).
@@ -178,6 +183,7 @@ class Outer:
     block_size: int = 256
     bytes_per_param: float = 0.0
     sync: str = "steps"
+    reference_island: str = ""
     round_seconds: float = 0.0
     fragments: int = 1
     overlap_steps: int | str = 0
@@ -211,19 +217,19 @@ class Coordinator:
 
 @dataclasses.dataclass(frozen=True)
 class IslandRound:
-    """One island's round. Seconds are wall-clock seconds, bytes are bytes, per round."""
+    """One island's round: seconds are wall-clock seconds and bytes are bytes, per round unless named."""
 
     name: str
     step_seconds: float
-    inner_steps: float
+    inner_steps: float  # H (fractional under sync "time": the steps round_seconds hold)
     tokens_per_round: float
     compute_seconds: float  # H x step seconds
-    bytes_up: float  # contributions, island -> coordinator
+    bytes_up: float  # contributions, island -> coordinator (a ring: what the island sends)
     bytes_down: float  # updates, coordinator -> island
     rate_gbps: float  # the rate its transfers get
     transfer_up_seconds: float
     transfer_down_seconds: float
-    exchange_seconds: float  # one fragment: contribution leaving to its update in
+    fragment_exchange_seconds: float  # one fragment: its contribution leaving to its update in
     overlap_steps: int  # tau
     exposed_seconds: float  # communication the steps do not hide, overheads included
     compute_utilization: float
@@ -239,7 +245,7 @@ class DataParallel:
     comm_seconds: float
     exposed_seconds: float
     compute_utilization: float
-    required_gbps: dict  # target -> Gbit/s (None: no rate reaches it)
+    required_gbps: dict[float, float | None]  # target -> Gbit/s (0.0: any rate; None: no rate reaches it)
     bytes_per_day: float  # both ways, per island
 
 
@@ -251,47 +257,86 @@ class Plan:
     outer: Outer
     coordinator: Coordinator
     payload_bytes: float  # each way, per island per round
-    islands: list  # IslandRound
+    islands: list[IslandRound]
     wall_seconds: float  # one round
     compute_utilization: float  # the lowest island's
-    required_gbps: dict  # target -> Gbit/s of every island's link (None: no rate reaches it)
-    coordinator_memory: dict  # bytes: master, momentum, view, buffered contributions, kept update, total
+    required_gbps: dict[float, float | None]  # target -> Gbit/s of every island's link (0.0: any; None: none)
+    # bytes: master, momentum, view, buffered contributions (at most K x P), kept update, total (a ring: all 0)
+    coordinator_memory: dict[str, float]
     coordinator_cpu_seconds: float  # per round
     merge_seconds: float  # per round, over its cores
     coordinator_bytes_per_day: float  # both ways
     dp: DataParallel
-    notes: list
+    notes: list[str]
 
     def __str__(self) -> str:
         return format_plan(self)
 
 
-def _check(model: Model, islands: Sequence[Island], outer: Outer, coordinator: Coordinator) -> None:
+def _finite(x) -> bool:
+    return isinstance(x, (int, float)) and math.isfinite(x)
+
+
+def _check(model: Model, islands: Sequence[Island], outer: Outer, coordinator: Coordinator, targets) -> None:
+    """Raises PlanError naming the first invalid input (KeyError: hardware outside the catalog)."""
+
     def need(ok, message):
         if not ok:
             raise PlanError(message)
 
-    need(model.total_params > 0, f"total_params is {model.total_params}; give the model's parameters (> 0)")
-    need(0 <= model.active <= model.total_params, f"active_params is {model.active_params}; give 0 < active <= total")
+    need(_finite(model.total_params) and model.total_params > 0,
+         f"total_params is {model.total_params}; give the model's parameters (> 0)")
+    need(_finite(model.active_params) and 0 <= model.active_params <= model.total_params,
+         f"active_params is {model.active_params}; give 0 (all active) or up to total_params")
     need(len(islands) > 0, "no islands; give at least one (--island=name=a,...)")
-    need(len({i.name for i in islands}) == len(islands), "two islands share a name; give each its own")
+    names = [i.name for i in islands]
+    need(len(set(names)) == len(names), f"two islands share a name in {names}; give each its own")
     need(outer.sync in ("steps", "auto", "time"), f"sync is {outer.sync!r}; choose steps, auto or time")
-    need(outer.sync != "time" or outer.round_seconds > 0, "sync is 'time'; give round_seconds > 0")
-    need(outer.fragments >= 1, f"fragments is {outer.fragments}; give 1 or more")
-    need(outer.overlap_steps == "auto" or (isinstance(outer.overlap_steps, int) and outer.overlap_steps >= 0),
-         f"overlap_steps is {outer.overlap_steps!r}; give an int >= 0 or 'auto'")
+    need(outer.sync != "time" or (_finite(outer.round_seconds) and outer.round_seconds > 0),
+         f"sync is 'time' and round_seconds is {outer.round_seconds}; give round_seconds > 0")
+    need(not outer.reference_island or outer.reference_island in names,
+         f"reference_island is {outer.reference_island!r}, not one of {names}")
+    need(outer.codec in codec_lib.KINDS, f"codec is {outer.codec!r}; choose one of {codec_lib.KINDS}")
+    need(outer.bytes_per_param > 0 or (isinstance(outer.block_size, int) and outer.block_size >= 1),
+         f"block_size is {outer.block_size}; give elements per scale >= 1 (or bytes_per_param)")
+    need(_finite(outer.bytes_per_param) and outer.bytes_per_param >= 0,
+         f"bytes_per_param is {outer.bytes_per_param}; give 0 (from the codec) or bytes > 0")
+    need(isinstance(outer.fragments, int) and outer.fragments >= 1, f"fragments is {outer.fragments}; give 1 or more")
+    tau = outer.overlap_steps
+    need(tau == "auto" or (isinstance(tau, int) and tau >= 0), f"overlap_steps is {tau!r}; give an int >= 0 or 'auto'")
     need(outer.topology in TOPOLOGIES, f"topology is {outer.topology!r}; choose one of {TOPOLOGIES}")
-    need(outer.backward_overlap >= 0, f"backward_overlap is {outer.backward_overlap}; give a fraction of a step >= 0")
-    need(coordinator.cores >= 1, f"coordinator cores is {coordinator.cores}; give 1 or more")
+    for name in ("backward_overlap", "fragment_overhead_seconds"):
+        need(_finite(getattr(outer, name)) and getattr(outer, name) >= 0, f"{name} is {getattr(outer, name)}; give >= 0")
+    need(coordinator.gbps > 0, f"the coordinator's gbps is {coordinator.gbps}; give a rate > 0 Gbit/s (inf: unlimited)")
+    need(isinstance(coordinator.cores, int) and coordinator.cores >= 1,
+         f"the coordinator's cores is {coordinator.cores}; give 1 or more")
+    need(all(_finite(x) and x >= 0 for x in (coordinator.fixed_ns_per_param, coordinator.per_island_ns_per_param)),
+         "the coordinator's merge ns per parameter must be >= 0")
+    need(all(_finite(t) and 0 < t <= 1 for t in targets), f"targets are {tuple(targets)}; give utilizations in (0, 1]")
     for isl in islands:
-        p = f"island {isl.name!r}"
-        need(isl.link.gbps > 0, f"{p}: link gbps is {isl.link.gbps}; give a rate > 0 Gbit/s (inf: unlimited)")
-        need(isl.link.rtt_ms >= 0 and isl.link.window_bytes >= 0, f"{p}: rtt_ms and window_bytes must be >= 0")
-        need(isl.inner_steps >= 1, f"{p}: inner_steps is {isl.inner_steps}; give H >= 1")
-        if isl.step_seconds <= 0:
+        p, link = f"island {isl.name!r}", isl.link
+        need(link.gbps > 0, f"{p}: link gbps is {link.gbps}; give a rate > 0 Gbit/s (inf: unlimited)")
+        need(_finite(link.rtt_ms) and link.rtt_ms >= 0, f"{p}: rtt_ms is {link.rtt_ms}; give a round trip >= 0 ms")
+        need(isinstance(link.window_bytes, int) and link.window_bytes >= 0,
+             f"{p}: window_bytes is {link.window_bytes}; give 0 (no window) or bytes > 0")
+        need(isinstance(link.connections, int) and link.connections >= 1,
+             f"{p}: connections is {link.connections}; give 1 or more")
+        need(isinstance(isl.inner_steps, int) and isl.inner_steps >= 1, f"{p}: inner_steps is {isl.inner_steps}; give H >= 1")
+        for name in ("step_seconds", "busy_step_seconds"):
+            need(_finite(getattr(isl, name)) and getattr(isl, name) >= 0,
+                 f"{p}: {name} is {getattr(isl, name)}; give measured seconds > 0 (0: none)")
+        if isl.step_seconds == 0:
             lookup(isl.hardware)
-            need(isl.num_devices >= 1 and 0 < isl.mfu <= 1 and isl.tokens_per_step > 0,
+            need(isinstance(isl.num_devices, int) and isl.num_devices >= 1 and _finite(isl.mfu) and 0 < isl.mfu <= 1
+                 and isl.tokens_per_step > 0,
                  f"{p}: without step_seconds give devices >= 1, 0 < mfu <= 1, batch and seq_len > 0")
+        if outer.sync == "steps":  # as island_jax's config refuses them (config._check_island_rounds)
+            need(isl.inner_steps >= outer.fragments,
+                 f"{p}: inner_steps is {isl.inner_steps} but fragments is {outer.fragments}; every fragment "
+                 "needs its own inner step of the round")
+            need(tau == "auto" or tau < isl.inner_steps,
+                 f"overlap_steps is {tau} but {p} has inner_steps {isl.inner_steps}; a fragment's update must "
+                 "land before its next contribution: give fewer overlap steps than H, or 'auto'")
 
 
 def _inner_steps(islands: Sequence[Island], steps: list[float], outer: Outer) -> list[float]:
@@ -299,7 +344,8 @@ def _inner_steps(islands: Sequence[Island], steps: list[float], outer: Outer) ->
         return [float(i.inner_steps) for i in islands]
     if outer.sync == "time":  # as many steps as the round's seconds hold, at the steps' busy pace
         return [outer.round_seconds / (i.busy_step_seconds or t) for i, t in zip(islands, steps)]
-    ref = 0  # auto: the first island keeps its H; the others take as many steps as fit in its round
+    # auto: the reference island keeps its H, the others take as many steps as fit in its round
+    ref = next((k for k, i in enumerate(islands) if i.name == outer.reference_island), 0)
     return [float(scaled_inner_steps(islands[ref].inner_steps, 1.0 / t, 1.0 / steps[ref])) for t in steps]
 
 
@@ -313,11 +359,15 @@ def _seconds(nbytes: float, gbps: float) -> float:
     return nbytes * 8 / (gbps * 1e9) if math.isfinite(gbps) else 0.0
 
 
-def _rounds(model, islands, outer, coordinator, gbps=None):
-    """The islands' rounds, every island's link at `gbps` when given. Returns (rounds, W, merge s, CPU s)."""
+def _coordinator_cpu(model: Model, k: int, coordinator: Coordinator) -> float:
+    """The coordinator's CPU seconds per round: params x (fixed + per_island x K) ns."""
+    return model.total_params * (coordinator.fixed_ns_per_param + coordinator.per_island_ns_per_param * k) * 1e-9
+
+
+def _rounds(model, islands, outer, coordinator, payload, gbps=None):
+    """The islands' rounds and the round's wall seconds W, every island's link at `gbps` when given."""
     k, f = len(islands), outer.fragments
     ring = outer.topology == "ring"
-    payload = model.total_params * outer.wire_bytes_per_param()
     moved = payload * (2 * (k - 1) / k if ring else 1.0)  # each way, per island per round
     steps = [i.seconds_per_step(model) for i in islands]
     inner = _inner_steps(islands, steps, outer)
@@ -328,11 +378,7 @@ def _rounds(model, islands, outer, coordinator, gbps=None):
         rates.append(rate if ring else min(rate, coordinator.gbps / k))
     seconds = [_seconds(moved / f, r) for r in rates]
     one_way = [link.rtt_ms / 2e3 for link in links]
-    if ring:
-        cpu = merge = 0.0
-    else:
-        cpu = model.total_params * (coordinator.fixed_ns_per_param + coordinator.per_island_ns_per_param * k) * 1e-9
-        merge = cpu / coordinator.cores / f
+    merge = 0.0 if ring else _coordinator_cpu(model, k, coordinator) / coordinator.cores / f
     rows, walls = [], []
     for isl, t, h, rate, s, lat in zip(islands, steps, inner, rates, seconds, one_way):
         if ring:  # a ring moves at its slowest link and waits 2 (K - 1) hops
@@ -340,30 +386,29 @@ def _rounds(model, islands, outer, coordinator, gbps=None):
         elif outer.pipeline:  # a chunk's merge waits for every island's copy of it; the update flows back
             exchange = max(max(seconds), merge, s) + max(one_way) + lat
         else:
-            exchange = max(seconds) + max(one_way) + merge + s + lat
-        cap = max(int(math.ceil(h)) - 1, 0)
-        tau = auto_overlap_steps(exchange, t, cap) if outer.overlap_steps == "auto" else int(outer.overlap_steps)
+            exchange = max(seconds) + merge + s + max(one_way) + lat
+        tau = auto_overlap_steps(exchange, t, max(math.ceil(h) - 1, 0)) if outer.overlap_steps == "auto" \
+            else outer.overlap_steps
         hidden = (tau + outer.backward_overlap) * t
         exposed = f * (max(0.0, exchange - hidden) + outer.fragment_overhead_seconds)
-        busy = h * (isl.busy_step_seconds or t)
-        walls.append(max(busy + exposed, f * max(s, merge)))
+        walls.append(max(h * (isl.busy_step_seconds or t) + exposed, f * max(s, merge)))
         rows.append(dict(name=isl.name, step_seconds=t, inner_steps=h, tokens_per_round=h * isl.tokens_per_step,
                          compute_seconds=h * t, bytes_up=moved, bytes_down=moved, rate_gbps=rate,
-                         transfer_up_seconds=f * s, transfer_down_seconds=f * s, exchange_seconds=exchange,
+                         transfer_up_seconds=f * s, transfer_down_seconds=f * s, fragment_exchange_seconds=exchange,
                          overlap_steps=tau, exposed_seconds=exposed))
     wall = max(walls)
-    out = [IslandRound(**r, compute_utilization=r["compute_seconds"] / wall,
-                       bytes_per_day=2 * moved * SECONDS_PER_DAY / wall) for r in rows]
-    return out, wall, merge * f, cpu
+    return [IslandRound(**r, compute_utilization=r["compute_seconds"] / wall,
+                        bytes_per_day=2 * moved * SECONDS_PER_DAY / wall) for r in rows], wall
 
 
 def _required(utilization, target: float) -> float | None:
-    """The lowest Gbit/s at which `utilization(gbps)` reaches `target` (bisection in log rate; None: never)."""
+    """The lowest Gbit/s at which `utilization(gbps)` reaches `target`, by bisection in log rate: 0.0 where
+    even the lowest rate searched (1e-6 Gbit/s) does, None where no rate does."""
     lo, hi = _GBPS_RANGE
     if utilization(hi) < target:
         return None
     if utilization(lo) >= target:
-        return lo
+        return 0.0
     for _ in range(100):
         mid = math.sqrt(lo * hi)
         lo, hi = (mid, hi) if utilization(mid) < target else (lo, mid)
@@ -372,19 +417,22 @@ def _required(utilization, target: float) -> float | None:
     return hi
 
 
-def _data_parallel(model, islands, dp_bytes, targets) -> DataParallel:
+def _data_parallel(model, islands, outer, dp_bytes, targets) -> DataParallel:
     """The ring all-reduce baseline. Its global batch is every island's tokens per step, split so that every
-    island's share takes the same time: the step is sum(tokens) / sum(tokens_i / t_i)."""
+    island's share takes the same time: the step is sum(tokens) / sum(tokens_i / t_i). With `shared_link`
+    the islands share their link here too."""
     k = len(islands)
     steps = [i.seconds_per_step(model) for i in islands]
     tokens = [i.tokens_per_step or 1 for i in islands]
     step = sum(tokens) / sum(n / t for n, t in zip(tokens, steps))
     nbytes = 2 * (k - 1) / k * model.total_params * dp_bytes
+    share = k if outer.shared_link else 1
 
     def at(gbps=None):
         if k == 1:
             return 0.0, 0.0, 1.0
-        comm = max(_seconds(nbytes, link.rate_gbps()) + 2 * (k - 1) * link.rtt_ms / 2e3 for link in _links(islands, gbps))
+        comm = max(_seconds(nbytes, link.rate_gbps() / share) + 2 * (k - 1) * link.rtt_ms / 2e3
+                   for link in _links(islands, gbps))
         exposed = max(0.0, comm - BACKWARD_FRACTION * step)
         return comm, exposed, step / (step + exposed)
 
@@ -410,7 +458,7 @@ def plan(
       model: parameter counts and layers.
       islands: each island's hardware, step and link.
       outer: the outer loop and the exchange (codec, H or sync, fragments, tau, pipeline, shared link).
-      coordinator: its link, cores and merge cost.
+      coordinator: its link, cores and merge cost (left out of a ring).
       dp_dtype: "bf16" or "fp32" gradients for the data-parallel baseline.
       targets: compute utilizations in (0, 1] to give the required link rate for.
 
@@ -418,19 +466,19 @@ def plan(
       A `Plan` (seconds per round, bytes, Gbit/s; memory in bytes).
 
     Raises:
-      PlanError: an input is invalid (the message names it).
+      PlanError: an input is invalid (the message names it and what to give).
       KeyError: an island's hardware is not in the catalog.
     """
-    _check(model, islands, outer, coordinator)
+    _check(model, islands, outer, coordinator, targets)
     if dp_dtype not in DP_BYTES:
         raise PlanError(f"dp_dtype is {dp_dtype!r}; choose one of {sorted(DP_BYTES)}")
-    rounds, wall, merge, cpu = _rounds(model, islands, outer, coordinator)
+    payload = model.total_params * outer.wire_bytes_per_param()
+    rounds, wall = _rounds(model, islands, outer, coordinator, payload)
 
     def utilization(gbps):
-        return min(r.compute_utilization for r in _rounds(model, islands, outer, coordinator, gbps)[0])
+        return min(r.compute_utilization for r in _rounds(model, islands, outer, coordinator, payload, gbps)[0])
 
-    payload = model.total_params * outer.wire_bytes_per_param()
-    k = len(islands)
+    k, ring = len(islands), outer.topology == "ring"
     memory = dict(
         master=4 * model.total_params,
         momentum=4 * model.total_params if coordinator.momentum else 0.0,
@@ -438,9 +486,11 @@ def plan(
         buffered_contributions=k * payload,
         kept_update=payload,
     )
+    memory = {key: 0.0 if ring else v for key, v in memory.items()}
     memory["total"] = sum(memory.values())
+    cpu = 0.0 if ring else _coordinator_cpu(model, k, coordinator)
     notes = []
-    if any(i.step_seconds <= 0 and i.hardware == "cpu" for i in islands):
+    if any(i.step_seconds == 0 and i.hardware == "cpu" for i in islands):
         notes.append("hardware 'cpu' has no real peak in the catalog; give a measured step time "
                      "(--step_seconds, or --workdir of a finished run) for a meaningful step")
     if model.num_layers and outer.fragments > model.num_layers:
@@ -454,16 +504,17 @@ def plan(
     required = {t: _required(utilization, t) for t in targets}
     if any(g is None for g in required.values()):
         notes.append(
-            f"with unlimited island links compute utilization stops at {utilization(_GBPS_RANGE[1]):.4f}: "
-            "what the links cannot change (the coordinator's link and merge, windows, per-fragment overhead, "
-            "islands of unequal rounds) caps it"
+            f"with unlimited island links compute utilization stops at {utilization(_GBPS_RANGE[1]):.4f}: what "
+            "the links cannot change caps it (the coordinator's link and merge, windows, per-fragment overhead, "
+            "islands of unequal rounds, steps slowed by the exchange beside them)"
         )
     return Plan(
         model=model, outer=outer, coordinator=coordinator, payload_bytes=payload, islands=rounds, wall_seconds=wall,
         compute_utilization=min(r.compute_utilization for r in rounds),
-        required_gbps=required, coordinator_memory=memory, coordinator_cpu_seconds=cpu, merge_seconds=merge,
-        coordinator_bytes_per_day=2 * k * payload * SECONDS_PER_DAY / wall,
-        dp=_data_parallel(model, islands, DP_BYTES[dp_dtype], targets), notes=notes,
+        required_gbps=required, coordinator_memory=memory, coordinator_cpu_seconds=cpu,
+        merge_seconds=cpu / coordinator.cores, coordinator_bytes_per_day=0.0 if ring else
+        2 * k * payload * SECONDS_PER_DAY / wall,
+        dp=_data_parallel(model, islands, outer, DP_BYTES[dp_dtype], targets), notes=notes,
     )
 
 
@@ -475,7 +526,7 @@ def _si(value: float, unit: str) -> str:
 
 
 def _gbps(value: float | None) -> str:
-    return "unreachable" if value is None else f"{value:.3g}"
+    return "unreachable" if value is None else "any" if value == 0 else f"{value:.3g}"
 
 
 def format_plan(p: Plan) -> str:
@@ -505,11 +556,13 @@ def format_plan(p: Plan) -> str:
     lines += [
         f"round: {p.wall_seconds:.4g} s; compute utilization {p.compute_utilization:.4f} (the lowest island)",
         f"link Gbit/s each way, on every island's link, for compute utilization {req}",
+        "coordinator: none (a ring all-reduce among the islands)" if o.topology == "ring" else
         f"coordinator: memory {_si(p.coordinator_memory['total'], 'B')} ({mem}); CPU {p.coordinator_cpu_seconds:.4g} "
         f"s/round (params x ({c.fixed_ns_per_param:g} + {c.per_island_ns_per_param:g} x K) ns, the merge rate "
         f"benchmarks/merge.py measured), {p.merge_seconds:.4g} s over {c.cores} cores; "
         f"{_si(p.coordinator_bytes_per_day, 'B')}/day",
-        f"data parallel (ring all-reduce across the {len(p.islands)} islands every step): "
+        f"data parallel (ring all-reduce across the {len(p.islands)} island{'s' if len(p.islands) > 1 else ''} "
+        "every step): "
         f"{_si(d.bytes_per_step, 'B')} each way per step, {d.comm_seconds:.4g} s against a {d.step_seconds:.4g} s "
         f"step ({d.exposed_seconds:.4g} s exposed); compute utilization {d.compute_utilization:.4f}; "
         f"link Gbit/s for {dreq}; {_si(d.bytes_per_day, 'B')}/day",
@@ -545,6 +598,13 @@ def model_of(config: ml_collections.ConfigDict) -> Model:
     return Model(float(total), float(total - routed * (1 - k / e)), int(config.model.num_layers))
 
 
+def link_of(config: ml_collections.ConfigDict) -> Link:
+    """Every island's link as `config.comm` emulates it (`comm.link`, `comm.connections`); a link not
+    emulated (0 Gbit/s) is unlimited."""
+    c = config.comm
+    return Link(c.link.bandwidth_gbps or math.inf, 2 * c.link.latency_ms, c.connections, c.link.window_bytes)
+
+
 def from_config(
     config: ml_collections.ConfigDict,
     step_seconds: dict | None = None,
@@ -552,26 +612,34 @@ def from_config(
     link: Link | None = None,
     busy_step_seconds: dict | None = None,
 ) -> tuple[Model, list[Island], Outer, Coordinator]:
-    """The planner's inputs for a run's config (island_jax/config.py): (model, islands, outer, coordinator).
+    """The planner's inputs for a run's config (island_jax/config.py).
 
     Args:
       config: the run's config: model, islands (hardware, devices, batch, H), codec, outer, comm.
       step_seconds: {island: measured seconds per step}; islands not in it take the catalog and `mfu`.
       mfu: the MFU of catalog step times.
-      link: every island's link; None: `comm.link` and `comm.connections` (a 0 Gbit/s link, not
-        emulated, is unlimited).
+      link: every island's link; None: `link_of(config)`.
       busy_step_seconds: {island: measured mean step seconds with the exchange beside it}.
+
+    Returns:
+      (model, islands, outer, coordinator) for `plan`.
+
+    Raises:
+      PlanError: `step_seconds` or `busy_step_seconds` names an island the config does not have.
     """
     step_seconds, busy_step_seconds = step_seconds or {}, busy_step_seconds or {}
-    if link is None:
-        c = config.comm
-        link = Link(c.link.bandwidth_gbps or math.inf, 2 * c.link.latency_ms, c.connections, c.link.window_bytes)
+    names = list(config.islands.keys())
+    for given in (step_seconds, busy_step_seconds):
+        unknown = sorted(set(given) - set(names))
+        if unknown:
+            raise PlanError(f"step seconds for {unknown}, which the config has no island of; its islands are {names}")
     o = config.outer
     outer = Outer(
-        codec=config.codec.kind, block_size=config.codec.block_size, sync="time" if o.sync == "time" else
-        ("auto" if o.sync == "auto" else "steps"), round_seconds=o.round_seconds if o.sync == "time" else 0.0,
+        codec=config.codec.kind, block_size=config.codec.block_size, sync=o.sync,
+        reference_island=o.reference_island, round_seconds=o.round_seconds if o.sync == "time" else 0.0,
         fragments=o.fragments, overlap_steps=o.overlap_steps, pipeline=bool(config.comm.pipeline),
     )
+    link = link or link_of(config)
     islands = [
         Island(name=name, num_devices=isl.num_devices, hardware=isl.hardware, mfu=mfu,
                step_seconds=step_seconds.get(name, 0.0), batch_size=isl.batch_size, seq_len=config.model.seq_len,
@@ -587,9 +655,9 @@ class Prediction:
     times, payload and link settings, beside `measured` (its accounting), over the same rounds."""
 
     plan: Plan
-    predicted: dict  # island -> utilization
-    measured: dict  # island -> utilization
-    rounds: list  # the rounds compared (1-based)
+    predicted: dict[str, float]  # island -> compute utilization
+    measured: dict[str, float]  # island -> compute utilization
+    rounds: list[int]  # the rounds compared (1-based)
 
     def __str__(self) -> str:
         rows = [f"{'island':>8} {'predicted':>10} {'measured':>10} {'difference':>11}"]
@@ -603,22 +671,29 @@ def predict(workdir: str, fragment_overhead_seconds: float = 0.0) -> Prediction:
     """Predicts a finished run's compute utilization per island and reads the measured one beside it.
 
     The prediction takes from the run only its config (model, H or sync, codec, fragments, tau, link
-    settings: `comm.link` and `comm.connections`), each island's recorded step times (the median over
-    the rounds of `clean_step_seconds`, the step with no exchange in flight, and of the mean step,
-    `compute_seconds` / `inner_steps`) and its recorded steps per round; never its utilization, wall or
+    settings: `comm.link` and `comm.connections`), whether its transport pipelined (the islands'
+    `exchange` records), each island's recorded step times (the median over the rounds of
+    `clean_step_seconds`, the step with no exchange in flight, and of the mean step, `compute_seconds` /
+    `inner_steps`), its recorded steps per round and the payload bytes; never its utilization, wall or
     blocked seconds. Rounds compared: every round after the first (the islands' start) and before the
     last (which waits for the final update), or all of them in a run of fewer than 3 rounds.
 
+    Args:
+      workdir: the run's workdir (island_jax/workdir.py).
+      fragment_overhead_seconds: training-thread seconds per fragment exchanged, for the plan (`Outer`).
+
     Raises:
       FileNotFoundError: the workdir holds no island's config.json or metrics.jsonl.
+      ValueError: the islands share no recorded round, or no exchange was applied in those compared.
     """
     from island_jax.metrics import read_jsonl
     from island_jax.workdir import island_dir
 
-    names = sorted(os.listdir(os.path.join(workdir, "islands")))
+    folder = os.path.join(workdir, "islands")
+    names = sorted(os.listdir(folder)) if os.path.isdir(folder) else []
+    if not names:
+        raise FileNotFoundError(f"{folder} holds no island; give the workdir of a finished run")
     with open(os.path.join(island_dir(workdir, names[0]), "config.json"), encoding="utf-8") as f:
-        import json
-
         config = ml_collections.ConfigDict(json.load(f))
     records, pipelined = {}, []
     for name in config.islands.keys():
@@ -630,6 +705,8 @@ def predict(workdir: str, fragment_overhead_seconds: float = 0.0) -> Prediction:
                 pipelined.append(rec["pipelined"])
         records[name] = latest
     common = sorted(set.intersection(*(set(r) for r in records.values())))
+    if not common:
+        raise ValueError(f"{workdir}: the islands share no recorded round (metrics.jsonl); nothing to compare")
     chosen = common[1:-1] if len(common) >= 3 else common
     clean, busy, steps = {}, {}, {}
     for name, latest in records.items():
@@ -644,7 +721,7 @@ def predict(workdir: str, fragment_overhead_seconds: float = 0.0) -> Prediction:
     if not exchanges:
         raise ValueError(f"{workdir}: no exchange was applied in rounds {chosen}; nothing to predict")
     per_round = sum(r["payload_bytes"] for r in recs) / exchanges * outer.fragments  # the whole payload
-    outer = dataclasses.replace(
+    outer = dataclasses.replace(  # the steps each round took are recorded: no plan of them is needed
         outer, sync="time" if config.outer.sync == "time" else "steps", bytes_per_param=per_round / model.total_params,
         fragment_overhead_seconds=fragment_overhead_seconds, pipeline=all(pipelined) if pipelined else outer.pipeline,
     )
@@ -664,6 +741,25 @@ _ISLAND_KEYS = {  # --island=KEY=VALUE,... : Island fields, and the Link fields 
 }
 _RENAMED = {"devices": "num_devices", "batch": "batch_size"}
 _LINK_KEYS = ("gbps", "rtt_ms", "connections", "window_bytes")
+_OUTER_FLAGS = ("codec", "block_size", "bytes_per_param", "sync", "reference_island", "round_seconds", "fragments",
+                "overlap_steps", "pipeline", "shared_link", "fragment_overhead_seconds", "backward_overlap",
+                "topology")  # flags named as Outer's fields
+_PLAN_FLAGS = (*_OUTER_FLAGS, *_LINK_KEYS, "total_params", "active_params", "layers", "island", "step_seconds",
+               "mfu", "inner_steps", "coordinator_gbps", "coordinator_cores", "merge_fixed_ns",
+               "merge_per_island_ns", "dp_dtype")
+
+
+def _number(text: str, kind: type, what: str):
+    """`text` as a `kind` (int: a whole number written as such, e.g. 64 or 64e3)."""
+    try:
+        value = float(text)
+        if kind is int:
+            if not value.is_integer():
+                raise ValueError
+            return int(value)
+        return value
+    except (ValueError, OverflowError):
+        raise PlanError(f"{what}: {text!r} is not {'a whole number' if kind is int else 'a number'}") from None
 
 
 def parse_island(text: str, link: Link) -> Island:
@@ -679,18 +775,31 @@ def parse_island(text: str, link: Link) -> Island:
         key = key.strip()
         if not sep or key not in _ISLAND_KEYS:
             raise PlanError(f"--island={text!r}: {item!r} is not KEY=VALUE with KEY one of {sorted(_ISLAND_KEYS)}")
-        try:
-            parsed = _ISLAND_KEYS[key](float(value) if _ISLAND_KEYS[key] is int else value)
-        except ValueError:
-            raise PlanError(f"--island={text!r}: {key}={value!r} is not a {_ISLAND_KEYS[key].__name__}") from None
+        kind = _ISLAND_KEYS[key]
+        parsed = value if kind is str else _number(value, kind, f"--island={text!r}, {key}")
         (link_fields if key in _LINK_KEYS else fields)[_RENAMED.get(key, key)] = parsed
     if "name" not in fields:
         raise PlanError(f"--island={text!r} has no name=; give each island one")
     return Island(**fields, link=dataclasses.replace(link, **link_fields))
 
 
-_OUTER_FLAGS = ("codec", "block_size", "bytes_per_param", "sync", "round_seconds", "fragments", "overlap_steps",
-                "pipeline", "shared_link", "fragment_overhead_seconds", "backward_overlap", "topology")  # = Outer's
+def _per_island(text: str, names: Sequence[str]) -> dict[str, float]:
+    """{island: seconds} from --step_seconds: "0.2" (every island), "a=0.2,b=0.4", or "" (none).
+
+    Raises:
+      PlanError: a value that is not a number, or a name not among `names`.
+    """
+    if not text:
+        return {}
+    if "=" not in text:
+        return dict.fromkeys(names, _number(text, float, "--step_seconds"))
+    out = {}
+    for item in text.split(","):
+        name, _, value = item.partition("=")
+        if name not in names:
+            raise PlanError(f"--step_seconds names {name!r}, which is not one of the islands {list(names)}")
+        out[name] = _number(value, float, f"--step_seconds, {name}")
+    return out
 
 
 def _main(argv):
@@ -699,27 +808,37 @@ def _main(argv):
     del argv
     f = flags.FLAGS
     given = {name for name in f if f[name].present}
-    link = Link(f.gbps, f.rtt_ms, f.connections, f.window_bytes)
     if f.workdir:
+        extra = sorted(given & set(_PLAN_FLAGS) - {"fragment_overhead_seconds"})
+        if extra:
+            raise PlanError(f"--workdir plans the run as it was; leave out {', '.join('--' + e for e in extra)}")
         prediction = predict(f.workdir, f.fragment_overhead_seconds)
         print(prediction.plan)
         print(f"predicted against measured compute utilization ({f.workdir}):")
         print(prediction)
         return 0
+    link_flags = {k: getattr(f, k) for k in _LINK_KEYS if k in given}
     if f.config is not None:
-        emulated = bool(f.config.comm.link.bandwidth_gbps)
-        if not emulated and not given & set(_LINK_KEYS):
-            print(f"note: the config emulates no link (comm.link.bandwidth_gbps = 0); planned on --gbps={f.gbps:g} "
-                  f"--rtt_ms={f.rtt_ms:g} --connections={f.connections}")
+        if f.island:
+            raise PlanError("--island describes islands the config already has; give one or the other")
+        config = f.config
+        if config.comm.link.bandwidth_gbps:
+            link = dataclasses.replace(link_of(config), **link_flags)
+        else:
+            link = dataclasses.replace(link_of(config), gbps=f.gbps, **link_flags)
+            print(f"note: the config emulates no link (comm.link.bandwidth_gbps = 0); planned on {link.gbps:g} "
+                  "Gbit/s (--gbps)")
         model, islands, outer, coordinator = from_config(
-            f.config, step_seconds=_per_island(f.step_seconds, f.config.islands.keys()), mfu=f.mfu,
-            link=link if given & set(_LINK_KEYS) or not emulated else None,
-        )
+            config, step_seconds=_per_island(f.step_seconds, list(config.islands.keys())), mfu=f.mfu, link=link)
         model = Model(*(getattr(f, k) if k in given else getattr(model, a) for k, a in
                         (("total_params", "total_params"), ("active_params", "active_params"), ("layers", "num_layers"))))
     elif f.island:
+        link = Link(f.gbps, f.rtt_ms, f.connections, f.window_bytes)
         model = Model(f.total_params, f.active_params, f.layers)
         islands = [parse_island(text, link) for text in f.island]
+        steps = _per_island(f.step_seconds, [i.name for i in islands])
+        islands = [i if i.step_seconds or i.name not in steps else dataclasses.replace(i, step_seconds=steps[i.name])
+                   for i in islands]
         outer, coordinator = Outer(), Coordinator()
     else:
         raise PlanError("give --config=CONFIG, --workdir=WORKDIR, or the model and islands "
@@ -728,22 +847,14 @@ def _main(argv):
         islands = [dataclasses.replace(i, inner_steps=f.inner_steps) for i in islands]
     changes = {name: getattr(f, name) for name in _OUTER_FLAGS if name in given or f.config is None}
     if changes.get("overlap_steps", "auto") != "auto":
-        if not changes["overlap_steps"].isdigit():
-            raise PlanError(f"--overlap_steps={changes['overlap_steps']}; give an int >= 0 or auto")
-        changes["overlap_steps"] = int(changes["overlap_steps"])
+        changes["overlap_steps"] = _number(changes["overlap_steps"], int, "--overlap_steps (or auto)")
     outer = dataclasses.replace(outer, **changes)
-    coordinator = dataclasses.replace(coordinator, gbps=f.coordinator_gbps or math.inf, cores=f.coordinator_cores)
+    coordinator = dataclasses.replace(
+        coordinator, gbps=f.coordinator_gbps or math.inf, cores=f.coordinator_cores,
+        fixed_ns_per_param=f.merge_fixed_ns, per_island_ns_per_param=f.merge_per_island_ns,
+    )
     print(plan(model, islands, outer, coordinator, dp_dtype=f.dp_dtype))
     return 0
-
-
-def _per_island(text: str, names) -> dict:
-    """{island: seconds} from "0.2" (every island) or "a=0.2,b=0.4" ("" : none)."""
-    if not text:
-        return {}
-    if "=" not in text:
-        return dict.fromkeys(names, float(text))
-    return {k: float(v) for k, v in (item.split("=", 1) for item in text.split(","))}
 
 
 def _define_flags() -> None:
@@ -757,7 +868,7 @@ def _define_flags() -> None:
     flags.DEFINE_integer("layers", 0, "Layers of the model (fragments hold whole layers; 0: unknown).")
     flags.DEFINE_multi_string("island", [], "name=NAME,hardware=KIND,devices=N,mfu=F,step_seconds=S,batch=B,"
                               "seq_len=T,inner_steps=H,gbps=G,rtt_ms=R,connections=C,window_bytes=W (repeat per island).")
-    flags.DEFINE_string("step_seconds", "", "With --config: measured seconds per step, S or a=S,b=S.")
+    flags.DEFINE_string("step_seconds", "", "Measured seconds per step: S (every island) or a=S,b=S.")
     flags.DEFINE_float("mfu", 0.4, "MFU of step times computed from the catalog peak.")
     flags.DEFINE_integer("inner_steps", 100, "H of every island.")
     flags.DEFINE_float("gbps", 25.0, "Every island's link, Gbit/s each way (inf: unlimited).")
@@ -765,6 +876,7 @@ def _define_flags() -> None:
     flags.DEFINE_integer("connections", 16, "Parallel connections per island.")
     flags.DEFINE_integer("window_bytes", 0, "Bytes in flight per connection (0: no window).")
     flags.DEFINE_enum("sync", "steps", ["steps", "auto", "time"], "Round planning (outer.sync).")
+    flags.DEFINE_string("reference_island", "", "With --sync=auto: the island whose H is kept ('': the first).")
     flags.DEFINE_float("round_seconds", 0.0, "With --sync=time: compute seconds per round.")
     flags.DEFINE_enum("codec", "int8", list(codec_lib.KINDS), "Codec of the pseudo-gradients and updates.")
     flags.DEFINE_integer("block_size", 256, "Elements per scale of int8 / int4.")
@@ -777,6 +889,8 @@ def _define_flags() -> None:
     flags.DEFINE_float("backward_overlap", 0.0, "Steps that hide an exchange's start (2/3: from the backward pass).")
     flags.DEFINE_float("fragment_overhead_seconds", 0.0, "Training-thread seconds per fragment exchanged.")
     flags.DEFINE_float("coordinator_gbps", 0.0, "The coordinator's own link, Gbit/s each way (0: unlimited).")
+    flags.DEFINE_float("merge_fixed_ns", MERGE_FIXED_NS, "The coordinator's CPU ns per parameter per round.")
+    flags.DEFINE_float("merge_per_island_ns", MERGE_PER_ISLAND_NS, "... and per contributing island.")
     flags.DEFINE_integer("coordinator_cores", 64, "CPU cores the coordinator's merge spreads over.")
     flags.DEFINE_enum("dp_dtype", "bf16", sorted(DP_BYTES), "Gradient dtype of the data-parallel baseline.")
 

@@ -66,5 +66,5 @@ def plan_from_step_times(config: ml_collections.ConfigDict, step_seconds: dict[s
     if ref_name not in step_seconds:
         return plan
     h_ref, t_ref = config.islands[ref_name].inner_steps, step_seconds[ref_name]
-    plan.update({name: max(1, round(h_ref * t_ref / t)) for name, t in step_seconds.items() if t > 0})
+    plan.update({name: scaled_inner_steps(h_ref, 1.0 / t, 1.0 / t_ref) for name, t in step_seconds.items() if t > 0})
     return plan

@@ -2,6 +2,7 @@
 
 import dataclasses
 import importlib.util
+import math
 import os
 import subprocess
 import sys
@@ -54,7 +55,7 @@ def test_hand_case_pipelined_the_two_directions_overlap():
 def test_four_fragments_with_auto_tau_hide_the_exchange(overhead, utilization):
     p = hand_case(fragments=4, overlap_steps="auto", fragment_overhead_seconds=overhead)
     r = p.islands[0]
-    assert r.exchange_seconds == pytest.approx(2.03125, rel=1e-12)  # a quarter of 8.125 s, both ways at once
+    assert r.fragment_exchange_seconds == pytest.approx(2.03125, rel=1e-12)  # a quarter of 8.125 s, both ways at once
     assert r.overlap_steps == 6  # ceil(2.03 / 0.5) + 1: 3 s, within the 25 steps between contributions
     assert r.exposed_seconds == pytest.approx(4 * overhead, abs=1e-12)
     assert p.compute_utilization == pytest.approx(utilization, rel=1e-3)
@@ -102,8 +103,27 @@ def test_a_ring_moves_two_k_minus_one_over_k_of_the_payload():
     p = plan(Model(1e9), islands, Outer(bytes_per_param=1.0, topology="ring"), FREE_MERGE)
     r = p.islands[0]
     assert r.bytes_up == pytest.approx(1.5e9, rel=1e-12)
-    assert r.exchange_seconds == pytest.approx(1.5e9 * 8 / 8e9 + 2 * 3 * 0.005, rel=1e-12)  # 1.5 s + 6 hops
+    assert r.fragment_exchange_seconds == pytest.approx(1.5e9 * 8 / 8e9 + 2 * 3 * 0.005, rel=1e-12)  # 1.5 s + 6 hops
     assert p.coordinator_cpu_seconds == 0.0
+
+
+def test_shared_links_slow_both_the_outer_loop_and_data_parallel():
+    islands = [Island(f"w{i}", step_seconds=1.0, inner_steps=10, link=Link(8.0)) for i in range(4)]
+    alone = plan(Model(1e9), islands, Outer(bytes_per_param=1.0), FREE_MERGE)
+    shared = plan(Model(1e9), islands, Outer(bytes_per_param=1.0, shared_link=True), FREE_MERGE)
+    assert (alone.islands[0].rate_gbps, shared.islands[0].rate_gbps) == (8.0, 2.0)
+    assert shared.islands[0].transfer_up_seconds == 4 * alone.islands[0].transfer_up_seconds == 4.0
+    assert shared.dp.comm_seconds == pytest.approx(4 * alone.dp.comm_seconds, rel=1e-12)  # 1.5e9 x 2 B at 2 Gbit/s
+
+
+def test_an_unlimited_link_needs_any_rate_and_a_ring_has_no_coordinator():
+    one = plan(Model(1e9), [Island("a", step_seconds=1.0, link=Link(math.inf, 0.0, 16, 1 << 20))], Outer())
+    assert one.islands[0].rate_gbps == math.inf  # no round trip: the window holds nothing back
+    ring = plan(Model(1e9), [Island(n, step_seconds=1.0, inner_steps=1000) for n in "ab"], Outer(topology="ring"))
+    assert ring.coordinator_memory["total"] == 0.0 and ring.coordinator_cpu_seconds == 0.0
+    assert "coordinator: none (a ring all-reduce among the islands)" in str(ring)
+    far = plan(Model(1e3), [Island("a", step_seconds=1.0, inner_steps=1000)], Outer(), FREE_MERGE)
+    assert far.required_gbps[0.9] == 0.0 and "90% any" in str(far)  # even 1e-6 Gbit/s keeps it busy
 
 
 def test_rounds_by_time_and_by_speed():
@@ -113,6 +133,8 @@ def test_rounds_by_time_and_by_speed():
     assert [r.inner_steps for r in timed.islands] == [50.0, 20.0]
     auto = plan(Model(1e8), [fast, slow], Outer(sync="auto"), FREE_MERGE)
     assert [r.inner_steps for r in auto.islands] == [50.0, 20.0]  # b takes as many steps as fit in a's round
+    by_b = plan(Model(1e8), [fast, slow], Outer(sync="auto", reference_island="b"), FREE_MERGE)
+    assert [r.inner_steps for r in by_b.islands] == [125.0, 50.0]  # b keeps its 50 steps of 0.5 s
     steps = plan(Model(1e8), [fast, slow], Outer(), FREE_MERGE)
     assert steps.islands[0].compute_utilization == pytest.approx(10 / 25, rel=0.01)  # a waits for b's 25 s
 
@@ -161,6 +183,20 @@ def test_bad_input_names_the_field():
         plan(Model(1e9), [Island("a", step_seconds=1.0)] * 2)
     with pytest.raises(PlanError, match="overlap_steps is 'soon'"):
         plan(Model(1e9), [Island("a", step_seconds=1.0)], Outer(overlap_steps="soon"))
+    with pytest.raises(PlanError, match="inner_steps is 4 but fragments is 8"):
+        plan(Model(1e9), [Island("a", step_seconds=1.0, inner_steps=4)], Outer(fragments=8))
+    with pytest.raises(PlanError, match="overlap_steps is 4 but island 'a' has inner_steps 4"):
+        plan(Model(1e9), [Island("a", step_seconds=1.0, inner_steps=4)], Outer(overlap_steps=4))
+    with pytest.raises(PlanError, match="the coordinator's gbps is -5"):
+        plan(Model(1e9), [Island("a", step_seconds=1.0)], Outer(), Coordinator(gbps=-5.0))
+    with pytest.raises(PlanError, match="step_seconds is inf"):
+        plan(Model(1e9), [Island("a", step_seconds=math.inf)])
+    with pytest.raises(PlanError, match="connections is 0"):
+        plan(Model(1e9), [Island("a", step_seconds=1.0, link=Link(connections=0))])
+    with pytest.raises(PlanError, match=r"targets are \(1.5,\)"):
+        plan(Model(1e9), [Island("a", step_seconds=1.0)], targets=(1.5,))
+    with pytest.raises(PlanError, match="'1.7' is not a whole number"):
+        plan_lib.parse_island("name=a,devices=1.7", Link())
     with pytest.raises(KeyError, match="not in the catalog"):
         plan(Model(1e9), [Island("a", hardware="h900")])
     with pytest.raises(PlanError, match="'cores=3' is not KEY=VALUE"):
@@ -216,3 +252,9 @@ def test_the_command_line_plans_a_config_and_a_frontier_model():
     bad = subprocess.run([sys.executable, "-m", "island_jax.plan", "--island=name=a,gpus=8"], cwd=ROOT,
                          capture_output=True, text=True, timeout=300)
     assert bad.returncode != 0 and "'gpus=8' is not KEY=VALUE" in bad.stderr
+    # a link flag changes only its own field of the config's emulated link
+    kept = subprocess.run([sys.executable, "-m", "island_jax.plan", "--config=experiments/configs/two_islands.py",
+                           "--config.comm.link.bandwidth_gbps=0.01", "--rtt_ms=40", "--step_seconds=0.19"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert kept.returncode == 0, kept.stderr
+    assert "    0.01 " in kept.stdout.splitlines()[3]  # island a's Gbit/s column

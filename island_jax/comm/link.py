@@ -60,7 +60,8 @@ def steady_gbps(bandwidth_gbps: float, rtt_s: float, window_bytes: int, connecti
     Gbit/s: about window / RTT when the window is much smaller than the
     bandwidth-delay product. `connections` of them carry that many times as
     much, never more than `bandwidth_gbps`. Without a window (`window_bytes`
-    0) the rate is `bandwidth_gbps` (`math.inf` stays `math.inf`).
+    0) or without a round trip the rate is `bandwidth_gbps` (`math.inf` stays
+    `math.inf`).
 
     Args:
       bandwidth_gbps: the link's rate each way, Gbit/s (> 0; may be `math.inf`).
@@ -68,7 +69,7 @@ def steady_gbps(bandwidth_gbps: float, rtt_s: float, window_bytes: int, connecti
       window_bytes: bytes in flight per connection (0: no window).
       connections: parallel connections (at least 1 counts).
     """
-    if window_bytes == 0:
+    if window_bytes == 0 or rtt_s == 0:  # no window, or nothing in flight for one to hold back
         return bandwidth_gbps
     bits = window_bytes * 8
     one = bits / (rtt_s + bits / (bandwidth_gbps * 1e9)) / 1e9
