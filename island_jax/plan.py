@@ -168,6 +168,8 @@ class Outer:
       round_seconds: with sync "time", the compute seconds of every round.
       fragments: F (Streaming DiLoCo); overlap_steps: tau, an int or "auto".
       pipeline: `comm.pipeline` (the update flows back while contributions arrive).
+      chunk_bytes: `comm.chunk_bytes`, the largest chunk of a payload: a pipelined exchange
+        overlaps its stages chunk by chunk (`pipelined_seconds`).
       shared_link: the islands share one link (each island's rate is divided among the K).
       fragment_overhead_seconds: training-thread seconds per fragment exchanged (its pseudo-gradient,
         the update's placement and mixing), added per fragment whatever tau hides.
@@ -188,6 +190,7 @@ class Outer:
     fragments: int = 1
     overlap_steps: int | str = 0
     pipeline: bool = True
+    chunk_bytes: int = 1 << 20
     shared_link: bool = False
     fragment_overhead_seconds: float = 0.0
     backward_overlap: float = 0.0
@@ -302,6 +305,7 @@ def _check(model: Model, islands: Sequence[Island], outer: Outer, coordinator: C
     need(_finite(outer.bytes_per_param) and outer.bytes_per_param >= 0,
          f"bytes_per_param is {outer.bytes_per_param}; give 0 (from the codec) or bytes > 0")
     need(isinstance(outer.fragments, int) and outer.fragments >= 1, f"fragments is {outer.fragments}; give 1 or more")
+    need(isinstance(outer.chunk_bytes, int) and outer.chunk_bytes >= 1, f"chunk_bytes is {outer.chunk_bytes}; give >= 1")
     tau = outer.overlap_steps
     need(tau == "auto" or (isinstance(tau, int) and tau >= 0), f"overlap_steps is {tau!r}; give an int >= 0 or 'auto'")
     need(outer.topology in TOPOLOGIES, f"topology is {outer.topology!r}; choose one of {TOPOLOGIES}")
@@ -339,14 +343,21 @@ def _check(model: Model, islands: Sequence[Island], outer: Outer, coordinator: C
                  "land before its next contribution: give fewer overlap steps than H, or 'auto'")
 
 
-def _inner_steps(islands: Sequence[Island], steps: list[float], outer: Outer) -> list[float]:
-    if outer.sync == "steps":
+def _planned_steps(islands: Sequence[Island], steps: list[float], outer: Outer) -> list[float]:
+    """H per island under sync "steps" or "auto" (under "time" the round's seconds set it, `_rounds`)."""
+    if outer.sync != "auto":
         return [float(i.inner_steps) for i in islands]
-    if outer.sync == "time":  # as many steps as the round's seconds hold, at the steps' busy pace
-        return [outer.round_seconds / (i.busy_step_seconds or t) for i, t in zip(islands, steps)]
     # auto: the reference island keeps its H, the others take as many steps as fit in its round
     ref = next((k for k, i in enumerate(islands) if i.name == outer.reference_island), 0)
     return [float(scaled_inner_steps(islands[ref].inner_steps, 1.0 / t, 1.0 / steps[ref])) for t in steps]
+
+
+def pipelined_seconds(stages: Sequence[float], chunks: int) -> float:
+    """Seconds for `chunks` equal chunks to pass stages that each take `stages[s]` seconds for the whole
+    payload, one chunk per stage at a time: the slowest stage's whole time, plus the other stages' time for
+    one chunk (the pipeline filling and draining). 1 chunk: the stages one after the other."""
+    slowest = max(stages)
+    return slowest + (sum(stages) - slowest) / max(chunks, 1)
 
 
 def _links(islands: Sequence[Island], gbps: float | None) -> list[Link]:
@@ -367,10 +378,11 @@ def _coordinator_cpu(model: Model, k: int, coordinator: Coordinator) -> float:
 def _rounds(model, islands, outer, coordinator, payload, gbps=None):
     """The islands' rounds and the round's wall seconds W, every island's link at `gbps` when given."""
     k, f = len(islands), outer.fragments
-    ring = outer.topology == "ring"
+    ring, timed = outer.topology == "ring", outer.sync == "time"
     moved = payload * (2 * (k - 1) / k if ring else 1.0)  # each way, per island per round
     steps = [i.seconds_per_step(model) for i in islands]
-    inner = _inner_steps(islands, steps, outer)
+    busy = [i.busy_step_seconds or t for i, t in zip(islands, steps)]
+    planned = _planned_steps(islands, steps, outer)
     links = _links(islands, gbps)
     rates = []
     for link in links:
@@ -379,26 +391,34 @@ def _rounds(model, islands, outer, coordinator, payload, gbps=None):
     seconds = [_seconds(moved / f, r) for r in rates]
     one_way = [link.rtt_ms / 2e3 for link in links]
     merge = 0.0 if ring else _coordinator_cpu(model, k, coordinator) / coordinator.cores / f
-    rows, walls = [], []
-    for isl, t, h, rate, s, lat in zip(islands, steps, inner, rates, seconds, one_way):
+    chunks = max(1, math.ceil(payload / f / outer.chunk_bytes))
+    exchanges, taus, exposed = [], [], []
+    for t, h, s, lat in zip(steps, planned, seconds, one_way):
         if ring:  # a ring moves at its slowest link and waits 2 (K - 1) hops
             exchange = max(seconds) + 2 * (k - 1) * max(one_way)
-        elif outer.pipeline:  # a chunk's merge waits for every island's copy of it; the update flows back
-            exchange = max(max(seconds), merge, s) + max(one_way) + lat
-        else:
-            exchange = max(seconds) + merge + s + max(one_way) + lat
-        tau = auto_overlap_steps(exchange, t, max(math.ceil(h) - 1, 0)) if outer.overlap_steps == "auto" \
-            else outer.overlap_steps
-        hidden = (tau + outer.backward_overlap) * t
-        exposed = f * (max(0.0, exchange - hidden) + outer.fragment_overhead_seconds)
-        walls.append(max(h * (isl.busy_step_seconds or t) + exposed, f * max(s, merge)))
-        rows.append(dict(name=isl.name, step_seconds=t, inner_steps=h, tokens_per_round=h * isl.tokens_per_step,
-                         compute_seconds=h * t, bytes_up=moved, bytes_down=moved, rate_gbps=rate,
-                         transfer_up_seconds=f * s, transfer_down_seconds=f * s, fragment_exchange_seconds=exchange,
-                         overlap_steps=tau, exposed_seconds=exposed))
-    wall = max(walls)
-    return [IslandRound(**r, compute_utilization=r["compute_seconds"] / wall,
-                        bytes_per_day=2 * moved * SECONDS_PER_DAY / wall) for r in rows], wall
+        else:  # a chunk's merge waits for every island's copy of it; pipelined, the update flows back
+            exchange = pipelined_seconds((max(seconds), merge, s), chunks if outer.pipeline else 1) + max(one_way) + lat
+        cap = int(outer.round_seconds / t) - 1 if timed else math.ceil(h) - 1  # as the islands cap tau
+        tau = auto_overlap_steps(exchange, t, max(cap, 0)) if outer.overlap_steps == "auto" else outer.overlap_steps
+        exchanges.append(exchange)
+        taus.append(tau)
+        exposed.append(f * (max(0.0, exchange - (tau + outer.backward_overlap) * t) + outer.fragment_overhead_seconds))
+    bound = f * max(max(seconds), merge)  # the busiest link direction, or the merge, every fragment
+    if timed:  # a round lasts round_seconds of wall clock; what is exposed comes out of its steps
+        wall = max(outer.round_seconds, *(x + b for x, b in zip(exposed, busy)), bound)
+        inner = [(wall - x) / b for x, b in zip(exposed, busy)]
+    else:
+        inner = planned
+        wall = max(bound, *(h * b + x for h, b, x in zip(inner, busy, exposed)))
+    return [
+        IslandRound(
+            name=isl.name, step_seconds=t, inner_steps=h, tokens_per_round=h * isl.tokens_per_step,
+            compute_seconds=h * t, bytes_up=moved, bytes_down=moved, rate_gbps=rate, transfer_up_seconds=f * s,
+            transfer_down_seconds=f * s, fragment_exchange_seconds=e, overlap_steps=tau, exposed_seconds=x,
+            compute_utilization=h * t / wall, bytes_per_day=2 * moved * SECONDS_PER_DAY / wall,
+        )
+        for isl, t, h, rate, s, e, tau, x in zip(islands, steps, inner, rates, seconds, exchanges, taus, exposed)
+    ], wall
 
 
 def _required(utilization, target: float) -> float | None:
@@ -638,6 +658,7 @@ def from_config(
         codec=config.codec.kind, block_size=config.codec.block_size, sync=o.sync,
         reference_island=o.reference_island, round_seconds=o.round_seconds if o.sync == "time" else 0.0,
         fragments=o.fragments, overlap_steps=o.overlap_steps, pipeline=bool(config.comm.pipeline),
+        chunk_bytes=config.comm.chunk_bytes,
     )
     link = link or link_of(config)
     islands = [
@@ -742,7 +763,7 @@ _ISLAND_KEYS = {  # --island=KEY=VALUE,... : Island fields, and the Link fields 
 _RENAMED = {"devices": "num_devices", "batch": "batch_size"}
 _LINK_KEYS = ("gbps", "rtt_ms", "connections", "window_bytes")
 _OUTER_FLAGS = ("codec", "block_size", "bytes_per_param", "sync", "reference_island", "round_seconds", "fragments",
-                "overlap_steps", "pipeline", "shared_link", "fragment_overhead_seconds", "backward_overlap",
+                "overlap_steps", "pipeline", "chunk_bytes", "shared_link", "fragment_overhead_seconds", "backward_overlap",
                 "topology")  # flags named as Outer's fields
 _PLAN_FLAGS = (*_OUTER_FLAGS, *_LINK_KEYS, "total_params", "active_params", "layers", "island", "step_seconds",
                "mfu", "inner_steps", "coordinator_gbps", "coordinator_cores", "merge_fixed_ns",
@@ -884,6 +905,7 @@ def _define_flags() -> None:
     flags.DEFINE_integer("fragments", 1, "F, Streaming DiLoCo fragments.")
     flags.DEFINE_string("overlap_steps", "0", "tau: inner steps an update may arrive late, or auto.")
     flags.DEFINE_bool("pipeline", True, "comm.pipeline: the update flows back while contributions arrive.")
+    flags.DEFINE_integer("chunk_bytes", 1 << 20, "comm.chunk_bytes: the largest chunk a pipelined exchange overlaps.")
     flags.DEFINE_bool("shared_link", False, "The islands share one link (each gets 1/K of its rate).")
     flags.DEFINE_enum("topology", "coordinator", list(TOPOLOGIES), "coordinator (island_jax) or ring (all-reduce).")
     flags.DEFINE_float("backward_overlap", 0.0, "Steps that hide an exchange's start (2/3: from the backward pass).")

@@ -46,16 +46,19 @@ def test_hand_case_the_update_waits_for_the_contribution_without_the_pipeline():
 
 def test_hand_case_pipelined_the_two_directions_overlap():
     p = hand_case()
-    assert p.islands[0].exposed_seconds == pytest.approx(8.125, rel=1e-12)
+    # chunk by chunk (969 chunks of at most 1 MiB): the last chunk's 8.4 ms down follows its way up
+    assert p.islands[0].exposed_seconds == pytest.approx(8.125 + 8.125 / 969, rel=1e-12)
     assert p.compute_utilization == pytest.approx(0.860, rel=1e-3)
-    assert p.compute_utilization == pytest.approx(50 / 58.125, rel=1e-12)
+    assert p.compute_utilization == pytest.approx(50 / (58.125 + 8.125 / 969), rel=1e-12)
+    assert plan_lib.pipelined_seconds((8.125, 0.0, 8.125), 1) == 16.25  # one chunk: one stage after the other
 
 
 @pytest.mark.parametrize("overhead, utilization", [(0.0, 1.0), (0.1, 0.992)])
 def test_four_fragments_with_auto_tau_hide_the_exchange(overhead, utilization):
     p = hand_case(fragments=4, overlap_steps="auto", fragment_overhead_seconds=overhead)
     r = p.islands[0]
-    assert r.fragment_exchange_seconds == pytest.approx(2.03125, rel=1e-12)  # a quarter of 8.125 s, both ways at once
+    # a quarter of 8.125 s, both ways at once in 243 chunks
+    assert r.fragment_exchange_seconds == pytest.approx(2.03125 * (1 + 1 / 243), rel=1e-12)
     assert r.overlap_steps == 6  # ceil(2.03 / 0.5) + 1: 3 s, within the 25 steps between contributions
     assert r.exposed_seconds == pytest.approx(4 * overhead, abs=1e-12)
     assert p.compute_utilization == pytest.approx(utilization, rel=1e-3)
@@ -70,8 +73,8 @@ def test_the_required_rate_is_where_the_utilization_reaches_the_target():
         below = [dataclasses.replace(i, link=dataclasses.replace(i.link, gbps=gbps * 0.999)) for i in base]
         assert plan(Model(1e9), at, Outer(), FREE_MERGE).compute_utilization >= target
         assert plan(Model(1e9), below, Outer(), FREE_MERGE).compute_utilization < target
-    # 95%: 50 / 0.95 - 50 = 2.6316 s exposed = 1.015625e9 x 8 / rate + 20 ms of round trip
-    assert p.required_gbps[0.95] == pytest.approx(8.125 / (50 / 0.95 - 50 - 0.02), rel=1e-5)
+    # 95%: 50 / 0.95 - 50 = 2.6316 s exposed = 1.015625e9 x 8 (1 + 1 / 969) / rate + 20 ms of round trip
+    assert p.required_gbps[0.95] == pytest.approx(8.125 * (1 + 1 / 969) / (50 / 0.95 - 50 - 0.02), rel=1e-5)
 
 
 def test_the_coordinators_memory_cpu_and_link():
@@ -130,7 +133,11 @@ def test_rounds_by_time_and_by_speed():
     fast = Island("a", step_seconds=0.2, inner_steps=50)
     slow = Island("b", step_seconds=0.5, inner_steps=50)
     timed = plan(Model(1e8), [fast, slow], Outer(sync="time", round_seconds=10.0), FREE_MERGE)
-    assert [r.inner_steps for r in timed.islands] == [50.0, 20.0]
+    exposed = 1.015625e8 * 8 / 25e9 * (1 + 1 / 97)  # 97 chunks, pipelined, at 25 Gbit/s
+    assert [r.exposed_seconds for r in timed.islands] == [pytest.approx(exposed, rel=1e-12)] * 2
+    assert timed.wall_seconds == 10.0  # a round lasts its seconds; the exchange takes them from the steps
+    assert [r.inner_steps for r in timed.islands] == [pytest.approx((10 - exposed) / 0.2, rel=1e-12),
+                                                      pytest.approx((10 - exposed) / 0.5, rel=1e-12)]
     auto = plan(Model(1e8), [fast, slow], Outer(sync="auto"), FREE_MERGE)
     assert [r.inner_steps for r in auto.islands] == [50.0, 20.0]  # b takes as many steps as fit in a's round
     by_b = plan(Model(1e8), [fast, slow], Outer(sync="auto", reference_island="b"), FREE_MERGE)
