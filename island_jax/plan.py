@@ -18,16 +18,17 @@ equations and sets them beside published runs.
 The model (seconds per round, P the payload bytes each way, F fragments, K islands):
   step       t_i = 6 x active params x tokens per step / (devices x peak x MFU),
              or a measured step time (Kaplan et al. 2020, C = 6ND).
-  compute    C_i = H_i x t_i (sync "steps"; "auto": H_i = H_ref x t_ref / t_i;
-             "time": C_i = round_seconds).
+  compute    C_i = H_i x t_i (sync "steps"; "auto": H_i = H_ref x t_ref / t_i; "time": a round
+             lasts round_seconds and H_i = (round_seconds - X_i) / busy step_i).
   rate       r_i = min(link Gbit/s, connections x one window per RTT) (`comm.link.steady_gbps`),
              divided among the K islands when they share one link, and at most the
              coordinator's Gbit/s / K.
   transfer   U_i = D_i = (P / F) x 8 / r_i, each fragment, each way.
   merge      m = params x (fixed + per_island x K) ns / coordinator cores, m / F per fragment.
-  exchange   E_i = max_j U_j + m / F + D_i + L + L_i           (not pipelined)
-             E_i = max(max_j U_j, m / F, D_i) + L + L_i        (comm.pipeline: the update
-             flows back chunk by chunk while contributions arrive)
+  exchange   S = (max_j U_j, m / F, D_i), the three stages of a fragment's exchange;
+             E_i = sum(S) + L + L_i                              (not pipelined)
+             E_i = max(S) + (sum(S) - max(S)) / n + L + L_i      (comm.pipeline: the stages
+             overlap chunk by chunk, n chunks of at most comm.chunk_bytes)
              E = 2 (K - 1) / K x (P / F) x 8 / min_j r_j + 2 (K - 1) L   (a ring all-reduce)
              with L_i island i's one-way latency (RTT / 2) and L = max_j L_j.
   exposed    X_i = F x (max(0, E_i - (tau + b) x t_i) + fragment overhead), b the fraction
