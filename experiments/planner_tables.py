@@ -29,7 +29,6 @@ from absl import app
 from island_jax.plan import BACKWARD_FRACTION, Coordinator, Island, Link, Model, Outer, plan
 
 NO_COORDINATOR = Coordinator(fixed_ns_per_param=0.0, per_island_ns_per_param=0.0)  # a ring: no merge on a CPU
-BACKWARD = BACKWARD_FRACTION  # the published simulators start each reduction with the backward pass
 
 
 TARGETS = (0.5, 0.8, 0.9, 0.95, 0.99)  # the published tables' columns
@@ -69,7 +68,8 @@ def _workers(k: int, step: float, h: int, rtt_ms: float = 0.0) -> tuple:
 
 
 def _ring(**fields) -> Outer:
-    return Outer(backward_overlap=BACKWARD, topology="ring", **fields)
+    """An all-reduce among the workers, each reduction starting with the backward pass (the simulators')."""
+    return Outer(backward_overlap=BACKWARD_FRACTION, topology="ring", **fields)
 
 
 _STREAMING = dict(source="Streaming DiLoCo, Table 4", model=Model(1e9, num_layers=24), coordinator=NO_COORDINATOR,
