@@ -166,7 +166,8 @@ class Outer:
         coordinator's merge constants were measured for int8; other codecs use them as they are.
       sync: "steps" (each island's H), "auto" (H scaled by step time from the reference island's), "time".
       reference_island: under "auto", the island whose H is kept ("": the first).
-      round_seconds: with sync "time", the compute seconds of every round.
+      round_seconds: with sync "time", the wall-clock seconds of every round (the exchange's exposed
+        seconds come out of its steps).
       fragments: F (Streaming DiLoCo); overlap_steps: tau, an int or "auto".
       pipeline: `comm.pipeline` (the update flows back while contributions arrive).
       chunk_bytes: `comm.chunk_bytes`, the largest chunk of a payload: a pipelined exchange
@@ -263,15 +264,23 @@ class Plan:
     payload_bytes: float  # each way, per island per round
     islands: list[IslandRound]
     wall_seconds: float  # one round
-    compute_utilization: float  # the lowest island's
     required_gbps: dict[float, float | None]  # target -> Gbit/s of every island's link (0.0: any; None: none)
     # bytes: master, momentum, view, buffered contributions (at most K x P), kept update, total (a ring: all 0)
     coordinator_memory: dict[str, float]
     coordinator_cpu_seconds: float  # per round
-    merge_seconds: float  # per round, over its cores
     coordinator_bytes_per_day: float  # both ways
     dp: DataParallel
     notes: list[str]
+
+    @property
+    def compute_utilization(self) -> float:
+        """The lowest island's."""
+        return min(r.compute_utilization for r in self.islands)
+
+    @property
+    def merge_seconds(self) -> float:
+        """The coordinator's CPU seconds per round spread over its cores."""
+        return self.coordinator_cpu_seconds / self.coordinator.cores
 
     def __str__(self) -> str:
         return format_plan(self)
@@ -531,9 +540,8 @@ def plan(
         )
     return Plan(
         model=model, outer=outer, coordinator=coordinator, payload_bytes=payload, islands=rounds, wall_seconds=wall,
-        compute_utilization=min(r.compute_utilization for r in rounds),
         required_gbps=required, coordinator_memory=memory, coordinator_cpu_seconds=cpu,
-        merge_seconds=cpu / coordinator.cores, coordinator_bytes_per_day=0.0 if ring else
+        coordinator_bytes_per_day=0.0 if ring else
         2 * k * payload * SECONDS_PER_DAY / wall,
         dp=_data_parallel(model, islands, outer, DP_BYTES[dp_dtype], targets), notes=notes,
     )
