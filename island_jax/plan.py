@@ -682,19 +682,22 @@ def from_config(
 @dataclasses.dataclass(frozen=True)
 class Prediction:
     """A finished run's compute utilization per island: `predicted` by `plan` from the run's recorded step
-    times, payload and link settings, beside `measured` (its accounting), over the same rounds."""
+    times, payload and link settings, beside what its accounting measured over the same rounds: in its
+    median round (`measured`, what a plan of one steady round is compared with; a one-off stall, such as
+    a collector pause, moves it little) and over all of them (`measured_overall`, ideal compute / wall)."""
 
     plan: Plan
     predicted: dict[str, float]  # island -> compute utilization
-    measured: dict[str, float]  # island -> compute utilization
+    measured: dict[str, float]  # island -> compute utilization of its median round
+    measured_overall: dict[str, float]  # island -> ideal compute seconds / wall seconds over the rounds
     rounds: list[int]  # the rounds compared (1-based)
 
     def __str__(self) -> str:
-        rows = [f"{'island':>8} {'predicted':>10} {'measured':>10} {'difference':>11}"]
+        rows = [f"{'island':>8} {'predicted':>10} {'measured':>10} {'difference':>11} {'all rounds':>11}"]
         for name in self.predicted:
             p, m = self.predicted[name], self.measured[name]
-            rows.append(f"{name:>8} {p:10.4f} {m:10.4f} {p - m:+11.4f}")
-        return f"rounds {self.rounds[0]}..{self.rounds[-1]}:\n" + "\n".join(rows)
+            rows.append(f"{name:>8} {p:10.4f} {m:10.4f} {p - m:+11.4f} {self.measured_overall[name]:11.4f}")
+        return f"rounds {self.rounds[0]}..{self.rounds[-1]} (measured: the median round):\n" + "\n".join(rows)
 
 
 def predict(workdir: str, fragment_overhead_seconds: float = 0.0) -> Prediction:
@@ -706,7 +709,8 @@ def predict(workdir: str, fragment_overhead_seconds: float = 0.0) -> Prediction:
     `clean_step_seconds`, the step with no exchange in flight, and of the mean step, `compute_seconds` /
     `inner_steps`), its recorded steps per round and the payload bytes; never its utilization, wall or
     blocked seconds. Rounds compared: every round after the first (the islands' start) and before the
-    last (which waits for the final update), or all of them in a run of fewer than 3 rounds.
+    last (which waits for the final update), or all of them in a run of fewer than 3 rounds; the measured
+    figure is the median round's `compute_utilization`, with the figure over all of them beside it.
 
     Args:
       workdir: the run's workdir (island_jax/workdir.py).
@@ -756,11 +760,13 @@ def predict(workdir: str, fragment_overhead_seconds: float = 0.0) -> Prediction:
         fragment_overhead_seconds=fragment_overhead_seconds, pipeline=all(pipelined) if pipelined else outer.pipeline,
     )
     p = plan(model, islands, outer, coordinator)
-    measured = {
+    measured = {name: statistics.median(latest[r]["compute_utilization"] for r in chosen)
+                for name, latest in records.items()}
+    overall = {
         name: sum(latest[r]["ideal_compute_seconds"] for r in chosen) / sum(latest[r]["wall_seconds"] for r in chosen)
         for name, latest in records.items()
     }
-    return Prediction(p, {r.name: r.compute_utilization for r in p.islands}, measured, chosen)
+    return Prediction(p, {r.name: r.compute_utilization for r in p.islands}, measured, overall, chosen)
 
 
 # -- the command line ----------------------------------------------------------------------------------
