@@ -21,4 +21,4 @@ if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
     os.environ["JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES"] = "0"
     os.environ["JAX_COMPILATION_CACHE_MAX_SIZE"] = str(1 << 30)  # bytes; also turns on the file lock
 
-from processes import run_dir  # noqa: E402, F401 - the fixture of the tests that start roles by hand
+from processes import corpus, run_dir, straight  # noqa: E402, F401 - fixtures of the tests that start processes

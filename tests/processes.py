@@ -1,8 +1,13 @@
-"""Roles of a multi-process run started by hand (`experiments/train.py --role=...`), as an operator or a
-cluster scheduler would, so that a test decides when each one dies and when it comes back.
+"""Multi-process runs of the tiny config: with the launcher (`launch`), or roles started by hand
+(`experiments/train.py --role=...`), as an operator or a cluster scheduler would, so that a test decides when
+each one dies and when it comes back.
 
-`run_dir` (a fixture: import it into the test module) makes a `Run` in the test's folder with the tiny
-corpus; `Run.start("a/1")` starts process 1 of a multi-process island a.
+Fixtures (tests/conftest.py imports them for every test module):
+- `corpus`: the tiny corpus, written once per pytest run;
+- `straight`: one launcher run of tests/tiny_config.py, three rounds start to end, started once per pytest run
+  and shared by every test that only reads its workdir (its folder and the launcher's stdout);
+- `run_dir`: makes a `Run` in the test's folder with the tiny corpus; `Run.start("a/1")` starts process 1 of a
+  multi-process island a.
 """
 
 import os
@@ -20,6 +25,35 @@ from island_jax.metrics import read_jsonl
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TESTS = os.path.join(ROOT, "tests")
+CONFIG = os.path.join(TESTS, "tiny_config.py")
+
+
+def role_env() -> dict:
+    """The environment of a process a test starts: this one's, without the 8 virtual devices tests/conftest.py
+    forces (each role sets its own device count), with tests/ importable (tiny_config); the compilation cache
+    settings are inherited."""
+    return {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"} | {"PYTHONPATH": TESTS}
+
+
+def launch(workdir, files: str, *overrides: str, config: str = CONFIG) -> subprocess.CompletedProcess:
+    """`launch/local.py` on `config` with the corpus `files` into `workdir`; its completed process (text)."""
+    cmd = [sys.executable, os.path.join(ROOT, "launch", "local.py"), f"--config={config}", f"--workdir={workdir}",
+           f"--config.data.files={files}", *overrides]
+    return subprocess.run(cmd, capture_output=True, text=True, env=role_env(), timeout=600)
+
+
+@pytest.fixture(scope="session")
+def corpus(tmp_path_factory) -> str:
+    return write_corpus(tmp_path_factory.mktemp("corpus"))
+
+
+@pytest.fixture(scope="session")
+def straight(tmp_path_factory, corpus):
+    """Three rounds of tests/tiny_config.py, start to end, with the launcher: (workdir, the launcher's stdout)."""
+    workdir = tmp_path_factory.mktemp("straight")
+    result = launch(workdir, corpus)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    return workdir, result.stdout
 
 
 class Run:
@@ -29,7 +63,7 @@ class Run:
         self.workdir, self.config, self.overrides = workdir, config, overrides
         self.address = f"localhost:{port}"
         self.procs: dict[str, subprocess.Popen] = {}
-        self.env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"} | {"PYTHONPATH": TESTS}
+        self.env = role_env()
         self.island_coordinators: dict[str, str] = {}  # of the islands of several processes
 
     def start(self, role: str) -> subprocess.Popen:
@@ -84,12 +118,11 @@ def free_port() -> int:
 
 
 @pytest.fixture
-def run_dir(tmp_path):
+def run_dir(tmp_path, corpus):
     runs = []
 
     def make(config: str, *overrides: str) -> Run:
-        files = write_corpus(tmp_path / "corpus")
-        run = Run(tmp_path / f"run{len(runs)}", config, [f"--config.data.files={files}", *overrides], free_port())
+        run = Run(tmp_path / f"run{len(runs)}", config, [f"--config.data.files={corpus}", *overrides], free_port())
         run.workdir.mkdir()
         runs.append(run)
         return run

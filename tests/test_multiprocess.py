@@ -5,15 +5,12 @@ devices, on the tiny config; the launcher starts them (`launch/local.py`), or th
 time, to kill one.
 """
 
-import os
-import subprocess
-import sys
 import time
 
 import numpy as np
 import pytest
-from processes import TESTS, checkpointed, latest, merged_and_rejoined
-from tiny_config import get_config, write_corpus
+from processes import CONFIG, checkpointed, latest, launch, merged_and_rejoined
+from tiny_config import get_config
 
 from island_jax.metrics import read_jsonl
 from island_jax.model.init import init_params
@@ -21,18 +18,7 @@ from island_jax.outer import codec
 
 pytestmark = pytest.mark.slow  # every test here starts processes
 
-ROOT = os.path.dirname(TESTS)
-CONFIG = os.path.join(TESTS, "tiny_config.py")
 TWO_PROCESSES = ["--config.islands.a.num_processes=2", "--config.islands.a.devices_per_process=2"]
-
-
-def _launch(workdir, files, *overrides) -> str:
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"} | {"PYTHONPATH": TESTS}
-    cmd = [sys.executable, os.path.join(ROOT, "launch", "local.py"), f"--config={CONFIG}", f"--workdir={workdir}",
-           f"--config.data.files={files}", "--config.comm.chunk_bytes=1024", *overrides]
-    result = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
-    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
-    return result.stdout
 
 
 def _rounds(workdir, role: str) -> list[dict]:
@@ -49,9 +35,10 @@ def _shares() -> list[int]:
     return [sum(c.nbytes for c in share) for share in codec.deal(plan, 2)]
 
 
-def test_a_two_process_island_holds_the_global_parameters_of_every_island(tmp_path):
-    files = write_corpus(tmp_path / "corpus")
-    stdout = _launch(tmp_path / "two", files, *TWO_PROCESSES)
+def test_a_two_process_island_holds_the_global_parameters_of_every_island(tmp_path, corpus, straight):
+    result = launch(tmp_path / "two", corpus, "--config.comm.chunk_bytes=1024", *TWO_PROCESSES)
+    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
+    stdout = result.stdout
     assert "started island a/0" in stdout and "started island a/1" in stdout and "started island b " in stdout
     merged = _rounds(tmp_path / "two", "coordinator")
     a, b = _rounds(tmp_path / "two", "a"), _rounds(tmp_path / "two", "b")
@@ -65,15 +52,16 @@ def test_a_two_process_island_holds_the_global_parameters_of_every_island(tmp_pa
         assert ra["bytes_sent"] == sum(ra["process_bytes_sent"])
         assert all(0.45 <= s / ra["bytes_sent"] <= 0.55 for s in ra["process_bytes_sent"])
 
-    # The same run with island a as one process of 4 devices: the same data and the same first round, to
-    # float32 rounding (gloo reduces in another order than the in-process all-reduce, so not bit for bit).
-    _launch(tmp_path / "one", files)
-    inner = {w: [r for r in read_jsonl(tmp_path / w / "islands/a/metrics.jsonl") if r["kind"] == "inner"]
+    # The same run with island a as one process of 4 devices (the shared `straight` run: chunks of the default
+    # size, which frame the same payload): the same data and the same first round, to float32 rounding (gloo
+    # reduces in another order than the in-process all-reduce, so not bit for bit).
+    workdirs = {"two": tmp_path / "two", "one": straight[0]}
+    inner = {w: [r for r in read_jsonl(workdirs[w] / "islands/a/metrics.jsonl") if r["kind"] == "inner"]
              for w in ("two", "one")}
     first_round = [(x["cross_entropy"], y["cross_entropy"]) for x, y in zip(inner["two"], inner["one"]) if x["round"] == 1]
     assert len(first_round) == 2
     np.testing.assert_allclose(*zip(*first_round), rtol=1e-5)
-    evals = {w: [r for r in read_jsonl(tmp_path / w / "islands/a/metrics.jsonl") if r["kind"] == "eval"][-1]
+    evals = {w: [r for r in read_jsonl(workdirs[w] / "islands/a/metrics.jsonl") if r["kind"] == "eval"][-1]
              for w in ("two", "one")}
     assert evals["two"]["round"] == evals["one"]["round"] == 3
     assert abs(evals["two"]["eval_loss"] - evals["one"]["eval_loss"]) <= 0.01

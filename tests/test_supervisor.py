@@ -171,3 +171,26 @@ def test_dial_refuses_what_cannot_work(dial, port, namespaces, message):
     with pytest.raises(ValueError) as e:
         local.check_dial(dial, port, namespaces)
     assert str(e.value).startswith(message)
+
+
+@pytest.mark.parametrize(
+    "specs, message",
+    [
+        (["z=0"], "--cpus: no role 'z' (roles: coordinator, a, b)"),
+        (["a"], "--cpus: cannot read 'a'; give ROLE=CPUS"),
+        (["a=0-x"], "--cpus: cannot read CPUs '0-x' of 'a'; write them as in 0,2-3"),
+        (["a=4096"], "--cpus: CPUs [4096] of 'a' are not available here; this process may use"),
+        (["a=0", "a=0"], "--cpus: role 'a' is placed twice"),
+    ],
+)
+def test_cpus_refuses_bad_placements(specs, message):
+    with pytest.raises(ValueError) as e:
+        local.parse_cpus(specs, ["coordinator", "a", "b"], os.sched_getaffinity(0))
+    assert str(e.value).startswith(message)
+
+
+def test_cpus_takes_lists_and_ranges():
+    available = os.sched_getaffinity(0)
+    first = min(available)
+    assert local.parse_cpus([f"a={first}", f"coordinator={first}-{first}"], ["coordinator", "a", "b"], available) == {
+        "a": {first}, "coordinator": {first}}
