@@ -48,7 +48,7 @@ import grpc
 
 from island_jax.comm import exchange_pb2 as pb
 from island_jax.comm import security, wire
-from island_jax.comm.grpc_server import SERVICE_NAME, client_options, is_loopback
+from island_jax.comm.grpc_server import KEEPALIVE_SECONDS, SERVICE_NAME, client_options, is_loopback
 from island_jax.comm.link import LinkEmulator
 from island_jax.comm.transport import CoordinatorRestarted, ExchangeError, SyncStats
 from island_jax.coordinator import ContributionError, ContributionHeader, HandshakeError, StaleRoundError
@@ -257,9 +257,11 @@ class GrpcTransport:
       part, parts: this process's index and the island's process count. Of an island of several processes,
         each process sends and receives only its share of every payload's chunks (`codec.deal`) over its own
         connections; process 0 alone joins the coordinator for the island (the others ask who it is).
+      keepalive_seconds: seconds between keepalive pings on each idle channel (`comm.keepalive_seconds`).
 
     Raises:
       SecurityError: unreadable TLS files.
+      ValueError: `keepalive_seconds` is not a positive number.
     """
 
     def __init__(
@@ -278,6 +280,7 @@ class GrpcTransport:
         token: str | None = None,
         part: int = 0,
         parts: int = 1,
+        keepalive_seconds: float = KEEPALIVE_SECONDS,
     ):
         self.address, self.chunk_bytes = address, chunk_bytes
         self.part, self.parts = part, parts
@@ -288,7 +291,7 @@ class GrpcTransport:
         self.join_timeout, self.round_timeout = join_timeout, round_timeout
         self.connections, self.pipelined, self.link = connections, pipeline, link
         self.clock = link.clock if link is not None else clock
-        options = [*client_options(chunk_bytes), ("grpc.use_local_subchannel_pool", 1)]
+        options = [*client_options(chunk_bytes, keepalive_seconds), ("grpc.use_local_subchannel_pool", 1)]
         if token and not (tls is not None and tls.ca_file) and not is_loopback(address):
             raise security.SecurityError(
                 f"island would send its token to {address} in the clear: set comm.tls.ca_file to the CA that signed "

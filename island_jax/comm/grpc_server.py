@@ -35,6 +35,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from island_jax.comm import exchange_pb2 as pb
 from island_jax.comm import security, wire
+from island_jax.config import KEEPALIVE_SECONDS
 from island_jax.coordinator import (
     ContributionError,
     ContributionHeader,
@@ -52,10 +53,10 @@ _PIECE_BYTES = 16 * codec.PIECE_BYTES  # more than the largest piece (codes and 
 
 
 # Keepalive, matched on both sides (gRPC's keepalive guide, doc/keepalive.md). An island idles through minutes
-# of inner steps between exchanges; its channels ping every KEEPALIVE_SECONDS with no call open, so a dead
-# coordinator or a NAT that forgot the connection is noticed, and the server admits pings that often. With gRPC's
-# server defaults (no pings without calls, at most one per 5 minutes) such a client is sent GOAWAY "too_many_pings".
-KEEPALIVE_SECONDS = 10
+# of inner steps between exchanges; its channels ping every `comm.keepalive_seconds` (KEEPALIVE_SECONDS, 10 s, by
+# default) with no call open, so a dead coordinator or a NAT that forgot the connection is noticed, and the server
+# admits pings that often. With gRPC's server defaults (no pings without calls, at most one per 5 minutes) such a
+# client is sent GOAWAY "too_many_pings".
 KEEPALIVE_TIMEOUT_SECONDS = 20  # a ping unanswered this long closes the connection
 # A restarted coordinator is dialled again within this many seconds (gRPC's default backoff grows to 120 s).
 RECONNECT_BACKOFF_MAX_SECONDS = 5
@@ -66,28 +67,56 @@ def _message_limits(chunk_bytes: int) -> list[tuple[str, int]]:
     return [("grpc.max_send_message_length", limit), ("grpc.max_receive_message_length", limit)]
 
 
-def server_options(chunk_bytes: int, receive_bytes: int | None = None) -> list[tuple[str, int]]:
+def _keepalive_ms(keepalive_seconds: float) -> int:
+    """`keepalive_seconds` in whole milliseconds (at least 1); raises ValueError unless it is a positive number."""
+    if not keepalive_seconds > 0:
+        raise ValueError(f"keepalive_seconds is {keepalive_seconds!r}; it must be a positive number of seconds")
+    return max(1, round(keepalive_seconds * 1000))
+
+
+def server_options(
+    chunk_bytes: int, receive_bytes: int | None = None, keepalive_seconds: float = KEEPALIVE_SECONDS
+) -> list[tuple[str, int]]:
     """The coordinator's gRPC server options: messages of one chunk frame of up to `chunk_bytes` (or one
     whole piece), and pings admitted as often as `client_options` sends them, with or without calls.
-    `receive_bytes`: the largest message it takes (`ExchangeService.receive_limit`, from the chunk plans); a
-    larger one is refused (RESOURCE_EXHAUSTED) before it is buffered."""
+
+    Args:
+      chunk_bytes: `comm.chunk_bytes`, bytes.
+      receive_bytes: the largest message it takes, bytes (`ExchangeService.receive_limit`, from the chunk
+        plans); a larger one is refused (RESOURCE_EXHAUSTED) before it is buffered. None: the chunk's limit.
+      keepalive_seconds: the islands' ping interval, seconds (`comm.keepalive_seconds`); pings without data
+        are admitted down to half of it (in whole ms).
+
+    Raises:
+      ValueError: `keepalive_seconds` is not a positive number.
+    """
+    keepalive_ms = _keepalive_ms(keepalive_seconds)
     limits = _message_limits(chunk_bytes)
     if receive_bytes is not None:
         limits = [limits[0], ("grpc.max_receive_message_length", receive_bytes)]
     return [
         *limits,
         ("grpc.keepalive_permit_without_calls", 1),
-        ("grpc.http2.min_recv_ping_interval_without_data_ms", KEEPALIVE_SECONDS * 1000 // 2),
+        ("grpc.http2.min_recv_ping_interval_without_data_ms", keepalive_ms // 2),
         ("grpc.http2.max_ping_strikes", 0),  # never GOAWAY a client for pinging
     ]
 
 
-def client_options(chunk_bytes: int) -> list[tuple[str, int]]:
+def client_options(chunk_bytes: int, keepalive_seconds: float = KEEPALIVE_SECONDS) -> list[tuple[str, int]]:
     """An island's gRPC channel options: the message limits of `server_options`, a keepalive ping every
-    `KEEPALIVE_SECONDS` s even with no call open, and reconnects at most `RECONNECT_BACKOFF_MAX_SECONDS` apart."""
+    `keepalive_seconds` even with no call open (unanswered for `KEEPALIVE_TIMEOUT_SECONDS`, it closes the
+    connection), and reconnects at most `RECONNECT_BACKOFF_MAX_SECONDS` apart.
+
+    Args:
+      chunk_bytes: `comm.chunk_bytes`, bytes.
+      keepalive_seconds: seconds between pings (`comm.keepalive_seconds`), rounded to whole ms.
+
+    Raises:
+      ValueError: `keepalive_seconds` is not a positive number.
+    """
     return [
         *_message_limits(chunk_bytes),
-        ("grpc.keepalive_time_ms", KEEPALIVE_SECONDS * 1000),
+        ("grpc.keepalive_time_ms", _keepalive_ms(keepalive_seconds)),
         ("grpc.keepalive_timeout_ms", KEEPALIVE_TIMEOUT_SECONDS * 1000),
         ("grpc.keepalive_permit_without_calls", 1),
         ("grpc.http2.max_pings_without_data", 0),  # keep pinging while idle
@@ -649,28 +678,36 @@ class ExchangeService:
 
 
 class ExchangeServer:
-    """A running exchange: its event loop thread and the aio server; `stop(grace)` ends both."""
+    """A running exchange: its event loop thread and the aio server; `stop(grace)` ends both.
 
-    def __init__(self, service: ExchangeService, address: str, chunk_bytes: int, tls=None, tokens_file: str = ""):
+    Raises (from the constructor): ValueError for a `keepalive_seconds` that is not a positive number of seconds,
+    and what `serve` lists for the address and the credentials.
+    """
+
+    def __init__(
+        self, service: ExchangeService, address: str, chunk_bytes: int, tls=None, tokens_file: str = "",
+        keepalive_seconds: float = KEEPALIVE_SECONDS,
+    ):
         self.service, self.tls, self.tokens_file = service, tls, tokens_file
+        options = server_options(chunk_bytes, service.receive_limit(), keepalive_seconds)  # checked before the thread
         self.loop = asyncio.new_event_loop()
         self.port: int | None = None
         self._error: BaseException | None = None
         self._started = threading.Event()
-        self._thread = threading.Thread(target=self._run, args=(address, chunk_bytes), name="exchange", daemon=True)
+        self._thread = threading.Thread(target=self._run, args=(address, options), name="exchange", daemon=True)
         self._thread.start()
         self._started.wait()
         if self._error is not None:
             raise self._error
 
-    def _run(self, address: str, chunk_bytes: int) -> None:
+    def _run(self, address: str, options: list[tuple[str, int]]) -> None:
         asyncio.set_event_loop(self.loop)
-        self.loop.run_until_complete(self._start(address, chunk_bytes))
+        self.loop.run_until_complete(self._start(address, options))
         self._started.set()
         if self._error is None:
             self.loop.run_forever()
 
-    async def _start(self, address: str, chunk_bytes: int) -> None:
+    async def _start(self, address: str, options: list[tuple[str, int]]) -> None:
         service = self.service
         service.loop, service._changed = self.loop, asyncio.Event()
         try:
@@ -686,7 +723,6 @@ class ExchangeServer:
         except security.SecurityError as e:
             self._error = e
             return
-        options = server_options(chunk_bytes, service.receive_limit())
         self.server = grpc.aio.server(options=options, interceptors=interceptors)
         self.server.add_generic_rpc_handlers((service.handler(),))
         self.health = health.aio.HealthServicer()
@@ -747,7 +783,7 @@ def check_exposure(address: str, tls, tokens_file: str, insecure: bool) -> None:
 
 def serve(
     coordinator: FragmentedCoordinator, address: str, chunk_bytes: int, tls=None, tokens_file: str = "",
-    insecure: bool = False,
+    insecure: bool = False, keepalive_seconds: float = KEEPALIVE_SECONDS,
 ) -> tuple[ExchangeServer, ExchangeService, int]:
     """Starts the exchange and health services on `address` ("HOST:PORT"; port 0 picks a free one).
 
@@ -757,6 +793,7 @@ def serve(
       tls: `comm.tls` (TLS when its cert_file is set; mutual TLS when client certificates are set too).
       tokens_file: `comm.auth.tokens_file`: every exchange call then needs its island's bearer token.
       insecure: listen off loopback without TLS and tokens all the same (`check_exposure`).
+      keepalive_seconds: `comm.keepalive_seconds`, the islands' ping interval, seconds (`server_options`).
 
     Returns:
       (server, service, port): stop with `server.stop(grace_seconds)`.
@@ -765,8 +802,10 @@ def serve(
       RuntimeError: if the address cannot be bound (port in use).
       SecurityError: off loopback without TLS and tokens (and not `insecure`), or unreadable credentials.
       TypeError: `coordinator` is not a `FragmentedCoordinator`.
+      ValueError: `keepalive_seconds` is not a positive number.
     """
     check_exposure(address, tls, tokens_file, insecure)
+    _keepalive_ms(keepalive_seconds)  # a bad interval is refused before anything is built
     service = ExchangeService(coordinator, chunk_bytes, authenticated=bool(tokens_file))
-    server = ExchangeServer(service, address, chunk_bytes, tls, tokens_file)
+    server = ExchangeServer(service, address, chunk_bytes, tls, tokens_file, keepalive_seconds)
     return server, service, server.port

@@ -32,7 +32,8 @@ class _GrpcEndpoint:
 
         c = config.comm
         self.server, self.service, self.port = serve(
-            coordinator, address, c.chunk_bytes, tls=c.tls, tokens_file=c.auth.tokens_file, insecure=insecure
+            coordinator, address, c.chunk_bytes, tls=c.tls, tokens_file=c.auth.tokens_file, insecure=insecure,
+            keepalive_seconds=c.keepalive_seconds,
         )
         self.lock, self.payload_bytes, self.wire_bytes = self.service.lock, self.service.payload_bytes, self.service.wire_bytes
         self.where = f"{address.rsplit(':', 1)[0]}:{self.port}"
