@@ -1,4 +1,4 @@
-"""experiments/notebooks/ablations.ipynb executes at SIZE=tiny, and every section shows its table and figure."""
+"""experiments/notebooks/ablations.ipynb executes at SIZE=smoke, and every section shows its table and figure."""
 
 import os
 
@@ -38,16 +38,16 @@ def test_the_committed_notebook_has_a_parameters_cell_and_every_section():
 
 
 @pytest.mark.slow
-def test_the_notebook_executes_at_tiny_with_a_table_and_a_figure_per_section(tmp_path, monkeypatch):
+def test_the_notebook_executes_at_smoke_with_a_table_and_a_figure_per_section(tmp_path, monkeypatch):
     from nbclient import NotebookClient
 
-    monkeypatch.setenv("ISLAND_JAX_NOTEBOOK_SIZE", "tiny")
+    monkeypatch.setenv("ISLAND_JAX_NOTEBOOK_SIZE", "smoke")
     monkeypatch.setenv("ISLAND_JAX_NOTEBOOK_WORKDIR", str(tmp_path / "ablations"))
     nb = nbformat.read(NOTEBOOK, as_version=4)
     # a cell that raises fails execute() with CellExecutionError, naming the cell
     NotebookClient(nb, timeout=480, kernel_name="python3", resources={"metadata": {"path": str(tmp_path)}}).execute()
     setup = next(c for c in nb.cells if c.cell_type == "code" and "parameters" not in c.metadata.get("tags", []))
-    assert "SIZE=tiny" in "".join(o.get("text", "") for o in setup.outputs)
+    assert "SIZE=smoke" in "".join(o.get("text", "") for o in setup.outputs)
     found = sections(nb)
     assert list(found) == SECTIONS
     for name, outputs in found.items():
