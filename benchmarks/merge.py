@@ -1,6 +1,6 @@
 """The coordinator's CPU seconds per round against the parameters and the contributors it merges.
 
-  python benchmarks/merge.py [--params=16777216] [--islands=1,2,4] [--repeats=3]
+  python benchmarks/merge.py [--params=16777216] [--islands=1,2,4] [--repeats=3] [--smoke]
 
 One `FragmentedCoordinator` in this process, fed through its Python methods
 (no transport): every island of K contributes an int8 payload (block 256) of
@@ -16,6 +16,10 @@ params x (fixed + per_island x K) nanoseconds. The last lines print the two
 constants (ns per parameter) fitted to these rounds, when at least two K
 were timed, and the ratio of the largest K's CPU to the smallest's. The
 rounds are int8's; the planner applies the constants to every codec.
+
+`--smoke` merges 65536 parameters from K = 1 and 2, one timed round each
+(`--params=65536 --islands=1,2 --repeats=1`), in a few seconds: the same code
+path and printout, figures that are not measurements.
 """
 
 from __future__ import annotations
@@ -23,12 +27,14 @@ from __future__ import annotations
 import statistics
 import time
 
+import _smoke
 import numpy as np
 from absl import app, flags
 
 _PARAMS = flags.DEFINE_integer("params", 1 << 24, "Float32 parameters of the merged payload.")
 _ISLANDS = flags.DEFINE_list("islands", ["1", "2", "4"], "Contributor counts K to time.")
 _REPEATS = flags.DEFINE_integer("repeats", 3, "Timed rounds per K, after one warm-up round.")
+flags.adopt_module_key_flags(_smoke)  # --smoke, in --help
 
 
 def cpu_seconds_per_round(params: int, islands: int, repeats: int) -> tuple[float, float]:
@@ -63,6 +69,7 @@ def cpu_seconds_per_round(params: int, islands: int, repeats: int) -> tuple[floa
 
 def main(argv):
     del argv
+    _smoke.sizes(params=1 << 16, islands=["1", "2"], repeats=1)
     params, counts = _PARAMS.value, [int(k) for k in _ISLANDS.value]
     print(f"merge: {params} float32 parameters, int8 block 256, {_REPEATS.value} timed rounds per K")
     measured = {}

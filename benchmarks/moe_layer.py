@@ -1,6 +1,6 @@
 """Expert-parallel MoE layer against a dense SwiGLU layer with the same active parameters.
 
-  python benchmarks/moe_layer.py [--pairs=30] [--tokens_per_device=512]
+  python benchmarks/moe_layer.py [--pairs=30] [--tokens_per_device=512] [--smoke]
 
 On an 8-device (data=2 x expert=4) mesh of virtual CPU devices, each call takes
 gradients with respect to the input and every weight:
@@ -18,14 +18,20 @@ After warm-up the variants are called in alternation, and each figure is the
 median of the pairwise ratios. The MoE layer does capacity_factor x the
 dense layer's expert FLOPs, so 1.25 is the compute floor. Last line:
 `moe_layer: ratio=R` (MoE / dense).
+
+`--smoke` times 2 pairs of 32 tokens per device (sequences of 32) in a few
+seconds, most of them compiling: the same code path and printout, figures
+that are not measurements.
 """
 
 import statistics
 
+import _smoke
 from absl import app, flags
 
-_PAIRS = flags.DEFINE_integer("pairs", 30, "Alternating MoE / dense pairs to time (at least 20).")
+_PAIRS = flags.DEFINE_integer("pairs", 30, "Alternating MoE / dense pairs to time (at least 20, except with --smoke).")
 _TOKENS = flags.DEFINE_integer("tokens_per_device", 512, "Tokens on each of the 8 devices.")
+flags.adopt_module_key_flags(_smoke)  # --smoke, in --help
 
 
 E, K, D, F, CF = 8, 2, 256, 512, 1.25  # experts, top-k, d_model, expert hidden width, capacity factor
@@ -104,6 +110,8 @@ def _call_times(variants: dict, x, ct, pairs: int) -> dict[str, list[float]]:
 
 def main(argv):
     del argv
+    smoke = _smoke.sizes(pairs=2, tokens_per_device=32)
+    pairs = _PAIRS.value if smoke else max(_PAIRS.value, 20)
     import jax
 
     jax.config.update("jax_num_cpu_devices", 8)
@@ -118,7 +126,7 @@ def main(argv):
 
     mesh = island_mesh(2, 4, jax.devices()[:8])
     batch, experts = P(BATCH_AXES), P(EXPERT_AXIS)
-    seq = 256
+    seq = min(256, _TOKENS.value)  # sequence length, tokens
     b = 8 * _TOKENS.value // seq
     rng = np.random.default_rng(0)
     x = jax.device_put(rng.normal(size=(b, seq, D)).astype(np.float32), NamedSharding(mesh, batch))
@@ -156,7 +164,7 @@ def main(argv):
         "one_hot": (grad(one_hot_objective), moe_w),
     }
     with jax.set_mesh(mesh):
-        times = _call_times(variants, x, ct, max(_PAIRS.value, 20))
+        times = _call_times(variants, x, ct, pairs)
     ratio = {name: statistics.median(t / d for t, d in zip(times[name], times["dense"])) for name in ("moe", "one_hot")}
     for name, t in times.items():
         print(f"{name:8s} median {statistics.median(t) * 1e3:8.2f} ms per call ({len(t)} calls)")

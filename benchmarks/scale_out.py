@@ -1,6 +1,6 @@
 """One island's exchange sent from P = 1 and from P = 2 processes: seconds per round and CPU seconds per process.
 
-  python benchmarks/scale_out.py [--megabytes=128] [--rounds=4] [--connections=4]
+  python benchmarks/scale_out.py [--megabytes=128] [--rounds=4] [--connections=4] [--smoke]
 
 A coordinator serves one island over gRPC on loopback (this process). The
 island's exchange is run by P sender processes, each a `GrpcTransport` with
@@ -20,6 +20,10 @@ Every process of both runs shares this machine's cores with the coordinator,
 so this shows the mechanism (each process moves its half, and its CPU seconds
 halve) more than the speed-up of hosts with their own CPUs and network
 interfaces; the printout says so.
+
+`--smoke` exchanges 2 MiB over 2 connections per process for 2 rounds
+(`--megabytes=2 --rounds=2 --connections=2`) in seconds: the same code path
+and printout, figures that are not measurements.
 """
 
 from __future__ import annotations
@@ -31,15 +35,20 @@ import subprocess
 import sys
 import time
 
+import _children
+import _smoke
 from absl import app, flags
 
 _MEGABYTES = flags.DEFINE_integer("megabytes", 128, "Payload size, MiB (float32).")
-_ROUNDS = flags.DEFINE_integer("rounds", 4, "Rounds exchanged in each run (the first one is not timed).")
+_ROUNDS = flags.DEFINE_integer("rounds", 4, "Rounds exchanged in each run (the first one is not timed; at least 2).")
 _CONNECTIONS = flags.DEFINE_integer("connections", 4, "comm.connections of each sender process.")
 _ROLE = flags.DEFINE_string("role", "main", "main | sender (senders are started by main).")
 _ADDRESS = flags.DEFINE_string("address", "", "sender: the coordinator's HOST:PORT.")
 _PART = flags.DEFINE_integer("part", 0, "sender: its index among the island's processes.")
 _PARTS = flags.DEFINE_integer("parts", 1, "sender: the island's process count.")
+flags.adopt_module_key_flags(_smoke)  # --smoke, in --help
+
+SENDER_SECONDS = 900  # the longest wait for the senders' rounds, seconds
 
 
 def _config():
@@ -88,6 +97,20 @@ def sender() -> None:
     transport.close()
 
 
+def _wait(procs: list[subprocess.Popen], deadline: float, what: str, done) -> None:
+    """Polls until `done()`; exits with an error as soon as a sender fails, or at `deadline` (time.monotonic)."""
+    while True:
+        finished = done()  # before the failures: a sender that exits in between is seen failed, not done
+        failed = [q.returncode for q in procs if q.poll() not in (None, 0)]
+        if failed:
+            sys.exit(f"a sender process failed (status {failed[0]}) before {what}; its error is in the stderr above")
+        if finished:
+            return
+        if time.monotonic() > deadline:
+            sys.exit(f"{what} took more than {SENDER_SECONDS} s; the senders' stderr above tells where they are")
+        time.sleep(0.05)
+
+
 def _run(parts: int) -> dict:
     """The island exchanged from `parts` processes: per round, the seconds and each process's CPU seconds."""
     from island_jax.comm.grpc_server import serve
@@ -99,20 +122,28 @@ def _run(parts: int) -> dict:
     server, _, port = serve(coordinator, "localhost:0", config.comm.chunk_bytes)
     cpu = time.process_time()
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"} | {"JAX_PLATFORMS": "cpu"}
-    procs = [
-        subprocess.Popen([sys.executable, __file__, "--role=sender", f"--address=localhost:{port}", f"--part={p}",
-                          f"--parts={parts}", f"--megabytes={_MEGABYTES.value}", f"--rounds={_ROUNDS.value}",
-                          f"--connections={_CONNECTIONS.value}"], stdout=subprocess.PIPE, text=True, env=env)
-        for p in range(parts)
-    ]
-    lines = []
-    for p in procs:
-        out, _ = p.communicate(timeout=900)
-        if p.returncode != 0:
-            for q in procs:
+
+    def start(part: int) -> subprocess.Popen:
+        return subprocess.Popen(
+            [sys.executable, __file__, "--role=sender", f"--address=localhost:{port}", f"--part={part}",
+             f"--parts={parts}", f"--megabytes={_MEGABYTES.value}", f"--rounds={_ROUNDS.value}",
+             f"--connections={_CONNECTIONS.value}"], stdout=subprocess.PIPE, text=True, env=env,
+        )
+
+    deadline = time.monotonic() + SENDER_SECONDS
+    procs = [start(0)]
+    try:
+        # Process 0 joins for the island; the others only open their connections, and contribute once it has
+        # joined (a multi-process island's processes agree on process 0's join reply first): they start then.
+        _wait(procs, deadline, "process 0's join", lambda: all("a" in f.joined for f in coordinator.fragments))
+        procs += [start(part) for part in range(1, parts)]
+        _wait(procs, deadline, "the senders' rounds", lambda: all(q.poll() is not None for q in procs))
+        lines = [[json.loads(line) for line in q.stdout.read().splitlines()] for q in procs]
+    finally:
+        for q in procs:
+            if q.poll() is None:
                 q.kill()
-            sys.exit(f"a sender process failed (status {p.returncode})")
-        lines.append([json.loads(line) for line in out.splitlines()])
+                q.wait()
     coordinator_cpu = (time.process_time() - cpu) / _ROUNDS.value  # every round, the first included
     server.stop(grace=1)
     timed = range(1, _ROUNDS.value)  # round 0 includes the connections' set-up
@@ -127,9 +158,13 @@ def _run(parts: int) -> dict:
 
 def main(argv):
     del argv
+    _smoke.sizes(megabytes=2, rounds=2, connections=2)
+    if _ROUNDS.value < 2:
+        sys.exit("--rounds must be at least 2: the first round is not timed")
     if _ROLE.value == "sender":
         sender()
         return
+    _children.exit_on_thread_error()  # the coordinator's server thread failing ends the benchmark
     runs = {parts: _run(parts) for parts in (1, 2)}
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     print(f"scale_out: payload {_MEGABYTES.value} MiB float32, {_CONNECTIONS.value} connections per process, "

@@ -1,6 +1,6 @@
 """A multi-process run under the supervisor with a seeded schedule of faults: does it survive, bit for bit?
 
-  python benchmarks/soak.py [--rounds=30] [--seed=0] [--faults=8]
+  python benchmarks/soak.py [--rounds=30] [--seed=0] [--faults=8] [--smoke]
 
 The two_islands config at the size of the test model (one layer, d_model 32,
 4 experts, H = 4), `--rounds` rounds, runs under `launch/local.py --restart`:
@@ -30,6 +30,10 @@ again after a coordinator restart has two views, and an island that held the
 first and then took a later round's view held no other; it must be 0) and
 `wall_seconds`. Last line:
 `soak: faults=F rounds_lost=L diverged=D`.
+
+`--smoke` runs 10 rounds with 4 faults, one of each kind (`--rounds=10
+--faults=4`): the same code path and printout; it takes as long as the
+roles' restarts (tens of seconds), and its figures are not measurements.
 """
 
 from __future__ import annotations
@@ -45,6 +49,7 @@ import tempfile
 import threading
 import time
 
+import _smoke
 from absl import app, flags
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -55,8 +60,9 @@ from island_jax.metrics import read_jsonl  # noqa: E402
 
 _ROUNDS = flags.DEFINE_integer("rounds", 30, "Rounds of the run.")
 _SEED = flags.DEFINE_integer("seed", 0, "Seed of the fault schedule.")
-_FAULTS = flags.DEFINE_integer("faults", 8, "Faults in the schedule (at least 6).")
+_FAULTS = flags.DEFINE_integer("faults", 8, "Faults in the schedule (at least 6; with --smoke, at least 4).")
 _WORKDIR = flags.DEFINE_string("workdir", "", "The run's folder (default: a new temporary one).")
+flags.adopt_module_key_flags(_smoke)  # --smoke, in --help
 
 KINDS = ("kill_island", "kill_coordinator", "reset", "corrupt")
 EVERY = 2  # checkpoint.every_rounds (and the coordinator's)
@@ -144,8 +150,9 @@ def schedule(rounds: int, faults: int, seed: int) -> list[tuple[int, str]]:
 
 def main(argv):
     del argv
-    if _FAULTS.value < 6 or _ROUNDS.value < _FAULTS.value + 6:
-        sys.exit("--faults must be at least 6 and --rounds at least faults + 6")
+    least = len(KINDS) if _smoke.sizes(rounds=10, faults=4) else 6  # smoke: every kind once
+    if _FAULTS.value < least or _ROUNDS.value < _FAULTS.value + 6:
+        sys.exit(f"--faults must be at least {least} and --rounds at least faults + 6")
     workdir = _WORKDIR.value or tempfile.mkdtemp(prefix="soak-")
     os.makedirs(workdir, exist_ok=True)
     rng = random.Random(_SEED.value + 1)

@@ -1,6 +1,10 @@
 """Goodput of the island -> coordinator transfer against a plain TCP socket, and through the link emulator.
 
-  python benchmarks/transport.py [--megabytes=256] [--repeats=3] [--tls_repeats=5]
+  python benchmarks/transport.py [--megabytes=256] [--repeats=3] [--tls_repeats=5] [--smoke]
+
+`--smoke` moves 4 MiB, once per kind after the warm-up (`--megabytes=4
+--repeats=1 --tls_repeats=1`), in a few seconds: the same code path and
+printout, figures that are not measurements.
 
 Part 1, loopback. A receiver process runs a plain TCP listener and the
 exchange's gRPC service (grpc.aio, raw frames, CRC32 per chunk) in front of a
@@ -23,6 +27,10 @@ TLS (with its token), taking turns, with 1 and `comm.connections` channels;
 the medians are compared. Line before the last: `transport_tls: ratio=R`
 (TLS seconds / plaintext seconds, `comm.connections` channels).
 
+If the receiver fails (a server thread that cannot start, a crash), it exits
+and the sender stops with an error naming it; every wait on it has a deadline
+(`WAIT_SECONDS`).
+
 Part 2, the emulated WAN (island_jax/comm/link.py) at 1 and 5 Gbit/s, 50 ms
 one way (100 ms RTT), a 4 MiB window per connection (Linux's default largest
 TCP send buffer): the achieved rate of a real transfer through the emulator
@@ -41,6 +49,8 @@ import sys
 import tempfile
 import time
 
+import _children
+import _smoke
 from absl import app, flags
 from absl import logging as absl_logging
 
@@ -49,8 +59,10 @@ _REPEATS = flags.DEFINE_integer("repeats", 3, "Timed transfers of each kind.")
 _TLS_REPEATS = flags.DEFINE_integer("tls_repeats", 5, "Timed transfers of each kind in the TLS comparison.")
 _SECRETS = flags.DEFINE_string("secrets", "", "The run's credentials folder (passed to the receiver by the sender).")
 _ROLE = flags.DEFINE_string("role", "sender", "sender | receiver (the receiver is started by the sender).")
+flags.adopt_module_key_flags(_smoke)  # --smoke, in --help
 
 WINDOW_BYTES = 4 << 20
+WAIT_SECONDS = 300.0  # the longest wait on the receiver: its start, one transfer; seconds
 
 
 class Sink:
@@ -108,16 +120,15 @@ def _bare_handler():
 
 
 def _credentials(folder: str):
-    """One run's mutual TLS settings (a `comm.tls`) and tokens file for island "a", made in `folder` or reused."""
-    import ml_collections
-
+    """One run's mutual TLS settings (a whole `comm.tls`, client certificates required) and tokens file for
+    island "a", made in `folder` or reused."""
     from island_jax.comm import security
+    from island_jax.config import default_config
 
     made = security.make_run_credentials(folder, ["a"], ["127.0.0.1"])
-    tls = ml_collections.ConfigDict(
-        {k: made[k] for k in ("cert_file", "key_file", "ca_file", "client_cert_file", "client_key_file")}
-    )
-    tls.server_name = ""
+    tls = default_config().comm.tls  # every key the service and the transport read, at its default
+    tls.update({k: made[k] for k in ("cert_file", "key_file", "ca_file", "client_cert_file", "client_key_file")})
+    tls.require_client_cert = True
     return tls, made
 
 
@@ -127,6 +138,7 @@ def receiver(num_bytes: int, secrets_folder: str) -> None:
     from island_jax.comm.grpc_server import serve
     from island_jax.config import default_config
 
+    _children.exit_on_thread_error()  # a server thread that fails ends this process; the sender then stops
     # Every transfer contributes round 0 again (the sink never ends a round), which the service logs as a retry.
     absl_logging.set_verbosity(absl_logging.ERROR)
     chunk_bytes = default_config().comm.chunk_bytes
@@ -162,16 +174,18 @@ def _bare_seconds(transport, messages: list[bytes]) -> float:
     n = transport.connections
     calls = [ch.stream_unary(BARE_METHOD, bytes, bytes) for ch in transport.channels]
     start = time.perf_counter()
-    futures = [transport._pool.submit(calls[i], iter(messages[i::n])) for i in range(n)]
-    if sum(int.from_bytes(f.result(), "little") for f in futures) != sum(len(m) for m in messages):
+    futures = [transport._pool.submit(calls[i], iter(messages[i::n]), timeout=WAIT_SECONDS) for i in range(n)]
+    if sum(int.from_bytes(f.result(WAIT_SECONDS), "little") for f in futures) != sum(len(m) for m in messages):
         raise RuntimeError("the bare gRPC receiver counted other than what was sent")
     return time.perf_counter() - start
 
 
 def _tcp_seconds(port: int, payload: bytes) -> float:
     start = time.perf_counter()
-    with socket.create_connection(("127.0.0.1", port)) as s:
+    with socket.create_connection(("127.0.0.1", port), timeout=WAIT_SECONDS) as s:
+        s.settimeout(None)  # a blocking sendall, as measured: a dead receiver fails it (reset, broken pipe)
         s.sendall(memoryview(payload))
+        s.settimeout(WAIT_SECONDS)
         if s.recv(1) != b"k":
             raise RuntimeError("the TCP receiver did not acknowledge")
     return time.perf_counter() - start
@@ -217,7 +231,7 @@ def _sender(num_bytes: int, repeats: int, tls_repeats: int, secrets_folder: str)
         stdout=subprocess.PIPE, text=True,
     )
     try:
-        line = proc.stdout.readline()
+        line = _children.read_line(proc, "PORTS ", WAIT_SECONDS)
         tcp_port, grpc_port, tls_port = (int(p) for p in line.split()[1].split(","))
         payload = os.urandom(num_bytes)
         counts = sorted({1, 4, connections})
@@ -284,6 +298,7 @@ def _sender(num_bytes: int, repeats: int, tls_repeats: int, secrets_folder: str)
 
 def main(argv):
     del argv
+    _smoke.sizes(megabytes=4, repeats=1, tls_repeats=1)
     num_bytes = _MEGABYTES.value << 20
     if _ROLE.value == "receiver":
         receiver(num_bytes, _SECRETS.value)

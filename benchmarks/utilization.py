@@ -1,9 +1,10 @@
 """Compute utilization of plain DiLoCo against Streaming DiLoCo with overlap, side by side.
 
-  python benchmarks/utilization.py
+  python benchmarks/utilization.py [--rounds=6] [--inner_steps=32] [--latency_ms=50] [--simulated_speed=0.5]
+      [--overrides=KEY=VALUE,...] [--smoke]
 
 Two equal islands of the two_islands model (2 devices each, 4 sequences per
-step), H = 32, each in its own process with the coordinator in a third
+step), H = 32 (`--inner_steps`), each in its own process with the coordinator in a third
 (`launch/local.py`, gRPC over loopback), under an emulated link set so that
 moving the whole int8 model once, up and back, takes about half a round of
 compute: rate = 2 x payload bytes x 8 / (0.5 x H x step seconds), with 50 ms
@@ -39,33 +40,60 @@ because separate runs of the same program on a shared machine differ in step
 time by more than the effect measured (the figures are in docs/benchmarks.md).
 The printed value of a run is the lower of its two islands. Last line:
 `utilization: plain=P streaming=U` (target U >= 0.95, U > P).
+
+`--overrides` changes the config of every run and of the payload's model,
+e.g. `--overrides=model.d_model=64,model.num_layers=2`.
+
+`--smoke` runs every run for 3 rounds of H = 4 with the test model's size
+(one layer, d_model 32, 4 experts; `--rounds=3 --inner_steps=4` and
+`--overrides` of `SMOKE_MODEL`): the same code path and printout, in about the
+time of the three runs' start-up (tens of seconds); its figures are not
+measurements.
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import subprocess
 import sys
 import tempfile
 
+import _smoke
 import numpy as np
+from absl import app, flags
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIG = os.path.join(ROOT, "experiments", "configs", "two_islands.py")
-H = 32
 CPUS = sorted(os.sched_getaffinity(0))[:2] if hasattr(os, "sched_getaffinity") else []  # island a's and b's
+
+
+_ROUNDS = flags.DEFINE_integer("rounds", 6, "Rounds of each compared run (at least 3: the first and the last are "
+                               "not steady).")
+_INNER_STEPS = flags.DEFINE_integer("inner_steps", 32, "H, inner steps per round of both islands (at least 4, "
+                                    "the streaming run's fragments).")
+_LATENCY_MS = flags.DEFINE_float("latency_ms", 50.0, "One-way latency of the emulated link, milliseconds.")
+_SIMULATED_SPEED = flags.DEFINE_float("simulated_speed", 0.5, "islands.NAME.simulated_speed of both islands, in (0, 1].")
+_OVERRIDES = flags.DEFINE_list("overrides", [], "KEY.PATH=VALUE config overrides of every run and of the payload's "
+                               "model, e.g. model.d_model=64.")
+flags.adopt_module_key_flags(_smoke)  # --smoke, in --help
+
+SMOKE_MODEL = [  # the test model's size (tests/tiny_config.py)
+    "model.num_layers=1", "model.d_model=32", "model.num_heads=2", "model.seq_len=32", "moe.num_experts=4",
+    "moe.expert_hidden_dim=32", "eval.batch_size=4", "eval.num_batches=2",
+]
 
 
 def launch(workdir: str, overrides: list[str], speed: float) -> tuple[dict, dict]:
     """Runs launch/local.py to completion; returns ({island: [round records]}, the run's summary)."""
+    H = _INNER_STEPS.value
     equal = [
         "--config.islands.a.num_devices=2", "--config.islands.a.mesh.data=1", "--config.islands.a.batch_size=4",
         f"--config.islands.a.inner_steps={H}", f"--config.islands.b.inner_steps={H}",
         f"--config.islands.a.simulated_speed={speed}", f"--config.islands.b.simulated_speed={speed}",
         "--config.eval.every_rounds=1000", "--config.checkpoint.every_rounds=1000",
         *(f"--cpus={name}={cpu}" for name, cpu in zip("ab", CPUS)),
+        *(f"--config.{item}" for item in _OVERRIDES.value),
     ]
     cmd = [sys.executable, os.path.join(ROOT, "launch", "local.py"), f"--config={CONFIG}", f"--workdir={workdir}",
            *equal, *overrides]
@@ -90,12 +118,29 @@ def utilization(rounds: list[dict], step: float | None = None, steady: bool = Tr
     return ideal / sum(r["wall_seconds"] for r in chosen)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--rounds", type=int, default=6, help="rounds of each compared run")
-    parser.add_argument("--latency_ms", type=float, default=50.0, help="one-way latency of the emulated link")
-    parser.add_argument("--simulated_speed", type=float, default=0.5, help="islands.NAME.simulated_speed of both")
-    args = parser.parse_args()
+def _override(config, item: str) -> None:
+    """Sets one `--overrides` item, "KEY.PATH=VALUE", in `config`, as the launcher's --config.KEY.PATH=VALUE."""
+    path, sep, text = item.partition("=")
+    *parents, leaf = path.split(".")
+    node = config
+    try:
+        for name in parents:
+            node = node[name]
+        old = node[leaf]
+    except KeyError:
+        sys.exit(f"--overrides item {item!r} names no config key; write KEY.PATH=VALUE, e.g. model.d_model=64")
+    if not sep:
+        sys.exit(f"--overrides item {item!r} has no value; write KEY.PATH=VALUE, e.g. model.d_model=64")
+    node[leaf] = text.lower() in ("1", "true") if isinstance(old, bool) else type(old)(text)
+
+
+def main(argv) -> None:
+    del argv
+    _smoke.sizes(rounds=3, inner_steps=4, overrides=SMOKE_MODEL)
+    if _ROUNDS.value < 3 or _INNER_STEPS.value < 4:
+        sys.exit("--rounds must be at least 3 (steady rounds lie between the first and the last) and --inner_steps "
+                 "at least 4 (one step per fragment of the streaming run)")
+    H = _INNER_STEPS.value
     from island_jax.model.init import init_params
     from island_jax.outer import codec
 
@@ -103,11 +148,13 @@ def main() -> None:
     with open(CONFIG, encoding="utf-8") as f:
         exec(compile(f.read(), CONFIG, "exec"), exec_globals)
     model_config = exec_globals["get_config"]()
+    for item in _OVERRIDES.value:
+        _override(model_config, item)
     _, params, _ = init_params(model_config)
     payload = codec.payload_bytes(params, "int8", model_config.codec.block_size)
 
     with tempfile.TemporaryDirectory() as tmp:
-        speed = args.simulated_speed
+        speed = _SIMULATED_SPEED.value
         calibration, _ = launch(os.path.join(tmp, "calibrate"), ["--config.outer.rounds=3"], speed)
         step = max(float(np.median([r["step_seconds"] for r in rounds[1:]])) for rounds in calibration.values())
         round_seconds = H * step
@@ -115,10 +162,10 @@ def main() -> None:
         if len(CPUS) < 2:
             print("fewer than 2 CPUs (or no sched_setaffinity): the islands share the CPUs")
         print(f"reference step {step * 1e3:.1f} ms (calibration: no link, simulated_speed {speed}; sizes the link); round {round_seconds:.2f} s of compute; "
-              f"int8 payload {payload} bytes; link {gbps * 1e3:.2f} Mbit/s, {args.latency_ms:.0f} ms one way "
+              f"int8 payload {payload} bytes; link {gbps * 1e3:.2f} Mbit/s, {_LATENCY_MS.value:.0f} ms one way "
               f"(whole model up and back: {2 * payload * 8 / gbps / 1e9:.2f} s)")
-        link = [f"--config.comm.link.bandwidth_gbps={gbps}", f"--config.comm.link.latency_ms={args.latency_ms}",
-                f"--config.outer.rounds={args.rounds}"]
+        link = [f"--config.comm.link.bandwidth_gbps={gbps}", f"--config.comm.link.latency_ms={_LATENCY_MS.value}",
+                f"--config.outer.rounds={_ROUNDS.value}"]
         results = {}
         for label, extra in (
             ("plain", ["--config.outer.fragments=1", "--config.outer.overlap_steps=0"]),
@@ -141,4 +188,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    app.run(main)
