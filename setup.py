@@ -44,10 +44,11 @@ setup(
         # tensorboard: its own event reader checks the event files the runs write;
         # grpcio-tools: a test regenerates the gRPC stubs and compares them with the committed ones.
         # filelock: the tests' shared JAX compilation cache is written under a file lock (tests/conftest.py);
+        # pytest-xdist: the suite runs on one worker per CPU (pyproject.toml's addopts);
         # ruff: tests/test_lint.py runs the checks configured in pyproject.toml;
         # and everything of `notebook`: tests/test_experiment.py and tests/test_notebook.py.
         "test": [
-            "pytest>=8,<10", "tensorboard>=2.20,<3", "grpcio-tools==1.85.1", "filelock>=3.12,<5",
+            "pytest>=8,<10", "pytest-xdist>=3.6,<4", "tensorboard>=2.20,<3", "grpcio-tools==1.85.1", "filelock>=3.12,<5",
             "ruff>=0.17.6,<0.18", *NOTEBOOK,
         ],
         "notebook": NOTEBOOK,

@@ -22,3 +22,15 @@ if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
     os.environ["JAX_COMPILATION_CACHE_MAX_SIZE"] = str(1 << 30)  # bytes; also turns on the file lock
 
 from processes import corpus, run_dir, straight  # noqa: E402, F401 - fixtures of the tests that start processes
+
+
+def pytest_collection_modifyitems(config, items):
+    """Order and group the tests for pytest-xdist's workers (pyproject.toml runs them with `-n auto --dist
+    loadgroup`): the tests that start processes first, the longest work of the run, so that the quick ones even
+    out the workers' ends; and every test that reads the `straight` run on one worker, which starts it once."""
+    import pytest
+
+    for item in items:
+        if "straight" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.xdist_group("straight"))
+    items.sort(key=lambda item: item.get_closest_marker("slow") is None)  # stable: file order within each part
