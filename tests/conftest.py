@@ -9,12 +9,18 @@ are written under a file lock (`filelock`), so concurrent processes share the fo
 
 import os
 
+import pytest
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 os.environ["XLA_FLAGS"] = " ".join(
     f for f in [os.environ.get("XLA_FLAGS", ""), "--xla_force_host_platform_device_count=8"] if f
 )
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# XLA:CPU's LLVM backend at optimization level 0: the suite's programs are small, so compiling them costs far more
+# than running them, and a cold suite spends a third less time compiling (docs/benchmarks.md). The HLO passes
+# are the same; every process a test starts inherits this, so runs compared within the suite compile alike.
+os.environ.setdefault("JAX_DISABLE_MOST_OPTIMIZATIONS", "1")
 if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
     os.environ["JAX_COMPILATION_CACHE_DIR"] = os.path.join(ROOT, ".pytest_cache", "jax-compilation")
     os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
@@ -24,12 +30,11 @@ if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
 from processes import corpus, run_dir, straight  # noqa: E402, F401 - fixtures of the tests that start processes
 
 
+@pytest.hookimpl(tryfirst=True)  # before pytest-xdist reads the groups
 def pytest_collection_modifyitems(config, items):
     """Order and group the tests for pytest-xdist's workers (pyproject.toml runs them with `-n auto --dist
     loadgroup`): the tests that start processes first, the longest work of the run, so that the quick ones even
     out the workers' ends; and every test that reads the `straight` run on one worker, which starts it once."""
-    import pytest
-
     for item in items:
         if "straight" in getattr(item, "fixturenames", ()):
             item.add_marker(pytest.mark.xdist_group("straight"))
