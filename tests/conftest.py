@@ -9,8 +9,6 @@ are written under a file lock (`filelock`), so concurrent processes share the fo
 
 import os
 
-import pytest
-
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 os.environ["XLA_FLAGS"] = " ".join(
@@ -30,12 +28,7 @@ if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
 from processes import corpus, run_dir, straight  # noqa: E402, F401 - fixtures of the tests that start processes
 
 
-@pytest.hookimpl(tryfirst=True)  # before pytest-xdist reads the groups
 def pytest_collection_modifyitems(config, items):
-    """Order and group the tests for pytest-xdist's workers (pyproject.toml runs them with `-n auto --dist
-    loadgroup`): the tests that start processes first, the longest work of the run, so that the quick ones even
-    out the workers' ends; and every test that reads the `straight` run on one worker, which starts it once."""
-    for item in items:
-        if "straight" in getattr(item, "fixturenames", ()):
-            item.add_marker(pytest.mark.xdist_group("straight"))
+    """The tests that start processes first: they are the longest work of the run, and the quick ones then even
+    out the ends of pytest-xdist's workers."""
     items.sort(key=lambda item: item.get_closest_marker("slow") is None)  # stable: file order within each part

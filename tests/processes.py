@@ -5,13 +5,15 @@ each one dies and when it comes back.
 Fixtures (tests/conftest.py imports them for every test module):
 - `corpus`: the tiny corpus, written once per pytest run;
 - `straight`: one launcher run of tests/tiny_config.py, three rounds start to end, started once per pytest run
-  and shared by every test that only reads its workdir (its folder and the launcher's stdout);
+  (by the first pytest-xdist worker that needs it) and shared by every test that only reads its workdir (its
+  folder and the launcher's stdout);
 - `run_dir`: makes a `Run` in the test's folder with the tiny corpus; `Run.start("a/1")` starts process 1 of a
   multi-process island a.
 """
 
 import os
 import re
+import shutil
 import signal
 import socket
 import subprocess
@@ -19,6 +21,7 @@ import sys
 import time
 
 import pytest
+from filelock import FileLock
 from tiny_config import write_corpus
 
 from island_jax.metrics import read_jsonl
@@ -42,18 +45,36 @@ def launch(workdir, files: str, *overrides: str, config: str = CONFIG) -> subpro
     return subprocess.run(cmd, capture_output=True, text=True, env=role_env(), timeout=600)
 
 
+def _shared(tmp_path_factory):
+    """The folder every pytest-xdist worker of this run sees (the base temporary folder's parent under xdist),
+    for what a run makes once."""
+    root = tmp_path_factory.getbasetemp()
+    return root.parent if os.environ.get("PYTEST_XDIST_WORKER") else root
+
+
 @pytest.fixture(scope="session")
 def corpus(tmp_path_factory) -> str:
-    return write_corpus(tmp_path_factory.mktemp("corpus"))
+    root = _shared(tmp_path_factory)
+    with FileLock(str(root / "corpus.lock")):  # written once; the other workers wait for it
+        if not (root / "corpus").is_dir():
+            write_corpus(root / "corpus.partial")
+            (root / "corpus.partial").rename(root / "corpus")
+    return str(root / "corpus" / "*.py")
 
 
 @pytest.fixture(scope="session")
 def straight(tmp_path_factory, corpus):
-    """Three rounds of tests/tiny_config.py, start to end, with the launcher: (workdir, the launcher's stdout)."""
-    workdir = tmp_path_factory.mktemp("straight")
-    result = launch(workdir, corpus)
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    return workdir, result.stdout
+    """Three rounds of tests/tiny_config.py, start to end, with the launcher: (workdir, the launcher's stdout).
+    The first worker that needs it runs it; the others wait for it and read the same folder."""
+    root = _shared(tmp_path_factory)
+    workdir, stdout = root / "straight", root / "straight.stdout"
+    with FileLock(str(root / "straight.lock")):
+        if not stdout.exists():
+            shutil.rmtree(workdir, ignore_errors=True)  # what a failed first try left
+            result = launch(workdir, corpus)
+            assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+            stdout.write_text(result.stdout)
+    return workdir, stdout.read_text()
 
 
 class Run:
