@@ -268,3 +268,39 @@ def test_the_in_process_transport_carries_payloads_over_the_emulated_link():
     assert clock.t == pytest.approx(0.05 + 1_000_000 * 8 / 1e8, rel=1e-9)  # 1 MB at 100 Mbit/s, 50 ms one way
     transport.fetch_update(0, "a")
     assert clock.t == pytest.approx(2 * (0.05 + 1_000_000 * 8 / 1e8), rel=1e-9)
+
+
+def test_an_update_taken_before_the_coordinator_stops_still_arrives_over_the_link():
+    """The coordinator stops serving once every island took the last update; an island whose update is still on
+    its way down the emulated link receives it (it once raised RunAborted when the stop came first)."""
+    import numpy as np
+
+    from island_jax.comm.inprocess import InProcessExchange, InProcessTransport
+    from island_jax.config import default_config, fingerprint_fields, island
+    from island_jax.coordinator import FragmentedCoordinator
+    from island_jax.outer import codec
+
+    c = default_config()
+    c.islands.a = island(1, 1, 1, 1, 1)
+    c.codec.kind = "none"
+    c.outer.update(learning_rate=1.0, momentum=0.0, nesterov=False)
+    params = {"w": np.zeros(1000, np.float32)}
+    clock = FakeClock()
+    link = LinkEmulator(0.1, latency_ms=50.0, clock=clock, sleep=clock.sleep)
+    coordinator = FragmentedCoordinator(c, params, ["a"])
+    exchange = InProcessExchange().serve(coordinator)
+    transport = InProcessTransport(exchange, link, connections=1)
+    transport.join("a", fingerprint_fields(c), coordinator.checksum)
+    pseudo_gradient = {"w": np.full(1000, 0.5, np.float32)}
+    transport.contribute(ContributionHeader(0, "a", 10), codec.encode(pseudo_gradient, "none", 256))
+    notify = exchange.notify
+
+    def stop_once_taken():  # as run_coordinator does, woken by the island's fetch
+        notify()
+        if exchange.fetched.get((0, 0)) == {"a"}:
+            exchange.stop()
+
+    exchange.notify = stop_once_taken
+    update = transport.fetch_update(0, "a")
+    assert exchange.stopped_at == 1
+    assert update == codec.encode({"w": np.full(1000, -0.5, np.float32)}, "none", 256)

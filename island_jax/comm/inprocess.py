@@ -172,14 +172,16 @@ class InProcessTransport:
         self._stats: dict[tuple[int, int], SyncStats] = {}  # (fragment, round) -> its exchange; under the lock
         self._planned: dict[str, int] = {}
 
-    def _carry(self, direction: str, fragment: int) -> float:
-        """Books a payload of `fragment` on the link and sleeps until its last chunk arrives; seconds slept."""
+    def _carry(self, direction: str, fragment: int, plan=None) -> float:
+        """Books a payload of `fragment` (its chunk `plan`, or the served coordinator's) on the link and sleeps
+        until its last chunk arrives; seconds slept."""
         link = self.link
         if link is None:
             return 0.0
         now = link.clock()
-        with self.exchange.lock:
-            plan = self.exchange.served(self.join_timeout).fragments[fragment].plan
+        if plan is None:
+            with self.exchange.lock:
+                plan = self.exchange.served(self.join_timeout).fragments[fragment].plan
         last = max((link.arrival(direction, c.index % self.connections, c.nbytes, now=now) for c in plan), default=now)
         return link.sleep_until(last)
 
@@ -276,7 +278,9 @@ class InProcessTransport:
                 ex.wire_bytes[island]["sent"] += received
             ex.fetched.setdefault((fragment, round), set()).add(island)
             ex.notify()
-        receiving = self._carry("down", fragment)
+        # the update is the island's once taken: its way down needs no coordinator (which may stop meanwhile,
+        # the last round fetched)
+        receiving = self._carry("down", fragment, plan)
         with ex.lock:
             stats = self._stats.setdefault((fragment, round), SyncStats())
             stats.bytes_received = received
