@@ -4,6 +4,7 @@ import importlib.util
 import io
 import os
 import re
+import signal
 import sys
 import time
 
@@ -129,7 +130,12 @@ def test_a_role_that_fails_beyond_its_restarts_stops_every_process():
 
 
 def test_ctrl_c_stops_every_process_and_restarts_none():
-    failed, out, seconds = supervise([role("coordinator", WAITS), role("island b", INTERRUPTS)], 2)
+    # Ctrl-C raises KeyboardInterrupt here as in the launcher, whatever handler the test runner's process has
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        failed, out, seconds = supervise([role("coordinator", WAITS), role("island b", INTERRUPTS)], 2)
+    finally:
+        signal.signal(signal.SIGINT, previous)
     assert failed == ("launch", 130)
     assert lines(out, "[launch]") == [
         "[launch] started coordinator (pid N)",
