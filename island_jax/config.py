@@ -35,8 +35,12 @@ from __future__ import annotations
 import ml_collections
 
 from island_jax.hardware import CATALOG
-from island_jax.model.moe import DISPATCH
-from island_jax.outer.codec import KINDS as CODEC_KINDS
+
+# The values two fields may take. They live here, not beside the code that implements them (island_jax/model/moe.py
+# and island_jax/outer/codec.py import them from here), so that reading and checking a config imports no JAX
+# (the launcher does only that).
+DISPATCH = ("capacity", "dropless")  # `moe.dispatch` (island_jax/model/moe.py)
+CODEC_KINDS = ("none", "bf16", "int8", "int4")  # `codec.kind`, every codec (island_jax/outer/codec.py)
 
 SYNC = ("steps", "auto", "time")  # values of outer.sync (island_jax/planning.py)
 AUTO_FROM = ("catalog", "measured")  # values of outer.auto_from

@@ -19,6 +19,11 @@ from typing import Any
 import numpy as np
 
 
+def gbps(nbytes: int, seconds: float) -> float:
+    """`nbytes` moved in `seconds`, in Gbit/s (0 when nothing was timed)."""
+    return nbytes * 8 / seconds / 1e9 if seconds else 0.0
+
+
 def _plain(value: Any) -> Any:
     if isinstance(value, dict):
         return {k: _plain(v) for k, v in value.items()}

@@ -19,13 +19,15 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+from typing import TYPE_CHECKING
 
 import ml_collections
 
-from island_jax.checkpoint import Checkpointer
-from island_jax.comm.transport import gbps
-from island_jax.metrics import MetricsWriter, NoMetrics, read_jsonl, write_json
+from island_jax.metrics import MetricsWriter, NoMetrics, gbps, read_jsonl, write_json
 from island_jax.plots import plot_timeline
+
+if TYPE_CHECKING:  # imported where used: the launcher reads workdirs without importing JAX (orbax needs it)
+    from island_jax.checkpoint import Checkpointer
 
 
 def coordinator_dir(workdir: str) -> str:
@@ -127,6 +129,8 @@ def open_role(config: ml_collections.ConfigDict, path: str, coordinator: bool = 
     """
     os.makedirs(path, exist_ok=True)
     every_rounds, max_to_keep = checkpoint_schedule(config, coordinator)
+    from island_jax.checkpoint import Checkpointer
+
     checkpoints = Checkpointer(os.path.join(path, "checkpoints"), every_rounds, max_to_keep)
     metrics = os.path.join(path, "metrics.jsonl")
     if checkpoints.latest_round() is None and os.path.exists(metrics) and any(

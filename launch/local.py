@@ -333,8 +333,7 @@ def _roles(workdir: str, names: list[str], coordinator_ns: str, island_ns: dict,
     """The coordinator and every island (`experiments/train.py --role=...`)."""
     listen, dial = _addresses(coordinator_ns, island_ns)
     if not _TLS.value:  # refused here, before any role starts, as the coordinator would refuse it
-        from island_jax.comm.grpc_server import check_exposure
-        from island_jax.comm.security import SecurityError
+        from island_jax.comm.security import SecurityError, check_exposure
 
         comm = _CONFIG.value.comm
         try:

@@ -27,8 +27,41 @@ if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
 
 from processes import corpus, run_dir, straight  # noqa: E402, F401 - fixtures of the tests that start processes
 
+# The longest tests first, so that neither pytest-xdist worker is left with one of them at the end while the
+# other waits: by the seconds each took in this clone's last run (pytest's cache, `--cache-clear` forgets them),
+# else the tests that start processes first, these modules leading in this order (the longest on a fresh clone,
+# docs/benchmarks.md), the rest in file order.
+LONGEST_MODULES = ("test_notebook.py", "test_benchmarks.py", "test_faults.py", "test_multiprocess.py")
+DURATIONS_KEY = "island_jax/durations"  # pytest cache key: {test id: seconds of its setup, call and teardown}
+
 
 def pytest_collection_modifyitems(config, items):
-    """The tests that start processes first: they are the longest work of the run, and the quick ones then even
-    out the ends of pytest-xdist's workers."""
-    items.sort(key=lambda item: item.get_closest_marker("slow") is None)  # stable: file order within each part
+    """Orders the run's tests longest first (see LONGEST_MODULES). Every pytest-xdist worker computes the same
+    order, since the cache changes only when the whole run ends."""
+    seconds = config.cache.get(DURATIONS_KEY, {}) if config.cache is not None else {}
+    if seconds and all(item.nodeid in seconds for item in items):
+        items.sort(key=lambda item: -seconds[item.nodeid])
+    else:  # a test this clone has not timed yet: the fixed order, so that no guess mixes with measured seconds
+        def fixed(item):
+            module = item.path.name
+            rank = LONGEST_MODULES.index(module) if module in LONGEST_MODULES else len(LONGEST_MODULES)
+            return item.get_closest_marker("slow") is None, rank
+
+        items.sort(key=fixed)  # stable: file order within each part
+
+
+_durations: dict = {}
+
+
+def pytest_runtest_logreport(report):
+    _durations[report.nodeid] = _durations.get(report.nodeid, 0.0) + report.duration
+
+
+def pytest_sessionfinish(session, exitstatus):
+    """Keeps each test's seconds for the next run's order, after a run in which every test passed (the
+    pytest-xdist controller's reports hold every worker's tests; the workers themselves write nothing)."""
+    config = session.config
+    if hasattr(config, "workerinput") or config.cache is None or exitstatus != 0 or not _durations:
+        return
+    known = config.cache.get(DURATIONS_KEY, {})
+    config.cache.set(DURATIONS_KEY, known | {k: round(v, 2) for k, v in _durations.items()})

@@ -48,7 +48,7 @@ import grpc
 
 from island_jax.comm import exchange_pb2 as pb
 from island_jax.comm import security, wire
-from island_jax.comm.grpc_server import KEEPALIVE_SECONDS, SERVICE_NAME, client_options, is_loopback
+from island_jax.comm.grpc_server import KEEPALIVE_SECONDS, SERVICE_NAME, client_options
 from island_jax.comm.link import LinkEmulator
 from island_jax.comm.transport import CoordinatorRestarted, ExchangeError, SyncStats
 from island_jax.coordinator import ContributionError, ContributionHeader, HandshakeError, StaleRoundError
@@ -292,7 +292,7 @@ class GrpcTransport:
         self.connections, self.pipelined, self.link = connections, pipeline, link
         self.clock = link.clock if link is not None else clock
         options = [*client_options(chunk_bytes, keepalive_seconds), ("grpc.use_local_subchannel_pool", 1)]
-        if token and not (tls is not None and tls.ca_file) and not is_loopback(address):
+        if token and not (tls is not None and tls.ca_file) and not security.is_loopback(address):
             raise security.SecurityError(
                 f"island would send its token to {address} in the clear: set comm.tls.ca_file to the CA that signed "
                 "the coordinator's certificate (docs/security.md)"

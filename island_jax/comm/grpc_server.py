@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import ipaddress
 import json
 import logging
 import threading
@@ -749,38 +748,6 @@ class ExchangeServer:
         self.service.close()
 
 
-def is_loopback(address: str) -> bool:
-    """Whether "HOST:PORT" is on this machine only ("localhost", 127.0.0.0/8, ::1)."""
-    host = address.rsplit(":", 1)[0].strip("[]")
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:  # another host name
-        return False
-
-
-def check_exposure(address: str, tls, tokens_file: str, insecure: bool) -> None:
-    """Refuses to listen off loopback without TLS and tokens, unless `insecure` (the `--insecure` flag).
-
-    Raises:
-      SecurityError: `address` is not loopback, TLS (`comm.tls.cert_file`) or tokens (`comm.auth.tokens_file`)
-        are missing, and `insecure` is False.
-    """
-    secured = tls is not None and bool(tls.cert_file) and bool(tokens_file)
-    if is_loopback(address) or secured:
-        return
-    if insecure:
-        logging.warning("listening on %s without TLS and tokens (--insecure): anyone who reaches the port can "
-                        "join, read the model and contribute", address)
-        return
-    raise security.SecurityError(
-        f"the coordinator would listen on {address}, beyond this machine, without TLS and per-island tokens: set "
-        "comm.tls (cert_file, key_file, ca_file) and comm.auth.tokens_file (see docs/security.md; launch/local.py "
-        "--tls makes them for a run), or pass --insecure to listen in the clear anyway"
-    )
-
-
 def serve(
     coordinator: FragmentedCoordinator, address: str, chunk_bytes: int, tls=None, tokens_file: str = "",
     insecure: bool = False, keepalive_seconds: float = KEEPALIVE_SECONDS,
@@ -792,7 +759,7 @@ def serve(
       address: where to listen; chunk_bytes: `comm.chunk_bytes`.
       tls: `comm.tls` (TLS when its cert_file is set; mutual TLS when client certificates are set too).
       tokens_file: `comm.auth.tokens_file`: every exchange call then needs its island's bearer token.
-      insecure: listen off loopback without TLS and tokens all the same (`check_exposure`).
+      insecure: listen off loopback without TLS and tokens all the same (`security.check_exposure`).
       keepalive_seconds: `comm.keepalive_seconds`, the islands' ping interval, seconds (`server_options`).
 
     Returns:
@@ -804,7 +771,7 @@ def serve(
       TypeError: `coordinator` is not a `FragmentedCoordinator`.
       ValueError: `keepalive_seconds` is not a positive number.
     """
-    check_exposure(address, tls, tokens_file, insecure)
+    security.check_exposure(address, tls, tokens_file, insecure)
     _keepalive_ms(keepalive_seconds)  # a bad interval is refused before anything is built
     service = ExchangeService(coordinator, chunk_bytes, authenticated=bool(tokens_file))
     server = ExchangeServer(service, address, chunk_bytes, tls, tokens_file, keepalive_seconds)

@@ -61,11 +61,6 @@ class CoordinatorRestarted(RuntimeError):
         self.round = round
 
 
-def gbps(nbytes: int, seconds: float) -> float:
-    """`nbytes` moved in `seconds`, in Gbit/s (0 when nothing was timed)."""
-    return nbytes * 8 / seconds / 1e9 if seconds else 0.0
-
-
 class Transport(Protocol):
     """What an island needs from the path to the coordinator.
 

@@ -79,7 +79,7 @@ def run_coordinator(
       workdir: the run's folder; this role writes under `workdir/coordinator`.
       exchange: HOST:PORT to serve gRPC on (port 0: any free port, logged), or
         the `InProcessExchange` the islands of this process use.
-      insecure: serve gRPC off loopback without TLS and tokens (`grpc_server.check_exposure`).
+      insecure: serve gRPC off loopback without TLS and tokens (`security.check_exposure`).
 
     Returns:
       The role's summary (also `coordinator/summary.json`): `rounds`, `params`,

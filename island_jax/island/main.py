@@ -27,9 +27,9 @@ from island_jax import data as data_lib
 from island_jax import distributed
 from island_jax.comm.inprocess import InProcessExchange, InProcessTransport, RunAborted
 from island_jax.comm.link import LinkEmulator
-from island_jax.comm.transport import CoordinatorRestarted, ExchangeError, gbps
+from island_jax.comm.transport import CoordinatorRestarted, ExchangeError
 from island_jax.island import ACCOUNTING_FIELDS, STEP_METRICS, EventLog, Island, StreamingSync
-from island_jax.metrics import write_json
+from island_jax.metrics import gbps, write_json
 from island_jax.model.init import checksum, count, init_params
 from island_jax.progress import Eta
 from island_jax.workdir import (

@@ -49,9 +49,9 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
+from island_jax.config import DISPATCH  # values of `moe.dispatch` (see the module docstring)
 from island_jax.mesh import BATCH_AXES, EXPERT_AXIS
 
-DISPATCH = ("capacity", "dropless")  # values of `moe.dispatch` (see the module docstring)
 # The statistics an MoE layer returns; the first four are scalars whose mean over
 # MoE layers each inner step reports (`transformer.aggregate_stats`).
 MEAN_METRICS = ("load_balancing_loss", "router_z_loss", "router_entropy", "dropped_fraction")

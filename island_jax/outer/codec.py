@@ -54,7 +54,8 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 
-KINDS = ("none", "bf16", "int8", "int4")  # every codec kind (`codec.kind` in the config)
+from island_jax.config import CODEC_KINDS as KINDS  # every codec kind (`codec.kind` in the config)
+
 MAX_CODE = {"int8": 127, "int4": 7}  # the blockwise kinds: largest code magnitude (scale = absmax / MAX_CODE)
 QUANTIZED_KINDS = tuple(MAX_CODE)  # kinds sent as codes and float32 scales
 PIECE_BYTES = 1 << 16  # a full piece carries about this many bytes of codes or values
