@@ -49,6 +49,7 @@ MIB = 1 << 20
 MAX_CHUNK_BYTES = 64 * MIB  # far below protobuf's 2 GiB message ceiling
 MAX_CONNECTIONS = 256
 KEEPALIVE_SECONDS = 10.0  # default of comm.keepalive_seconds (island_jax/comm/grpc_server.py), seconds
+RECONNECT_BACKOFF_CAP_SECONDS = 8.0  # default of comm.reconnect_backoff_cap_seconds (island_jax/comm/grpc_client.py)
 DTYPES = ("float32", "bfloat16")  # values of model.param_dtype and model.compute_dtype
 
 
@@ -245,6 +246,8 @@ def _comm() -> dict:
         round_timeout_seconds=3600.0,  # how long an island waits for a round's update, seconds
         # how long an island that lost the coordinator keeps reconnecting (capped exponential backoff), seconds
         reconnect_seconds=300.0,
+        # the longest pause between two reconnect attempts, seconds: they come 0.5, 1, 2, 4, ... s apart up to it
+        reconnect_backoff_cap_seconds=RECONNECT_BACKOFF_CAP_SECONDS,
         # seconds between the keepalive pings of an island's idle gRPC channels, which the coordinator's server
         # admits (down to half that); they keep an idle connection open through NATs and notice a dead peer.
         # gRPC pings an idle connection at most once a second, so a value below 1 acts as 1
@@ -421,7 +424,8 @@ def _check_comm(comm: ml_collections.ConfigDict) -> None:
         f"comm.chunk_bytes is {comm.chunk_bytes}; use 1024..{MAX_CHUNK_BYTES} bytes (64 MiB), far below "
         "protobuf's 2 GiB message ceiling (default 1 MiB)",
     )
-    for name in ("join_timeout_seconds", "round_timeout_seconds", "reconnect_seconds", "keepalive_seconds"):
+    for name in ("join_timeout_seconds", "round_timeout_seconds", "reconnect_seconds", "reconnect_backoff_cap_seconds",
+                 "keepalive_seconds"):
         _require(comm[name] > 0, f"comm.{name} is {comm[name]}; it must be a positive number of seconds")
     _require(
         1 <= comm.connections <= MAX_CONNECTIONS,

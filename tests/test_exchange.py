@@ -3,6 +3,7 @@
 import os
 import subprocess
 import sys
+import time
 
 import exchange_server
 import grpc
@@ -15,6 +16,7 @@ from island_jax.comm import wire
 from island_jax.comm.grpc_client import GrpcTransport
 from island_jax.comm.grpc_server import serve
 from island_jax.comm.proxy import FaultProxy
+from island_jax.comm.transport import ExchangeError
 from island_jax.config import default_config, fingerprint_fields, island
 from island_jax.coordinator import ContributionHeader, FragmentedCoordinator, HandshakeError
 from island_jax.model.init import checksum
@@ -252,3 +254,36 @@ def test_a_contribution_retried_after_a_dropped_connection_counts_once(local_ser
     assert coordinator.checksum == reference.checksum
     for t in (a, b):
         t.close()
+
+
+class _Unavailable(grpc.RpcError):
+    """What a call to a coordinator that is down fails with."""
+
+    def code(self):
+        return grpc.StatusCode.UNAVAILABLE
+
+    def details(self):
+        return "connection refused"
+
+
+@pytest.mark.parametrize("cap, pauses", [(8.0, [0.5, 1.0, 2.0, 0.5]), (1.0, [0.5, 1.0, 1.0, 1.0, 0.5])])
+def test_reconnect_attempts_double_from_half_a_second_up_to_the_backoff_cap(monkeypatch, cap, pauses):
+    """`comm.reconnect_backoff_cap_seconds`: the pauses between attempts double from 0.5 s up to the cap, and the
+    last one ends at `comm.reconnect_seconds` (4 s here), when the call fails naming it."""
+    from types import SimpleNamespace
+
+    from island_jax.comm import grpc_client
+
+    slept = []
+    monkeypatch.setattr(grpc_client, "time", SimpleNamespace(sleep=slept.append, monotonic=time.monotonic))
+    t = GrpcTransport("localhost:1", 1 << 20, reconnect_seconds=4.0, backoff_cap_seconds=cap, clock=lambda: sum(slept))
+    t._probe = lambda: (_ for _ in ()).throw(_Unavailable())  # the coordinator still down at every attempt
+
+    def call(incarnation):
+        raise _Unavailable()
+
+    with pytest.raises(ExchangeError, match=r"unreachable for 4 s \(comm.reconnect_seconds=4; last: UNAVAILABLE"):
+        t._retrying("fetching the update", call)
+    assert slept == pauses
+    t.close()
+    assert default_config().comm.reconnect_backoff_cap_seconds == 8.0

@@ -70,6 +70,8 @@ def test_the_coordinator_restarts_under_running_islands(run_dir, corpus, tmp_pat
         "--config.outer.rounds=6", "--config.checkpoint.every_rounds=1", "--config.eval.every_rounds=6",
         "--config.comm.link.bandwidth_gbps=10", "--config.comm.link.latency_ms=400",
         f"--config.outer.fragments={fragments}",
+        # reconnect attempts 0.5 s, then 1 s apart: the islands find the restarted coordinator within a second
+        "--config.comm.reconnect_backoff_cap_seconds=1",
     ]
     run = run_dir(os.path.join(TESTS, "tiny_config.py"), *overrides)
     for role in ("coordinator", "a", "b"):

@@ -68,7 +68,7 @@ def test_a_two_process_island_holds_the_global_parameters_of_every_island(tmp_pa
 
 
 def test_a_killed_process_ends_its_peer_and_the_island_rejoins(run_dir):
-    heartbeat = 10  # s
+    heartbeat = 5  # s
     run = run_dir(
         CONFIG, *TWO_PROCESSES, "--config.outer.rounds=16", "--config.outer.min_islands=1",
         "--config.outer.grace_seconds=2", "--config.checkpoint.every_rounds=2", "--config.eval.every_rounds=16",

@@ -23,7 +23,7 @@ A lost connection is not an error at first. A call that fails with
 UNAVAILABLE (coordinator down, connection reset), or whose data arrived
 corrupt (DATA_LOSS, a CRC-32C mismatch; up to `CORRUPT_RETRIES` times), is
 retried with capped exponential backoff (0.5 s doubling to
-`BACKOFF_CAP_SECONDS`) for up to `comm.reconnect_seconds`, each attempt
+`comm.reconnect_backoff_cap_seconds`, 8 s by default) for up to `comm.reconnect_seconds`, each attempt
 logged. Before each retry the island asks the coordinator who it is (a Join
 with `reconnect`): the same incarnation means the connection merely dropped,
 and the call is made again (a contribution is resent with a new attempt
@@ -51,10 +51,10 @@ from island_jax.comm import security, wire
 from island_jax.comm.grpc_server import KEEPALIVE_SECONDS, SERVICE_NAME, client_options
 from island_jax.comm.link import LinkEmulator
 from island_jax.comm.transport import CoordinatorRestarted, ExchangeError, SyncStats
+from island_jax.config import RECONNECT_BACKOFF_CAP_SECONDS
 from island_jax.coordinator import ContributionError, ContributionHeader, HandshakeError, StaleRoundError
 from island_jax.outer import codec
 
-BACKOFF_CAP_SECONDS = 8.0  # reconnect attempts are 0.5, 1, 2, 4, 8, 8, ... s apart
 CORRUPT_RETRIES = 3  # a payload that arrives corrupt this many times in a row fails the call
 _UNREACHABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED, grpc.StatusCode.INTERNAL,
                 grpc.StatusCode.UNKNOWN)  # what a dropped or reset connection surfaces as
@@ -258,6 +258,7 @@ class GrpcTransport:
         each process sends and receives only its share of every payload's chunks (`codec.deal`) over its own
         connections; process 0 alone joins the coordinator for the island (the others ask who it is).
       keepalive_seconds: seconds between keepalive pings on each idle channel (`comm.keepalive_seconds`).
+      backoff_cap_seconds: the longest pause between reconnect attempts (`comm.reconnect_backoff_cap_seconds`).
 
     Raises:
       SecurityError: unreadable TLS files.
@@ -281,10 +282,12 @@ class GrpcTransport:
         part: int = 0,
         parts: int = 1,
         keepalive_seconds: float = KEEPALIVE_SECONDS,
+        backoff_cap_seconds: float = RECONNECT_BACKOFF_CAP_SECONDS,
     ):
         self.address, self.chunk_bytes = address, chunk_bytes
         self.part, self.parts = part, parts
         self.reconnect_seconds, self.finished = reconnect_seconds, finished
+        self.backoff_cap_seconds = backoff_cap_seconds
         self.incarnation = ""  # the coordinator's, from the last join
         self._joining = ""  # the island's name, from its first join
         self._who: tuple[str, str] | None = None  # (island, fingerprint JSON) of the last join
@@ -419,7 +422,7 @@ class GrpcTransport:
                         f"{what}: the coordinator at {self.address} was unreachable for {elapsed:.0f} s "
                         f"(comm.reconnect_seconds={self.reconnect_seconds:g}; last: {failure}); check that it runs"
                     )
-                delay = min(0.5 * 2**attempt, BACKOFF_CAP_SECONDS, max(self.reconnect_seconds - elapsed, 0.0))
+                delay = min(0.5 * 2**attempt, self.backoff_cap_seconds, max(self.reconnect_seconds - elapsed, 0.0))
                 attempt += 1
                 logging.warning("island %s: %s failed (%s); reconnect attempt %d in %.1f s (%.0f of %g s)",
                                 self._island(), what, failure, attempt, delay, elapsed, self.reconnect_seconds)

@@ -64,7 +64,7 @@ def connect(
         exchange, c.chunk_bytes, c.join_timeout_seconds, c.round_timeout_seconds, connections=c.connections,
         pipeline=c.pipeline, link=link, reconnect_seconds=c.reconnect_seconds, finished=finished, tls=c.tls,
         token=security.read_token(c.auth.token_file, c.auth.token_env), part=part, parts=parts,
-        keepalive_seconds=c.keepalive_seconds,
+        keepalive_seconds=c.keepalive_seconds, backoff_cap_seconds=c.reconnect_backoff_cap_seconds,
     )
 
 
