@@ -127,10 +127,10 @@ def open_role(config: ml_collections.ConfigDict, path: str, coordinator: bool = 
       FileExistsError: the folder holds completed rounds but no checkpoint to resume from.
       CheckpointError: from orbax, for a checkpoint folder it cannot read.
     """
-    os.makedirs(path, exist_ok=True)
-    every_rounds, max_to_keep = checkpoint_schedule(config, coordinator)
     from island_jax.checkpoint import Checkpointer
 
+    os.makedirs(path, exist_ok=True)
+    every_rounds, max_to_keep = checkpoint_schedule(config, coordinator)
     checkpoints = Checkpointer(os.path.join(path, "checkpoints"), every_rounds, max_to_keep)
     metrics = os.path.join(path, "metrics.jsonl")
     if checkpoints.latest_round() is None and os.path.exists(metrics) and any(
