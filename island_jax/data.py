@@ -50,11 +50,12 @@ def find_files(pattern: str = "") -> tuple[Path, list[Path]]:
         root = stdlib_root()
         skip = ("site-packages", "dist-packages")
         files = []
-        # os.walk, where Path.rglob took 40 times as long; sorted as Paths (by their parts), as before
-        for folder, dirs, names in os.walk(root, followlinks=True):
+        # os.walk (about 15 times faster than Path.rglob here), not into symlinked folders, as rglob; the skipped
+        # folders are pruned, and the filter below keeps rglob's rule for a root inside one. Sorted as Paths.
+        for folder, dirs, names in os.walk(root):
             dirs[:] = [d for d in dirs if d not in skip]
             files += [Path(folder, n) for n in names if n.endswith(".py") and os.path.isfile(os.path.join(folder, n))]
-        files.sort()
+        files = sorted(p for p in files if not any(s in p.parts for s in skip))
     if not files:
         raise DataError(f"data.files={pattern!r} matches no files; give a glob such as '~/text/**/*.txt'")
     return root, files
