@@ -119,3 +119,62 @@ def test_an_island_of_two_processes_sends_and_receives_its_shares():
         reference.join(name, fingerprint_fields(c), start)
         reference.contribute(ContributionHeader(0, name, tokens, start), codec.encode(pg[name], "none", 256))
     assert whole == reference.fetch_update(0, "a")
+
+
+def test_a_share_whose_stream_ends_without_its_chunks_is_refused_and_the_other_share_is_kept():
+    """A share's stream may end cleanly after its header when its connection closes (gRPC can hand the server
+    the close as the end of the requests). That share is refused, naming its missing chunks, and only it is
+    forgotten: the other process's share stays, and the share sent again completes the contribution."""
+    import grpc
+
+    from island_jax.comm import exchange_pb2 as pb
+    from island_jax.comm import wire
+
+    c = default_config()
+    c.islands.a = island(2, 1, 2, 2, 1, num_processes=2)
+    c.islands.b = island(1, 1, 1, 1, 1)
+    c.codec.kind = "none"
+    c.comm.chunk_bytes = 64 * 1024
+    c.outer.update(learning_rate=1.0, momentum=0.0, nesterov=False)
+    params = {"w": np.zeros(100_000, np.float32)}
+    coordinator = FragmentedCoordinator(c, params, ["a", "b"])
+    start = coordinator.checksum
+    server, service, port = serve(coordinator, "localhost:0", c.comm.chunk_bytes)
+    address = f"localhost:{port}"
+    rng = np.random.default_rng(0)
+    pg = {"a": [rng.standard_normal(100_000, dtype=np.float32)], "b": [rng.standard_normal(100_000, dtype=np.float32)]}
+    plan = codec.chunk_plan(params, "none", 256, c.comm.chunk_bytes)
+    shares = codec.deal(plan, 2)
+    assert [[k.index for k in s] for s in shares] == [[0, 2, 4, 6], [1, 3, 5]]
+    header = ContributionHeader(0, "a", 3000, start)
+    try:
+        kw = dict(join_timeout=30, round_timeout=30, reconnect_seconds=30, connections=4, pipeline=False)
+        a = [GrpcTransport(address, c.comm.chunk_bytes, part=p, parts=2, **kw) for p in (0, 1)]
+        b = GrpcTransport(address, c.comm.chunk_bytes, **kw)
+        for t in a:
+            t.join("a", fingerprint_fields(c), start)
+        b.join("b", fingerprint_fields(c), start)
+        assert a[0].contribute(header, codec.ChunkEncoder(pg["a"], "none", 256, shares[0])) == "accepted"
+        # process 1's share: one stream that carries its header and then ends
+        fields = wire.payload_header(header, a[1].layouts[0], 1, sum(k.nbytes for k in plan), wire.new_attempt(),
+                                     a[1].incarnation, part=1, parts=2)
+        contribute = a[1].channels[0].stream_unary(
+            "/island_jax.exchange.Exchange/Contribute", request_serializer=bytes,
+            response_deserializer=pb.ContributeReply.FromString,
+        )
+        with pytest.raises(grpc.RpcError) as refused:
+            contribute(iter([wire.header_frame(fields)]), timeout=30)
+        assert refused.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+        assert "share 1 of 2 ended without chunks [1, 3, 5]" in refused.value.details()
+        assert coordinator.fragments[0].is_open(0, "a")  # process 0's share is still in
+        assert a[1].contribute(header, codec.ChunkEncoder(pg["a"], "none", 256, shares[1])) == "accepted"
+        assert b.contribute(ContributionHeader(0, "b", 1000, start), codec.encode(pg["b"], "none", 256)) == "accepted"
+        parts = [t.fetch_update(0, "a") for t in a]
+        whole = b.fetch_update(0, "b")
+        for t in (*a, b):
+            t.close()
+    finally:
+        server.stop(grace=0)
+    assert distributed.combine_shares([np.frombuffer(x, np.uint8) for x in parts], shares) == whole
+    record = coordinator.fragments[0].history[0]
+    assert record.contributors == ["a", "b"] and record.weights == {"a": 0.75, "b": 0.25}

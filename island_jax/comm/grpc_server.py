@@ -172,7 +172,9 @@ class _OpenContributions:
     (`codec.deal`), one per process, each with attempts of its own: the first
     share to arrive opens the contribution, a share that fails or is sent
     again loses only its own chunks, and the contribution closes when every
-    share's streams have ended.
+    share's streams have ended. A share whose streams all end without every
+    chunk of it (a connection that closed can read as a stream's end) is
+    refused with ContributionError, and it too loses only its own chunks.
     """
 
     def __init__(self, coordinator: FragmentedCoordinator):
@@ -233,6 +235,15 @@ class _OpenContributions:
             raise ContributionError(f"island {header.island!r}'s contribution to round {header.round} was sent "
                                     "again while this attempt was still open; the retry counts")
         if header.parts > 1:
+            c = self.coordinator.fragments[header.fragment]
+            missing = sorted({k.index for k in codec.deal(c.plan, header.parts)[header.part]} - entry.chunks)
+            if missing:  # its streams ended, some early (a closed connection can read as the end of the requests)
+                del self._open[_key(header)]
+                self._forget_share(header, entry, "a stream of it ended early", keep_complete=True)
+                raise ContributionError(
+                    f"island {header.island!r}'s contribution to round {header.round}: share {header.part} of "
+                    f"{header.parts} ended without chunks {missing[:8]}; send that share again"
+                )
             ended = self._shares_ended.setdefault(_key(header)[:3], set())
             ended.add(header.part)
             if len(ended) < header.parts:  # this share is in; the last share's end closes the contribution
