@@ -56,10 +56,10 @@ def test_chunks_are_dealt_out_by_bytes_in_index_order():
     assert [[c.index for c in s] for s in codec.deal(plan[:1], 3)] == [[0], [], []]
 
 
-def test_an_island_of_two_processes_sends_and_receives_its_shares():
-    """Island a's two processes contribute a share each (process 1's connection reset halfway, so it sends its
-    share again) and receive a share of the update each; put together, the update is the one a coordinator
-    that received whole contributions serves."""
+def _two_process_island():
+    """Island a of 2 processes and island b of 1 on a served 100,000-float coordinator (plain SGD, lr 1, codec
+    none, 64 KiB chunks): (config, params, coordinator, server, service, address, pseudo-gradients, chunk plan,
+    the plan dealt to a's 2 processes)."""
     c = default_config()
     c.islands.a = island(2, 1, 2, 2, 1, num_processes=2)
     c.islands.b = island(1, 1, 1, 1, 1)
@@ -68,13 +68,19 @@ def test_an_island_of_two_processes_sends_and_receives_its_shares():
     c.outer.update(learning_rate=1.0, momentum=0.0, nesterov=False)
     params = {"w": np.zeros(100_000, np.float32)}
     coordinator = FragmentedCoordinator(c, params, ["a", "b"])
-    start = coordinator.checksum
     server, service, port = serve(coordinator, "localhost:0", c.comm.chunk_bytes)
-    address = f"localhost:{port}"
     rng = np.random.default_rng(0)
     pg = {"a": [rng.standard_normal(100_000, dtype=np.float32)], "b": [rng.standard_normal(100_000, dtype=np.float32)]}
     plan = codec.chunk_plan(params, "none", 256, c.comm.chunk_bytes)
-    shares = codec.deal(plan, 2)
+    return c, params, coordinator, server, service, f"localhost:{port}", pg, plan, codec.deal(plan, 2)
+
+
+def test_an_island_of_two_processes_sends_and_receives_its_shares():
+    """Island a's two processes contribute a share each (process 1's connection reset halfway, so it sends its
+    share again) and receive a share of the update each; put together, the update is the one a coordinator
+    that received whole contributions serves."""
+    c, params, coordinator, server, service, address, pg, plan, shares = _two_process_island()
+    start = coordinator.checksum
     assert len(plan) == 7 and [len(s) for s in shares] == [4, 3]
     try:
         with FaultProxy(address) as proxy:
@@ -130,21 +136,8 @@ def test_a_share_whose_stream_ends_without_its_chunks_is_refused_and_the_other_s
     from island_jax.comm import exchange_pb2 as pb
     from island_jax.comm import wire
 
-    c = default_config()
-    c.islands.a = island(2, 1, 2, 2, 1, num_processes=2)
-    c.islands.b = island(1, 1, 1, 1, 1)
-    c.codec.kind = "none"
-    c.comm.chunk_bytes = 64 * 1024
-    c.outer.update(learning_rate=1.0, momentum=0.0, nesterov=False)
-    params = {"w": np.zeros(100_000, np.float32)}
-    coordinator = FragmentedCoordinator(c, params, ["a", "b"])
+    c, params, coordinator, server, service, address, pg, plan, shares = _two_process_island()
     start = coordinator.checksum
-    server, service, port = serve(coordinator, "localhost:0", c.comm.chunk_bytes)
-    address = f"localhost:{port}"
-    rng = np.random.default_rng(0)
-    pg = {"a": [rng.standard_normal(100_000, dtype=np.float32)], "b": [rng.standard_normal(100_000, dtype=np.float32)]}
-    plan = codec.chunk_plan(params, "none", 256, c.comm.chunk_bytes)
-    shares = codec.deal(plan, 2)
     assert [[k.index for k in s] for s in shares] == [[0, 2, 4, 6], [1, 3, 5]]
     header = ContributionHeader(0, "a", 3000, start)
     try:
