@@ -8,6 +8,7 @@ are written under a file lock (`filelock`), so concurrent processes share the fo
 """
 
 import os
+import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -15,6 +16,11 @@ os.environ["XLA_FLAGS"] = " ".join(
     f for f in [os.environ.get("XLA_FLAGS", ""), "--xla_force_host_platform_device_count=8"] if f
 )
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# Bytecode for this checkout's modules (in its gitignored __pycache__ folders), even where the environment asks for
+# none (PYTHONDONTWRITEBYTECODE): otherwise every process a test starts, about 120 of them, compiles island_jax's
+# sources again, some 0.3 CPU seconds each (docs/benchmarks.md). Installed packages have theirs from pip.
+os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
+sys.dont_write_bytecode = False
 # XLA:CPU's LLVM backend at optimization level 0: the suite's programs are small, so compiling them costs far more
 # than running them, and a cold suite spends a third less time compiling (docs/benchmarks.md). The HLO passes
 # are the same; every process a test starts inherits this, so runs compared within the suite compile alike.
@@ -48,6 +54,17 @@ def pytest_collection_modifyitems(config, items):
             return item.get_closest_marker("slow") is None, rank
 
         items.sort(key=fixed)  # stable: file order within each part
+
+
+def pytest_xdist_auto_num_workers(config):
+    """`-n auto` (pyproject.toml): one pytest-xdist worker more than this machine's CPUs (unless
+    PYTEST_XDIST_AUTO_NUM_WORKERS says otherwise). The tests that start processes spend most of their time
+    waiting on a condition in those processes (a round, a heartbeat, a restart), and the extra worker runs
+    other tests meanwhile: on 2 cores, 3 workers finish the suite about a tenth sooner than 2
+    (docs/benchmarks.md)."""
+    if os.environ.get("PYTEST_XDIST_AUTO_NUM_WORKERS"):
+        return None  # pytest-xdist's own hook reads it
+    return len(os.sched_getaffinity(0)) + 1
 
 
 _durations: dict = {}
