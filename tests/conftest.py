@@ -56,17 +56,6 @@ def pytest_collection_modifyitems(config, items):
         items.sort(key=fixed)  # stable: file order within each part
 
 
-def pytest_xdist_auto_num_workers(config):
-    """`-n auto` (pyproject.toml): one pytest-xdist worker more than this machine's CPUs (unless
-    PYTEST_XDIST_AUTO_NUM_WORKERS says otherwise). The tests that start processes spend most of their time
-    waiting on a condition in those processes (a round, a heartbeat, a restart), and the extra worker runs
-    other tests meanwhile: on 2 cores, 3 workers finish the suite about a tenth sooner than 2
-    (docs/benchmarks.md)."""
-    if os.environ.get("PYTEST_XDIST_AUTO_NUM_WORKERS"):
-        return None  # pytest-xdist's own hook reads it
-    return len(os.sched_getaffinity(0)) + 1
-
-
 _durations: dict = {}
 
 
