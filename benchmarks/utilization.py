@@ -1,7 +1,7 @@
 """Compute utilization of plain DiLoCo against Streaming DiLoCo with overlap, side by side.
 
   python benchmarks/utilization.py [--rounds=6] [--inner_steps=32] [--latency_ms=50] [--simulated_speed=0.5]
-      [--overrides=KEY=VALUE,...] [--smoke]
+      [--step_ms=MS] [--overrides=KEY=VALUE,...] [--smoke]
 
 Two equal islands of the two_islands model (2 devices each, 4 sequences per
 step), H = 32 (`--inner_steps`), each in its own process with the coordinator in a third
@@ -23,7 +23,9 @@ few cores are the islands' compute devices, the sleep stands for that. With
 decode, on the same two cores) slows the steps beside it.
 
 First a short calibration run (plain DiLoCo, no link) measures the step time
-that sizes the link. Then two runs under that link:
+that sizes the link (`--step_ms` gives it instead, e.g. the `reference step`
+a calibration printed before, and skips that run). Then two runs under that
+link:
   plain      outer.fragments = 1, outer.overlap_steps = 0 (DiLoCo: wait for every update)
   streaming  outer.fragments = 4, outer.overlap_steps = auto (arXiv 2501.18512)
 
@@ -44,11 +46,12 @@ The printed value of a run is the lower of its two islands. Last line:
 `--overrides` changes the config of every run and of the payload's model,
 e.g. `--overrides=model.d_model=64,model.num_layers=2`.
 
-`--smoke` runs every run for 3 rounds of H = 4 with the test model's size
-(one layer, d_model 32, 4 experts; `--rounds=3 --inner_steps=4` and
-`--overrides` of `SMOKE_MODEL`): the same code path and printout, in about the
-time of the three runs' start-up (tens of seconds); its figures are not
-measurements.
+`--smoke` runs the two compared runs for 3 rounds of H = 4 with the test
+model's size (one layer, d_model 32, 4 experts; `--rounds=3 --inner_steps=4`,
+`--overrides` of `SMOKE_MODEL`) under a link sized by a 20 ms step
+(`--step_ms=20`, no calibration run unless `--step_ms=0` is given): the same
+printout, in about the time of the runs' start-up (tens of seconds); its
+figures are not measurements.
 """
 
 from __future__ import annotations
@@ -74,6 +77,8 @@ _INNER_STEPS = flags.DEFINE_integer("inner_steps", 32, "H, inner steps per round
                                     "the streaming run's fragments).")
 _LATENCY_MS = flags.DEFINE_float("latency_ms", 50.0, "One-way latency of the emulated link, milliseconds.")
 _SIMULATED_SPEED = flags.DEFINE_float("simulated_speed", 0.5, "islands.NAME.simulated_speed of both islands, in (0, 1].")
+_STEP_MS = flags.DEFINE_float("step_ms", 0.0, "The step time that sizes the link, milliseconds; 0 measures it with "
+                              "a calibration run first.")
 _OVERRIDES = flags.DEFINE_list("overrides", [], "KEY.PATH=VALUE config overrides of every run and of the payload's "
                                "model, e.g. model.d_model=64.")
 flags.adopt_module_key_flags(_smoke)  # --smoke, in --help
@@ -136,10 +141,12 @@ def _override(config, item: str) -> None:
 
 def main(argv) -> None:
     del argv
-    _smoke.sizes(rounds=3, inner_steps=4, overrides=SMOKE_MODEL)
+    _smoke.sizes(rounds=3, inner_steps=4, overrides=SMOKE_MODEL, step_ms=20.0)
     if _ROUNDS.value < 3 or _INNER_STEPS.value < 4:
         sys.exit("--rounds must be at least 3 (steady rounds lie between the first and the last) and --inner_steps "
                  "at least 4 (one step per fragment of the streaming run)")
+    if _STEP_MS.value < 0:
+        sys.exit(f"--step_ms is {_STEP_MS.value}; give a step time in milliseconds, or 0 to measure it")
     H = _INNER_STEPS.value
     from island_jax.model.init import init_params
     from island_jax.outer import codec
@@ -155,13 +162,17 @@ def main(argv) -> None:
 
     with tempfile.TemporaryDirectory() as tmp:
         speed = _SIMULATED_SPEED.value
-        calibration, _ = launch(os.path.join(tmp, "calibrate"), ["--config.outer.rounds=3"], speed)
-        step = max(float(np.median([r["step_seconds"] for r in rounds[1:]])) for rounds in calibration.values())
+        if _STEP_MS.value:
+            step, source = _STEP_MS.value / 1e3, "--step_ms"
+        else:
+            calibration, _ = launch(os.path.join(tmp, "calibrate"), ["--config.outer.rounds=3"], speed)
+            step = max(float(np.median([r["step_seconds"] for r in rounds[1:]])) for rounds in calibration.values())
+            source = f"calibration: no link, simulated_speed {speed}"
         round_seconds = H * step
         gbps = 2 * payload * 8 / (0.5 * round_seconds) / 1e9
         if len(CPUS) < 2:
             print("fewer than 2 CPUs (or no sched_setaffinity): the islands share the CPUs")
-        print(f"reference step {step * 1e3:.1f} ms (calibration: no link, simulated_speed {speed}; sizes the link); round {round_seconds:.2f} s of compute; "
+        print(f"reference step {step * 1e3:.1f} ms ({source}; sizes the link); round {round_seconds:.2f} s of compute; "
               f"int8 payload {payload} bytes; link {gbps * 1e3:.2f} Mbit/s, {_LATENCY_MS.value:.0f} ms one way "
               f"(whole model up and back: {2 * payload * 8 / gbps / 1e9:.2f} s)")
         link = [f"--config.comm.link.bandwidth_gbps={gbps}", f"--config.comm.link.latency_ms={_LATENCY_MS.value}",

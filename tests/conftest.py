@@ -44,7 +44,8 @@ DURATIONS_KEY = "island_jax/durations"  # pytest cache key: {test id: seconds of
 def pytest_collection_modifyitems(config, items):
     """Orders the run's tests longest first (see LONGEST_MODULES). Every pytest-xdist worker computes the same
     order, since the cache changes only when the whole run ends."""
-    seconds = config.cache.get(DURATIONS_KEY, {}) if config.cache is not None else {}
+    cache = getattr(config, "cache", None)  # None, or absent with `-p no:cacheprovider`
+    seconds = cache.get(DURATIONS_KEY, {}) if cache is not None else {}
     if seconds and all(item.nodeid in seconds for item in items):
         items.sort(key=lambda item: -seconds[item.nodeid])
     else:  # a test this clone has not timed yet: the fixed order, so that no guess mixes with measured seconds
@@ -67,7 +68,8 @@ def pytest_sessionfinish(session, exitstatus):
     """Keeps each test's seconds for the next run's order, after a run in which every test passed (the
     pytest-xdist controller's reports hold every worker's tests; the workers themselves write nothing)."""
     config = session.config
-    if hasattr(config, "workerinput") or config.cache is None or exitstatus != 0 or not _durations:
+    cache = getattr(config, "cache", None)
+    if hasattr(config, "workerinput") or cache is None or exitstatus != 0 or not _durations:
         return
-    known = config.cache.get(DURATIONS_KEY, {})
-    config.cache.set(DURATIONS_KEY, known | {k: round(v, 2) for k, v in _durations.items()})
+    known = cache.get(DURATIONS_KEY, {})
+    cache.set(DURATIONS_KEY, known | {k: round(v, 2) for k, v in _durations.items()})
