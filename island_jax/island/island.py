@@ -283,7 +283,9 @@ class Island:
         Returns:
           dict with `steps`, `tokens` (processed this round), `seconds` (wall,
           sleeps included), `busy_seconds` (steps only), `step_seconds` (the
-          median step, sleep included: robust to the first step's compilation), per-step lists of the
+          median step, sleep included: robust to the first step's compilation), `compute_step_seconds`
+          (the median step without its sleep, over the steps that did not compile: what `SimulatedSpeed`
+          scales; 0.0 when every step compiled), per-step lists of the
           STEP_METRICS scalars, `layers` (per step, the LAYER_METRICS arrays per
           MoE layer), `expert_load` of the last step [num_moe_layers, E], and
           `step_times` (each step's seconds, sleep included).
@@ -293,7 +295,7 @@ class Island:
             budget = self.config.outer.round_seconds
         num_steps = self.inner_steps if num_steps is None else num_steps
         start = time.perf_counter()
-        history, busy, step_times = [], 0.0, []
+        history, busy, step_times, compute_times = [], 0.0, [], []
         with jax.set_mesh(self.mesh):
             while (len(history) < num_steps) if budget is None else (
                 not history or time.perf_counter() - start < budget
@@ -311,6 +313,8 @@ class Island:
                 busy += step_seconds
                 self.last_step_compiled, self._compile_pending = self._compile_pending, False
                 sleep = 0.0 if self.last_step_compiled else self._speed.sleep_seconds(step_seconds)
+                if not self.last_step_compiled:
+                    compute_times.append(step_seconds)
                 step_times.append(step_seconds + sleep)  # what the step costs, sleep included
                 if sleep > 0:
                     time.sleep(sleep)
@@ -328,6 +332,7 @@ class Island:
             seconds=seconds,
             busy_seconds=busy,
             step_seconds=float(np.median(step_times)) if step_times else 0.0,
+            compute_step_seconds=float(np.median(compute_times)) if compute_times else 0.0,
             expert_load=out["layers"][-1]["expert_load"] if history else None,
             step_times=step_times,
         )

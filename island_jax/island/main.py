@@ -366,6 +366,7 @@ def _round_record(island: Island, result: dict, r: int) -> dict:
         tokens=result["tokens"],
         busy_seconds=result["busy_seconds"],
         step_seconds=result["step_seconds"],
+        compute_step_seconds=result["compute_step_seconds"],
         **{k: result[k] for k in ACCOUNTING_FIELDS},
         achieved_gbps=gbps(result["bytes_sent"] + result["bytes_received"], result["seconds_transferring"]),
         checksum=functools.partial(checksum, params),  # computed by the metrics thread
