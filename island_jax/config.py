@@ -51,6 +51,7 @@ MAX_CONNECTIONS = 256
 KEEPALIVE_SECONDS = 10.0  # default of comm.keepalive_seconds (island_jax/comm/grpc_server.py), seconds
 RECONNECT_BACKOFF_CAP_SECONDS = 8.0  # default of comm.reconnect_backoff_cap_seconds (island_jax/comm/grpc_client.py)
 DTYPES = ("float32", "bfloat16")  # values of model.param_dtype and model.compute_dtype
+BYTE_SYMBOLS = 256  # symbols of the byte-level data (island_jax/data.py): model.vocab_size must hold them all
 
 
 class ConfigError(ValueError):
@@ -333,6 +334,11 @@ def _check_model(m: ml_collections.ConfigDict) -> None:
     )
     for name in ("param_dtype", "compute_dtype"):
         _require(m[name] in DTYPES, f"model.{name} is {m[name]!r}; choose one of {DTYPES}")
+    _require(
+        m.vocab_size >= BYTE_SYMBOLS,
+        f"model.vocab_size is {m.vocab_size} but the byte-level data has {BYTE_SYMBOLS} symbols; use a vocab_size "
+        f"of at least {BYTE_SYMBOLS} (rows beyond it are padding)",
+    )
     _require(m.mlp_hidden_dim > 0, f"model.mlp_hidden_dim is {m.mlp_hidden_dim}; it must be positive")
 
 
@@ -621,3 +627,26 @@ def fingerprint_differences(mine: dict, theirs: dict) -> list[str]:
     """Fields in which two `fingerprint_fields` differ, as "field (theirs X, here Y)"."""
     keys = sorted(set(mine) | set(theirs))
     return [f"{k} (theirs {theirs.get(k)!r}, here {mine.get(k)!r})" for k in keys if mine.get(k) != theirs.get(k)]
+
+
+def field_paths(config: ml_collections.ConfigDict, prefix: str = "") -> list[str]:
+    """Every leaf field of `config` as a dotted path (e.g. "outer.rounds", "islands.a.mesh.data"), in key order."""
+    paths = []
+    for key, value in config.items():
+        path = f"{prefix}{key}"
+        if isinstance(value, ml_collections.ConfigDict) and len(value):
+            paths += field_paths(value, f"{path}.")
+        else:
+            paths.append(path)
+    return paths
+
+
+def unknown_field(config: ml_collections.ConfigDict, path: str) -> ConfigError:
+    """The error for a dotted `path` that names no field of `config`, suggesting the nearest field's path
+    (difflib's closest match of `field_paths`), e.g. "outer.roundz is not a field of the config; did you mean
+    outer.rounds? (the fields are listed in island_jax/config.py)"."""
+    import difflib
+
+    near = difflib.get_close_matches(path, field_paths(config), n=1, cutoff=0.6)
+    hint = f"did you mean {near[0]}?" if near else "no field is close to it"
+    return ConfigError(f"{path} is not a field of the config; {hint} (the fields are listed in island_jax/config.py)")

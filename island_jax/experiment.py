@@ -41,9 +41,6 @@ VARIANT_FILE = "variant.json"  # the config a run's process trains, in its workd
 LOG_FILE = "run.log"  # the run process's stdout and stderr (absl logs), in its workdir
 STDERR_TAIL_LINES = 20  # lines of a failed run's log its error quotes
 
-# Grid keys that stand for other keys. "islands.*.X" sets field X of every island.
-ALIASES = {"outer.inner_steps": "islands.*.inner_steps"}
-
 # The columns of a sweep's rows after the grid keys and `seed`.
 ROW_COLUMNS = ("eval_loss_final", "wall_seconds", "bytes_per_round", "error")
 
@@ -302,16 +299,12 @@ def _tail(path: str, lines: int) -> str:
         return "".join(f.readlines()[-lines:]).rstrip()
 
 
-def resolve(key: str) -> str:
-    """The config path a grid key stands for (`ALIASES`), else the key itself."""
-    return ALIASES.get(key, key)
-
-
 def _fields(config: ml_collections.ConfigDict, key: str) -> list[tuple[ml_collections.ConfigDict, str]]:
-    """(parent, name) of every field the dotted path `key` names (`resolve`d; `*` stands for every entry of a dict).
+    """(parent, name) of every field the dotted path `key` names (`*` stands for every entry of a dict, e.g.
+    `islands.*.inner_steps` for every island's).
 
     Raises:
-      ConfigError: `key` names no field of the config.
+      ConfigError: `key` names no field of the config (`config.unknown_field`: with the nearest field).
     """
     found = []
 
@@ -324,18 +317,18 @@ def _fields(config: ml_collections.ConfigDict, key: str) -> list[tuple[ml_collec
                 walk(node, [name, *rest], done)
             return
         if not isinstance(node, ml_collections.ConfigDict) or head not in node:
-            raise config_lib.ConfigError(f"{key}: the config has no field {'.'.join([*done, head])}")
+            raise config_lib.unknown_field(config, ".".join([*done, *parts]))
         if rest:
             walk(node[head], rest, [*done, head])
         else:
             found.append((node, head))
 
-    walk(config, resolve(key).split("."), [])
+    walk(config, key.split("."), [])
     return found
 
 
 def apply_override(config: ml_collections.ConfigDict, key: str, value: Any) -> None:
-    """Sets the field at dotted path `key` (an alias of `ALIASES`, or with `*` for every entry of a dict) in place.
+    """Sets the field at dotted path `key` (with `*` for every entry of a dict) in place.
 
     Raises:
       ConfigError: `key` names no field of the config, or `value` has the wrong type for it.
@@ -348,27 +341,38 @@ def apply_override(config: ml_collections.ConfigDict, key: str, value: Any) -> N
 
 
 def parse_override(config: ml_collections.ConfigDict, key: str, text: str) -> Any:
-    """`text` (from a command line) as a value of the type of the field(s) `key` names in `config`.
+    """`text` (from a command line) as the value `--config.KEY=TEXT` would give the field(s) `key` names.
 
-    bool: true/false (or 1/0); int; float; str as given; a field holding None takes the text as given.
+    The parser is the one ml_collections' config flags pick for the field's type (`config_path.get_type`):
+    absl's bool (true/false, 1/0), int and float parsers, a str as given, a tuple as a Python literal, and
+    for a field of any type (a `FieldReference` of `object`, such as `outer.overlap_steps`) a Python literal,
+    else the text as a str: `0` is the int 0, `auto` the str "auto".
 
     Raises:
       ConfigError: `key` names no field, or `text` is not a value of the field's type.
     """
+    import ast
+
+    from absl import flags
+    from ml_collections.config_flags import config_path
+
     node, name = _fields(config, key)[0]  # every field `*` names holds the same setting, of one type
-    current = node[name]
+    field_type = config_path.get_type(name, node)
+    parsers = {bool: flags.BooleanParser(), int: flags.IntegerParser(), float: flags.FloatParser()}
     try:
-        if isinstance(current, bool):
-            if text.lower() not in ("true", "false", "1", "0"):
-                raise ValueError(f"{text!r} is not true or false")
-            return text.lower() in ("true", "1")
-        if isinstance(current, int):
-            return int(text)
-        if isinstance(current, float):
-            return float(text)
-    except ValueError as e:
+        if field_type in parsers:
+            return parsers[field_type].parse(text)
+        if field_type is tuple:
+            value = ast.literal_eval(text)
+            return tuple(value) if isinstance(value, (list, tuple)) else (value,)
+        if field_type is str:
+            return text
+        try:  # object (or a type without a parser of its own): a literal where it is one, else the text
+            return ast.literal_eval({"true": "True", "false": "False"}.get(text, text))
+        except (SyntaxError, ValueError):
+            return text
+    except (ValueError, SyntaxError) as e:
         raise config_lib.ConfigError(f"{key}={text}: {e}") from e
-    return text
 
 
 @dataclasses.dataclass(frozen=True)
@@ -429,10 +433,10 @@ def variants(grid: dict, seeds: Sequence[int] = (0,)) -> list[Variant]:
     """
     if "seed" in grid_keys(grid):
         raise ValueError("pass seeds with seeds=..., not as the grid key 'seed'")
-    resolved = [resolve(k) for k in grid_keys(grid)]
-    twice = sorted({k for k in resolved if resolved.count(k) > 1})
+    keys = grid_keys(grid)
+    twice = sorted({k for k in keys if keys.count(k) > 1})
     if twice:
-        raise ValueError(f"grid keys {twice} are set more than once (directly, in a tuple key or by an alias); set each once")
+        raise ValueError(f"grid keys {twice} are set more than once (directly or in a tuple key); set each once")
     for key, values in grid.items():
         if len(values) == 0:
             raise ValueError(f"grid key {key} has no values")
@@ -477,7 +481,7 @@ def sweep(
     Args:
       base_config: the config every variant starts from (not changed).
       grid: {dotted config path: values}, e.g. {"codec.kind": ["int8", "int4"]};
-        `ALIASES` and `islands.*.FIELD` (every island) are accepted, and a tuple of
+        `islands.*.FIELD` sets FIELD of every island, and a tuple of
         paths with tuples of values sets those fields together (`variants`).
       workdir: the sweep's folder (created); one subfolder per variant.
       seeds: values of `seed` (parameter initialisation and data order) per combination.

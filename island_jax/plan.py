@@ -942,5 +942,7 @@ def _run(argv):
 if __name__ == "__main__":
     from absl import app
 
+    from island_jax.cli import parse_flags
+
     _define_flags()
-    app.run(_run)
+    app.run(_run, flags_parser=parse_flags)

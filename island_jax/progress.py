@@ -99,7 +99,6 @@ class Progress:
         eta = self.eta.after(r)
         for rec in recs.values():
             self.eval_loss = rec.get("eval_loss", self.eval_loss)
-        first = next(recs[n] for n in self.names if n in recs)
 
         def each(fmt, key, default=None) -> str:
             return " ".join(
@@ -109,7 +108,10 @@ class Progress:
         return (
             f"round {r}/{self.rounds} | loss " + each("{:.4f}", "train_loss")
             + (f" | eval {self.eval_loss:.4f}" if self.eval_loss is not None else "")
-            + f" | sent/received per island {first['bytes_sent'] / 1e6:.2f}/{first['bytes_received'] / 1e6:.2f} MB"
+            + " | sent/received " + " ".join(
+                f"{n}={recs[n]['bytes_sent'] / 1e6:.2f}/{recs[n]['bytes_received'] / 1e6:.2f}" if n in recs else f"{n}=-"
+                for n in self.names
+            ) + " MB"
             + " | blocked " + each("{:.2f}s", "seconds_blocked")
             + " | link " + each("{:.2f}Gbit/s", "achieved_gbps", 0.0)
             + " | utilization " + each("{:.2f}", "compute_utilization", 0.0)

@@ -586,4 +586,6 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    app.run(main)
+    from island_jax.cli import parse_flags
+
+    app.run(main, flags_parser=parse_flags)

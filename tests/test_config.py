@@ -44,6 +44,8 @@ def test_two_islands_is_valid():
         (lambda c: c.checkpoint.update(max_to_keep=0), r"checkpoint\.max_to_keep is 0; keep at least 1"),
         (lambda c: c.eval.update(batch_size=6), r"eval\.batch_size=6 is not divisible by islands\.a's 4 devices"),
         (lambda c: c.data.update(eval_fraction=1.0), r"data\.eval_fraction is 1\.0; use a value in \(0, 1\)"),
+        (lambda c: c.model.update(vocab_size=128),
+         r"model\.vocab_size is 128 but the byte-level data has 256 symbols; use a vocab_size of at least 256"),
     ],
 )
 def test_rules(edit, message):
@@ -73,6 +75,22 @@ def test_cli_refuses_bad_config_before_compiling(tmp_path):
     assert proc.returncode == 1
     assert "ConfigError: moe.num_experts=5 is not divisible by islands.a.mesh.expert=2" in proc.stderr
     assert not workdir.exists()  # stopped before anything was written or compiled
+
+
+@pytest.mark.slow  # starts experiments/train.py and launch/local.py
+@pytest.mark.parametrize("script", ["experiments/train.py", "launch/local.py"])
+def test_an_override_of_no_field_exits_with_one_line_naming_the_nearest(tmp_path, script):
+    proc = subprocess.run(
+        [sys.executable, script, "--config=experiments/configs/two_islands.py", f"--workdir={tmp_path / 'run'}",
+         "--config.outer.roundz=3"],
+        cwd=ROOT, capture_output=True, text=True, timeout=120,
+    )
+    assert proc.returncode == 1
+    assert proc.stderr.strip().splitlines() == [
+        "ConfigError: outer.roundz is not a field of the config; did you mean outer.rounds? (the fields are listed "
+        "in island_jax/config.py)"
+    ], proc.stderr
+    assert not (tmp_path / "run").exists()
 
 
 def test_every_key_is_documented_in_the_config_module():

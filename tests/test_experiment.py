@@ -1,7 +1,9 @@
 """`island_jax.experiment`: runs in processes of their own, sweeps over a grid, reuse of finished variants."""
 
 import json
+import os
 import subprocess
+import sys
 
 import pandas as pd
 import pytest
@@ -10,6 +12,7 @@ from tiny_config import get_config, write_corpus
 from island_jax import experiment
 from island_jax.config import ConfigError
 
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 def tiny(tmp_path, rounds=2):
     c = get_config()
@@ -71,22 +74,19 @@ def test_an_invalid_variant_is_refused_before_anything_runs(tmp_path, monkeypatc
     assert not (tmp_path / "sweep").exists()
 
 
-def test_variant_names_and_aliases(tmp_path):
+def test_variant_names_and_a_key_for_every_island(tmp_path):
     a = experiment.Variant((("codec.kind", "int4"),), 1)
     assert a.name == "codec.kind=int4,seed=1" and a.describe() == "codec.kind=int4, seed=1"
     b = experiment.Variant((("data.files", "/x/*.py"),), 0)
     assert "/" not in b.name and "*" not in b.name
     assert b.name != experiment.Variant((("data.files", "/x/_.py"),), 0).name
-    config = experiment.Variant((("outer.inner_steps", 3),), 0).config(tiny(tmp_path))
+    config = experiment.Variant((("islands.*.inner_steps", 3),), 0).config(tiny(tmp_path))
     assert config.islands.a.inner_steps == 3 and config.islands.b.inner_steps == 3
 
 
 @pytest.mark.slow
 def test_sweep_script_parses_values_and_refuses_an_invalid_variant(tmp_path):
-    import os
-    import sys
-
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    root = ROOT
     result = subprocess.run(
         [sys.executable, os.path.join(root, "experiments", "sweep.py"), f"--config={root}/tests/tiny_config.py",
          f"--workdir={tmp_path / 'sweep'}", "--sweep=moe.num_experts=4,3", "--sweep=codec.error_feedback=true",
@@ -99,24 +99,24 @@ def test_sweep_script_parses_values_and_refuses_an_invalid_variant(tmp_path):
 
 
 def test_a_tuple_key_sets_its_fields_together(tmp_path):
-    grid = {("outer.inner_steps", "outer.rounds"): [(1, 4), (2, 2)], "codec.kind": ["int8", "int4"]}
+    grid = {("islands.*.inner_steps", "outer.rounds"): [(1, 4), (2, 2)], "codec.kind": ["int8", "int4"]}
     points = experiment.variants(grid, seeds=(0,))
     assert [v.overrides for v in points] == [
-        (("outer.inner_steps", 1), ("outer.rounds", 4), ("codec.kind", "int8")),
-        (("outer.inner_steps", 1), ("outer.rounds", 4), ("codec.kind", "int4")),
-        (("outer.inner_steps", 2), ("outer.rounds", 2), ("codec.kind", "int8")),
-        (("outer.inner_steps", 2), ("outer.rounds", 2), ("codec.kind", "int4")),
+        (("islands.*.inner_steps", 1), ("outer.rounds", 4), ("codec.kind", "int8")),
+        (("islands.*.inner_steps", 1), ("outer.rounds", 4), ("codec.kind", "int4")),
+        (("islands.*.inner_steps", 2), ("outer.rounds", 2), ("codec.kind", "int8")),
+        (("islands.*.inner_steps", 2), ("outer.rounds", 2), ("codec.kind", "int4")),
     ]
-    assert experiment.grid_keys(grid) == ["outer.inner_steps", "outer.rounds", "codec.kind"]
+    assert experiment.grid_keys(grid) == ["islands.*.inner_steps", "outer.rounds", "codec.kind"]
     config = points[2].config(tiny(tmp_path))
     assert (config.islands.a.inner_steps, config.islands.b.inner_steps, config.outer.rounds) == (2, 2, 2)
     with pytest.raises(ValueError, match=r"sets 2 fields together; \(1, 4, 5\) is not 2 values"):
-        experiment.variants({("outer.inner_steps", "outer.rounds"): [(1, 4, 5)]})
+        experiment.variants({("islands.*.inner_steps", "outer.rounds"): [(1, 4, 5)]})
 
 
 def test_a_field_set_twice_in_a_grid_is_refused():
     with pytest.raises(ValueError, match=r"grid keys \['islands.\*.inner_steps'\] are set more than once"):
-        experiment.variants({"outer.inner_steps": [1], ("islands.*.inner_steps", "outer.rounds"): [(2, 2)]})
+        experiment.variants({"islands.*.inner_steps": [1], ("islands.*.inner_steps", "outer.rounds"): [(2, 2)]})
     with pytest.raises(ValueError, match=r"grid keys \['codec.kind'\] are set more than once"):
         experiment.variants({"codec.kind": ["int8"], ("codec.kind", "outer.rounds"): [("int4", 2)]})
 
@@ -140,14 +140,41 @@ def test_command_line_values_take_the_type_of_their_field(tmp_path):
     assert experiment.parse_override(c, "outer.learning_rate", "1") == 1.0
     assert isinstance(experiment.parse_override(c, "outer.learning_rate", "1"), float)
     assert experiment.parse_override(c, "islands.*.batch_size", "16") == 16  # every island's field, one type
-    assert experiment.parse_override(c, "outer.inner_steps", "5") == 5  # an alias
+    assert experiment.parse_override(c, "islands.*.inner_steps", "5") == 5  # every island
     assert experiment.parse_override(c, "codec.kind", "int4") == "int4"
     with pytest.raises(ConfigError, match=r"outer.rounds=seven: invalid literal"):
         experiment.parse_override(c, "outer.rounds", "seven")
-    with pytest.raises(ConfigError, match=r"'maybe' is not true or false"):
+    with pytest.raises(ConfigError, match=r"codec.error_feedback=maybe: .*Non-boolean argument to boolean flag"):
         experiment.parse_override(c, "codec.error_feedback", "maybe")
-    with pytest.raises(ConfigError, match="no field islands.a.batch"):
+    with pytest.raises(ConfigError, match=r"islands.a.batch is not a field of the config; did you mean "
+                                          r"islands.a.batch_size\?"):
         experiment.parse_override(c, "islands.*.batch", "1")
+
+
+def test_sweep_values_parse_as_config_flags_parse_them(tmp_path):
+    """Every value `--sweep` takes is the one `--config.KEY=TEXT` gives: ml_collections' own parse of the same
+    text, through a config flag, for fields of each type (the `object` field outer.overlap_steps included)."""
+    from absl import flags
+    from ml_collections import config_flags
+
+    cases = [("outer.overlap_steps", "auto"), ("outer.overlap_steps", "0"), ("outer.overlap_steps", "3"),
+             ("codec.error_feedback", "false"), ("codec.error_feedback", "1"), ("outer.rounds", "7"),
+             ("outer.learning_rate", "1"), ("data.files", "/x/*.py"), ("codec.kind", "int4")]
+    for key, text in cases:
+        argv = [sys.argv[0], f"--config={os.path.join(ROOT, 'tests', 'tiny_config.py')}", f"--config.{key}={text}"]
+        values = flags.FlagValues()
+        config_flags.DEFINE_config_file("config", None, "", flag_values=values, sys_argv=argv)
+        values(argv)
+        node, name = values.config, key.split(".")[-1]
+        for part in key.split(".")[:-1]:
+            node = node[part]
+        expected = node[name]
+        got = experiment.parse_override(tiny(tmp_path), key, text)
+        assert (got, type(got)) == (expected, type(expected)), (key, text)
+    # a sweep over both: two valid variants, the int 0 and the str "auto"
+    base = tiny(tmp_path)
+    grid = {"outer.overlap_steps": [experiment.parse_override(base, "outer.overlap_steps", t) for t in ("0", "auto")]}
+    assert [v.config(base).outer.overlap_steps for v in experiment.variants(grid)] == [0, "auto"]
 
 
 def test_over_seeds_gives_mean_spread_and_count_per_group():

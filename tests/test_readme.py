@@ -69,3 +69,26 @@ def test_every_docs_page_is_linked_from_the_readme():
     pages = [os.path.relpath(p, ROOT) for p in glob.glob(os.path.join(ROOT, "docs", "*.md"))]
     assert pages, "docs/ holds no pages"
     assert [p for p in pages if f"({p})" not in readme] == []
+
+
+def test_every_page_and_section_a_config_names_exists():
+    """What an experiment config's docstring or comments point to: `docs/PAGE.md` (with its `#anchor`), a
+    `README.md#anchor`, or a README section by its title (`the README's "Title"`)."""
+    readme = os.path.join(ROOT, "README.md")
+    titles = set(re.findall(r"^#{1,6} (.+)$", re.sub(r"```.*?```", "", _read(readme), flags=re.S), flags=re.M))
+    broken, named = [], 0
+    for config in sorted(glob.glob(os.path.join(ROOT, "experiments", "configs", "*.py"))):
+        text, name = _read(config), os.path.relpath(config, ROOT)
+        for title in re.findall(r"README's \"([^\"]+)\"", text):
+            named += 1
+            if title not in titles:
+                broken.append(f"{name}: the README has no section {title!r}")
+        for page, anchor in re.findall(r"\b((?:docs/[\w-]+|README)\.md)(?:#([\w-]+))?", text):
+            named += 1
+            path = os.path.join(ROOT, page)
+            if not os.path.exists(path):
+                broken.append(f"{name}: {page} (no such file)")
+            elif anchor and anchor not in _anchors(path):
+                broken.append(f"{name}: {page}#{anchor} (no heading with that anchor)")
+    assert named >= 4, f"only {named} references found: the patterns no longer match how configs cite the docs"
+    assert not broken, "\n".join(broken)

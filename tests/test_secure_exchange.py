@@ -194,3 +194,20 @@ def test_a_stream_refused_after_its_last_chunk_is_not_merged(secure):
     assert coordinator.round == 0 and "a" not in coordinator.fragments[0].pending and coordinator.checksum == start
     t.close()
     b.close()
+
+
+def test_a_service_whose_start_fails_raises_that_error_at_once(secure, tmp_path):
+    """`serve` raises what its server thread met while starting, instead of waiting for a start that never comes."""
+    c, coordinator, address, made = secure
+    # a `comm.tls` without require_client_cert (an old config file's section): the thread's AttributeError
+    tls = ml_collections.ConfigDict({k: v for k, v in c.comm.tls.items() if k != "require_client_cert"})
+    start = time.monotonic()
+    with pytest.raises(AttributeError, match="require_client_cert"):
+        serve(FragmentedCoordinator(c, {"w": np.zeros(10, np.float32)}, ["a", "b"]), "localhost:0",
+              c.comm.chunk_bytes, tls=tls)
+    assert time.monotonic() - start < 1.0
+    # the port the fixture's coordinator listens on: refused, not shared with it
+    start = time.monotonic()
+    with pytest.raises(RuntimeError, match=rf"cannot listen on {address} .*pick a free port"):
+        serve(FragmentedCoordinator(c, {"w": np.zeros(10, np.float32)}, ["a", "b"]), address, c.comm.chunk_bytes)
+    assert time.monotonic() - start < 1.0

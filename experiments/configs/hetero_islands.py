@@ -10,7 +10,7 @@ coordinator weights each contribution by the tokens it reports.
   python launch/local.py --config=experiments/configs/hetero_islands.py --workdir=/tmp/hetero_islands
 
 With Streaming DiLoCo (two fragments, each exchanged while the islands keep
-training; see the README's "Streaming fragments"):
+training; see docs/streaming.md):
 
   python launch/local.py --config=experiments/configs/hetero_islands.py --workdir=/tmp/hetero_streaming \
       --config.outer.fragments=2 --config.outer.overlap_steps=auto
@@ -28,7 +28,8 @@ def get_config():
     config.outer.round_seconds = 5.0
     config.outer.rounds = 60
     config.eval.every_rounds = 10
-    # Plain averaging, as in two_islands (see its comments for the measurements).
+    # Plain averaging (outer lr 1, no momentum), where two_islands uses Nesterov with a warm-up: the time-based
+    # rounds' unequal contributions are the subject here, and no outer optimizer was tuned for them.
     config.outer.learning_rate = 1.0
     config.outer.momentum = 0.0
     config.outer.nesterov = False

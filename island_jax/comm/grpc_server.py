@@ -98,6 +98,9 @@ def server_options(
         ("grpc.keepalive_permit_without_calls", 1),
         ("grpc.http2.min_recv_ping_interval_without_data_ms", keepalive_ms // 2),
         ("grpc.http2.max_ping_strikes", 0),  # never GOAWAY a client for pinging
+        # a port another process listens on is refused (gRPC's default on Linux shares it, and splits the
+        # islands' connections between two coordinators)
+        ("grpc.so_reuseport", 0),
     ]
 
 
@@ -712,10 +715,16 @@ class ExchangeServer:
 
     def _run(self, address: str, options: list[tuple[str, int]]) -> None:
         asyncio.set_event_loop(self.loop)
-        self.loop.run_until_complete(self._start(address, options))
-        self._started.set()
+        try:
+            self.loop.run_until_complete(self._start(address, options))
+        except BaseException as e:  # noqa: BLE001 - any failure to start is the constructor's to raise
+            self._error = e
+        finally:
+            self._started.set()  # the constructor waits for this, so it is set however the start ends
         if self._error is None:
             self.loop.run_forever()
+        else:
+            self.loop.close()
 
     async def _start(self, address: str, options: list[tuple[str, int]]) -> None:
         service = self.service
