@@ -45,6 +45,11 @@ _INSECURE = flags.DEFINE_bool(
     "insecure", False, "With --role=coordinator: listen beyond loopback without TLS and tokens (comm.tls, comm.auth); "
     "anyone who reaches the port can then join, read the model and contribute.",
 )
+_ALLOW_CONFIG_CHANGE = flags.DEFINE_bool(
+    "allow_config_change", False, "Resume an unfinished run under a config that differs from the one it started with "
+    "(each role's config.json): the change is recorded (a config_change record, run_info.json). Without it, that is "
+    "refused, naming every changed field.",
+)
 flags.mark_flags_as_required(["config", "workdir"])
 
 
@@ -120,16 +125,18 @@ def main(argv):
         if role == "all":
             from island_jax.run import run_in_process
 
-            run_in_process(config, _WORKDIR.value)
+            run_in_process(config, _WORKDIR.value, allow_config_change=_ALLOW_CONFIG_CHANGE.value)
         elif role == "coordinator":
             from island_jax.coordinator.main import run_coordinator
 
-            run_coordinator(config, _WORKDIR.value, _COORDINATOR.value, insecure=_INSECURE.value)
+            run_coordinator(config, _WORKDIR.value, _COORDINATOR.value, insecure=_INSECURE.value,
+                            allow_config_change=_ALLOW_CONFIG_CHANGE.value)
         else:
             from island_jax.island.main import run_island
 
             try:
-                run_island(config, _WORKDIR.value, name, _COORDINATOR.value if config.outer.enabled else None)
+                run_island(config, _WORKDIR.value, name, _COORDINATOR.value if config.outer.enabled else None,
+                           allow_config_change=_ALLOW_CONFIG_CHANGE.value)
             except Exception as e:
                 if island.num_processes > 1:
                     _leave_island(name, e)

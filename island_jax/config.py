@@ -609,8 +609,11 @@ def total_devices(config: ml_collections.ConfigDict) -> int:
 def fingerprint_fields(config: ml_collections.ConfigDict) -> dict:
     """What islands and coordinator must share, as {dotted field name: value}.
 
-    Covers the model and MoE shapes, the codec kind and block size, and the seed;
-    not island sizes, batch sizes or learning rates, which may differ per island.
+    Covers the model and MoE shapes, the codec kind and block size, the held-out
+    share of the corpus and the seed; not island sizes, batch sizes or learning
+    rates, which may differ per island, nor `data.files`, whose path may differ
+    per host (an island's join carries its corpus's fingerprint, checked
+    against the first island's: `coordinator.handshake.check_corpus`).
     """
     fields = {f"model.{k}": v for k, v in config.model.items()}
     shapes = ("num_experts", "num_experts_per_token", "expert_hidden_dim", "num_shared_experts", "every_n_layers")
@@ -619,6 +622,7 @@ def fingerprint_fields(config: ml_collections.ConfigDict) -> dict:
     fields.update({f"codec.{k}": v for k, v in config.codec.items()})
     fields["comm.chunk_bytes"] = config.comm.chunk_bytes  # the payload's piece layout depends on it
     fields["outer.fragments"] = config.outer.fragments  # the payloads are per fragment
+    fields["data.eval_fraction"] = config.data.eval_fraction  # the split of the corpus (an island sends its corpus)
     fields["seed"] = config.seed
     return fields
 
@@ -650,3 +654,76 @@ def unknown_field(config: ml_collections.ConfigDict, path: str) -> ConfigError:
     near = difflib.get_close_matches(path, field_paths(config), n=1, cutoff=0.6)
     hint = f"did you mean {near[0]}?" if near else "no field is close to it"
     return ConfigError(f"{path} is not a field of the config; {hint} (the fields are listed in island_jax/config.py)")
+
+
+# Fields a resumed role may find changed in its config without `--allow_config_change` (`config_changes`):
+# fault injection, the run extended by more rounds (never fewer), and where credentials are read from.
+RESUME_MAY_CHANGE = ("islands.*.crash_at_round", "outer.rounds", "comm.tls.*", "comm.auth.*", "metrics.*")
+
+
+class ConfigChangeError(ConfigError):
+    """A role would resume under another config than the one its folder was started with.
+
+    Attributes:
+      changes: `config_changes`'s list.
+    """
+
+    def __init__(self, message: str, changes: list[tuple[str, object, object]]):
+        super().__init__(message)
+        self.changes = changes
+
+
+def _flat(tree: dict, prefix: str = "") -> dict:
+    out = {}
+    for key, value in tree.items():
+        if isinstance(value, dict) and value:
+            out.update(_flat(value, f"{prefix}{key}."))
+        else:
+            out[f"{prefix}{key}"] = value
+    return out
+
+
+def _may_change(path: str, started, now) -> bool:
+    import fnmatch
+
+    if path == "outer.rounds":
+        return isinstance(started, int) and isinstance(now, int) and now >= started
+    return any(fnmatch.fnmatchcase(path, pattern) for pattern in RESUME_MAY_CHANGE if pattern != "outer.rounds")
+
+
+def config_changes(started: dict, config: ml_collections.ConfigDict) -> list[tuple[str, object, object]]:
+    """The fields in which `config` differs from the config a role started with, leaving out `RESUME_MAY_CHANGE`.
+
+    Args:
+      started: the role's `config.json`, as parsed JSON.
+      config: the config it would resume under.
+
+    Returns:
+      [(dotted field, the value it started with, the value now)], sorted by field; a field only one side has
+      shows None on the other.
+    """
+    import json
+
+    old, new = _flat(started), _flat(json.loads(config.to_json_best_effort()))
+    return [
+        (k, old.get(k), new.get(k)) for k in sorted(set(old) | set(new))
+        if old.get(k) != new.get(k) and not _may_change(k, old.get(k), new.get(k))
+    ]
+
+
+def refuse_config_changes(folder: str, started: dict, config: ml_collections.ConfigDict) -> None:
+    """Refuses to resume the role in `folder` under a config other than the one it `started` with.
+
+    Raises:
+      ConfigChangeError: `config_changes` is not empty; the message lists every field with both values and
+        says what to do.
+    """
+    changes = config_changes(started, config)
+    if changes:
+        listed = ", ".join(f"{k} (started with {a!r}, now {b!r})" for k, a, b in changes)
+        raise ConfigChangeError(
+            f"{folder} was started with another config: {listed}. Resume with the config it started with (its "
+            "config.json), pass a new --workdir, or pass --allow_config_change to go on under this one and record "
+            "the change",
+            changes,
+        )

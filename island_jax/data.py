@@ -76,8 +76,8 @@ class Corpus:
     fingerprint: dict
 
 
-def _read(files: Sequence[Path]) -> np.ndarray:
-    return np.frombuffer(b"".join(f.read_bytes() for f in files), np.uint8)
+def _join(contents: Sequence[bytes]) -> np.ndarray:
+    return np.frombuffer(b"".join(contents), np.uint8)
 
 
 def load_corpus(pattern: str, eval_fraction: float, island_names: Sequence[str]) -> Corpus:
@@ -89,8 +89,11 @@ def load_corpus(pattern: str, eval_fraction: float, island_names: Sequence[str])
       island_names: islands in config order; each gets a disjoint shard.
 
     Returns:
-      A Corpus whose fingerprint holds `files` (count), `bytes` and `sha256`
-      (first 16 hex digits of the hash of the sorted relative paths).
+      A Corpus whose fingerprint holds `files` (count), `bytes`, `eval_files`
+      (count), `sha256` (the first 16 hex digits of the SHA-256 of the sorted
+      relative paths) and `content_sha256` (of every file's relative path and
+      bytes, in that order): islands whose fingerprints are equal split the same
+      corpus the same way, wherever their copies of it lie.
 
     Raises:
       DataError: if no file matches, or the split leaves an island or the
@@ -98,10 +101,15 @@ def load_corpus(pattern: str, eval_fraction: float, island_names: Sequence[str])
     """
     root, files = find_files(pattern)
     rel = [f.relative_to(root).as_posix() for f in files]
+    contents = [f.read_bytes() for f in files]
+    content = hashlib.sha256()
+    for path, data in zip(rel, contents):
+        content.update(f"{path}\0{len(data)}\0".encode())
+        content.update(data)
     threshold = int(eval_fraction * 2**32)
     held = [zlib.crc32(r.encode()) < threshold for r in rel]
-    eval_files = [f for f, h in zip(files, held) if h]
-    train_files = [f for f, h in zip(files, held) if not h]
+    eval_files = [c for c, h in zip(contents, held) if h]
+    train_files = [c for c, h in zip(contents, held) if not h]
     n = len(island_names)
     shards = {name: train_files[i::n] for i, name in enumerate(island_names)}
     if not eval_files or any(not s for s in shards.values()):
@@ -111,11 +119,12 @@ def load_corpus(pattern: str, eval_fraction: float, island_names: Sequence[str])
         )
     fingerprint = dict(
         files=len(files),
-        bytes=sum(f.stat().st_size for f in files),
+        bytes=sum(len(c) for c in contents),
         sha256=hashlib.sha256("\n".join(rel).encode()).hexdigest()[:16],
+        content_sha256=content.hexdigest()[:16],
         eval_files=len(eval_files),
     )
-    return Corpus(_read(eval_files), {k: _read(v) for k, v in shards.items()}, fingerprint)
+    return Corpus(_join(eval_files), {k: _join(v) for k, v in shards.items()}, fingerprint)
 
 
 class Windows:

@@ -154,7 +154,7 @@ def _latest(records: list[dict], key: str) -> list[dict]:
 
 def run(
     config: ml_collections.ConfigDict, workdir: str, timeout: float | None = None,
-    progress: bool = True, position: int = 0,
+    progress: bool = True, position: int = 0, allow_config_change: bool = False,
 ) -> Result:
     """Trains `config` in a process of its own, with every role of the run in it, and reads back what it wrote.
 
@@ -162,8 +162,10 @@ def run(
     (`python -m island_jax.experiment _run WORKDIR`) gets one virtual CPU
     device per device the islands need; its output goes to `WORKDIR/run.log`.
     An unfinished run of the same config in `workdir` resumes from its
-    checkpoints (a fault-injection field, `FAULT_FIELDS`, may differ); a
-    finished one is read back without running anything. While it
+    checkpoints (the fields of `config.RESUME_MAY_CHANGE` may differ); one
+    of another config is refused as the launcher refuses it, with the same
+    message, unless `allow_config_change`. A finished run of the same config
+    is read back without running anything. While it
     runs, a `tqdm.auto` bar counts its rounds (read from the islands'
     metrics.jsonl, as the launcher's progress lines are).
 
@@ -173,13 +175,16 @@ def run(
       timeout: seconds the process may run; None for no limit.
       progress: show the bar over rounds (needs tqdm); False for none.
       position: the bar's line (`tqdm`'s position), for bars of runs side by side.
+      allow_config_change: resume an unfinished run under a changed config, recording the change in
+        every role's folder (`workdir.open_role`).
 
     Returns:
       The run's `Result`.
 
     Raises:
       ConfigError: an invalid config (checked here, before the process starts).
-      FileExistsError: `workdir` holds a run (finished or not) of another config.
+      ConfigChangeError: `workdir` holds an unfinished run of another config (without `allow_config_change`).
+      FileExistsError: `workdir` holds a finished run of another config.
       ExperimentError: the process failed; the message names `workdir` and quotes the end of its log.
       subprocess.TimeoutExpired: it ran past `timeout` (it is killed).
     """
@@ -194,17 +199,16 @@ def run(
             f"{workdir} holds a finished run of another config (or of one not started by island_jax.experiment); "
             "pass a new workdir, or move that one away first"
         )
-    if os.path.exists(variant) and not _same_json(variant, text, ignore=FAULT_FIELDS):
-        raise FileExistsError(
-            f"{workdir} holds an unfinished run of another config; its checkpoints would resume under this one. "
-            "Pass a new workdir, or move that one away first"
-        )
+    from island_jax.workdir import check_resume
+
+    check_resume(config, workdir, allow_config_change)  # as the launcher and every role check it
     with open(variant, "w", encoding="utf-8") as f:
         f.write(text)
     log = os.path.join(workdir, LOG_FILE)
     with open(log, "ab") as out:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "island_jax.experiment", "_run", os.path.abspath(workdir)],
+            [sys.executable, "-m", "island_jax.experiment", "_run", os.path.abspath(workdir),
+             *(["--allow_config_change"] if allow_config_change else [])],
             stdout=out, stderr=subprocess.STDOUT, env=_child_env(),
         )
         with _RUNNING_LOCK:
@@ -264,21 +268,10 @@ def _wait(proc: subprocess.Popen, config, workdir: str, timeout, progress: bool,
             bar.close()
 
 
-# Fault-injection fields: a run stopped by one resumes without it (the config is otherwise the same run).
-FAULT_FIELDS = ("crash_at_round",)
-
-
-def _same_json(path: str, text: str, ignore: Sequence[str] = ()) -> bool:
-    """Whether the config in `path` equals `text`, leaving out island fields named in `ignore`."""
-
-    def strip(config: dict) -> dict:
-        for isl in config.get("islands", {}).values():
-            for name in ignore:
-                isl.pop(name, None)
-        return config
-
+def _same_json(path: str, text: str) -> bool:
+    """Whether the config in `path` equals `text`."""
     with open(path, encoding="utf-8") as f:
-        return strip(json.load(f)) == strip(json.loads(text))
+        return json.load(f) == json.loads(text)
 
 
 def _child_env() -> dict:
@@ -520,7 +513,7 @@ def sweep(
         line = lines.get()
         try:
             result = run(configs[i], folder, timeout=timeout, position=line)
-        except (ExperimentError, FileExistsError, subprocess.TimeoutExpired, OSError) as e:
+        except (ExperimentError, config_lib.ConfigChangeError, FileExistsError, subprocess.TimeoutExpired, OSError) as e:
             return {**row, **{k: math.nan for k in ROW_COLUMNS[:-1]}, "error": str(e), "workdir": folder}
         finally:
             lines.put(line)
@@ -574,9 +567,11 @@ def _float(value) -> float:
 
 
 def _main(argv: list[str]) -> int:
-    """`python -m island_jax.experiment _run WORKDIR`: trains WORKDIR/variant.json with every role in this process."""
-    if len(argv) != 2 or argv[0] != "_run":
-        print("usage: python -m island_jax.experiment _run WORKDIR", file=sys.stderr)
+    """`python -m island_jax.experiment _run WORKDIR [--allow_config_change]`: trains WORKDIR/variant.json with
+    every role in this process."""
+    allow = argv[2:] == ["--allow_config_change"]
+    if len(argv) not in (2, 3) or argv[0] != "_run" or (len(argv) == 3 and not allow):
+        print("usage: python -m island_jax.experiment _run WORKDIR [--allow_config_change]", file=sys.stderr)
         return 2
     workdir = argv[1]
     from absl import logging as absl_logging
@@ -592,7 +587,7 @@ def _main(argv: list[str]) -> int:
         use_cpu_devices(config_lib.total_devices(config))
         from island_jax.run import run_in_process
 
-        run_in_process(config, workdir)
+        run_in_process(config, workdir, allow_config_change=allow)
     except Exception as e:  # noqa: BLE001 - reported in the log the caller quotes
         traceback.print_exc()
         print(f"{type(e).__name__}: {e}" if not isinstance(e, config_lib.ConfigError) else str(e), file=sys.stderr)

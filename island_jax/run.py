@@ -25,21 +25,24 @@ from island_jax.comm.inprocess import InProcessExchange, RunAborted
 from island_jax.coordinator.main import run_coordinator
 from island_jax.island.main import run_island
 from island_jax.progress import Progress
-from island_jax.workdir import combine_summaries, refuse_finished
+from island_jax.workdir import check_resume, combine_summaries, refuse_finished
 
 
-def run_in_process(config: ml_collections.ConfigDict, workdir: str) -> dict:
+def run_in_process(config: ml_collections.ConfigDict, workdir: str, allow_config_change: bool = False) -> dict:
     """Trains the run's islands with the DiLoCo outer loop (or one island without it) and evaluates.
 
     Args:
       config: see `island_jax.config`; validated here, before anything compiles.
       workdir: the run's folder (created; an unfinished run in it is resumed).
+      allow_config_change: resume an unfinished run under a config that differs from the one it started
+        with (recorded in every role's folder, `workdir.open_role`); otherwise that is refused.
 
     Returns:
       `workdir.combine_summaries`'s summary, also in `workdir/summary.json`.
 
     Raises:
-      ConfigError: an invalid config, or more devices asked for than this process has.
+      ConfigError: an invalid config, or more devices asked for than this process has;
+        ConfigChangeError: an unfinished run of another config, without `allow_config_change`.
       FileExistsError: `workdir` holds a finished run.
       The first role's error when a role fails (the others are stopped first,
       their checkpoints in progress finished); KeyboardInterrupt or SystemExit
@@ -47,6 +50,7 @@ def run_in_process(config: ml_collections.ConfigDict, workdir: str) -> dict:
     """
     config_lib.validate(config, num_available_devices=len(jax.devices()))
     refuse_finished(workdir)
+    check_resume(config, workdir, allow_config_change)
     start = time.perf_counter()
     exchange = InProcessExchange() if config.outer.enabled else None
     devices, offset = jax.devices(), 0
@@ -54,11 +58,12 @@ def run_in_process(config: ml_collections.ConfigDict, workdir: str) -> dict:
     stop = threading.Event()  # set when the run is stopped: every island stops before its next round
     roles = []
     if exchange is not None:
-        roles.append(("coordinator", run_coordinator, (config, workdir, exchange)))
+        roles.append(("coordinator", run_coordinator, (config, workdir, exchange, False, allow_config_change)))
     for name, cfg in config.islands.items():
         island_devices = devices[offset : offset + cfg.num_devices]
         offset += cfg.num_devices
-        roles.append((f"island {name}", run_island, (config, workdir, name, exchange, island_devices, device_lock, stop)))
+        roles.append((f"island {name}", run_island,
+                      (config, workdir, name, exchange, island_devices, device_lock, stop, allow_config_change)))
     errors: list[tuple[str, BaseException]] = []
 
     def work(role, fn, args):

@@ -1,9 +1,9 @@
 """A run's workdir: the one tree every way of running writes, and what is read back from it.
 
-  WORKDIR/coordinator/     config.json, metrics.jsonl, TensorBoard events,
+  WORKDIR/coordinator/     config.json, run_info.json, metrics.jsonl, TensorBoard events,
                            checkpoints/ (master, outer optimizer state, view, round),
                            summary.json
-  WORKDIR/islands/NAME/    config.json, metrics.jsonl, events.jsonl (spans for the
+  WORKDIR/islands/NAME/    config.json, run_info.json, metrics.jsonl, events.jsonl (spans for the
                            timeline), TensorBoard events, checkpoints/ (params, anchor,
                            AdamW state, data position, round), summary.json
   WORKDIR/summary.json     every role's summary combined (`combine_summaries`)
@@ -25,6 +25,7 @@ import ml_collections
 
 from island_jax.metrics import MetricsWriter, NoMetrics, gbps, read_jsonl, write_json
 from island_jax.plots import plot_timeline
+from island_jax.provenance import record_start
 
 if TYPE_CHECKING:  # imported where used: the launcher reads workdirs without importing JAX (orbax needs it)
     from island_jax.checkpoint import Checkpointer
@@ -111,24 +112,69 @@ def island_saves(rounds_done: int, coordinator_every: int, every: int) -> bool:
     return rounds_done % every == 0 or rounds_done % coordinator_every == 0
 
 
-def open_role(config: ml_collections.ConfigDict, path: str, coordinator: bool = False, primary: bool = True) -> RoleFolder:
-    """Opens (creating) a role's folder: its `Checkpointer`, `MetricsWriter` and `config.json`.
+def started_config(path: str) -> dict | None:
+    """The config a role's folder `path` was started with (its `config.json`, parsed), or None before its start."""
+    config_path = os.path.join(path, "config.json")
+    if not os.path.exists(config_path):
+        return None
+    with open(config_path, encoding="utf-8") as f:
+        return json.load(f)
+
+
+def check_resume(config: ml_collections.ConfigDict, workdir: str, allow_config_change: bool = False) -> None:
+    """Before any role of the run in `workdir` starts: refuses a config that differs from the one any of its
+    roles (the coordinator, every island of `config`) was started with, unless `allow_config_change`.
+
+    Raises:
+      ConfigChangeError: naming the role's folder and every changed field with both values
+        (`config.refuse_config_changes`).
+    """
+    from island_jax.config import refuse_config_changes
+
+    if allow_config_change:
+        return
+    for path in [coordinator_dir(workdir), *(island_dir(workdir, n) for n in config.islands.keys())]:
+        started = started_config(path)
+        if started is not None:
+            refuse_config_changes(path, started, config)
+
+
+def open_role(
+    config: ml_collections.ConfigDict, path: str, coordinator: bool = False, primary: bool = True,
+    allow_config_change: bool = False,
+) -> RoleFolder:
+    """Opens (creating) a role's folder: its `Checkpointer`, `MetricsWriter`, `config.json` and `run_info.json`.
 
     Every process of a multi-process island opens the one folder (its checkpoints hold every process's
-    shards); only process 0, the `primary`, writes the metrics and `config.json` (the others get `NoMetrics`).
+    shards); only process 0, the `primary`, writes the metrics, `config.json` and `run_info.json` (the others
+    get `NoMetrics`).
 
     The `Checkpointer` saves and keeps what `checkpoint_schedule` says for the
     coordinator (`coordinator=True`) or an island; its `every_rounds` is the
-    role's interval. A resumed role keeps the `config.json` it started with. A
-    role stopped before it completed a round (while compiling, say) starts
-    again from the beginning, after what it logged.
+    role's interval. A role stopped before it completed a round (while
+    compiling, say) starts again from the beginning, after what it logged.
+
+    A resumed role checks `config` against the `config.json` it started with:
+    a field other than `config.RESUME_MAY_CHANGE` that differs is refused,
+    unless `allow_config_change`; then the role goes on under `config`, which
+    becomes its `config.json`, and a `config_change` record in its metrics
+    and its start in `run_info.json` (`provenance.record_start`) list every
+    changed field with both values. Every start appends its provenance there.
 
     Raises:
+      ConfigChangeError: a changed field, without `allow_config_change`; nothing in the folder is changed.
       FileExistsError: the folder holds completed rounds but no checkpoint to resume from.
       CheckpointError: from orbax, for a checkpoint folder it cannot read.
     """
     from island_jax.checkpoint import Checkpointer
+    from island_jax.config import config_changes, refuse_config_changes
 
+    started = started_config(path)
+    changes = []
+    if started is not None:
+        if not allow_config_change:
+            refuse_config_changes(path, started, config)
+        changes = config_changes(started, config)
     os.makedirs(path, exist_ok=True)
     every_rounds, max_to_keep = checkpoint_schedule(config, coordinator)
     checkpoints = Checkpointer(os.path.join(path, "checkpoints"), every_rounds, max_to_keep)
@@ -146,10 +192,17 @@ def open_role(config: ml_collections.ConfigDict, path: str, coordinator: bool = 
     if not primary:
         return RoleFolder(path, checkpoints, NoMetrics())
     config_path = os.path.join(path, "config.json")
-    if not os.path.exists(config_path):
-        with open(config_path, "w", encoding="utf-8") as f:
+    if started is None or changes:  # the config in effect from this start on
+        tmp = f"{config_path}.tmp"
+        with open(tmp, "w", encoding="utf-8") as f:
             f.write(config.to_json_best_effort(indent=2, sort_keys=True))
-    return RoleFolder(path, checkpoints, MetricsWriter(path, tensorboard=True, background=True))
+        os.replace(tmp, config_path)
+    record_start(path, changes)
+    metrics = MetricsWriter(path, tensorboard=True, background=True)
+    if changes:
+        metrics.write(dict(kind="config_change", round=checkpoints.latest_round() or 0,
+                           changes=[dict(field=k, started=a, now=b) for k, a, b in changes]))
+    return RoleFolder(path, checkpoints, metrics)
 
 
 # Round-record fields an island's summary sums over its rounds.

@@ -10,7 +10,10 @@ islands' losses, bytes and the ETA. If any process fails, the others are
 stopped and the launcher exits with that process's status; on success it
 writes `WORKDIR/summary.json` from all roles. Overrides (`--config.a.b=v`, with
 `=`) go to every role. Running it again with the same workdir resumes every
-role from its newest checkpoint.
+role from its newest checkpoint; a config that differs from the one the run
+started with (each role's config.json) is refused before anything starts,
+naming every changed field, unless `--allow_config_change` (passed to every
+role, which records the change).
 
 An island of several processes (`islands.NAME.num_processes`, e.g.
 `--config.islands.a.num_processes=2`) is started as that many processes,
@@ -111,6 +114,10 @@ _TLS = flags.DEFINE_bool(
 )
 _INSECURE = flags.DEFINE_bool(
     "insecure", False, "Let the coordinator listen beyond loopback without TLS and tokens (passed to its role)."
+)
+_ALLOW_CONFIG_CHANGE = flags.DEFINE_bool(
+    "allow_config_change", False, "Resume the run in --workdir under a config that differs from the one it started "
+    "with (passed to every role, which records the change); without it, that is refused before anything starts."
 )
 flags.mark_flags_as_required(["config", "workdir"])
 
@@ -279,13 +286,15 @@ def _start_role(cpus: frozenset[int] | None) -> None:
 
 def _checked(config, workdir: str, names: list[str]):
     """Everything that can refuse the launch, before anything is created or started: the config, a
-    finished workdir, `--netns_*`, `--dial` and `--cpus`. Returns (coordinator namespace, island namespaces, cpus)."""
+    finished workdir, a config other than the one the run started with, `--netns_*`, `--dial` and `--cpus`.
+    Returns (coordinator namespace, island namespaces, cpus)."""
     from island_jax import config as config_lib
-    from island_jax.workdir import refuse_finished
+    from island_jax.workdir import check_resume, refuse_finished
 
     try:
         config_lib.validate(config)
         refuse_finished(workdir)
+        check_resume(config, workdir, _ALLOW_CONFIG_CHANGE.value)
     except (config_lib.ConfigError, FileExistsError) as e:
         sys.exit(str(e))
     if not config.outer.enabled:
@@ -341,6 +350,8 @@ def _roles(workdir: str, names: list[str], coordinator_ns: str, island_ns: dict,
         except SecurityError as e:
             sys.exit(f"{e}; with this launcher, --tls makes them for the run")
     overrides = [a for a in sys.argv[1:] if a.startswith("--config")]  # the config and its overrides
+    if _ALLOW_CONFIG_CHANGE.value:
+        overrides.append("--allow_config_change")
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     for key, value in MALLOC_ENV.items():  # an explicit setting of the caller wins
         env.setdefault(key, value)

@@ -162,6 +162,33 @@ def test_handshake_names_the_field_that_differs(local_server):
     assert coordinator.fragments[0].joined == set()
 
 
+def test_islands_with_another_corpus_fail_at_join_naming_both(local_server, tmp_path):
+    """Island b's copy of the corpus differs from a's in one byte of one file (another Python's standard library,
+    a changed copy): b is refused at join, the message naming both islands and both content hashes."""
+    from island_jax import data
+    from island_jax.coordinator.handshake import CORPUS
+
+    c, coordinator, address = local_server
+    corpora = {}
+    for name, last in (("a", b"x"), ("b", b"y")):
+        folder = tmp_path / name
+        folder.mkdir()
+        for i in range(30):
+            (folder / f"m{i}.py").write_bytes(b"print(%d)\n" % i + (last if i == 29 else b""))
+        corpora[name] = data.load_corpus(str(folder / "*.py"), 0.2, ["a", "b"]).fingerprint
+    a_hash, b_hash = corpora["a"]["content_sha256"], corpora["b"]["content_sha256"]
+    assert a_hash != b_hash and corpora["a"]["sha256"] == corpora["b"]["sha256"]  # the same paths, other bytes
+    a = GrpcTransport(address, c.comm.chunk_bytes, join_timeout=30)
+    b = GrpcTransport(address, c.comm.chunk_bytes, join_timeout=30)
+    a.join("a", {**fingerprint_fields(c), CORPUS: corpora["a"]}, coordinator.checksum)
+    with pytest.raises(HandshakeError, match=rf"island 'b' trains on another corpus than island 'a': content_sha256 "
+                                             rf"\(a: '{a_hash}', b: '{b_hash}'\); give every island the same files"):
+        b.join("b", {**fingerprint_fields(c), CORPUS: corpora["b"]}, coordinator.checksum)
+    assert coordinator.fragments[0].joined == {"a"}
+    b.join("b", {**fingerprint_fields(c), CORPUS: corpora["a"]}, coordinator.checksum)  # the same corpus: admitted
+    assert coordinator.fragments[0].joined == {"a", "b"}
+
+
 def test_four_connections_reassemble_byte_exact_in_any_order():
     """A transfer split over 4 connections (chunk k on k % 4), its chunks arriving in any order."""
     like = {"w": np.zeros(70_000, np.float32), "b": np.zeros(3, np.float32)}

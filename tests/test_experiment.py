@@ -10,7 +10,7 @@ import pytest
 from tiny_config import get_config, write_corpus
 
 from island_jax import experiment
-from island_jax.config import ConfigError
+from island_jax.config import ConfigChangeError, ConfigError
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -69,7 +69,7 @@ def test_an_invalid_variant_is_refused_before_anything_runs(tmp_path, monkeypatc
     base = tiny(tmp_path)
     with pytest.raises(ConfigError, match=r"variant moe.num_experts=3, seed=0: .*moe.num_experts"):
         experiment.sweep(base, {"moe.num_experts": [4, 3]}, str(tmp_path / "sweep"), seeds=(0, 1))
-    with pytest.raises(ConfigError, match="no field moe.num_expert"):
+    with pytest.raises(ConfigError, match=r"moe.num_expert is not a field of the config; did you mean moe.num_experts\?"):
         experiment.sweep(base, {"moe.num_expert": [4]}, str(tmp_path / "sweep"))
     assert not (tmp_path / "sweep").exists()
 
@@ -124,11 +124,13 @@ def test_a_field_set_twice_in_a_grid_is_refused():
 def test_an_unfinished_run_of_another_config_is_not_resumed(tmp_path, monkeypatch):
     monkeypatch.setattr(subprocess, "Popen", refuse)
     folder = tmp_path / "run"
-    folder.mkdir()
+    (folder / "islands" / "a").mkdir(parents=True)
     other = tiny(tmp_path)
     other.codec.kind = "int4"
     (folder / experiment.VARIANT_FILE).write_text(other.to_json_best_effort())
-    with pytest.raises(FileExistsError, match="holds an unfinished run of another config"):
+    (folder / "islands" / "a" / "config.json").write_text(other.to_json_best_effort())  # island a started under it
+    with pytest.raises(ConfigChangeError, match=rf"{folder / 'islands' / 'a'} was started with another config: "
+                                                r"codec.kind \(started with 'int4', now 'int8'\)\. Resume with"):
         experiment.run(tiny(tmp_path), str(folder))
     assert json.loads((folder / experiment.VARIANT_FILE).read_text())["codec"]["kind"] == "int4"  # left as it was
 

@@ -1,6 +1,7 @@
 """Every role in one process (`run_in_process`): determinism, bytes on the wire, workdir, resume, baseline."""
 
 import json
+import os
 
 import jax
 import numpy as np
@@ -98,6 +99,28 @@ def test_the_workdir_holds_every_roles_folder(run):
     assert (workdir / "timeline.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     evals = records(workdir, "islands/a", "eval")
     assert [r["round"] for r in evals] == [0, 3, 4] and not records(workdir, "islands/b", "eval")
+
+
+def test_every_role_records_where_its_run_came_from(run):
+    import platform
+    import socket
+    import subprocess
+    import sys
+
+    from island_jax import provenance
+
+    _, _, workdir = run
+    head = subprocess.run(["git", "-C", provenance._REPO, "rev-parse", "HEAD"], capture_output=True, text=True)
+    for role in ("coordinator", "islands/a", "islands/b"):
+        (start,) = json.loads((workdir / role / "run_info.json").read_text())["starts"]
+        assert start["git"]["commit"] == (head.stdout.strip() if head.returncode == 0 else None)
+        assert isinstance(start["git"]["dirty"], bool) or start["git"]["commit"] is None
+        assert start["versions"]["jax"] == jax.__version__ and start["versions"]["jaxlib"] == jax.lib.__version__
+        assert set(start["versions"]) == set(provenance.PACKAGES) and start["versions"]["island_jax"] == "0.1.0"
+        assert start["python"] == platform.python_version() and start["cpu"] == provenance.cpu_model()
+        assert start["accelerator"] == dict(platform="cpu", kind="cpu", count=len(jax.local_devices()))
+        assert start["hostname"] == socket.gethostname() and start["command"][0] == sys.executable
+        assert isinstance(start["time"], float) and start["cpu_count"] == os.cpu_count()
 
 
 def test_refuses_a_workdir_that_holds_a_finished_run(run):
@@ -222,3 +245,47 @@ def test_a_role_stopped_before_its_first_round_starts_again_and_one_with_rounds_
     with pytest.raises(FileExistsError, match="holds rounds of a run but no checkpoint to resume from"):
         open_role(config, str(folder))
     assert [r["kind"] for r in read_jsonl(folder / "metrics.jsonl")] == ["eval", "round"]
+
+
+@pytest.mark.slow  # starts launch/local.py (which refuses before it starts any role)
+def test_a_resume_under_another_config_is_refused_alike_unless_allowed(tmp_path, monkeypatch):
+    import subprocess
+
+    from processes import launch
+
+    from island_jax import experiment
+    from island_jax.config import ConfigChangeError
+
+    config = tiny_config(tmp_path, rounds=2)
+    config.islands.a.crash_at_round = 2
+    workdir = tmp_path / "stopped"
+    with pytest.raises(RuntimeError, match="island a crashes at round 2 on purpose"):
+        run_in_process(config, str(workdir))
+    files = {p: p.read_bytes() for p in workdir.rglob("*.json*")}
+    changed = tiny_config(tmp_path, rounds=2)  # crash_at_round back to 0: a field that may change
+    changed.inner.learning_rate = 1e-3
+    message = (f"ConfigError: {workdir / 'coordinator'} was started with another config: inner.learning_rate "
+               "(started with 0.003, now 0.001). Resume with the config it started with (its config.json), pass a "
+               "new --workdir, or pass --allow_config_change to go on under this one and record the change")
+    with pytest.raises(ConfigChangeError) as refused:
+        run_in_process(changed, str(workdir))
+    assert str(refused.value) == message
+    monkeypatch.setattr(subprocess, "Popen", lambda *a, **k: pytest.fail("experiment.run started a process"))
+    with pytest.raises(ConfigChangeError) as refused:
+        experiment.run(changed, str(workdir), progress=False)
+    assert str(refused.value) == message
+    monkeypatch.undo()
+    result = launch(workdir, changed.data.files, "--config.outer.rounds=2", "--config.inner.learning_rate=0.001")
+    assert result.returncode == 1 and result.stderr.strip().splitlines()[-1] == message, result.stderr[-2000:]
+    assert {p: p.read_bytes() for p in workdir.rglob("*.json*")} == files  # nothing was changed
+
+    summary = run_in_process(changed, str(workdir), allow_config_change=True)
+    assert summary["rounds"] == 2 and summary["checksums_agree"] is True
+    for role in ("coordinator", "islands/a", "islands/b"):
+        assert json.loads((workdir / role / "config.json").read_text())["inner"]["learning_rate"] == 1e-3
+        assert records(workdir, role, "config_change") == [dict(
+            kind="config_change", round=1, changes=[dict(field="inner.learning_rate", started=0.003, now=0.001)],
+        )]
+        starts = json.loads((workdir / role / "run_info.json").read_text())["starts"]
+        assert len(starts) == 2 and "config_changes" not in starts[0]
+        assert starts[1]["config_changes"] == [["inner.learning_rate", 0.003, 0.001]]

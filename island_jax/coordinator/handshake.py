@@ -13,6 +13,10 @@ from typing import Sequence
 from island_jax.config import fingerprint_differences
 from island_jax.coordinator.errors import HandshakeError
 
+# The key of an island's fingerprint that describes its corpus (`data.Corpus.fingerprint`), which the coordinator
+# does not read itself: the first island to join sets what every other island's must equal (`check_corpus`).
+CORPUS = "corpus"
+
 
 def check_island(island: str, islands: Sequence[str], ours: dict, theirs: dict) -> None:
     """Checks an island's name and `config.fingerprint_fields` against the coordinator's.
@@ -20,19 +24,53 @@ def check_island(island: str, islands: Sequence[str], ours: dict, theirs: dict) 
     Args:
       island: the joining island's name.
       islands: the run's island names (`config.islands`).
-      ours, theirs: the coordinator's and the island's `fingerprint_fields`.
+      ours, theirs: the coordinator's and the island's `fingerprint_fields` (the island's may also hold its
+        `CORPUS`, checked by `check_corpus`).
 
     Raises:
       HandshakeError: an unknown island, or fingerprint fields that differ (each named with both values).
     """
     if island not in islands:
         raise HandshakeError(f"island {island!r} is not in this run's config (islands: {list(islands)})")
-    differences = fingerprint_differences(ours, dict(theirs))
+    differences = fingerprint_differences(ours, {k: v for k, v in dict(theirs).items() if k != CORPUS})
     if differences:
         raise HandshakeError(
             f"island {island!r} differs from the coordinator in {', '.join(differences)}; model shapes, "
             "codec, block_size, chunk_bytes and seed must match: run every role with the same config and overrides"
         )
+
+
+def check_corpus(island: str, theirs: dict | None, expected: tuple[str, dict] | None) -> tuple[str, dict] | None:
+    """Checks the corpus an island trains on (its fingerprint's `CORPUS`: file count, bytes and the hashes of
+    the relative paths and contents, `data.load_corpus`) against the corpus of the first island that joined.
+
+    Islands shard one corpus by index, so an island that reads another file list or other bytes (another
+    Python's standard library, a changed copy) would train on data no other island holds out or skips.
+
+    Args:
+      island: the joining island's name.
+      theirs: its corpus fingerprint (None: it sent none, which is not checked).
+      expected: (island, corpus fingerprint) of the first island that sent one, or None.
+
+    Returns:
+      What later islands must match: `expected`, or (island, theirs) for the first.
+
+    Raises:
+      HandshakeError: naming both islands and every field of the two fingerprints that differs.
+    """
+    if theirs is None:
+        return expected
+    if expected is None or expected[0] == island:
+        return island, dict(theirs)
+    first, ours = expected
+    differences = [f"{k} ({first}: {ours.get(k)!r}, {island}: {theirs.get(k)!r})"
+                   for k in sorted(set(ours) | set(theirs)) if ours.get(k) != theirs.get(k)]
+    if differences:
+        raise HandshakeError(
+            f"island {island!r} trains on another corpus than island {first!r}: {', '.join(differences)}; give every "
+            "island the same files (data.files), with the same relative paths and bytes"
+        )
+    return expected
 
 
 def check_round(island: str, round: int, our_round: int) -> None:

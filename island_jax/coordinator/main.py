@@ -62,7 +62,8 @@ def _serve(coordinator: FragmentedCoordinator, exchange, config: ml_collections.
 
 
 def run_coordinator(
-    config: ml_collections.ConfigDict, workdir: str, exchange: str | InProcessExchange, insecure: bool = False
+    config: ml_collections.ConfigDict, workdir: str, exchange: str | InProcessExchange, insecure: bool = False,
+    allow_config_change: bool = False,
 ) -> dict:
     """Serves the exchange until every island has the last round's update.
 
@@ -80,6 +81,8 @@ def run_coordinator(
       exchange: HOST:PORT to serve gRPC on (port 0: any free port, logged), or
         the `InProcessExchange` the islands of this process use.
       insecure: serve gRPC off loopback without TLS and tokens (`security.check_exposure`).
+      allow_config_change: resume under a config that differs from the one the coordinator started with
+        (`workdir.open_role`); otherwise that is refused.
 
     Returns:
       The role's summary (also `coordinator/summary.json`): `rounds`, `params`,
@@ -88,7 +91,7 @@ def run_coordinator(
       `checksum` (of the view), `wall_seconds`. Empty if the run was complete.
 
     Raises:
-      ConfigError, FileExistsError, CheckpointError, SecurityError (off loopback without TLS and tokens, or
+      ConfigError (ConfigChangeError: resumed under another config), FileExistsError, CheckpointError, SecurityError (off loopback without TLS and tokens, or
       unreadable credentials); TimeoutError if a round is
       not merged within `comm.round_timeout_seconds`, or waits for missing islands
       (its quorum not reached) for `outer.rejoin_timeout_seconds` after its first
@@ -96,7 +99,7 @@ def run_coordinator(
     """
     config_lib.validate(config)
     start = time.perf_counter()
-    role = open_role(config, coordinator_dir(workdir), coordinator=True)
+    role = open_role(config, coordinator_dir(workdir), coordinator=True, allow_config_change=allow_config_change)
     names, rounds = list(config.islands.keys()), config.outer.rounds
     try:
         _, params, _ = init_params(config)

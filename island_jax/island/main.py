@@ -81,6 +81,7 @@ def run_island(
     devices: Sequence[jax.Device] | None = None,
     device_lock: threading.Lock | None = None,
     stop: threading.Event | None = None,
+    allow_config_change: bool = False,
 ) -> dict:
     """Trains island `name` for the run's rounds, exchanging with the coordinator at `exchange`.
 
@@ -99,6 +100,8 @@ def run_island(
         in-process collectives must not interleave).
       stop: once set, the island stops before its next round (raising `RunAborted`), its last
         checkpoint kept: how the in-process run stops its islands.
+      allow_config_change: resume under a config that differs from the one the island started with
+        (`workdir.open_role`); otherwise that is refused.
 
     Returns:
       The role's summary (also in its folder): `workdir.summarize_island`'s
@@ -107,7 +110,7 @@ def run_island(
       island, `corpus`. Empty if the run was complete.
 
     Raises:
-      ConfigError, DataError, HandshakeError, ContributionError, ExchangeError,
+      ConfigError (ConfigChangeError: resumed under another config), DataError, HandshakeError, ContributionError, ExchangeError,
       FileExistsError, CheckpointError; RuntimeError at `crash_at_round`;
       RunAborted when an in-process exchange is aborted.
     """
@@ -123,7 +126,7 @@ def run_island(
             "start each of the island's processes with --process_id and --island_coordinator (docs/cluster.md)"
         )
     primary = jax.process_index() == 0 if multi_process else True  # writes the island's metrics, once
-    role = open_role(config, island_dir(workdir, name), primary=primary)
+    role = open_role(config, island_dir(workdir, name), primary=primary, allow_config_change=allow_config_change)
     names, rounds = list(config.islands.keys()), config.outer.rounds
     transport = events = sync = None
     try:
@@ -144,11 +147,12 @@ def run_island(
         transport = connect(config, exchange, finished=lambda: run_finished(workdir), part=island.part,
                             parts=island.parts)
         evaluator = _Evaluator(config, corpus, island, role, global_params=transport is not None) if name == names[0] else None
-        first, fragment_rounds = _join(config, island, transport, role, first, evaluator)
+        fingerprint = join_fingerprint(config, corpus)
+        first, fragment_rounds = _join(config, island, transport, role, first, evaluator, fingerprint)
         events = EventLog(os.path.join(role.path, "events.jsonl") if primary else None, name)
         link = transport.link if transport is not None else None
         sync = StreamingSync(island, transport, config, first, link=link, events=events, fragment_rounds=fragment_rounds)
-        _train_rounds(config, island, sync, role, evaluator, first, stop)
+        _train_rounds(config, island, sync, role, evaluator, first, stop, fingerprint)
     except ExchangeError:
         if not run_finished(workdir):
             raise
@@ -187,12 +191,20 @@ class _Evaluator:
         return loss
 
 
-def _join(config, island: Island, transport, role: RoleFolder, first: int, evaluator: _Evaluator | None):
+def join_fingerprint(config: ml_collections.ConfigDict, corpus: data_lib.Corpus) -> dict:
+    """What an island joins with: `config.fingerprint_fields`, and its corpus's fingerprint under
+    `handshake.CORPUS` (every island must split the same corpus: `handshake.check_corpus`)."""
+    from island_jax.coordinator.handshake import CORPUS
+
+    return {**config_lib.fingerprint_fields(config), CORPUS: corpus.fingerprint}
+
+
+def _join(config, island: Island, transport, role: RoleFolder, first: int, evaluator: _Evaluator | None,
+          fingerprint: dict):
     """The handshake (rejoining a running run when the island is behind or ahead of the coordinator), the
     evaluation of the round it starts at, and the start every island makes together. Returns (the round it
     trains first, each fragment's round when they differ, else None)."""
     name, cfg = island.name, config.islands[island.name]
-    fingerprint = config_lib.fingerprint_fields(config)
     link = transport.link if transport is not None else None
     if transport is not None:  # how its exchanges move, for island_jax.plan.predict
         role.metrics.write(dict(kind="exchange", pipelined=bool(transport.pipelined)))
@@ -205,7 +217,7 @@ def _join(config, island: Island, transport, role: RoleFolder, first: int, evalu
     fragment_rounds, rejoined = None, False
     if transport is not None:
         resumed = first
-        first, fragment_rounds, rejoined = align(config, island, transport, role, first, resume=True)
+        first, fragment_rounds, rejoined = align(config, island, transport, role, first, True, fingerprint)
         if rejoined and evaluator is not None:
             logging.info("island %s evaluates the view it rejoined at (round %d; it resumed at %d)", name, first, resumed)
     logging.info(
@@ -221,7 +233,8 @@ def _join(config, island: Island, transport, role: RoleFolder, first: int, evalu
     return first, fragment_rounds
 
 
-def align(config, island: Island, transport, role: RoleFolder, at: int, resume: bool) -> tuple[int, list | None, bool]:
+def align(config, island: Island, transport, role: RoleFolder, at: int, resume: bool,
+          fingerprint: dict) -> tuple[int, list | None, bool]:
     """Joins the coordinator with the island's state after `at` completed rounds and brings the island to the
     round it is admitted at: a restarted island behind the run takes the island view; one ahead of a restarted
     coordinator rolls back to its own checkpoint of the coordinator's round (bit for bit), or takes the view
@@ -232,6 +245,7 @@ def align(config, island: Island, transport, role: RoleFolder, at: int, resume: 
       resume: the island is at a round boundary (it resumed from a checkpoint) and trains on from its own
         state when the coordinator is at the same round; False (after a coordinator restart, mid-round) always
         rolls back or takes the view.
+      fingerprint: what the island joins with (`join_fingerprint`).
 
     Returns:
       (the round to train next, each fragment's round when the view's fragments differ (else None), whether
@@ -239,7 +253,7 @@ def align(config, island: Island, transport, role: RoleFolder, at: int, resume: 
     """
     name = island.name
     # process 0's join decides for every process of the island (the others only learn the coordinator's plans)
-    reply = island.agree(transport.join(name, config_lib.fingerprint_fields(config), island.global_checksum, at))[0]
+    reply = island.agree(transport.join(name, fingerprint, island.global_checksum, at))[0]
     target = reply["round"]
     if resume and not reply["rejoin"]:
         return at, None, False
@@ -276,7 +290,8 @@ def _log_rejoin(island: Island, role: RoleFolder, at: int, round: int, source: s
                             checksum=island.global_checksum))
 
 
-def _train_rounds(config, island: Island, sync: StreamingSync, role: RoleFolder, evaluator, first: int, stop) -> None:
+def _train_rounds(config, island: Island, sync: StreamingSync, role: RoleFolder, evaluator, first: int, stop,
+                  fingerprint: dict) -> None:
     """The round loop: train, log, evaluate and checkpoint when due; stops before a round once `stop` is set."""
     name, rounds, cfg = island.name, config.outer.rounds, config.islands[island.name]
     coordinator_every, _ = checkpoint_schedule(config, coordinator=True)
@@ -296,7 +311,7 @@ def _train_rounds(config, island: Island, sync: StreamingSync, role: RoleFolder,
         except CoordinatorRestarted as e:
             logging.warning("island %s: %s", name, e)
             sync.forget_inflight(timeout=config.comm.reconnect_seconds)
-            r, fragment_rounds, _ = align(config, island, sync.transport, role, r, resume=False)
+            r, fragment_rounds, _ = align(config, island, sync.transport, role, r, False, fingerprint)
             sync.restart(r, fragment_rounds)
             continue
         for j in range(result["steps"]):
