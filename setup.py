@@ -4,6 +4,8 @@ from setuptools import find_packages, setup
 
 # island_jax.experiment (run, sweep) and notebooks: results as DataFrames, progress bars (widgets in
 # Jupyter), plots; nbclient and ipykernel execute notebooks (`jupyter execute`).
+# metrics.writers "wandb" (island_jax/metrics.py): Weights & Biases, online or offline.
+WANDB = ["wandb>=0.31,<0.32"]
 NOTEBOOK = [
     "pandas>=3.1,<4", "tqdm>=4.70,<5", "ipywidgets>=8.1,<9", "nbclient>=0.11,<0.12", "ipykernel>=7.4,<8",
     "matplotlib>=3.8,<4",
@@ -49,11 +51,13 @@ setup(
         # filelock: the tests' shared JAX compilation cache is written under a file lock (tests/conftest.py);
         # pytest-xdist: the suite runs on one worker per CPU (pyproject.toml's addopts);
         # ruff: tests/test_lint.py runs the checks configured in pyproject.toml;
-        # and everything of `notebook`: tests/test_experiment.py and tests/test_notebook.py.
+        # and everything of `notebook` (tests/test_experiment.py and tests/test_notebook.py) and of `wandb`
+        # (tests/test_metrics.py writes an offline W&B run).
         "test": [
             "pytest>=8,<10", "pytest-xdist>=3.6,<4", "tensorboard>=2.20,<3", "grpcio-tools==1.85.1", "filelock>=3.12,<5",
-            "ruff>=0.17.6,<0.18", *NOTEBOOK,
+            "ruff>=0.17.6,<0.18", *NOTEBOOK, *WANDB,
         ],
+        "wandb": WANDB,
         "notebook": NOTEBOOK,
         # Regenerates the gRPC stubs: python island_jax/comm/generate_stubs.py
         "dev": ["grpcio-tools==1.85.1"],

@@ -71,7 +71,7 @@ OVERRIDES = [
     "--config.model.num_layers=1", "--config.model.d_model=32", "--config.model.num_heads=2",
     "--config.model.seq_len=32", "--config.moe.num_experts=4", "--config.moe.expert_hidden_dim=32",
     "--config.islands.a.inner_steps=4", "--config.islands.b.inner_steps=4",
-    "--config.eval.batch_size=4", "--config.eval.num_batches=2", "--config.eval.every_rounds=10",
+    "--config.eval.batch_size=4", "--config.eval.num_windows=8", "--config.eval.every_rounds=10",
     "--config.outer.min_islands=1", "--config.outer.grace_seconds=2",
     f"--config.checkpoint.every_rounds={EVERY}",
     "--config.comm.link.bandwidth_gbps=1", "--config.comm.link.latency_ms=100",

@@ -85,7 +85,7 @@ flags.adopt_module_key_flags(_smoke)  # --smoke, in --help
 
 SMOKE_MODEL = [  # the test model's size (tests/tiny_config.py)
     "model.num_layers=1", "model.d_model=32", "model.num_heads=2", "model.seq_len=32", "moe.num_experts=4",
-    "moe.expert_hidden_dim=32", "eval.batch_size=4", "eval.num_batches=2",
+    "moe.expert_hidden_dim=32", "eval.batch_size=4", "eval.num_windows=8",
 ]
 
 

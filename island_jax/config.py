@@ -25,6 +25,8 @@ island's entry, in `island`. A run is described by one
   checkpoint  orbax checkpoints of every role (island_jax/checkpoint.py) (`_checkpoint`).
   distributed the `jax.distributed` job of an island of several processes: its
               timeouts (island_jax/distributed.py, docs/cluster.md) (`_distributed`).
+  metrics     where every role's records go besides metrics.jsonl: TensorBoard,
+              Weights & Biases, another tracker (island_jax/metrics.py) (`_metrics`).
 
 `validate(config)` checks everything that can be checked before JAX compiles
 anything and raises `ConfigError` naming the field and the fix.
@@ -125,7 +127,21 @@ def default_config() -> ml_collections.ConfigDict:
     c.comm = _comm()
     c.checkpoint = _checkpoint()
     c.distributed = _distributed()
+    c.metrics = _metrics()
     return c
+
+
+def _metrics() -> dict:
+    """`metrics`: the trackers every role writes its records to (island_jax/metrics.py)."""
+    return dict(
+        # comma-separated: jsonl (always; the run's own record), tensorboard, wandb, or MODULE:CLASS of another
+        writers="jsonl,tensorboard",
+        wandb=dict(  # with "wandb" in writers (pip install island_jax[wandb])
+            project="island_jax",  # the W&B project of the run's runs (one per role, grouped by the workdir's name)
+            entity="",  # the W&B entity (team or user); "": the account's default
+            mode="",  # online | offline | disabled; "": WANDB_MODE, else online
+        ),
+    )
 
 
 def _distributed() -> dict:
@@ -234,8 +250,11 @@ def _eval() -> dict:
     """`eval`: held-out loss of the global parameters."""
     return dict(
         every_rounds=5,  # evaluate after every this many rounds (and after the last)
-        batch_size=32,  # sequences per evaluation batch; a multiple of every island's num_devices
-        num_batches=8,  # fixed batches per evaluation
+        # the held-out set: this many windows of the held-out files (all of them if fewer), drawn by eval.seed alone
+        # (data.eval_windows), so that every config scoring the same corpus and seq_len scores the same windows
+        num_windows=2048,
+        seed=0,  # draws the held-out set; not the run's seed, so that runs of every seed score one set
+        batch_size=32,  # windows per evaluation batch (the last one padded); a multiple of every island's num_devices
     )
 
 
@@ -320,6 +339,8 @@ def validate(
     _check_data(config.data)
     for key in ("initialization_timeout_seconds", "heartbeat_timeout_seconds", "shutdown_timeout_seconds"):
         _require(config.distributed[key] >= 1, f"distributed.{key} is {config.distributed[key]}; use at least 1 s")
+    if "metrics" in config:  # a config saved before the section existed has none
+        _check_metrics(config.metrics)
     for name, isl in config.islands.items():
         _check_island(config, name, isl)
     _check_devices(config, num_available_devices, island)
@@ -487,6 +508,25 @@ def _check_checkpoint(ckpt: ml_collections.ConfigDict) -> None:
 
 def _check_eval(evaluation: ml_collections.ConfigDict) -> None:
     _require(evaluation.every_rounds > 0, f"eval.every_rounds is {evaluation.every_rounds}; it must be at least 1")
+    _require(evaluation.num_windows >= 2,
+             f"eval.num_windows is {evaluation.num_windows}; use at least 2 (its standard error needs two windows)")
+    _require(evaluation.batch_size > 0, f"eval.batch_size is {evaluation.batch_size}; it must be positive")
+
+
+WRITER_NAMES = ("jsonl", "tensorboard", "wandb")  # values of metrics.writers, besides MODULE:CLASS
+WANDB_MODES = ("", "online", "offline", "disabled")  # values of metrics.wandb.mode
+
+
+def _check_metrics(metrics: ml_collections.ConfigDict) -> None:
+    names = [n.strip() for n in metrics.writers.split(",") if n.strip()]
+    _require("jsonl" in names, f"metrics.writers is {metrics.writers!r}; it must include jsonl, the run's own "
+             "record (its summaries and progress are read from it), e.g. 'jsonl,tensorboard'")
+    for name in names:
+        _require(name in WRITER_NAMES or (":" in name and all(name.partition(":")[::2])),
+                 f"metrics.writers names {name!r}; use {', '.join(WRITER_NAMES)} or MODULE:CLASS of a writer "
+                 "(island_jax/metrics.py)")
+    _require(metrics.wandb.mode in WANDB_MODES,
+             f"metrics.wandb.mode is {metrics.wandb.mode!r}; choose one of {WANDB_MODES[1:]} or '' (WANDB_MODE)")
 
 
 def _check_data(data: ml_collections.ConfigDict) -> None:

@@ -1,4 +1,4 @@
-"""Byte-level text data: corpus discovery, a deterministic split, grain pipelines.
+"""Byte-level text data: corpus discovery, a deterministic split, grain pipelines, the held-out set.
 
 The default corpus is real text found on every machine that runs island_jax:
 the `.py` files of the running interpreter's standard library (located through
@@ -10,7 +10,9 @@ CRC32 of its path relative to the corpus root falls in the lowest
 are added elsewhere; the other files, in sorted order, are dealt round-robin
 to the islands, giving disjoint training shards. A shard is the concatenation
 of its files' bytes, cut into non-overlapping windows of seq_len + 1 bytes
-(inputs and next-byte targets); grain shuffles and batches them.
+(inputs and next-byte targets); grain shuffles and batches them. The held-out
+set is a fixed sample of the held-out files' windows (`eval_windows`), the
+same for every config that scores the same corpus.
 """
 
 from __future__ import annotations
@@ -180,18 +182,62 @@ def train_dataset(
     )
 
 
-def eval_batches(data: np.ndarray, seq_len: int, batch_size: int, num_batches: int) -> list[np.ndarray]:
-    """Fixed evaluation batches: windows spread evenly over the held-out bytes.
+def eval_windows(data: np.ndarray, seq_len: int, num_windows: int, seed: int = 0) -> np.ndarray:
+    """The held-out set: `num_windows` distinct windows of the held-out bytes, chosen by `seed` alone.
+
+    The windows are `Windows(data, seq_len)`'s items at the first `num_windows` places of a permutation seeded by
+    `seed` (`eval.seed`, not the run's seed, so that runs of every seed score one set), in that order: every
+    config that evaluates the same corpus at the same `seq_len` and `eval.num_windows` scores the same windows,
+    whatever its batch size or devices, and the set's first and second halves are two random halves.
+
+    Args:
+      data: uint8 [n], the held-out bytes (`Corpus.eval_bytes`).
+      seq_len: bytes per input sequence; a window is seq_len + 1 bytes.
+      num_windows: how many; when the held-out bytes hold fewer windows, all of them (in the seeded order).
+      seed: `eval.seed`.
 
     Returns:
-      `num_batches` uint8 arrays [batch_size, seq_len + 1] (fewer windows than
-      asked are reused cyclically).
+      uint8 [min(num_windows, len(Windows(data, seq_len))), seq_len + 1].
 
     Raises:
       DataError: fewer than seq_len + 1 bytes.
     """
     source = Windows(data, seq_len)
-    wanted = batch_size * num_batches
-    index = np.linspace(0, len(source) - 1, wanted).round().astype(int) if len(source) >= wanted else np.arange(wanted) % len(source)
-    windows = np.stack([source[i] for i in index])
-    return list(windows.reshape(num_batches, batch_size, seq_len + 1))
+    order = np.random.default_rng(seed).permutation(len(source))[:num_windows]
+    return np.stack([source[i] for i in order])
+
+
+def windows_sha256(windows: np.ndarray) -> str:
+    """The first 16 hex digits of the SHA-256 of a held-out set (`eval_windows`'s array, its shape included)."""
+    digest = hashlib.sha256(str(windows.shape).encode())
+    digest.update(np.ascontiguousarray(windows, np.uint8).tobytes())
+    return digest.hexdigest()[:16]
+
+
+def eval_batches(windows: np.ndarray, batch_size: int) -> list[tuple[np.ndarray, int]]:
+    """The held-out set in batches of `batch_size` windows, the last one padded with zero windows.
+
+    Args:
+      windows: uint8 [n, seq_len + 1] (`eval_windows`).
+      batch_size: windows per batch (`eval.batch_size`, a multiple of the island's devices).
+
+    Returns:
+      [(uint8 [batch_size, seq_len + 1], how many of its rows are windows)], ceil(n / batch_size) of them;
+      padded rows come last and are left out of every loss (`Island.evaluate`).
+    """
+    batches = []
+    for start in range(0, len(windows), batch_size):
+        part = windows[start : start + batch_size]
+        real = len(part)
+        if real < batch_size:
+            part = np.concatenate([part, np.zeros((batch_size - real, windows.shape[1]), np.uint8)])
+        batches.append((part, real))
+    return batches
+
+
+def mean_and_stderr(losses: np.ndarray) -> tuple[float, float]:
+    """(mean, standard error of the mean) of per-window losses (float [n], nats per byte): the standard error is
+    the sample standard deviation (ddof 1) over sqrt(n); NaN for one window."""
+    losses = np.asarray(losses, np.float64)
+    stderr = float(np.std(losses, ddof=1) / np.sqrt(len(losses))) if len(losses) > 1 else float("nan")
+    return float(np.mean(losses)), stderr

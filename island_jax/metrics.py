@@ -1,11 +1,23 @@
-"""Metrics in the workdir: JSON lines, and the same numbers as TensorBoard scalars.
+"""Metrics in the workdir: JSON lines, and the same numbers for the trackers the config names.
 
-Every record is one JSON object per line in `metrics.jsonl`. With `tensorboard`
-on, each numeric field (nested dicts flattened with "/") is also written as a
-TensorBoard scalar (tensorboardX, no TensorFlow needed) named `KIND/FIELD`, for
-example `inner/loss`, `round/pseudo_gradient_norm/a`, `inner/moe/expert_load/0/3`
-(lists are indexed: MoE layer 0, expert 3), at the record's `step` (inner
-steps) or `round`.
+Every record is one JSON object per line in `metrics.jsonl`, the run's own
+record that summaries, the progress line and `experiment.Result` read. The
+writers of `metrics.writers` (a comma-separated list; "jsonl,tensorboard" by
+default) get every record too:
+
+  tensorboard  each numeric field (nested dicts flattened with "/") as a
+               TensorBoard scalar (tensorboardX, no TensorFlow needed) named
+               `KIND/FIELD`, e.g. `inner/loss`, `round/pseudo_gradient_norm/a`,
+               `inner/moe/expert_load/0/3` (lists are indexed: MoE layer 0,
+               expert 3), at the record's `step` (inner steps) or `round`;
+  wandb        the same scalars in a Weights & Biases run per role (`pip install
+               island_jax[wandb]`; `metrics.wandb`), each kind on its own x axis
+               (`KIND/step` or `KIND/round`);
+  MODULE:CLASS any other tracker: a class importable in every role's process,
+               made as `CLASS(folder, role, config)` and called like `Writer`.
+
+A writer is a small class (`Writer`): `write(record)` with the record's plain
+values, `close()` at the end; `scalars(record)` gives the flattened numbers.
 """
 
 from __future__ import annotations
@@ -59,31 +71,155 @@ class NoMetrics:
         pass
 
 
+class Writer:
+    """What `MetricsWriter` hands every record to, besides `metrics.jsonl`: the interface of a tracker.
+
+    A writer is made once per role as `Writer(folder, role, config)`: the role's folder in the workdir, its
+    name ("coordinator" or "island NAME") and the run's config. `write` gets each record with plain values
+    (numbers, strings, lists and dicts of them; `kind`, and `step` or `round`), in order, on one thread;
+    `close` is called once, after the last.
+    """
+
+    def __init__(self, folder: str, role: str, config):
+        self.folder, self.role, self.config = folder, role, config
+
+    def write(self, record: dict) -> None:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        pass
+
+
+def x_axis(record: dict) -> tuple[str, int]:
+    """("step", inner steps) or ("round", rounds): the x axis of a record's scalars (0 for a record with neither)."""
+    return ("step", record["step"]) if "step" in record else ("round", record.get("round", 0))
+
+
+def scalars(record: dict) -> dict[str, float]:
+    """A record's numbers as `KIND/FIELD` scalars (nested dicts and lists flattened with "/"), leaving out
+    `kind`, `step` and `round`."""
+    fields = {k: v for k, v in record.items() if k not in ("kind", "step", "round")}
+    return _scalars(fields, record["kind"])
+
+
+class TensorBoardWriter(Writer):
+    """`metrics.writers` "tensorboard": event files (`events.out.tfevents.*`) in the role's folder (tensorboardX)."""
+
+    def __init__(self, folder: str, role: str, config):
+        super().__init__(folder, role, config)
+        from tensorboardX import SummaryWriter
+
+        self._tb = SummaryWriter(logdir=folder, flush_secs=10)
+
+    def write(self, record: dict) -> None:
+        step = x_axis(record)[1]
+        for tag, value in scalars(record).items():
+            self._tb.add_scalar(tag, value, global_step=step)
+
+    def close(self) -> None:
+        self._tb.close()
+
+
+class WandbWriter(Writer):
+    """`metrics.writers` "wandb": one Weights & Biases run per role, in the role's folder (`wandb/`).
+
+    The run is named after the role, grouped by the workdir's name, and holds the config; its id is fixed by
+    the role's folder, so a resumed role appends to its run. `metrics.wandb.mode` ("online", "offline" or
+    "disabled"; "" leaves it to `WANDB_MODE`), `project` and `entity` go to `wandb.init`. Each kind of record
+    has its own x axis: `inner/*` scalars over `inner/step`, `round/*` over `round/round`.
+
+    Raises:
+      ImportError: wandb is not installed (`pip install island_jax[wandb]`).
+    """
+
+    def __init__(self, folder: str, role: str, config):
+        super().__init__(folder, role, config)
+        try:
+            import wandb
+        except ImportError as e:
+            raise ImportError("metrics.writers names wandb, which is not installed: pip install 'island_jax[wandb]' "
+                              "(or leave wandb out of metrics.writers)") from e
+        import hashlib
+
+        settings = config.metrics.wandb
+        workdir = os.path.dirname(folder) if role == "coordinator" else os.path.dirname(os.path.dirname(folder))
+        self._run = wandb.init(
+            project=settings.project, entity=settings.entity or None, mode=settings.mode or None,
+            dir=folder, name=role, group=os.path.basename(os.path.abspath(workdir)),
+            id=hashlib.sha256(os.path.abspath(folder).encode()).hexdigest()[:16], resume="allow",
+            config=config.to_dict(), reinit="create_new",
+        )
+        self._axes: set[str] = set()
+
+    def write(self, record: dict) -> None:
+        axis, x = x_axis(record)
+        kind = record["kind"]
+        if kind not in self._axes:  # this kind's scalars over its own x axis
+            self._run.define_metric(f"{kind}/{axis}")
+            self._run.define_metric(f"{kind}/*", step_metric=f"{kind}/{axis}")
+            self._axes.add(kind)
+        values = scalars(record)
+        if values:
+            self._run.log({**values, f"{kind}/{axis}": x})
+
+    def close(self) -> None:
+        self._run.finish()
+
+
+# Names `metrics.writers` may hold, besides "jsonl" (always written) and "MODULE:CLASS".
+WRITERS = {"tensorboard": TensorBoardWriter, "wandb": WandbWriter}
+
+
+def writer_names(spec: str) -> list[str]:
+    """The names in a `metrics.writers` value ("jsonl,tensorboard" -> ["jsonl", "tensorboard"])."""
+    return [name.strip() for name in spec.split(",") if name.strip()]
+
+
+def make_writers(spec: str, folder: str, role: str, config) -> list[Writer]:
+    """The writers `spec` (`metrics.writers`) names besides "jsonl", made for a role's folder.
+
+    Raises:
+      ValueError: a name that is neither in `WRITERS` nor MODULE:CLASS.
+      ImportError: a writer whose library or module cannot be imported.
+    """
+    import importlib
+
+    writers = []
+    for name in writer_names(spec):
+        if name == "jsonl":
+            continue
+        if name in WRITERS:
+            cls = WRITERS[name]
+        elif ":" in name:
+            module, _, attr = name.partition(":")
+            cls = getattr(importlib.import_module(module), attr)
+        else:
+            raise ValueError(f"metrics.writers names {name!r}; use jsonl, {', '.join(WRITERS)} or MODULE:CLASS")
+        writers.append(cls(folder, role, config))
+    return writers
+
+
 class MetricsWriter:
-    """Appends records to `folder/metrics.jsonl` (flushed per write) and, optionally, TensorBoard events.
+    """Appends records to `folder/metrics.jsonl` (flushed per write) and hands each to `writers`.
 
     Args:
       folder: the role's folder in the workdir (created).
-      tensorboard: also write event files (`events.out.tfevents.*`) to `folder`.
+      writers: the trackers besides JSON lines (`make_writers`), closed by `close`.
       background: write on a thread of its own, in the order given, so that a
-        training loop does not wait for JSON and TensorBoard (`close` waits for
+        training loop does not wait for JSON and the trackers (`close` waits for
         every record; an error in a write is raised there or by the next `write`).
     """
 
-    def __init__(self, folder: str, tensorboard: bool = False, background: bool = False):
+    def __init__(self, folder: str, writers: list[Writer] = (), background: bool = False):
         os.makedirs(folder, exist_ok=True)
         self._pool = futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="metrics") if background else None
         self._last: futures.Future | None = None
         self.path = os.path.join(folder, "metrics.jsonl")
         self._file = open(self.path, "a", encoding="utf-8")
-        self._tb = None
-        if tensorboard:
-            from tensorboardX import SummaryWriter
-
-            self._tb = SummaryWriter(logdir=folder, flush_secs=10)
+        self._writers = list(writers)
 
     def write(self, record: dict) -> None:
-        """Writes one record; it needs a `kind`, and `step` or `round` for TensorBoard's x axis.
+        """Writes one record; it needs a `kind`, and `step` or `round` for the trackers' x axis.
 
         A top-level value may be a function of no arguments, called when the
         record is written (on the writer's thread with `background`): for
@@ -104,23 +240,21 @@ class MetricsWriter:
         record = _plain({k: v() if callable(v) else v for k, v in record.items()})
         self._file.write(json.dumps(record) + "\n")
         self._file.flush()
-        if self._tb is not None:
-            step = record.get("step", record.get("round", 0))
-            fields = {k: v for k, v in record.items() if k not in ("kind", "step", "round")}
-            for tag, value in _scalars(fields, record["kind"]).items():
-                self._tb.add_scalar(tag, value, global_step=step)
+        for writer in self._writers:
+            writer.write(record)
 
     def close(self) -> None:
-        """Writes what is queued, then closes the files."""
-        if self._pool is not None:
-            self._pool.shutdown(wait=True)
-            self._pool = None
-            if self._last is not None and self._last.exception() is not None:
-                self._file.close()
-                raise self._last.exception()
-        self._file.close()
-        if self._tb is not None:
-            self._tb.close()
+        """Writes what is queued, then closes the file and every writer."""
+        try:
+            if self._pool is not None:
+                self._pool.shutdown(wait=True)
+                self._pool = None
+                if self._last is not None and self._last.exception() is not None:
+                    raise self._last.exception()
+        finally:
+            self._file.close()
+            for writer in self._writers:
+                writer.close()
 
 
 def read_jsonl(path: str) -> list[dict]:

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING
 
 import ml_collections
 
-from island_jax.metrics import MetricsWriter, NoMetrics, gbps, read_jsonl, write_json
+from island_jax.metrics import MetricsWriter, NoMetrics, gbps, make_writers, read_jsonl, write_json
 from island_jax.plots import plot_timeline
 from island_jax.provenance import record_start
 
@@ -198,7 +198,9 @@ def open_role(
             f.write(config.to_json_best_effort(indent=2, sort_keys=True))
         os.replace(tmp, config_path)
     record_start(path, changes)
-    metrics = MetricsWriter(path, tensorboard=True, background=True)
+    role = "coordinator" if coordinator else f"island {os.path.basename(os.path.normpath(path))}"
+    spec = config.metrics.writers if "metrics" in config else "jsonl,tensorboard"
+    metrics = MetricsWriter(path, make_writers(spec, path, role, config), background=True)
     if changes:
         metrics.write(dict(kind="config_change", round=checkpoints.latest_round() or 0,
                            changes=[dict(field=k, started=a, now=b) for k, a, b in changes]))
@@ -227,7 +229,8 @@ def summarize_island(folder: str) -> dict:
     then `compute_utilization` (ideal compute / wall), `achieved_gbps` (all
     bytes moved x 8 / seconds_transferring / 1e9), the last `checksum` (of the
     last round record, or of a later `rejoin` record), and
-    when the island evaluated, `eval_loss_initial` (round 0) and `eval_loss_final`.
+    when the island evaluated, `eval_loss_initial` (round 0), `eval_loss_final`, its standard error
+    `eval_loss_final_stderr`, and `eval_windows` and `eval_windows_sha256` (the held-out set scored).
     """
     rounds, evals, held = {}, {}, None
     for rec in read_jsonl(os.path.join(folder, "metrics.jsonl")):
@@ -236,14 +239,17 @@ def summarize_island(folder: str) -> dict:
         if rec.get("kind") == "round":
             rounds[rec["round"]] = rec
         elif rec.get("kind") == "eval":
-            evals[rec["round"]] = rec["eval_loss"]
+            evals[rec["round"]] = rec
     summary = {key: sum(rec.get(key, 0) for rec in rounds.values()) for key in SUMMED}
     wall = summary["wall_seconds"]
     summary["compute_utilization"] = summary["ideal_compute_seconds"] / wall if wall else 0.0
     summary["achieved_gbps"] = gbps(summary["bytes_sent"] + summary["bytes_received"], summary["seconds_transferring"])
     summary.update(rounds=max(rounds, default=0), checksum=held)
     if evals:
-        summary.update(eval_loss_initial=evals.get(0), eval_loss_final=evals[max(evals)])
+        last = evals[max(evals)]
+        summary.update(eval_loss_initial=evals[0]["eval_loss"] if 0 in evals else None, eval_loss_final=last["eval_loss"],
+                       eval_loss_final_stderr=last.get("eval_loss_stderr"), eval_windows=last.get("eval_windows"),
+                       eval_windows_sha256=last.get("eval_windows_sha256"))
     return summary
 
 
@@ -257,7 +263,8 @@ def combine_summaries(config: ml_collections.ConfigDict, workdir: str, wall_seco
 
     Returns:
       `rounds`, `params`, `codec`, `block_size`, `corpus`, `eval_loss_initial`,
-      `eval_loss_final` (nats per byte, from the evaluating island),
+      `eval_loss_final` (nats per byte, from the evaluating island), `eval_loss_final_stderr`
+      (its standard error over the held-out windows), `eval_windows`, `eval_windows_sha256`,
       `wall_seconds` (the caller's, seconds), `checksums_agree` (every island's final
       global parameters equal the coordinator's view; without an outer loop,
       True), and `islands.NAME`: the island's `SUMMED` totals,
@@ -287,6 +294,9 @@ def combine_summaries(config: ml_collections.ConfigDict, workdir: str, wall_seco
         corpus=evaluator.get("corpus"),
         eval_loss_initial=evaluator.get("eval_loss_initial"),
         eval_loss_final=evaluator.get("eval_loss_final"),
+        eval_loss_final_stderr=evaluator.get("eval_loss_final_stderr"),
+        eval_windows=evaluator.get("eval_windows"),
+        eval_windows_sha256=evaluator.get("eval_windows_sha256"),
         wall_seconds=wall_seconds,
         checksums_agree=agree,
         islands={

@@ -45,9 +45,34 @@ def test_train_batches_are_next_byte_windows():
     np.testing.assert_array_equal(ds[3], data.train_dataset(stream, 8, 4, seed=0)[3])
 
 
-def test_eval_batches_are_fixed():
+def test_the_held_out_set_depends_on_its_size_and_seed_only_and_pads_its_last_batch():
     stream = np.arange(10_000, dtype=np.uint32).astype(np.uint8)
-    batches = data.eval_batches(stream, 16, 4, 3)
-    assert len(batches) == 3 and batches[0].shape == (4, 17)
-    np.testing.assert_array_equal(batches[0][0], stream[:17])
-    np.testing.assert_array_equal(batches[-1][-1], stream[(len(stream) - 1) // 16 * 16 - 16 : (len(stream) - 1) // 16 * 16 + 1])
+    windows = data.eval_windows(stream, 16, 10, seed=0)
+    order = np.random.default_rng(0).permutation((10_000 - 1) // 16)[:10]  # 624 windows; the seeded first 10
+    assert windows.shape == (10, 17) and windows.dtype == np.uint8
+    np.testing.assert_array_equal(windows, np.stack([stream[i * 16 : i * 16 + 17] for i in order]))
+    assert data.windows_sha256(windows) == data.windows_sha256(data.eval_windows(stream, 16, 10, seed=0))
+    assert data.windows_sha256(windows) != data.windows_sha256(data.eval_windows(stream, 16, 10, seed=1))
+    np.testing.assert_array_equal(data.eval_windows(stream, 16, 20, seed=0)[:10], windows)  # a larger set extends it
+    assert len(data.eval_windows(stream, 16, 10**6, seed=0)) == 624  # all of them, when fewer than asked
+    for batch_size in (4, 5, 10):  # the same windows in batches of any size; the last one padded with zeros
+        batches = data.eval_batches(windows, batch_size)
+        assert [real for _, real in batches] == {4: [4, 4, 2], 5: [5, 5], 10: [10]}[batch_size]
+        assert all(b.shape == (batch_size, 17) for b, _ in batches)
+        np.testing.assert_array_equal(np.concatenate([b[:real] for b, real in batches]), windows)
+        assert not batches[-1][0][batches[-1][1]:].any()
+    mean, stderr = data.mean_and_stderr(np.array([1.0, 2.0, 3.0, 6.0], np.float32))
+    assert mean == 3.0 and stderr == pytest.approx(np.sqrt(14 / 3) / 2, rel=1e-12)
+
+
+def test_baseline_dp_and_two_islands_score_the_same_held_out_windows():
+    from island_jax.experiment import load_config
+
+    sets = {}
+    for name in ("baseline_dp", "two_islands", "hetero_islands"):
+        config = load_config(f"experiments/configs/{name}.py")
+        corpus = data.load_corpus(config.data.files, config.data.eval_fraction, list(config.islands.keys()))
+        windows = data.eval_windows(corpus.eval_bytes, config.model.seq_len, config.eval.num_windows, config.eval.seed)
+        sets[name] = (len(windows), data.windows_sha256(windows), config.eval.batch_size)
+    assert sets["baseline_dp"][:2] == sets["two_islands"][:2] == sets["hetero_islands"][:2]
+    assert sets["baseline_dp"][0] == 2048 and sets["baseline_dp"][2] != sets["two_islands"][2]  # 48 and 32 per batch

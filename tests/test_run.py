@@ -226,9 +226,11 @@ def test_data_parallel_baseline_runs_through_run_island_with_no_exchange(tmp_pat
         by_hand.train_round()
     rounds = records(tmp_path / "baseline", "islands/a", "round")
     assert rounds[-1]["checksum"] == checksum(jax.device_get(by_hand.params))
-    assert summary["eval_loss_final"] == by_hand.evaluate(data_lib.eval_batches(
-        data_lib.load_corpus(config.data.files, config.data.eval_fraction, ["a"]).eval_bytes,
-        config.model.seq_len, config.eval.batch_size, config.eval.num_batches))
+    windows = data_lib.eval_windows(data_lib.load_corpus(config.data.files, config.data.eval_fraction, ["a"]).eval_bytes,
+                                    config.model.seq_len, config.eval.num_windows, config.eval.seed)
+    losses = by_hand.evaluate(data_lib.eval_batches(windows, config.eval.batch_size))
+    assert (summary["eval_loss_final"], summary["eval_loss_final_stderr"]) == data_lib.mean_and_stderr(losses)
+    assert summary["eval_windows"] == 8 and summary["eval_windows_sha256"] == data_lib.windows_sha256(windows)
 
 
 def test_a_role_stopped_before_its_first_round_starts_again_and_one_with_rounds_is_refused(tmp_path):

@@ -27,7 +27,7 @@ def get_config():
     c.islands.a = island(4, 2, 2, 8, 2)
     c.islands.b = island(2, 1, 2, 4, 2)
     c.outer.rounds = 3
-    c.eval.update(every_rounds=3, batch_size=4, num_batches=2)
+    c.eval.update(every_rounds=3, batch_size=4, num_windows=8)
     c.data.eval_fraction = 0.2
     c.checkpoint.every_rounds = 1
     return c

@@ -496,16 +496,24 @@ class Island:
         self.step = int(state["step"])
         return int(state["round"])
 
-    def evaluate(self, batches: Sequence[np.ndarray], global_params: bool = False) -> float:
-        """Mean cross-entropy (nats per byte) over fixed batches (uint8 [B, S + 1] each), of the island's
-        parameters or (with `global_params`) of the global ones, its anchors (the same once every update
-        is applied without overlap)."""
+    def evaluate(self, batches: Sequence[tuple[np.ndarray, int]], global_params: bool = False) -> np.ndarray:
+        """Cross-entropy per held-out window (nats per byte), of the island's parameters or (with
+        `global_params`) of the global ones, its anchors (the same once every update is applied without overlap).
+
+        Args:
+          batches: `data.eval_batches`: (uint8 [B, S + 1], how many of its first rows are windows) each.
+
+        Returns:
+          float32 [windows]: each window's mean loss over its S targets, in the batches' order; the padded
+          rows of a batch are left out.
+        """
         params = self.anchor if global_params else self.params
         with self.device_lock, jax.set_mesh(self.mesh):
             # One batch in flight at a time, as in train_round (XLA:CPU rendezvous).
-            rows = self.shardings.local_rows(len(batches[0])) if batches else slice(None)
+            rows = self.shardings.local_rows(len(batches[0][0])) if batches else slice(None)
             losses = [
-                float(self.shardings.to_host(self._eval_step(params, *self.shardings.batch_of(b[rows], len(b)))))
-                for b in batches
+                np.asarray(self.shardings.to_host(self._eval_step(params, *self.shardings.batch_of(b[rows], len(b)))),
+                           np.float32)[:real]
+                for b, real in batches
             ]
-            return float(np.mean(np.asarray(losses, np.float32)))
+            return np.concatenate(losses) if losses else np.zeros(0, np.float32)

@@ -176,19 +176,30 @@ def run_island(
 
 
 class _Evaluator:
-    """The first island's evaluations of the held-out files (nats per byte), written as `eval` records."""
+    """The first island's evaluations of the held-out set (`data.eval_windows`; nats per byte), written as
+    `eval` records: `eval_loss` (the mean over windows), `eval_loss_stderr` (its standard error),
+    `eval_loss_halves` (the means of the set's first and second halves), `eval_windows` (how many) and
+    `eval_windows_sha256` (`data.windows_sha256`: equal in every run scored on the same windows)."""
 
     def __init__(self, config, corpus: data_lib.Corpus, island: Island, role: RoleFolder, global_params: bool):
         self.island, self.role, self.global_params = island, role, global_params
-        self.batches = data_lib.eval_batches(
-            corpus.eval_bytes, config.model.seq_len, config.eval.batch_size, config.eval.num_batches
-        )
+        windows = data_lib.eval_windows(corpus.eval_bytes, config.model.seq_len, config.eval.num_windows,
+                                        config.eval.seed)
+        self.count, self.sha256 = len(windows), data_lib.windows_sha256(windows)
+        self.batches = data_lib.eval_batches(windows, config.eval.batch_size)
 
-    def __call__(self, round: int, write: bool = True) -> float:
-        loss = self.island.evaluate(self.batches, global_params=self.global_params)
+    def __call__(self, round: int, write: bool = True) -> dict:
+        """Scores the held-out set after `round` rounds; returns the record's fields (written when `write`)."""
+        losses = self.island.evaluate(self.batches, global_params=self.global_params)
+        loss, stderr = data_lib.mean_and_stderr(losses)
+        half = len(losses) // 2
+        result = dict(eval_loss=loss, eval_loss_stderr=stderr,
+                      eval_loss_halves=[float(np.mean(losses[:half], dtype=np.float64)),
+                                        float(np.mean(losses[half:], dtype=np.float64))],
+                      eval_windows=self.count, eval_windows_sha256=self.sha256)
         if write:
-            self.role.metrics.write(dict(kind="eval", round=round, eval_loss=loss))
-        return loss
+            self.role.metrics.write(dict(kind="eval", round=round, **result))
+        return result
 
 
 def join_fingerprint(config: ml_collections.ConfigDict, corpus: data_lib.Corpus) -> dict:
@@ -226,8 +237,9 @@ def _join(config, island: Island, transport, role: RoleFolder, first: int, evalu
         cfg.num_devices, cfg.mesh.data, cfg.mesh.expert, cfg.batch_size, island.inner_steps,
     )
     if evaluator is not None:
-        loss = evaluator(first, write=first == 0)
-        logging.info("round %d: eval loss %.4f nats/byte", first, loss)
+        scored = evaluator(first, write=first == 0)
+        logging.info("round %d: eval loss %.4f +- %.4f nats/byte (%d held-out windows)", first, scored["eval_loss"],
+                     scored["eval_loss_stderr"], scored["eval_windows"])
     if transport is not None and not rejoined and island.part == 0:  # every island starts its first round together
         transport.start_together(name, fingerprint, island.global_checksum, first)
     return first, fragment_rounds
@@ -327,7 +339,8 @@ def _train_rounds(config, island: Island, sync: StreamingSync, role: RoleFolder,
             _agree_on_round(island, record, r)
         if evaluator is not None and due(r + 1, config.eval.every_rounds, rounds):
             with sync.between_rounds("eval"):
-                record["eval_loss"] = evaluator(r + 1)
+                scored = evaluator(r + 1)
+                record.update(eval_loss=scored["eval_loss"], eval_loss_stderr=scored["eval_loss_stderr"])
         role.metrics.write(record)
         if checkpoint_due:
             with sync.between_rounds("checkpoint"):

@@ -128,11 +128,12 @@ def build_train_step(
 
 
 def build_eval_step(graphdef: nnx.GraphDef) -> Callable:
-    """The jitted `(params, inputs, targets) -> cross-entropy` (nats per byte, float32 scalar), no router jitter."""
+    """The jitted `(params, inputs, targets) -> cross-entropy per window` (nats per byte, float32 [B]: each
+    row's mean over its S targets), no router jitter."""
 
     def eval_step(params, inputs, targets):
         logits, _ = nnx.merge(graphdef, nnx.State(params))(inputs)
-        return cross_entropy(logits, targets)
+        return jnp.mean(optax.softmax_cross_entropy_with_integer_labels(logits, targets), axis=-1)
 
     return jax.jit(eval_step)
 

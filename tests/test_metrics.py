@@ -1,0 +1,112 @@
+"""Metric writers (`metrics.writers`): JSON lines always, TensorBoard, Weights & Biases offline, another tracker."""
+
+import glob
+import json
+import struct
+
+import pytest
+
+from island_jax import metrics
+from island_jax.config import ConfigError, default_config, island, validate
+
+RECORDS = [
+    dict(kind="inner", round=1, step=1, loss=2.5, moe=dict(expert_load=[[0.25, 0.75]])),
+    dict(kind="inner", round=1, step=2, loss=2.0, moe=dict(expert_load=[[0.5, 0.5]])),
+    dict(kind="round", round=1, train_loss=2.25, weights=dict(a=1.0)),
+    dict(kind="exchange", pipelined=True),  # no number: nothing for the trackers
+]
+
+
+def _config(writers):
+    c = default_config()
+    c.islands.a = island(1, 1, 1, 1, 1)
+    c.metrics.writers = writers
+    c.metrics.wandb.mode = "offline"
+    return c
+
+
+class ListWriter(metrics.Writer):
+    """A tracker of its own, named in metrics.writers as test_metrics:ListWriter."""
+
+    made: list = []
+
+    def __init__(self, folder, role, config):
+        super().__init__(folder, role, config)
+        self.records, self.closed = [], False
+        ListWriter.made.append(self)
+
+    def write(self, record):
+        self.records.append(record)
+
+    def close(self):
+        self.closed = True
+
+
+def test_another_tracker_is_a_class_named_by_module_and_name(tmp_path):
+    ListWriter.made.clear()
+    config = _config("jsonl,test_metrics:ListWriter")
+    validate(config)
+    writer = metrics.MetricsWriter(str(tmp_path), metrics.make_writers(config.metrics.writers, str(tmp_path),
+                                                                       "island a", config))
+    for record in RECORDS:
+        writer.write(dict(record, checksum=lambda: "ab"))  # a value computed when written
+    writer.close()
+    (made,) = ListWriter.made
+    assert (made.folder, made.role, made.closed) == (str(tmp_path), "island a", True)
+    assert made.records == [dict(r, checksum="ab") for r in RECORDS] == metrics.read_jsonl(tmp_path / "metrics.jsonl")
+    assert metrics.scalars(RECORDS[0]) == {"inner/loss": 2.5, "inner/moe/expert_load/0/0": 0.25,
+                                           "inner/moe/expert_load/0/1": 0.75}
+
+
+@pytest.mark.parametrize("writers,message", [
+    ("tensorboard", r"metrics.writers is 'tensorboard'; it must include jsonl"),
+    ("jsonl,mlflow", r"metrics.writers names 'mlflow'; use jsonl, tensorboard, wandb or MODULE:CLASS"),
+])
+def test_writers_are_checked_before_the_run(writers, message):
+    with pytest.raises(ConfigError, match=message):
+        validate(_config(writers))
+
+
+def _wandb_history(path) -> list[dict]:
+    """The history rows of an offline W&B run file (`run-ID.wandb`): a 7-byte header (":W&B", magic, version),
+    then LevelDB log records in 32 KiB blocks, each a `wandb_internal_pb2.Record`."""
+    from wandb.proto import wandb_internal_pb2 as pb
+
+    data = open(path, "rb").read()
+    assert data[:4] == b":W&B"
+    block, pos, pieces, rows = 32768, 7, b"", []
+    while pos + 7 <= len(data):
+        left = block - pos % block
+        if left < 7:  # the block's trailer
+            pos += left
+            continue
+        _, length, kind = struct.unpack("<IHB", data[pos:pos + 7])
+        chunk, pos = data[pos + 7:pos + 7 + length], pos + 7 + length
+        if kind in (1, 4):  # a whole record, or the last piece of one
+            record = pb.Record()
+            record.ParseFromString(pieces + chunk)
+            pieces = b""
+            if record.WhichOneof("record_type") == "history":
+                rows.append({i.key or "/".join(i.nested_key): json.loads(i.value_json) for i in record.history.item})
+        elif kind in (2, 3):  # the first or a middle piece
+            pieces += chunk
+    return rows
+
+
+def test_wandb_offline_run_holds_every_scalar_on_its_kinds_axis(tmp_path, monkeypatch):
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    config = _config("jsonl,tensorboard,wandb")
+    folder = tmp_path / "workdir" / "islands" / "a"
+    writer = metrics.MetricsWriter(str(folder), metrics.make_writers(config.metrics.writers, str(folder), "island a",
+                                                                     config))
+    for record in RECORDS:
+        writer.write(record)
+    writer.close()
+    (run_file,) = glob.glob(str(folder / "wandb" / "offline-run-*" / "run-*.wandb"))
+    rows = [{k: v for k, v in row.items() if not k.startswith("_")} for row in _wandb_history(run_file)]
+    assert rows == [
+        {"inner/step": 1, "inner/loss": 2.5, "inner/moe/expert_load/0/0": 0.25, "inner/moe/expert_load/0/1": 0.75},
+        {"inner/step": 2, "inner/loss": 2.0, "inner/moe/expert_load/0/0": 0.5, "inner/moe/expert_load/0/1": 0.5},
+        {"round/round": 1, "round/train_loss": 2.25, "round/weights/a": 1.0},
+    ]
+    assert glob.glob(str(folder / "events.out.tfevents.*")) and len(metrics.read_jsonl(folder / "metrics.jsonl")) == 4
