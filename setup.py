@@ -44,6 +44,7 @@ setup(
         "protobuf>=7.35.1,<8",
         "crc32c>=2.7,<3",  # CRC-32C of every chunk, in hardware
         "cryptography>=42,<51",  # island_jax/comm/security.py: the run's TLS certificates (x509, ECDSA P-256)
+        "safetensors>=0.8,<0.9",  # island_jax/export.py: the exported weights
     ],
     extras_require={
         # tensorboard: its own event reader checks the event files the runs write;

@@ -114,6 +114,19 @@ class Result:
             steps += _latest([dict(island=name, **r) for r in records if r.get("kind") == "inner"], "step")
         return cls(workdir, summary, pd.json_normalize(rounds, sep="."), pd.json_normalize(steps, sep="."))
 
+    def sample(self, prompt: str = "\n", max_new_tokens: int = 64, temperature: float = 0.8, top_k: int = 0,
+               top_p: float = 1.0, seed: int = 0, num_samples: int = 1, round: int | None = None) -> list[str]:
+        """Text the run's model writes after `prompt`: `island_jax.sample.generate` on the global parameters of
+        the checkpoint of `round` (None: the newest), in this process, on one device. Returns `num_samples`
+        continuations (the prompt left out). Raises what `model.load.from_workdir` and `generate` raise."""
+        from island_jax import sample
+        from island_jax.model import load
+
+        config, params, _ = load.from_workdir(self.workdir, round)
+        samples = sample.generate(config, params, prompt.encode("utf-8"), max_new_tokens, temperature, top_k, top_p,
+                                  seed, num_samples)
+        return [sample.text(s) for s in samples]
+
     @property
     def bytes_per_round(self) -> float:
         """Mean bytes an island sent per round (its round records' `bytes_sent`); NaN without any."""

@@ -15,6 +15,7 @@ import jax.numpy as jnp
 import ml_collections
 from flax import nnx
 
+from island_jax.mesh import BATCH_AXES
 from island_jax.model.moe import MEAN_METRICS, MoE, SharedExperts, routing_bias_update
 
 
@@ -36,6 +37,29 @@ class Attention(nnx.Module):
         q, k, v = jnp.split(self.qkv(x).reshape(b, s, 3 * self.num_heads, d // self.num_heads), 3, axis=2)
         y = jax.nn.dot_product_attention(q, k, v, is_causal=True)
         return self.out(y.reshape(b, s, d))
+
+    def decode(self, x: jax.Array, cache: tuple[jax.Array, jax.Array], pos: jax.Array):
+        """The attention of one new position per row, with a KV cache.
+
+        Args:
+          x: [B, 1, D], the inputs at position `pos`.
+          cache: (keys, values), each [B, T, H, D / H] in the compute dtype: positions 0..pos-1 hold what
+            earlier calls wrote; T is the longest sequence the cache serves.
+          pos: int32 [], the new position, in 0..T-1.
+
+        Returns:
+          ([B, 1, D], the cache with position `pos` written): the same as `__call__`'s row `pos` over
+          positions 0..pos.
+        """
+        b, s, d = x.shape
+        q, k, v = jnp.split(self.qkv(x).reshape(b, s, 3 * self.num_heads, d // self.num_heads), 3, axis=2)
+        keys, values = (
+            jax.lax.dynamic_update_slice_in_dim(c, jax.sharding.reshard(new.astype(c.dtype), jax.P(BATCH_AXES)), pos, 1)
+            for c, new in zip(cache, (k, v))
+        )
+        seen = (jnp.arange(keys.shape[1]) <= pos)[None, None, None, :]  # [1, 1, 1, T]: positions 0..pos
+        y = jax.nn.dot_product_attention(q, keys.astype(q.dtype), values.astype(q.dtype), mask=seen)
+        return self.out(y.reshape(b, s, d)), (keys, values)
 
 
 def is_moe_layer(layer: int, every_n_layers: int) -> bool:
@@ -79,10 +103,19 @@ class Block(nnx.Module):
 
     def __call__(self, x: jax.Array, mask: jax.Array | None, key: jax.Array | None) -> tuple[jax.Array, dict | None]:
         x = x + self.attn(self.attn_norm(x))
+        return self._feed_forward(x, mask, key)
+
+    def _feed_forward(self, x, mask, key):
         if self.moe is None:
             return x + self.mlp(self.ffn_norm(x)).astype(x.dtype), None
         y, stats = self.moe(self.ffn_norm(x), mask, key)
         return x + y, stats
+
+    def decode(self, x: jax.Array, cache: tuple[jax.Array, jax.Array], pos: jax.Array):
+        """One new position per row (x [B, 1, D]) with the attention's KV cache (`Attention.decode`);
+        returns (x [B, 1, D], the cache with `pos` written). No router jitter."""
+        y, cache = self.attn.decode(self.attn_norm(x), cache, pos)
+        return self._feed_forward(x + y, None, None)[0], cache
 
 
 class Transformer(nnx.Module):
@@ -111,12 +144,47 @@ class Transformer(nnx.Module):
             param_dtype=pd, dtype=cd, rngs=rngs,
         )
 
-    def __call__(self, tokens: jax.Array, mask: jax.Array | None = None, key: jax.Array | None = None):
+    def _embed(self, tokens: jax.Array, positions: jax.Array) -> jax.Array:
         # A one-hot matmul rather than a gather: it keeps the batch sharding under
         # explicit mesh axes and costs little at a byte-level vocabulary.
         one_hot = jax.nn.one_hot(tokens, self.embedding.shape[0], dtype=self.compute_dtype)
-        x = one_hot @ self.embedding[...].astype(self.compute_dtype)
-        x = x + self.position[...][: tokens.shape[1]].astype(self.compute_dtype)
+        return one_hot @ self.embedding[...].astype(self.compute_dtype) + positions.astype(self.compute_dtype)
+
+    def init_cache(self, batch: int, length: int) -> list[tuple[jax.Array, jax.Array]]:
+        """An empty KV cache for `decode`: per block, (keys, values) of zeros [batch, length, H, D / H] in the
+        compute dtype, the batch split over the mesh as the activations are; `length` (tokens) at most
+        `model.seq_len`, the positions the model learned."""
+        d, heads = self.embedding.shape[1], self.blocks[0].attn.num_heads
+        shape = (batch, length, heads, d // heads)
+
+        def zeros():
+            return jnp.zeros(shape, self.compute_dtype, out_sharding=jax.P(BATCH_AXES))
+
+        return [(zeros(), zeros()) for _ in self.blocks]
+
+    def decode(self, tokens: jax.Array, pos: jax.Array, cache: list):
+        """Logits of the next token after `tokens` at position `pos`, reusing the keys and values of positions
+        0..pos-1 (`init_cache`, then one call per position).
+
+        Args:
+          tokens: int32 [B, 1], the token at position `pos` of each row.
+          pos: int32 [], 0..length-1 of the cache.
+          cache: `init_cache`'s list, positions 0..pos-1 written by earlier calls.
+
+        Returns:
+          (logits float32 [B, 1, vocab], the cache with `pos` written): `__call__`'s logits at `pos` over the
+          same tokens, with no router jitter (run with `moe.capacity_factor <= 0`, so that no token is dropped
+          in either).
+        """
+        x = self._embed(tokens, jax.lax.dynamic_slice_in_dim(self.position[...], pos, 1)[None])
+        new = []
+        for block, layer_cache in zip(self.blocks, cache):
+            x, layer_cache = block.decode(x, layer_cache, pos)
+            new.append(layer_cache)
+        return self.head(self.final_norm(x)).astype(jnp.float32), new
+
+    def __call__(self, tokens: jax.Array, mask: jax.Array | None = None, key: jax.Array | None = None):
+        x = self._embed(tokens, self.position[...][: tokens.shape[1]])
         layer_stats = []
         for i, block in enumerate(self.blocks):
             x, stats = block(x, mask, None if key is None else jax.random.fold_in(key, i))
