@@ -42,6 +42,8 @@ def test_greedy_sampling_with_the_cache_equals_argmax_decoding_without_it(traine
     # a top-k of 1, or a nucleus smaller than any token's probability, leaves only the argmax at any temperature
     assert sample.generate(config, params, PROMPT, 32, temperature=1.5, top_k=1, seed=4)[0] == fast
     assert sample.generate(config, params, PROMPT, 32, temperature=1.5, top_p=1e-9, seed=4)[0] == fast
+    # on a mesh of 2 x 2 devices (the samples split over data, the experts over expert): the same choices
+    assert sample.generate(config, params, PROMPT, 32, temperature=0, num_samples=4, mesh=(2, 2)) == [fast] * 4
     drawn = sample.generate(config, params, PROMPT, 32, temperature=1.0, seed=0, num_samples=3)
     assert drawn == sample.generate(config, params, PROMPT, 32, temperature=1.0, seed=0, num_samples=3)
     assert len({*drawn}) == 3 and all(len(s) == 32 for s in drawn)  # three draws, each repeatable by its seed
