@@ -115,6 +115,11 @@ def test_the_command_lines_export_and_sample(trained, tmp_path):
     config = load.read_config(str(tmp_path / "export" / "config.json"))
     expected = PROMPT.decode() + sample.text(sample.greedy_without_cache(config, params, PROMPT, 20))
     assert sampled.stdout.splitlines()[1:] == expected.splitlines()
+    halves = subprocess.run([sys.executable, "experiments/heldout_halves.py", f"--workdir={workdir}", "--sizes=8",
+                             "--draws=5"], **run)
+    assert halves.returncode == 0, halves.stderr[-2000:]
+    lines = halves.stdout.splitlines()
+    assert len(lines) == 3 and lines[0].startswith(f"{workdir}, round 3: ") and lines[1].startswith("n=8: mean ")
     refused = subprocess.run([sys.executable, "-m", "island_jax.sample", f"--workdir={workdir}", "--round=9"], **run)
     assert refused.returncode == 1
     assert refused.stderr.strip().splitlines()[-1].endswith("holds no checkpoint of round 9; it keeps rounds [1, 2, 3]")
