@@ -160,18 +160,21 @@ def generate(
 
 def greedy_without_cache(config: ml_collections.ConfigDict, params: dict, prompt: bytes, max_new_tokens: int) -> bytes:
     """Greedy decoding the slow way, the reference `generate` is checked against: the whole sequence through the
-    model (`Transformer.__call__`, causal attention, no cache) for every new token, on one device."""
+    model (`Transformer.__call__`, causal attention, no cache) for every new token, on one device. The sequence
+    is padded to `model.seq_len` (one program for every length); causal attention and no capacity drops keep
+    the padding out of the positions read."""
     from island_jax.mesh import island_mesh
     from island_jax.model.init import init_params
 
     graphdef, _, _ = init_params(_sampling_config(config))
     _, _, full = _programs(graphdef)
-    tokens = list(prompt)
+    tokens = np.zeros((1, config.model.seq_len), np.int32)
+    tokens[0, : len(prompt)] = np.frombuffer(prompt, np.uint8)
     with jax.set_mesh(island_mesh(1, 1, jax.devices()[:1])):
-        for _ in range(max_new_tokens):
-            logits = np.asarray(full(params, jnp.asarray([tokens], jnp.int32)))[0, -1, :BYTE_SYMBOLS]
-            tokens.append(int(np.argmax(logits)))
-    return bytes(tokens[len(prompt):])
+        for t in range(len(prompt), len(prompt) + max_new_tokens):
+            logits = np.asarray(full(params, jnp.asarray(tokens)))[0, t - 1, :BYTE_SYMBOLS]
+            tokens[0, t] = int(np.argmax(logits))
+    return bytes(tokens[0, len(prompt) : len(prompt) + max_new_tokens].astype(np.uint8).tolist())
 
 
 def text(sample: bytes) -> str:

@@ -53,6 +53,15 @@ def test_sweep_rows_and_finished_variants_are_read_back(tmp_path, monkeypatch):
 
 
 @pytest.mark.slow
+def test_a_sweep_over_overlap_steps_runs_an_integer_and_auto(tmp_path):
+    base = tiny(tmp_path, rounds=1)
+    grid = {"outer.overlap_steps": [experiment.parse_override(base, "outer.overlap_steps", t) for t in ("0", "auto")]}
+    rows = experiment.sweep(base, grid, str(tmp_path / "sweep"), max_parallel=2)
+    assert rows["outer.overlap_steps"].tolist() == [0, "auto"] and rows["error"].isna().all(), rows["error"].tolist()
+    assert [experiment.Result.load(w).summary.loc[0, "rounds"] for w in rows["workdir"]] == [1, 1]
+
+
+@pytest.mark.slow
 def test_a_failing_variant_gets_its_error_and_the_others_run(tmp_path):
     base = tiny(tmp_path)
     good = base.data.files
