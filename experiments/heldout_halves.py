@@ -33,6 +33,7 @@ def main(argv):
     import numpy as np
 
     from island_jax import data as data_lib
+    from island_jax.config import evaluating_island
     from island_jax.island.step import build_eval_step
     from island_jax.mesh import island_mesh, use_cpu_devices
     from island_jax.model import load
@@ -40,8 +41,9 @@ def main(argv):
 
     # the evaluating island's mesh, as the run scores its held-out set (expert capacity depends on the shards)
     islands = os.path.join(_WORKDIR.value, "islands")
-    started = load.read_config(os.path.join(islands, sorted(os.listdir(islands))[0], load.CONFIG_FILE))
-    first = next(iter(started.islands.values()))
+    found = [n for n in sorted(os.listdir(islands)) if os.path.exists(os.path.join(islands, n, load.CONFIG_FILE))]
+    started = load.read_config(os.path.join(islands, found[0], load.CONFIG_FILE))
+    first = started.islands[evaluating_island(started)]
     use_cpu_devices(first.num_devices)  # before JAX starts its backend
     config, params, round = load.from_workdir(_WORKDIR.value, _ROUND.value)
     corpus = data_lib.load_corpus(config.data.files, config.data.eval_fraction, list(config.islands.keys()))
@@ -49,10 +51,11 @@ def main(argv):
     graphdef, _, _ = init_params(config)
     step = build_eval_step(graphdef)
     with jax.set_mesh(island_mesh(first.mesh.data, first.mesh.expert, jax.devices()[: first.num_devices])):
-        losses = np.concatenate([
-            np.asarray(step(params, b[:, :-1].astype(np.int32), b[:, 1:].astype(np.int32)))[:real]
-            for b, real in data_lib.eval_batches(windows, config.eval.batch_size)
-        ]).astype(np.float64)
+        losses = []
+        for b, real in data_lib.eval_batches(windows, config.eval.batch_size):
+            mask = (np.arange(len(b)) < real)[:, None].repeat(b.shape[1] - 1, axis=1).astype(np.float32)
+            losses.append(np.asarray(step(params, b[:, :-1].astype(np.int32), b[:, 1:].astype(np.int32), mask))[:real])
+        losses = np.concatenate(losses).astype(np.float64)
     print(f"{_WORKDIR.value}, round {round}: {len(losses)} held-out windows, mean {losses.mean():.4f}, per-window "
           f"std {losses.std(ddof=1):.4f} nats/byte")
     rng = np.random.default_rng(1)

@@ -40,12 +40,11 @@ def unknown_overrides(config, argv: Sequence[str]) -> list[str]:
 
 
 def _has_field(config, path: str) -> bool:
+    import ml_collections
+
     node = config
     for part in path.split("."):
-        try:
-            if part not in node:
-                return False
-        except TypeError:  # a leaf value where the path goes on
+        if not isinstance(node, ml_collections.ConfigDict) or part not in node:  # a leaf where the path goes on
             return False
         node = node[part]
     return True

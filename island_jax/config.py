@@ -513,17 +513,18 @@ def _check_eval(evaluation: ml_collections.ConfigDict) -> None:
     _require(evaluation.batch_size > 0, f"eval.batch_size is {evaluation.batch_size}; it must be positive")
 
 
-WRITER_NAMES = ("jsonl", "tensorboard", "wandb")  # values of metrics.writers, besides MODULE:CLASS
 WANDB_MODES = ("", "online", "offline", "disabled")  # values of metrics.wandb.mode
 
 
 def _check_metrics(metrics: ml_collections.ConfigDict) -> None:
-    names = [n.strip() for n in metrics.writers.split(",") if n.strip()]
+    from island_jax.metrics import WRITERS, writer_names  # imports no JAX
+
+    names = writer_names(metrics.writers)
     _require("jsonl" in names, f"metrics.writers is {metrics.writers!r}; it must include jsonl, the run's own "
              "record (its summaries and progress are read from it), e.g. 'jsonl,tensorboard'")
     for name in names:
-        _require(name in WRITER_NAMES or (":" in name and all(name.partition(":")[::2])),
-                 f"metrics.writers names {name!r}; use {', '.join(WRITER_NAMES)} or MODULE:CLASS of a writer "
+        _require(name == "jsonl" or name in WRITERS or (":" in name and all(name.partition(":")[::2])),
+                 f"metrics.writers names {name!r}; use {', '.join(['jsonl', *WRITERS])} or MODULE:CLASS of a writer "
                  "(island_jax/metrics.py)")
     _require(metrics.wandb.mode in WANDB_MODES,
              f"metrics.wandb.mode is {metrics.wandb.mode!r}; choose one of {WANDB_MODES[1:]} or '' (WANDB_MODE)")
@@ -636,6 +637,12 @@ def _check_devices(config: ml_collections.ConfigDict, num_available_devices: int
         )
 
 
+def evaluating_island(config: ml_collections.ConfigDict) -> str:
+    """The island that evaluates the global parameters and whose checkpoints hold them: the first of
+    `config.islands`."""
+    return next(iter(config.islands.keys()))
+
+
 def devices_per_process(isl: ml_collections.ConfigDict) -> int:
     """The devices each process of island `isl` (an entry of `config.islands`) has."""
     return isl.devices_per_process or isl.num_devices // max(isl.num_processes, 1)
@@ -673,16 +680,11 @@ def fingerprint_differences(mine: dict, theirs: dict) -> list[str]:
     return [f"{k} (theirs {theirs.get(k)!r}, here {mine.get(k)!r})" for k in keys if mine.get(k) != theirs.get(k)]
 
 
-def field_paths(config: ml_collections.ConfigDict, prefix: str = "") -> list[str]:
+def field_paths(config: ml_collections.ConfigDict) -> list[str]:
     """Every leaf field of `config` as a dotted path (e.g. "outer.rounds", "islands.a.mesh.data"), in key order."""
-    paths = []
-    for key, value in config.items():
-        path = f"{prefix}{key}"
-        if isinstance(value, ml_collections.ConfigDict) and len(value):
-            paths += field_paths(value, f"{path}.")
-        else:
-            paths.append(path)
-    return paths
+    import json
+
+    return list(_flat(json.loads(config.to_json_best_effort())))
 
 
 def unknown_field(config: ml_collections.ConfigDict, path: str) -> ConfigError:
@@ -731,12 +733,16 @@ def _may_change(path: str, started, now) -> bool:
     return any(fnmatch.fnmatchcase(path, pattern) for pattern in RESUME_MAY_CHANGE if pattern != "outer.rounds")
 
 
-def config_changes(started: dict, config: ml_collections.ConfigDict) -> list[tuple[str, object, object]]:
-    """The fields in which `config` differs from the config a role started with, leaving out `RESUME_MAY_CHANGE`.
+def config_changes(
+    started: dict, config: ml_collections.ConfigDict, allowed: bool = False
+) -> list[tuple[str, object, object]]:
+    """The fields in which `config` differs from the config a role started with, leaving out `RESUME_MAY_CHANGE`
+    (unless `allowed`: then every field that differs).
 
     Args:
       started: the role's `config.json`, as parsed JSON.
       config: the config it would resume under.
+      allowed: also list the fields of `RESUME_MAY_CHANGE` that differ.
 
     Returns:
       [(dotted field, the value it started with, the value now)], sorted by field; a field only one side has
@@ -747,7 +753,7 @@ def config_changes(started: dict, config: ml_collections.ConfigDict) -> list[tup
     old, new = _flat(started), _flat(json.loads(config.to_json_best_effort()))
     return [
         (k, old.get(k), new.get(k)) for k in sorted(set(old) | set(new))
-        if old.get(k) != new.get(k) and not _may_change(k, old.get(k), new.get(k))
+        if old.get(k) != new.get(k) and (allowed or not _may_change(k, old.get(k), new.get(k)))
     ]
 
 

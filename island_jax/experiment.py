@@ -206,7 +206,7 @@ def run(
     text = config.to_json_best_effort(indent=2, sort_keys=True)
     variant = os.path.join(workdir, VARIANT_FILE)
     if os.path.exists(os.path.join(workdir, "summary.json")):
-        if os.path.exists(variant) and _same_json(variant, text):
+        if os.path.exists(variant) and not _changes(variant, config):  # only fields that may change on resume
             return Result.load(workdir)
         raise FileExistsError(
             f"{workdir} holds a finished run of another config (or of one not started by island_jax.experiment); "
@@ -281,10 +281,10 @@ def _wait(proc: subprocess.Popen, config, workdir: str, timeout, progress: bool,
             bar.close()
 
 
-def _same_json(path: str, text: str) -> bool:
-    """Whether the config in `path` equals `text`."""
+def _changes(path: str, config: ml_collections.ConfigDict) -> list:
+    """`config.config_changes` between the config in `path` and `config` (`RESUME_MAY_CHANGE` left out)."""
     with open(path, encoding="utf-8") as f:
-        return json.load(f) == json.loads(text)
+        return config_lib.config_changes(json.load(f), config)
 
 
 def _child_env() -> dict:

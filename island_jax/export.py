@@ -3,7 +3,7 @@
   python -m island_jax.export --workdir=DIR [--round=R] --out=DIR
 
 writes OUT/model.safetensors (one tensor per parameter, named by its path,
-e.g. `blocks.0.moe.w_in`, in the parameters' dtypes) and OUT/config.json (the
+e.g. `blocks.0.moe.w_gate`, in the parameters' dtypes) and OUT/config.json (the
 run's config), from the checkpoint of round R (default: the newest) of the
 run's evaluating island (`model.load.from_workdir`). The safetensors header
 holds the round and the parameters' `model.init.checksum`.

@@ -13,15 +13,16 @@ token through `Transformer.decode`, which keeps every block's keys and values
 (a KV cache), so a step costs one position, not the whole sequence. The model
 learned positions 0..model.seq_len-1, so the prompt and the new tokens
 together are at most seq_len bytes. Sampling runs with no router jitter and
-no token dropped by expert capacity (`moe.capacity_factor` 0), on one CPU
-device, or on a (data, expert) mesh of this process's devices (`--mesh`; the
-samples split over it).
+no token dropped by expert capacity (`moe.capacity_factor` 0), on this
+process's first device, or on a (data, expert) mesh of its devices (`--mesh`:
+the KV cache and the MoE layers' tokens split over it, the experts over
+`expert`).
 
 temperature 0 is greedy decoding (the argmax at each step). Otherwise the
 logits are divided by the temperature, cut to the `top_k` most likely tokens
 (0: all) and to the smallest set whose probability reaches `top_p` (nucleus
 sampling, Holtzman et al., arXiv 1904.09751; 1.0: all), and a token is drawn
-with the PRNG key of `seed` folded with the step.
+with the PRNG key of `seed` folded with the position it is drawn for.
 """
 
 from __future__ import annotations
@@ -54,7 +55,7 @@ def _sampling_config(config: ml_collections.ConfigDict) -> ml_collections.Config
 def _programs(graphdef):
     from flax import nnx
 
-    @jax.jit
+    @functools.partial(jax.jit, donate_argnums=(1,))  # the cache is updated in place
     def step(params, cache, tokens, pos):
         model = nnx.merge(graphdef, nnx.State(params))
         logits, cache = model.decode(tokens, pos, cache)
@@ -130,6 +131,8 @@ def generate(
             f"a prompt of {len(prompt)} bytes and {max_new_tokens} new tokens make {len(prompt) + max_new_tokens} "
             f"positions, but the model learned {seq_len} (model.seq_len); shorten the prompt or max_new_tokens"
         )
+    if num_samples < 1:
+        raise SampleError(f"num_samples is {num_samples}; ask for at least one sample")
     if temperature < 0 or not 0 < top_p <= 1 or top_k < 0 or max_new_tokens < 0:
         raise SampleError(f"temperature {temperature}, top_k {top_k}, top_p {top_p}, max_new_tokens {max_new_tokens}: "
                           "use a temperature >= 0 (0: greedy), top_k >= 0 (0: all), top_p in (0, 1], tokens >= 0")
@@ -141,6 +144,7 @@ def generate(
     step, empty, _ = _programs(graphdef)
     devices = jax.devices()[: data * expert]
     with jax.set_mesh(island_mesh(data, expert, devices)):
+        params = jax.device_put(params)  # once, not at every step
         cache = empty(params, num_samples, seq_len)
         tokens = np.frombuffer(prompt, np.uint8).astype(np.int32)
         rows = np.tile(tokens, (num_samples, 1))

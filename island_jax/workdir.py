@@ -159,12 +159,16 @@ def open_role(
     unless `allow_config_change`; then the role goes on under `config`, which
     becomes its `config.json`, and a `config_change` record in its metrics
     and its start in `run_info.json` (`provenance.record_start`) list every
-    changed field with both values. Every start appends its provenance there.
+    changed field with both values (those that may change without it too,
+    which also rewrite `config.json`, so that it always describes the run).
+    Every start appends its provenance there. The trackers of
+    `metrics.writers` are made first: one that cannot start changes nothing.
 
     Raises:
       ConfigChangeError: a changed field, without `allow_config_change`; nothing in the folder is changed.
       FileExistsError: the folder holds completed rounds but no checkpoint to resume from.
       CheckpointError: from orbax, for a checkpoint folder it cannot read.
+      ImportError, ValueError: a tracker of `metrics.writers` that cannot be made (`metrics.make_writers`).
     """
     from island_jax.checkpoint import Checkpointer
     from island_jax.config import config_changes, refuse_config_changes
@@ -174,8 +178,11 @@ def open_role(
     if started is not None:
         if not allow_config_change:
             refuse_config_changes(path, started, config)
-        changes = config_changes(started, config)
+        changes = config_changes(started, config, allowed=True)  # what config.json and the history record
+    role = "coordinator" if coordinator else f"island {os.path.basename(os.path.normpath(path))}"
+    spec = config.metrics.writers if "metrics" in config else "jsonl,tensorboard"
     os.makedirs(path, exist_ok=True)
+    writers = make_writers(spec, path, role, config) if primary else []  # a tracker that cannot start: nothing written
     every_rounds, max_to_keep = checkpoint_schedule(config, coordinator)
     checkpoints = Checkpointer(os.path.join(path, "checkpoints"), every_rounds, max_to_keep)
     metrics = os.path.join(path, "metrics.jsonl")
@@ -183,6 +190,8 @@ def open_role(
         r.get("kind") == "round" for r in read_jsonl(metrics)
     ):
         checkpoints.close()
+        for writer in writers:
+            writer.close()
         key = "coordinator_every_rounds" if coordinator and config.checkpoint.coordinator_every_rounds else "every_rounds"
         raise FileExistsError(
             f"{path} holds rounds of a run but no checkpoint to resume from (checkpoint.{key}="
@@ -192,15 +201,13 @@ def open_role(
     if not primary:
         return RoleFolder(path, checkpoints, NoMetrics())
     config_path = os.path.join(path, "config.json")
-    if started is None or changes:  # the config in effect from this start on
+    if started is None or changes:  # the config in effect from this start on (a raised outer.rounds too)
         tmp = f"{config_path}.tmp"
         with open(tmp, "w", encoding="utf-8") as f:
             f.write(config.to_json_best_effort(indent=2, sort_keys=True))
         os.replace(tmp, config_path)
     record_start(path, changes)
-    role = "coordinator" if coordinator else f"island {os.path.basename(os.path.normpath(path))}"
-    spec = config.metrics.writers if "metrics" in config else "jsonl,tensorboard"
-    metrics = MetricsWriter(path, make_writers(spec, path, role, config), background=True)
+    metrics = MetricsWriter(path, writers, background=True)
     if changes:
         metrics.write(dict(kind="config_change", round=checkpoints.latest_round() or 0,
                            changes=[dict(field=k, started=a, now=b) for k, a, b in changes]))

@@ -187,6 +187,11 @@ def test_islands_with_another_corpus_fail_at_join_naming_both(local_server, tmp_
     assert coordinator.fragments[0].joined == {"a"}
     b.join("b", {**fingerprint_fields(c), CORPUS: corpora["a"]}, coordinator.checksum)  # the same corpus: admitted
     assert coordinator.fragments[0].joined == {"a", "b"}
+    # island a joins again (a restart) from a host whose copy is b's first one: refused against b
+    with pytest.raises(HandshakeError, match=rf"island 'a' trains on another corpus than island 'b': content_sha256 "
+                                             rf"\(b: '{a_hash}', a: '{b_hash}'\)"):
+        GrpcTransport(address, c.comm.chunk_bytes, join_timeout=30).join(
+            "a", {**fingerprint_fields(c), CORPUS: corpora["b"]}, coordinator.checksum)
 
 
 def test_four_connections_reassemble_byte_exact_in_any_order():

@@ -285,9 +285,12 @@ def test_a_resume_under_another_config_is_refused_alike_unless_allowed(tmp_path,
     assert summary["rounds"] == 2 and summary["checksums_agree"] is True
     for role in ("coordinator", "islands/a", "islands/b"):
         assert json.loads((workdir / role / "config.json").read_text())["inner"]["learning_rate"] == 1e-3
+        # the change allowed, and the one that needs no leave (crash_at_round), both recorded
         assert records(workdir, role, "config_change") == [dict(
-            kind="config_change", round=1, changes=[dict(field="inner.learning_rate", started=0.003, now=0.001)],
+            kind="config_change", round=1, changes=[dict(field="inner.learning_rate", started=0.003, now=0.001),
+                                                    dict(field="islands.a.crash_at_round", started=2, now=0)],
         )]
         starts = json.loads((workdir / role / "run_info.json").read_text())["starts"]
         assert len(starts) == 2 and "config_changes" not in starts[0]
-        assert starts[1]["config_changes"] == [["inner.learning_rate", 0.003, 0.001]]
+        assert starts[1]["config_changes"] == [["inner.learning_rate", 0.003, 0.001], ["islands.a.crash_at_round", 2, 0]]
+        assert json.loads((workdir / role / "config.json").read_text())["islands"]["a"]["crash_at_round"] == 0

@@ -12,6 +12,7 @@ from tiny_config import get_config, write_corpus
 
 from island_jax import experiment, sample
 from island_jax.mesh import island_mesh
+from island_jax.metrics import read_jsonl
 from island_jax.model import load
 from island_jax.model.init import checksum, init_params
 from island_jax.run import run_in_process
@@ -78,6 +79,9 @@ def test_an_export_loads_to_bit_identical_logits_and_refuses_another_model(train
     saved_config, params = load.from_workdir(str(workdir))[:2]
     loaded_config, loaded = load.from_export(str(tmp_path / "export"))
     assert loaded_config.to_dict() == saved_config.to_dict() and checksum(loaded) == done["checksum"]
+    # what the run itself says it held after round 3: the coordinator's view, every island's global parameters
+    (last,) = [r for r in read_jsonl(workdir / "coordinator" / "metrics.jsonl") if r["kind"] == "round" and r["round"] == 3]
+    assert done["checksum"] == last["checksum"]
     graphdef, _, _ = init_params(config)
     tokens = np.frombuffer(b"class Foo(self):\n    return self" * 2, np.uint8).astype(np.int32)[None, :64]
 

@@ -70,7 +70,7 @@ class FragmentedCoordinator:
         self._checksum: tuple[tuple, str] | None = None
         self.incarnation = uuid.uuid4().hex  # tells islands whether this coordinator restarted
         self.viewed: set[str] = set()  # islands that took the island view
-        self.corpus: tuple[str, dict] | None = None  # (island, corpus fingerprint) of the first to join with one
+        self.corpus: dict[str, dict] = {}  # island -> the corpus fingerprint it joined with (handshake.check_corpus)
 
     def __len__(self) -> int:
         return len(self.fragments)
@@ -112,7 +112,7 @@ class FragmentedCoordinator:
         Args:
           island: the island's name in `config.islands`.
           config_fingerprint: the island's `config.fingerprint_fields(config)`, and its corpus's fingerprint
-            under `handshake.CORPUS` (which must equal the first island's, `handshake.check_corpus`).
+            under `handshake.CORPUS` (which must equal every other joined island's, `handshake.check_corpus`).
           params_checksum: `model.init.checksum` of the island's global parameters.
           round: the rounds the island has completed (the round it trains next, 0-based).
 
@@ -122,10 +122,10 @@ class FragmentedCoordinator:
 
         Raises:
           HandshakeError: unknown island, fingerprint fields that differ (named in the message), another
-            corpus than the first island's, or, at the coordinator's round, another checksum.
+            corpus than another island's, or, at the coordinator's round, another checksum.
         """
         handshake.check_island(island, self.islands, self.fingerprint_fields, config_fingerprint)
-        self.corpus = handshake.check_corpus(island, config_fingerprint.get(handshake.CORPUS), self.corpus)
+        handshake.check_corpus(island, config_fingerprint.get(handshake.CORPUS), self.corpus)
         rounds = [f.round for f in self.fragments]
         at_our_round = len(set(rounds)) == 1 and round == rounds[0]
         if at_our_round and (params_checksum == self.checksum or round == 0):

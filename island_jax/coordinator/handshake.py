@@ -14,7 +14,7 @@ from island_jax.config import fingerprint_differences
 from island_jax.coordinator.errors import HandshakeError
 
 # The key of an island's fingerprint that describes its corpus (`data.Corpus.fingerprint`), which the coordinator
-# does not read itself: the first island to join sets what every other island's must equal (`check_corpus`).
+# does not read itself: every island's must equal those of the others that joined (`check_corpus`).
 CORPUS = "corpus"
 
 
@@ -40,37 +40,37 @@ def check_island(island: str, islands: Sequence[str], ours: dict, theirs: dict) 
         )
 
 
-def check_corpus(island: str, theirs: dict | None, expected: tuple[str, dict] | None) -> tuple[str, dict] | None:
+def check_corpus(island: str, theirs: dict | None, joined: dict[str, dict]) -> None:
     """Checks the corpus an island trains on (its fingerprint's `CORPUS`: file count, bytes and the hashes of
-    the relative paths and contents, `data.load_corpus`) against the corpus of the first island that joined.
+    the relative paths and contents, `data.load_corpus`) against those of the other islands that joined, and
+    notes it in `joined` ({island: corpus fingerprint}, the coordinator's, kept while it runs).
 
     Islands shard one corpus by index, so an island that reads another file list or other bytes (another
-    Python's standard library, a changed copy) would train on data no other island holds out or skips.
+    Python's standard library, a changed copy) would train on data no other island holds out or skips. An
+    island that rejoins is checked against the others again, so a restart on a host with another copy is
+    refused too.
 
     Args:
       island: the joining island's name.
       theirs: its corpus fingerprint (None: it sent none, which is not checked).
-      expected: (island, corpus fingerprint) of the first island that sent one, or None.
-
-    Returns:
-      What later islands must match: `expected`, or (island, theirs) for the first.
+      joined: the corpus fingerprints of the islands that joined so far; `island`'s is set when it passes.
 
     Raises:
       HandshakeError: naming both islands and every field of the two fingerprints that differs.
     """
     if theirs is None:
-        return expected
-    if expected is None or expected[0] == island:
-        return island, dict(theirs)
-    first, ours = expected
-    differences = [f"{k} ({first}: {ours.get(k)!r}, {island}: {theirs.get(k)!r})"
-                   for k in sorted(set(ours) | set(theirs)) if ours.get(k) != theirs.get(k)]
-    if differences:
-        raise HandshakeError(
-            f"island {island!r} trains on another corpus than island {first!r}: {', '.join(differences)}; give every "
-            "island the same files (data.files), with the same relative paths and bytes"
-        )
-    return expected
+        return
+    for other, ours in joined.items():
+        if other == island:
+            continue
+        differences = [f"{k} ({other}: {ours.get(k)!r}, {island}: {theirs.get(k)!r})"
+                       for k in sorted(set(ours) | set(theirs)) if ours.get(k) != theirs.get(k)]
+        if differences:
+            raise HandshakeError(
+                f"island {island!r} trains on another corpus than island {other!r}: {', '.join(differences)}; give "
+                "every island the same files (data.files), with the same relative paths and bytes"
+            )
+    joined[island] = dict(theirs)
 
 
 def check_round(island: str, round: int, our_round: int) -> None:

@@ -119,11 +119,13 @@ class Shardings:
         """uint8 [b, S + 1] windows -> int32 (inputs, targets) [B, S] each, on the devices. `windows` are this
         process's rows (`local_rows`) of a batch of `batch_size` (default: b, one process holds all)."""
         windows = windows.astype(np.int32)
-        inputs, targets = windows[:, :-1], windows[:, 1:]
+        return self.rows_of(windows[:, :-1], batch_size), self.rows_of(windows[:, 1:], batch_size)
+
+    def rows_of(self, rows: np.ndarray, batch_size: int | None = None) -> jax.Array:
+        """[b, S] rows (this process's, `local_rows`, of a batch of `batch_size`) on the devices, split as a batch."""
         if not self.multi_process:
-            return jax.device_put(inputs, self.batch), jax.device_put(targets, self.batch)
-        shape = (batch_size or len(windows), inputs.shape[1])
-        return tuple(jax.make_array_from_process_local_data(self.batch, x, shape) for x in (inputs, targets))
+            return jax.device_put(rows, self.batch)
+        return jax.make_array_from_process_local_data(self.batch, rows, (batch_size or len(rows), rows.shape[1]))
 
     def to_host(self, tree):
         """Every leaf whole, as NumPy (a collective on a multi-process mesh unless the leaves are replicated)."""
@@ -511,9 +513,11 @@ class Island:
         with self.device_lock, jax.set_mesh(self.mesh):
             # One batch in flight at a time, as in train_round (XLA:CPU rendezvous).
             rows = self.shardings.local_rows(len(batches[0][0])) if batches else slice(None)
-            losses = [
-                np.asarray(self.shardings.to_host(self._eval_step(params, *self.shardings.batch_of(b[rows], len(b)))),
-                           np.float32)[:real]
-                for b, real in batches
-            ]
+            losses = []
+            for b, real in batches:
+                mask = np.zeros((len(b), b.shape[1] - 1), np.float32)
+                mask[:real] = 1.0  # padded rows take no expert slot
+                inputs, targets = self.shardings.batch_of(b[rows], len(b))
+                loss = self._eval_step(params, inputs, targets, self.shardings.rows_of(mask[rows], len(b)))
+                losses.append(np.asarray(self.shardings.to_host(loss), np.float32)[:real])
             return np.concatenate(losses) if losses else np.zeros(0, np.float32)

@@ -146,7 +146,8 @@ def run_island(
         island.warm_up()  # compiles before the first round's clock starts
         transport = connect(config, exchange, finished=lambda: run_finished(workdir), part=island.part,
                             parts=island.parts)
-        evaluator = _Evaluator(config, corpus, island, role, global_params=transport is not None) if name == names[0] else None
+        evaluator = (_Evaluator(config, corpus, island, role, global_params=transport is not None)
+                     if name == config_lib.evaluating_island(config) else None)
         fingerprint = join_fingerprint(config, corpus)
         first, fragment_rounds = _join(config, island, transport, role, first, evaluator, fingerprint)
         events = EventLog(os.path.join(role.path, "events.jsonl") if primary else None, name)

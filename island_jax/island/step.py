@@ -128,11 +128,12 @@ def build_train_step(
 
 
 def build_eval_step(graphdef: nnx.GraphDef) -> Callable:
-    """The jitted `(params, inputs, targets) -> cross-entropy per window` (nats per byte, float32 [B]: each
-    row's mean over its S targets), no router jitter."""
+    """The jitted `(params, inputs, targets, mask) -> cross-entropy per window` (nats per byte, float32 [B]: each
+    row's mean over its S targets), no router jitter. `mask` (float32 [B, S], 1 real, 0 a padded row) keeps
+    padded rows out of the MoE layers' expert slots, so they change no real window's loss."""
 
-    def eval_step(params, inputs, targets):
-        logits, _ = nnx.merge(graphdef, nnx.State(params))(inputs)
+    def eval_step(params, inputs, targets, mask):
+        logits, _ = nnx.merge(graphdef, nnx.State(params))(inputs, mask)
         return jnp.mean(optax.softmax_cross_entropy_with_integer_labels(logits, targets), axis=-1)
 
     return jax.jit(eval_step)

@@ -19,6 +19,8 @@ import os
 import ml_collections
 import numpy as np
 
+from island_jax.config import evaluating_island
+
 WEIGHTS_FILE = "model.safetensors"
 CONFIG_FILE = "config.json"
 
@@ -108,17 +110,22 @@ def from_workdir(workdir: str, round: int | None = None) -> tuple[ml_collections
         raise FileNotFoundError(f"{workdir} holds no island's config.json: it is not a run's workdir (or no island "
                                 "has started yet)")
     config = read_config(os.path.join(islands, found[0], CONFIG_FILE))
-    name = next(iter(config.islands.keys()))  # the evaluating island
-    folder = os.path.join(islands, name, "checkpoints")
-    manager = ocp.CheckpointManager(os.path.abspath(folder))
-    rounds = sorted(manager.all_steps())
-    if not rounds:
-        raise LoadError(f"{folder} holds no complete checkpoint yet; wait for the run's first save")
-    if round is not None and round not in rounds:
-        raise LoadError(f"{folder} holds no checkpoint of round {round}; it keeps rounds {rounds}")
-    round = rounds[-1] if round is None else round
-    state = manager.restore(round, args=ocp.args.StandardRestore())
-    manager.close()
+    folder = os.path.join(islands, evaluating_island(config), "checkpoints")
+    if not os.path.isdir(folder):
+        raise LoadError(f"{folder} does not exist: the run's evaluating island has saved no checkpoint yet")
+    # read only: nothing is created or changed in a run's folder, which may be running
+    manager = ocp.CheckpointManager(os.path.abspath(folder),
+                                    options=ocp.CheckpointManagerOptions(create=False, read_only=True))
+    try:
+        rounds = sorted(manager.all_steps())
+        if not rounds:
+            raise LoadError(f"{folder} holds no complete checkpoint yet; wait for the run's first save")
+        if round is not None and round not in rounds:
+            raise LoadError(f"{folder} holds no checkpoint of round {round}; it keeps rounds {rounds}")
+        round = rounds[-1] if round is None else round
+        state = manager.restore(round, args=ocp.args.StandardRestore())
+    finally:
+        manager.close()
     saved = state["anchor"] if config.outer.enabled else state["params"]
     flat = {_name(path): value for path, value in _paths(saved)}
     _, like, _ = _template(config)
