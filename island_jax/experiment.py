@@ -117,8 +117,21 @@ class Result:
     def sample(self, prompt: str = "\n", max_new_tokens: int = 64, temperature: float = 0.8, top_k: int = 0,
                top_p: float = 1.0, seed: int = 0, num_samples: int = 1, round: int | None = None) -> list[str]:
         """Text the run's model writes after `prompt`: `island_jax.sample.generate` on the global parameters of
-        the checkpoint of `round` (None: the newest), in this process, on one device. Returns `num_samples`
-        continuations (the prompt left out). Raises what `model.load.from_workdir` and `generate` raise."""
+        the checkpoint of `round` (None: the newest), in this process, on its first device.
+
+        Args:
+          prompt: the text to continue (its UTF-8 bytes are the model's tokens).
+          max_new_tokens: bytes to generate; with the prompt's, at most `model.seq_len`.
+          temperature, top_k, top_p, seed, num_samples: as `sample.generate`.
+          round: completed rounds of a kept checkpoint; None: the newest.
+
+        Returns:
+          `num_samples` continuations as text (the prompt left out; bytes that are not UTF-8 as U+FFFD).
+
+        Raises:
+          FileNotFoundError, model.load.LoadError: no checkpoint (of `round`) to read.
+          sample.SampleError: an empty prompt, too many positions, or bad settings.
+        """
         from island_jax import sample
         from island_jax.model import load
 

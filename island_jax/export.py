@@ -18,6 +18,11 @@ import sys
 def export(workdir: str, out: str, round: int | None = None) -> dict:
     """Writes the export of the run in `workdir` (round `round`, None: the newest) to `out`.
 
+    Args:
+      workdir: a finished or running run's folder.
+      out: the export's folder (created): `model.safetensors` and `config.json` (`model.load.save`).
+      round: completed rounds of a kept checkpoint of the run's evaluating island; None: the newest.
+
     Returns:
       {"weights": the safetensors path, "round", "checksum" (`model.init.checksum` of the parameters),
       "params" (their count)}.

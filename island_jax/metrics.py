@@ -253,8 +253,14 @@ class MetricsWriter:
                     raise self._last.exception()
         finally:
             self._file.close()
-            for writer in self._writers:
-                writer.close()
+            failed = None
+            for writer in self._writers:  # every writer is closed, even after one that raised
+                try:
+                    writer.close()
+                except Exception as e:  # noqa: BLE001 - the first is raised once all are closed
+                    failed = failed or e
+            if failed is not None:
+                raise failed
 
 
 def read_jsonl(path: str) -> list[dict]:

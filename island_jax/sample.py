@@ -93,6 +93,17 @@ def _choose(logits: np.ndarray, temperature: float, top_k: int, top_p: float, ke
     return np.asarray(jax.random.categorical(key, jnp.asarray(logits, jnp.float32), axis=-1), np.int32)
 
 
+def _check_length(prompt: bytes, max_new_tokens: int, seq_len: int) -> None:
+    """Raises SampleError for an empty prompt, or one that with `max_new_tokens` passes the learned positions."""
+    if not prompt:
+        raise SampleError("the prompt is empty; give at least one byte to continue")
+    if len(prompt) + max_new_tokens > seq_len:
+        raise SampleError(
+            f"a prompt of {len(prompt)} bytes and {max_new_tokens} new tokens make {len(prompt) + max_new_tokens} "
+            f"positions, but the model learned {seq_len} (model.seq_len); shorten the prompt or max_new_tokens"
+        )
+
+
 def generate(
     config: ml_collections.ConfigDict, params: dict, prompt: bytes, max_new_tokens: int = 64,
     temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0, seed: int = 0, num_samples: int = 1,
@@ -124,13 +135,7 @@ def generate(
     from island_jax.model.init import init_params
 
     seq_len = config.model.seq_len
-    if not prompt:
-        raise SampleError("the prompt is empty; give at least one byte to continue")
-    if len(prompt) + max_new_tokens > seq_len:
-        raise SampleError(
-            f"a prompt of {len(prompt)} bytes and {max_new_tokens} new tokens make {len(prompt) + max_new_tokens} "
-            f"positions, but the model learned {seq_len} (model.seq_len); shorten the prompt or max_new_tokens"
-        )
+    _check_length(prompt, max_new_tokens, seq_len)
     if num_samples < 1:
         raise SampleError(f"num_samples is {num_samples}; ask for at least one sample")
     if temperature < 0 or not 0 < top_p <= 1 or top_k < 0 or max_new_tokens < 0:
@@ -166,7 +171,12 @@ def greedy_without_cache(config: ml_collections.ConfigDict, params: dict, prompt
     """Greedy decoding the slow way, the reference `generate` is checked against: the whole sequence through the
     model (`Transformer.__call__`, causal attention, no cache) for every new token, on one device. The sequence
     is padded to `model.seq_len` (one program for every length); causal attention and no capacity drops keep
-    the padding out of the positions read."""
+    the padding out of the positions read. Returns the `max_new_tokens` new bytes.
+
+    Raises:
+      SampleError: as `generate`, for an empty prompt or one too long for `model.seq_len`.
+    """
+    _check_length(prompt, max_new_tokens, config.model.seq_len)
     from island_jax.mesh import island_mesh
     from island_jax.model.init import init_params
 

@@ -753,6 +753,7 @@ class ExchangeServer:
                 self.port = self.server.add_secure_port(address, credentials)
         except RuntimeError as e:
             self._error = RuntimeError(f"cannot listen on {address} ({e}); pick a free port with --coordinator=HOST:PORT")
+            await self.server.stop(None)  # nothing it made outlives the failed start
             return
         await self.server.start()
         for name in ("", SERVICE_NAME):
