@@ -27,8 +27,6 @@ flags.mark_flags_as_required(["workdir"])
 
 def main(argv):
     del argv
-    import os
-
     import jax
     import numpy as np
 
@@ -40,9 +38,7 @@ def main(argv):
     from island_jax.model.init import init_params
 
     # the evaluating island's mesh, as the run scores its held-out set (expert capacity depends on the shards)
-    islands = os.path.join(_WORKDIR.value, "islands")
-    found = [n for n in sorted(os.listdir(islands)) if os.path.exists(os.path.join(islands, n, load.CONFIG_FILE))]
-    started = load.read_config(os.path.join(islands, found[0], load.CONFIG_FILE))
+    started = load.run_config(_WORKDIR.value)
     first = started.islands[evaluating_island(started)]
     use_cpu_devices(first.num_devices)  # before JAX starts its backend
     config, params, round = load.from_workdir(_WORKDIR.value, _ROUND.value)

@@ -86,6 +86,21 @@ def read_config(path: str) -> ml_collections.ConfigDict:
         return ml_collections.ConfigDict(json.load(f))
 
 
+def run_config(workdir: str) -> ml_collections.ConfigDict:
+    """The config of the run in `workdir`: the `config.json` of its first island folder that has one.
+
+    Raises:
+      FileNotFoundError: `workdir` holds no island folder with a config.json.
+    """
+    islands = os.path.join(workdir, "islands")
+    names = sorted(os.listdir(islands)) if os.path.isdir(islands) else []
+    found = [n for n in names if os.path.exists(os.path.join(islands, n, CONFIG_FILE))]
+    if not found:
+        raise FileNotFoundError(f"{workdir} holds no island's config.json: it is not a run's workdir (or no island "
+                                "has started yet)")
+    return read_config(os.path.join(islands, found[0], CONFIG_FILE))
+
+
 def from_workdir(workdir: str, round: int | None = None) -> tuple[ml_collections.ConfigDict, dict, int]:
     """The global parameters of the run in `workdir` after `round` rounds (None: its newest checkpoint).
 
@@ -103,14 +118,8 @@ def from_workdir(workdir: str, round: int | None = None) -> tuple[ml_collections
     """
     import orbax.checkpoint as ocp
 
-    islands = os.path.join(workdir, "islands")
-    names = sorted(os.listdir(islands)) if os.path.isdir(islands) else []
-    found = [n for n in names if os.path.exists(os.path.join(islands, n, CONFIG_FILE))]
-    if not found:
-        raise FileNotFoundError(f"{workdir} holds no island's config.json: it is not a run's workdir (or no island "
-                                "has started yet)")
-    config = read_config(os.path.join(islands, found[0], CONFIG_FILE))
-    folder = os.path.join(islands, evaluating_island(config), "checkpoints")
+    config = run_config(workdir)
+    folder = os.path.join(workdir, "islands", evaluating_island(config), "checkpoints")
     if not os.path.isdir(folder):
         raise LoadError(f"{folder} does not exist: the run's evaluating island has saved no checkpoint yet")
     # read only: nothing is created or changed in a run's folder, which may be running
