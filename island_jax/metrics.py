@@ -126,7 +126,9 @@ class WandbWriter(Writer):
     The run is named after the role, grouped by the workdir's name, and holds the config; its id is fixed by
     the role's folder, so a resumed role appends to its run. `metrics.wandb.mode` ("online", "offline" or
     "disabled"; "" leaves it to `WANDB_MODE`), `project` and `entity` go to `wandb.init`. Each kind of record
-    has its own x axis: `inner/*` scalars over `inner/step`, `round/*` over `round/round`.
+    has its own x axis: `inner/*` scalars over `inner/step`, `round/*` over `round/round`. An offline run's file
+    is whole once the process has exited or `wandb.teardown()` has returned (`close` finishes the run, which may
+    return before wandb's service has flushed it), so sync it after that.
 
     Raises:
       ImportError: wandb is not installed (`pip install island_jax[wandb]`).

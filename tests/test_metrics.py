@@ -94,6 +94,7 @@ def _wandb_history(path) -> list[dict]:
 
 
 def test_wandb_offline_run_holds_every_scalar_on_its_kinds_axis(tmp_path, monkeypatch):
+    import wandb
     monkeypatch.setenv("WANDB_SILENT", "true")
     config = _config("jsonl,tensorboard,wandb")
     folder = tmp_path / "workdir" / "islands" / "a"
@@ -102,6 +103,9 @@ def test_wandb_offline_run_holds_every_scalar_on_its_kinds_axis(tmp_path, monkey
     for record in RECORDS:
         writer.write(record)
     writer.close()
+    # `finish` can return before wandb's service has flushed the offline file (seen on a busy machine: the file
+    # held its 7-byte header alone); `teardown` waits for the service to stop, and so for the file.
+    wandb.teardown()
     (run_file,) = glob.glob(str(folder / "wandb" / "offline-run-*" / "run-*.wandb"))
     rows = [{k: v for k, v in row.items() if not k.startswith("_")} for row in _wandb_history(run_file)]
     assert rows == [
