@@ -46,7 +46,7 @@ def main(argv):
     windows = data_lib.eval_windows(corpus.eval_bytes, config.model.seq_len, sys.maxsize, config.eval.get("seed", 0))
     graphdef, _, _ = init_params(config)
     step = build_eval_step(graphdef)
-    with jax.set_mesh(island_mesh(first.mesh.data, first.mesh.expert, jax.devices()[: first.num_devices])):
+    with jax.set_mesh(island_mesh(first.mesh.data, first.mesh.expert, jax.devices()[: first.num_devices], fsdp=first.mesh.fsdp)):
         losses = []
         for b, real in data_lib.eval_batches(windows, config.eval.batch_size):
             mask = (np.arange(len(b)) < real)[:, None].repeat(b.shape[1] - 1, axis=1).astype(np.float32)

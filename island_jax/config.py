@@ -74,12 +74,14 @@ def island(
     simulated_speed: float = 1.0,
     num_processes: int = 1,
     devices_per_process: int = 0,
+    fsdp: int = 1,
+    memory_gb: float = 0.0,
 ) -> ml_collections.ConfigDict:
-    """One island's entry for `config.islands` (keys as the arguments; `data` and `expert` under `mesh`).
+    """One island's entry for `config.islands` (keys as the arguments; `data`, `fsdp` and `expert` under `mesh`).
 
     Args:
-      num_devices: devices in the island's mesh; must equal data x expert.
-      data: size of the `data` mesh axis (batch / FSDP).
+      num_devices: devices in the island's mesh; must equal data x fsdp x expert.
+      data: size of the `data` mesh axis (splits the batch; parameters replicated over it).
       expert: size of the `expert` mesh axis (expert parallelism; also splits
         the batch outside MoE layers).
       batch_size: sequences per inner step for the whole island, a multiple of
@@ -96,11 +98,15 @@ def island(
         (docs/cluster.md).
       devices_per_process: the devices of each of those processes; 0 (the default) is num_devices /
         num_processes, and a value set must make num_devices = num_processes x devices_per_process.
+      fsdp: size of the `fsdp` mesh axis: splits the batch, and shards parameters, gradients, AdamW moments
+        and anchor on their `embed` dimension (docs/island.md); 1 replicates them.
+      memory_gb: memory per device in GB for the budget checked before compiling (`island.memory`); 0 (the
+        default) takes the catalog's figure for `hardware`, and a catalog figure of 0 (cpu) means unknown: no check.
     """
     return ml_collections.ConfigDict(
         dict(
             num_devices=num_devices,
-            mesh=dict(data=data, expert=expert),
+            mesh=dict(data=data, fsdp=fsdp, expert=expert),
             batch_size=batch_size,
             inner_steps=inner_steps,
             hardware=hardware,
@@ -108,6 +114,7 @@ def island(
             simulated_speed=simulated_speed,
             num_processes=num_processes,
             devices_per_process=devices_per_process,
+            memory_gb=float(memory_gb),
         )
     )
 
@@ -550,6 +557,13 @@ def _check_island(config: ml_collections.ConfigDict, name: str, isl: ml_collecti
     )
     _require(isl.crash_at_round >= 0, f"{p}.crash_at_round is {isl.crash_at_round}; use 0 (never) or a round")
     _require(
+        config.model.d_model % isl.mesh.fsdp == 0,
+        f"model.d_model={config.model.d_model} is not divisible by {p}.mesh.fsdp={isl.mesh.fsdp}: fsdp splits "
+        "every parameter on its embed (d_model) dimension; choose fsdp as a divisor of d_model",
+    )
+    _require(isl.memory_gb >= 0, f"{p}.memory_gb is {isl.memory_gb}; use 0 (the hardware catalog's) or the GB "
+                                 "per device")
+    _require(
         config.eval.batch_size % isl.num_devices == 0,
         f"eval.batch_size={config.eval.batch_size} is not divisible by {p}'s {isl.num_devices} devices; "
         "use a multiple of every island's device count",
@@ -558,7 +572,8 @@ def _check_island(config: ml_collections.ConfigDict, name: str, isl: ml_collecti
 
 def _check_island_mesh(p: str, isl: ml_collections.ConfigDict, moe: ml_collections.ConfigDict) -> None:
     """The mesh against the device count and the processes, the experts and the batch."""
-    mesh_devices = isl.mesh.data * isl.mesh.expert
+    mesh_devices = isl.mesh.data * isl.mesh.fsdp * isl.mesh.expert
+    shape = f"data={isl.mesh.data}, fsdp={isl.mesh.fsdp}, expert={isl.mesh.expert}"
     _require(
         isl.num_processes >= 1 and isl.devices_per_process >= 0,
         f"{p} has num_processes={isl.num_processes}, devices_per_process={isl.devices_per_process}; use at least "
@@ -571,13 +586,13 @@ def _check_island_mesh(p: str, isl: ml_collections.ConfigDict, moe: ml_collectio
         f"{devices_per_process(isl)}; make num_devices their product (or leave devices_per_process 0)",
     )
     _require(
-        isl.mesh.data > 0 and isl.mesh.expert > 0,
-        f"{p}.mesh has data={isl.mesh.data}, expert={isl.mesh.expert}; both axes must be at least 1",
+        isl.mesh.data > 0 and isl.mesh.fsdp > 0 and isl.mesh.expert > 0,
+        f"{p}.mesh has {shape}; every axis must be at least 1",
     )
     _require(
         mesh_devices == isl.num_devices,
-        f"{p}.mesh has data={isl.mesh.data}, expert={isl.mesh.expert} ({mesh_devices} devices) but "
-        f"{p}.num_devices is {isl.num_devices}; make data x expert equal num_devices",
+        f"{p}.mesh has {shape} ({mesh_devices} devices) but "
+        f"{p}.num_devices is {isl.num_devices}; make data x fsdp x expert equal num_devices",
     )
     _require(
         moe.num_experts % isl.mesh.expert == 0,
@@ -586,7 +601,7 @@ def _check_island_mesh(p: str, isl: ml_collections.ConfigDict, moe: ml_collectio
     )
     _require(
         isl.batch_size > 0 and isl.batch_size % mesh_devices == 0,
-        f"{p}.batch_size={isl.batch_size} is not divisible by data x expert = {mesh_devices}; "
+        f"{p}.batch_size={isl.batch_size} is not divisible by data x fsdp x expert = {mesh_devices}; "
         "use a positive multiple of the island's device count",
     )
 

@@ -1,4 +1,15 @@
-"""An island's device mesh, and the names of its axes."""
+"""An island's device mesh, the names of its axes, and the one table that maps parameters' logical axes to them.
+
+Axes, in order (docs/island.md):
+  data    splits the batch; parameters are replicated over it.
+  fsdp    splits the batch, and also every parameter (with its gradient, both AdamW moments and the
+          anchor) on its `embed` dimension: fully sharded data parallelism (ZeRO-3; MaxText's `fsdp`).
+          A layer gathers the whole weight just before it uses it (`gathered`), and the gradient
+          comes back reduce-scattered to the same shards.
+  expert  holds the experts of every MoE layer (expert parallelism), and splits the batch outside them.
+
+`data x fsdp x expert` is the island's device count; fsdp = 1 is the replicated layout of data parallelism.
+"""
 
 from __future__ import annotations
 
@@ -6,11 +17,45 @@ from typing import Sequence
 
 import jax
 from jax.sharding import AxisType
+from jax.sharding import PartitionSpec as P
 
-DATA_AXIS = "data"  # splits the batch (and, later, FSDP shards)
+DATA_AXIS = "data"  # splits the batch
+FSDP_AXIS = "fsdp"  # splits the batch and shards every parameter on its `embed` dimension
 EXPERT_AXIS = "expert"  # holds the experts of every MoE layer; also splits the batch outside them
-AXES = (DATA_AXIS, EXPERT_AXIS)  # the mesh's axes, in order
-BATCH_AXES = AXES  # the batch is split over both axes
+AXES = (DATA_AXIS, FSDP_AXIS, EXPERT_AXIS)  # the mesh's axes, in order
+BATCH_AXES = AXES  # the batch is split over every axis
+
+# Logical axis names a parameter's dimensions carry (`nnx.Param(..., sharding=...)`), and the mesh axis each
+# maps to: the one rules table (`nnx.logical_axis_rules`). A name mapped to None is never split.
+#   vocab     the vocabulary (embedding rows, output-head columns)
+#   position  learned positions
+#   embed     the model width D (every matrix has it): split over fsdp
+#   qkv       the fused query/key/value outputs, 3 D
+#   heads     the attention's concatenated heads on the way out, D
+#   mlp       a SwiGLU's hidden width F (dense layers and each expert)
+#   expert    the routed experts, E: split over expert
+#   router    the router's output (one logit per expert) and the routing bias
+#   norm      an RMSNorm's scale, D (small: replicated)
+LOGICAL_RULES = (
+    ("vocab", None),
+    ("position", None),
+    ("embed", FSDP_AXIS),
+    ("qkv", None),
+    ("heads", None),
+    ("mlp", None),
+    ("expert", EXPERT_AXIS),
+    ("router", None),
+    ("norm", None),
+)
+
+
+def logical(initializer, *names: str):
+    """`initializer` whose `nnx.Param` carries the logical axis names `names`, one per dimension (names of
+    `LOGICAL_RULES`). The variable is made unsharded (`eager_sharding=False`: parameters are initialised once,
+    on the CPU, outside any mesh), and `Island` places it by `transformer.partition_specs`."""
+    from flax import nnx
+
+    return nnx.with_partitioning(initializer, names, eager_sharding=False)
 
 
 def use_cpu_devices(count: int) -> None:
@@ -19,19 +64,45 @@ def use_cpu_devices(count: int) -> None:
     jax.config.update("jax_num_cpu_devices", max(count, 1))
 
 
-def island_mesh(data: int, expert: int, devices: Sequence[jax.Device]) -> jax.sharding.Mesh:
-    """A (data, expert) mesh over exactly these devices, with Explicit axis types.
-
-    `data` splits the batch (and, later, FSDP shards); `expert` holds the
-    experts of every MoE layer and also splits the batch outside them.
+def island_mesh(data: int, expert: int, devices: Sequence[jax.Device], fsdp: int = 1) -> jax.sharding.Mesh:
+    """A (data, fsdp, expert) mesh over exactly these devices, with Explicit axis types.
 
     Args:
       data, expert: the sizes of the `DATA_AXIS` and `EXPERT_AXIS` axes.
-      devices: the island's devices, exactly data x expert of them.
+      devices: the island's devices, exactly data x fsdp x expert of them, in mesh order (expert fastest).
+      fsdp: the size of the `FSDP_AXIS` axis (1: parameters replicated).
 
     Raises:
-      ValueError: if data x expert differs from len(devices).
+      ValueError: if data x fsdp x expert differs from len(devices).
     """
-    if data * expert != len(devices):
-        raise ValueError(f"a mesh of data={data} x expert={expert} needs {data * expert} devices, got {len(devices)}")
-    return jax.make_mesh((data, expert), AXES, axis_types=(AxisType.Explicit, AxisType.Explicit), devices=devices)
+    if data * fsdp * expert != len(devices):
+        raise ValueError(f"a mesh of data={data} x fsdp={fsdp} x expert={expert} needs {data * fsdp * expert} "
+                         f"devices, got {len(devices)}")
+    return jax.make_mesh((data, fsdp, expert), AXES, axis_types=(AxisType.Explicit,) * 3, devices=devices)
+
+
+def gathered(x: jax.Array) -> jax.Array:
+    """`x` whole over the fsdp axis: its sharding with `FSDP_AXIS` taken out (an all-gather, whose gradient is a
+    reduce-scatter back to the shards). Unchanged where `x` is not split over fsdp, or outside a mesh.
+
+    The model calls it on a weight just before using it, so that only the weights of the layer at work are
+    whole at one time. It knows the axis's name, never its size.
+    """
+    sharding = getattr(jax.typeof(x), "sharding", None)
+    spec = getattr(sharding, "spec", None)
+    if not spec or not any(_uses(entry, FSDP_AXIS) for entry in spec):
+        return x
+    return jax.sharding.reshard(x, P(*(_without(entry, FSDP_AXIS) for entry in spec)))
+
+
+def _uses(entry, axis: str) -> bool:
+    return entry == axis or (isinstance(entry, tuple) and axis in entry)
+
+
+def _without(entry, axis: str):
+    if entry == axis:
+        return None
+    if isinstance(entry, tuple):
+        rest = tuple(a for a in entry if a != axis)
+        return rest if len(rest) > 1 else (rest[0] if rest else None)
+    return entry

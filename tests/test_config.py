@@ -26,9 +26,16 @@ def test_two_islands_is_valid():
     "edit,message",
     [
         (lambda c: c.islands.b.update(num_devices=4),
-         r"islands\.b\.mesh has data=1, expert=2 \(2 devices\) but islands\.b\.num_devices is 4"),
+         r"islands\.b\.mesh has data=1, fsdp=1, expert=2 \(2 devices\) but islands\.b\.num_devices is 4; make data x "
+         r"fsdp x expert equal num_devices"),
         (lambda c: c.moe.update(num_experts=5), r"moe\.num_experts=5 is not divisible by islands\.a\.mesh\.expert=2"),
-        (lambda c: c.islands.a.update(batch_size=10), r"islands\.a\.batch_size=10 is not divisible by data x expert = 4"),
+        (lambda c: c.islands.a.mesh.update(data=1, fsdp=3),
+         r"islands\.a\.mesh has data=1, fsdp=3, expert=2 \(6 devices\) but islands\.a\.num_devices is 4"),
+        (lambda c: c.model.update(d_model=90, num_heads=2) or c.islands.a.mesh.update(data=1, fsdp=4, expert=1),
+         r"model\.d_model=90 is not divisible by islands\.a\.mesh\.fsdp=4: fsdp splits every parameter on its embed "
+         r"\(d_model\) dimension; choose fsdp as a divisor of d_model"),
+        (lambda c: c.islands.b.update(memory_gb=-1.0), r"islands\.b\.memory_gb is -1\.0; use 0"),
+        (lambda c: c.islands.a.update(batch_size=10), r"islands\.a\.batch_size=10 is not divisible by data x fsdp x expert = 4"),
         (lambda c: c.moe.update(num_experts_per_token=5), r"moe\.num_experts_per_token \(top-k\) is 5 but moe\.num_experts is 4"),
         (lambda c: c.codec.update(kind="int3"), r"codec\.kind is 'int3', an unknown codec"),
         (lambda c: c.codec.update(block_size=0), r"codec\.block_size is 0"),

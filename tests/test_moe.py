@@ -13,27 +13,21 @@ from island_jax.island import loss_fn
 from island_jax.mesh import BATCH_AXES, EXPERT_AXIS, island_mesh
 from island_jax.model import moe as moe_lib
 from island_jax.model.moe import MoE, capacity, routing_bias_update
-from island_jax.model.transformer import Transformer, aggregate_stats
+from island_jax.model.transformer import Transformer, aggregate_stats, partition_specs
 
 D, F = 32, 64
 BATCH, EXPERTS = P(BATCH_AXES), P(EXPERT_AXIS)
 
 
-def _specs(weights):
-    return {k: EXPERTS if k.startswith("w_") else P() for k in weights}
-
-
 def run(layer, mesh_shape, x, mask=None, cotangent=None, key=None):
-    """Calls `layer` on a (data, expert) mesh; returns (out, stats, grads wrt x and every weight)."""
-    data, expert = mesh_shape
-    mesh = island_mesh(data, expert, jax.devices()[: data * expert])
+    """Calls `layer` on a (data, expert) or (data, fsdp, expert) mesh, its weights placed by their logical axis
+    names (`transformer.partition_specs`); returns (out, stats, grads wrt x and every weight)."""
+    data, fsdp, expert = mesh_shape if len(mesh_shape) == 3 else (mesh_shape[0], 1, mesh_shape[1])
+    mesh = island_mesh(data, expert, jax.devices()[: data * fsdp * expert], fsdp=fsdp)
     graphdef, state = nnx.split(layer, nnx.Param)
     weights = nnx.to_pure_dict(state)
-    placed = {
-        k: jax.device_put(v, NamedSharding(mesh, _specs(weights)[k])) if not isinstance(v, dict) else
-        jax.device_put(v, NamedSharding(mesh, P()))
-        for k, v in weights.items()
-    }
+    specs = partition_specs(state)
+    placed = jax.tree.map(lambda v, s: jax.device_put(v, NamedSharding(mesh, s)), weights, specs)
     cotangent = np.ones_like(x) if cotangent is None else cotangent
     mask = np.ones(x.shape[:2], np.float32) if mask is None else mask
 
@@ -78,7 +72,9 @@ def _inputs(shape=(8, 16, D), seed=0):
     "mesh_shape,dispatch",
     [((1, 1), "capacity"), ((2, 2), "capacity"), ((1, 4), "capacity"), ((2, 4), "capacity"), ((1, 8), "capacity"),
      ((2, 1), "capacity"), ((1, 2), "capacity"), ((4, 2), "capacity"), ((4, 1), "capacity"),
-     ((1, 1), "dropless"), ((4, 1), "dropless")],
+     ((1, 1), "dropless"), ((4, 1), "dropless"),
+     # with an fsdp axis: the expert weights split over expert and fsdp, the router over fsdp, gathered inside
+     ((1, 2, 2), "capacity"), ((2, 2, 1), "dropless")],
 )
 def test_expert_parallel_equals_dense(mesh_shape, dispatch):
     layer = MoE(D, 8, 2, F, capacity_factor=0.0, renormalize=True, dispatch=dispatch, rngs=nnx.Rngs(0))

@@ -207,7 +207,7 @@ class Island:
         self.tokens_per_step = cfg.batch_size * config.model.seq_len
         self._speed = SimulatedSpeed(cfg.simulated_speed)
         check_dispatch(config.moe.dispatch, cfg.mesh.expert, devices[0].platform)
-        self.mesh = island_mesh(cfg.mesh.data, cfg.mesh.expert, devices)
+        self.mesh = island_mesh(cfg.mesh.data, cfg.mesh.expert, devices, fsdp=cfg.mesh.fsdp)
         self.shardings = Shardings(self.mesh, specs)
         # Of an island of several processes: this process's index and their count; each sends its share of
         # every payload (`fragment_shares`), and every process holds the same global parameters.

@@ -233,9 +233,9 @@ def _join(config, island: Island, transport, role: RoleFolder, first: int, evalu
         if rejoined and evaluator is not None:
             logging.info("island %s evaluates the view it rejoined at (round %d; it resumed at %d)", name, first, resumed)
     logging.info(
-        "island %s %s at round %d: %d devices (data=%d x expert=%d), batch %d, H=%d", name,
+        "island %s %s at round %d: %d devices (data=%d x fsdp=%d x expert=%d), batch %d, H=%d", name,
         "joined the coordinator" if transport is not None else "trains alone (no outer loop)", first,
-        cfg.num_devices, cfg.mesh.data, cfg.mesh.expert, cfg.batch_size, island.inner_steps,
+        cfg.num_devices, cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.expert, cfg.batch_size, island.inner_steps,
     )
     if evaluator is not None:
         scored = evaluator(first, write=first == 0)

@@ -50,7 +50,7 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 from island_jax.config import DISPATCH  # values of `moe.dispatch` (see the module docstring)
-from island_jax.mesh import BATCH_AXES, EXPERT_AXIS
+from island_jax.mesh import BATCH_AXES, EXPERT_AXIS, gathered, logical
 
 # The statistics an MoE layer returns; the first four are scalars whose mean over
 # MoE layers each inner step reports (`transformer.aggregate_stats`).
@@ -281,14 +281,15 @@ class SharedExperts(nnx.Module):
 
     def __init__(self, d_model: int, hidden_dim: int, param_dtype, compute_dtype, rngs: nnx.Rngs):
         init = nnx.initializers.variance_scaling(1.0, "fan_in", "truncated_normal", in_axis=-2, out_axis=-1)
-        self.w_gate = nnx.Param(init(rngs.params(), (d_model, hidden_dim), param_dtype))
-        self.w_up = nnx.Param(init(rngs.params(), (d_model, hidden_dim), param_dtype))
-        self.w_down = nnx.Param(init(rngs.params(), (hidden_dim, d_model), param_dtype))
+        self.w_gate = nnx.Param(logical(init, "embed", "mlp")(rngs.params(), (d_model, hidden_dim), param_dtype))
+        self.w_up = nnx.Param(logical(init, "embed", "mlp")(rngs.params(), (d_model, hidden_dim), param_dtype))
+        self.w_down = nnx.Param(logical(init, "mlp", "embed")(rngs.params(), (hidden_dim, d_model), param_dtype))
         self.compute_dtype = compute_dtype
 
     def __call__(self, x: jax.Array) -> jax.Array:
         cd = self.compute_dtype
-        return swiglu(x.astype(cd), self.w_gate[...].astype(cd), self.w_up[...].astype(cd), self.w_down[...].astype(cd))
+        w = (gathered(self.w_gate[...]), gathered(self.w_up[...]), gathered(self.w_down[...]))
+        return swiglu(x.astype(cd), *(v.astype(cd) for v in w))
 
 
 class MoE(nnx.Module):
@@ -341,17 +342,18 @@ class MoE(nnx.Module):
     ):
         init = nnx.initializers.variance_scaling(1.0, "fan_in", "truncated_normal", in_axis=-2, out_axis=-1)
         e, d, f = num_experts, d_model, expert_hidden_dim
-        self.router = nnx.Param(init(rngs.params(), (d, e), jnp.float32))
-        self.w_gate = nnx.Param(init(rngs.params(), (e, d, f), param_dtype), mesh_axes=(EXPERT_AXIS, None, None))
-        self.w_up = nnx.Param(init(rngs.params(), (e, d, f), param_dtype), mesh_axes=(EXPERT_AXIS, None, None))
-        self.w_down = nnx.Param(init(rngs.params(), (e, f, d), param_dtype), mesh_axes=(EXPERT_AXIS, None, None))
+        self.router = nnx.Param(logical(init, "embed", "router")(rngs.params(), (d, e), jnp.float32))
+        self.w_gate = nnx.Param(logical(init, "expert", "embed", "mlp")(rngs.params(), (e, d, f), param_dtype))
+        self.w_up = nnx.Param(logical(init, "expert", "embed", "mlp")(rngs.params(), (e, d, f), param_dtype))
+        self.w_down = nnx.Param(logical(init, "expert", "mlp", "embed")(rngs.params(), (e, f, d), param_dtype))
         # DeepSeek-style shared experts: one dense SwiGLU of width num_shared_experts * F.
         self.shared_experts = (
             SharedExperts(d, num_shared_experts * f, param_dtype, compute_dtype, rngs) if num_shared_experts else None
         )
         # A parameter the optimizer never moves: it gets no gradient (it only
         # steers top_k) and no weight decay (rank 1); `routing_bias_update` moves it.
-        self.routing_bias = nnx.Param(jnp.zeros((e,), jnp.float32)) if routing_bias else None
+        self.routing_bias = (nnx.Param(jnp.zeros((e,), jnp.float32), out_sharding=("router",), eager_sharding=False)
+                             if routing_bias else None)
         self.k = num_experts_per_token
         self.capacity_factor = capacity_factor
         self.renormalize = renormalize

@@ -15,12 +15,24 @@ import jax.numpy as jnp
 import ml_collections
 from flax import nnx
 
-from island_jax.mesh import BATCH_AXES
+from island_jax.mesh import BATCH_AXES, LOGICAL_RULES, gathered, logical
 from island_jax.model.moe import MEAN_METRICS, MoE, SharedExperts, routing_bias_update
 
 
 def _dtype(name: str):
     return jnp.dtype(name)
+
+
+def _linear(layer: nnx.Linear, x: jax.Array) -> jax.Array:
+    """`layer(x)` with its kernel whole over fsdp (`mesh.gathered`): the same dtype promotion and contraction as
+    `nnx.Linear.__call__` (no bias). x [..., in] -> [..., out]."""
+    x, kernel, _ = layer.promote_dtype((x, gathered(layer.kernel[...]), None), dtype=layer.dtype)
+    return jax.lax.dot_general(x, kernel, (((x.ndim - 1,), (0,)), ((), ())), precision=layer.precision)
+
+
+def _norm(d_model: int, pd, cd, rngs: nnx.Rngs) -> nnx.RMSNorm:
+    return nnx.RMSNorm(d_model, param_dtype=pd, dtype=cd, scale_init=logical(nnx.initializers.ones_init(), "norm"),
+                       rngs=rngs)
 
 
 class Attention(nnx.Module):
@@ -29,14 +41,15 @@ class Attention(nnx.Module):
     def __init__(self, d_model: int, num_heads: int, *, param_dtype, compute_dtype, rngs: nnx.Rngs):
         self.num_heads = num_heads
         kw = dict(use_bias=False, param_dtype=param_dtype, dtype=compute_dtype, rngs=rngs)
-        self.qkv = nnx.Linear(d_model, 3 * d_model, **kw)
-        self.out = nnx.Linear(d_model, d_model, **kw)
+        init = nnx.initializers.lecun_normal()  # nnx.Linear's own default
+        self.qkv = nnx.Linear(d_model, 3 * d_model, kernel_init=logical(init, "embed", "qkv"), **kw)
+        self.out = nnx.Linear(d_model, d_model, kernel_init=logical(init, "heads", "embed"), **kw)
 
     def __call__(self, x: jax.Array) -> jax.Array:
         b, s, d = x.shape
-        q, k, v = jnp.split(self.qkv(x).reshape(b, s, 3 * self.num_heads, d // self.num_heads), 3, axis=2)
+        q, k, v = jnp.split(_linear(self.qkv, x).reshape(b, s, 3 * self.num_heads, d // self.num_heads), 3, axis=2)
         y = jax.nn.dot_product_attention(q, k, v, is_causal=True)
-        return self.out(y.reshape(b, s, d))
+        return _linear(self.out, y.reshape(b, s, d))
 
     def decode(self, x: jax.Array, cache: tuple[jax.Array, jax.Array], pos: jax.Array):
         """The attention of one new position per row, with a KV cache.
@@ -52,14 +65,14 @@ class Attention(nnx.Module):
           positions 0..pos.
         """
         b, s, d = x.shape
-        q, k, v = jnp.split(self.qkv(x).reshape(b, s, 3 * self.num_heads, d // self.num_heads), 3, axis=2)
+        q, k, v = jnp.split(_linear(self.qkv, x).reshape(b, s, 3 * self.num_heads, d // self.num_heads), 3, axis=2)
         keys, values = (
             jax.lax.dynamic_update_slice_in_dim(c, jax.sharding.reshard(new.astype(c.dtype), jax.P(BATCH_AXES)), pos, 1)
             for c, new in zip(cache, (k, v))
         )
         seen = (jnp.arange(keys.shape[1]) <= pos)[None, None, None, :]  # [1, 1, 1, T]: positions 0..pos
         y = jax.nn.dot_product_attention(q, keys.astype(q.dtype), values.astype(q.dtype), mask=seen)
-        return self.out(y.reshape(b, s, d)), (keys, values)
+        return _linear(self.out, y.reshape(b, s, d)), (keys, values)
 
 
 def is_moe_layer(layer: int, every_n_layers: int) -> bool:
@@ -77,9 +90,9 @@ class Block(nnx.Module):
     def __init__(self, config: ml_collections.ConfigDict, layer: int, *, rngs: nnx.Rngs):
         m, moe = config.model, config.moe
         pd, cd = _dtype(m.param_dtype), _dtype(m.compute_dtype)
-        self.attn_norm = nnx.RMSNorm(m.d_model, param_dtype=pd, dtype=cd, rngs=rngs)
+        self.attn_norm = _norm(m.d_model, pd, cd, rngs)
         self.attn = Attention(m.d_model, m.num_heads, param_dtype=pd, compute_dtype=cd, rngs=rngs)
-        self.ffn_norm = nnx.RMSNorm(m.d_model, param_dtype=pd, dtype=cd, rngs=rngs)
+        self.ffn_norm = _norm(m.d_model, pd, cd, rngs)
         if is_moe_layer(layer, moe.every_n_layers):
             self.moe = MoE(
                 m.d_model,
@@ -133,14 +146,15 @@ class Transformer(nnx.Module):
     def __init__(self, config: ml_collections.ConfigDict, *, rngs: nnx.Rngs):
         m = config.model
         pd, cd = _dtype(m.param_dtype), _dtype(m.compute_dtype)
-        self.embedding = nnx.Param(0.02 * jax.random.normal(rngs.params(), (m.vocab_size, m.d_model), pd))
+        normal = nnx.initializers.normal(0.02)
+        self.embedding = nnx.Param(logical(normal, "vocab", "embed")(rngs.params(), (m.vocab_size, m.d_model), pd))
         self.compute_dtype = cd
-        self.position = nnx.Param(0.02 * jax.random.normal(rngs.params(), (m.seq_len, m.d_model), pd))
+        self.position = nnx.Param(logical(normal, "position", "embed")(rngs.params(), (m.seq_len, m.d_model), pd))
         self.blocks = nnx.List([Block(config, layer, rngs=rngs) for layer in range(m.num_layers)])
-        self.final_norm = nnx.RMSNorm(m.d_model, param_dtype=pd, dtype=cd, rngs=rngs)
+        self.final_norm = _norm(m.d_model, pd, cd, rngs)
         # A zero output head makes the first prediction uniform: loss ln(vocab_size).
         self.head = nnx.Linear(
-            m.d_model, m.vocab_size, use_bias=False, kernel_init=nnx.initializers.zeros_init(),
+            m.d_model, m.vocab_size, use_bias=False, kernel_init=logical(nnx.initializers.zeros_init(), "embed", "vocab"),
             param_dtype=pd, dtype=cd, rngs=rngs,
         )
 
@@ -148,7 +162,7 @@ class Transformer(nnx.Module):
         # A one-hot matmul rather than a gather: it keeps the batch sharding under
         # explicit mesh axes and costs little at a byte-level vocabulary.
         one_hot = jax.nn.one_hot(tokens, self.embedding.shape[0], dtype=self.compute_dtype)
-        return one_hot @ self.embedding[...].astype(self.compute_dtype) + positions.astype(self.compute_dtype)
+        return one_hot @ gathered(self.embedding[...]).astype(self.compute_dtype) + positions.astype(self.compute_dtype)
 
     def init_cache(self, batch: int, length: int) -> list[tuple[jax.Array, jax.Array]]:
         """An empty KV cache for `decode`: per block, (keys, values) of zeros [batch, length, H, D / H] in the
@@ -176,21 +190,21 @@ class Transformer(nnx.Module):
           same tokens, with no router jitter (run with `moe.capacity_factor <= 0`, so that no token is dropped
           in either).
         """
-        x = self._embed(tokens, jax.lax.dynamic_slice_in_dim(self.position[...], pos, 1)[None])
+        x = self._embed(tokens, jax.lax.dynamic_slice_in_dim(gathered(self.position[...]), pos, 1)[None])
         new = []
         for block, layer_cache in zip(self.blocks, cache):
             x, layer_cache = block.decode(x, layer_cache, pos)
             new.append(layer_cache)
-        return self.head(self.final_norm(x)).astype(jnp.float32), new
+        return _linear(self.head, self.final_norm(x)).astype(jnp.float32), new
 
     def __call__(self, tokens: jax.Array, mask: jax.Array | None = None, key: jax.Array | None = None):
-        x = self._embed(tokens, self.position[...][: tokens.shape[1]])
+        x = self._embed(tokens, gathered(self.position[...])[: tokens.shape[1]])
         layer_stats = []
         for i, block in enumerate(self.blocks):
             x, stats = block(x, mask, None if key is None else jax.random.fold_in(key, i))
             if stats is not None:
                 layer_stats.append(stats)
-        logits = self.head(self.final_norm(x)).astype(jnp.float32)
+        logits = _linear(self.head, self.final_norm(x)).astype(jnp.float32)
         return logits, jax.tree.map(lambda *xs: jnp.stack(xs), *layer_stats)
 
 
@@ -233,12 +247,10 @@ def update_routing_biases(params: dict, expert_load: jax.Array, rate: float) -> 
 def partition_specs(params: nnx.State) -> dict:
     """PartitionSpec per parameter, as a pure dict shaped like `nnx.to_pure_dict(params)`.
 
-    Expert weights are split over the `expert` mesh axis (from the `mesh_axes`
-    metadata their layer attaches to the `nnx.Param`); the rest is replicated.
+    Each parameter's logical axis names (its `out_sharding` metadata, `mesh.logical`) go through the one rules
+    table, `mesh.LOGICAL_RULES`: the routed experts split over `expert`, every `embed` dimension over `fsdp`,
+    the rest replicated.
     """
-    specs = jax.tree.map(
-        lambda v: jax.P(*v.get_metadata().get("mesh_axes", ())),
-        params,
-        is_leaf=lambda x: isinstance(x, nnx.Variable),
-    )
+    with nnx.logical_axis_rules(LOGICAL_RULES):
+        specs = nnx.get_partition_spec(params)
     return nnx.to_pure_dict(specs)

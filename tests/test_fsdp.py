@@ -1,0 +1,105 @@
+"""Islands with an fsdp axis: what is sharded where, the same training as fsdp = 1, islands of both layouts in
+one run, and a resume."""
+
+import jax
+import numpy as np
+import optax
+import pytest
+from jax.sharding import PartitionSpec as P
+from tiny_config import get_config, write_corpus
+
+from island_jax.island import Island
+from island_jax.island import step as step_lib
+from island_jax.metrics import read_jsonl
+from island_jax.model.init import init_params
+from island_jax.run import run_in_process
+
+ROUNDS = 2
+
+
+def config(tmp, fsdp_a: int):
+    """The tiny two-island config over 2 rounds; island a (4 devices, batch 8) at data=2 x fsdp=1 x expert=2,
+    or at data=1 x fsdp=2 x expert=2 (`fsdp_a` = 2); island b stays data=1 x fsdp=1 x expert=2."""
+    c = get_config()
+    c.data.files = write_corpus(tmp / "corpus")
+    c.outer.rounds = ROUNDS
+    c.eval.every_rounds = ROUNDS
+    c.islands.a.mesh.update(data=4 // (2 * fsdp_a), fsdp=fsdp_a, expert=2)
+    return c
+
+
+def records(workdir, role, kind):
+    return [r for r in read_jsonl(workdir / role / "metrics.jsonl") if r["kind"] == kind]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """{fsdp of island a: its run's workdir}, for 1 and 2."""
+    out = {}
+    for fsdp in (1, 2):
+        tmp = tmp_path_factory.mktemp(f"fsdp{fsdp}")
+        run_in_process(config(tmp, fsdp), str(tmp / "workdir"))
+        out[fsdp] = tmp / "workdir"
+    return out
+
+
+def test_parameters_gradients_moments_and_anchor_are_sharded_over_fsdp(tmp_path):
+    c = config(tmp_path, 2)
+    graphdef, params, specs = init_params(c)
+    # every parameter by its logical names: embed over fsdp, the routed experts over expert, the rest whole
+    assert specs["embedding"] == P(None, "fsdp") and specs["position"] == P(None, "fsdp")
+    assert specs["head"]["kernel"] == P("fsdp", None)
+    block = specs["blocks"][0]
+    assert block["attn"]["qkv"]["kernel"] == P("fsdp", None) and block["attn"]["out"]["kernel"] == P(None, "fsdp")
+    assert block["attn_norm"]["scale"] == P(None)
+    assert block["moe"]["router"] == P("fsdp", None)
+    assert block["moe"]["w_gate"] == block["moe"]["w_up"] == P("expert", "fsdp", None)
+    assert block["moe"]["w_down"] == P("expert", None, "fsdp")
+
+    corpus = np.random.default_rng(0).integers(0, 256, 4096, dtype=np.uint8)
+    island = Island("a", c, jax.devices()[:4], graphdef, params, specs, corpus, ROUNDS)
+    state = island.opt_state
+    moments = [optax.tree_utils.tree_get(state, "mu"), optax.tree_utils.tree_get(state, "nu")]
+    inputs, targets = island.shardings.batch_of(island.dataset[0], island.batch_size)
+    with jax.set_mesh(island.mesh):
+        grads = jax.jit(jax.grad(lambda p: step_lib.loss_fn(graphdef, p, inputs, targets, c.moe)[0]))(island.params)
+    for tree in (island.params, island.anchor, grads, *moments):
+        for (path, leaf), spec in zip(jax.tree_util.tree_leaves_with_path(tree), jax.tree.leaves(specs), strict=True):
+            assert leaf.sharding.spec == spec, jax.tree_util.keystr(path)
+            # each device holds 1/fsdp of an embed-sharded leaf (and 1/expert more of an expert's)
+            split = [1 if s is None else island.mesh.shape[s] for s in spec] + [1] * (leaf.ndim - len(spec))
+            assert leaf.addressable_shards[0].data.shape == tuple(n // k for n, k in zip(leaf.shape, split))
+
+
+def test_fsdp_two_trains_as_fsdp_one_on_the_same_devices_and_batch(runs):
+    one, two = runs[1], runs[2]
+    first_round = [r["loss"] for r in records(one, "islands/a", "inner") if r["round"] == 1]
+    assert len(first_round) == 2
+    np.testing.assert_allclose([r["loss"] for r in records(two, "islands/a", "inner") if r["round"] == 1],
+                               first_round, rtol=1e-5)
+    (eval_one,) = [r["eval_loss"] for r in records(one, "islands/a", "round") if "eval_loss" in r and r["round"] == 2]
+    (eval_two,) = [r["eval_loss"] for r in records(two, "islands/a", "round") if "eval_loss" in r and r["round"] == 2]
+    np.testing.assert_allclose(eval_two, eval_one, rtol=1e-4)
+
+
+@pytest.mark.parametrize("fsdp", [1, 2])
+def test_every_island_holds_the_coordinators_view_after_every_round(runs, fsdp):
+    """With fsdp = 2, island a (data=1 x fsdp=2 x expert=2) and island b (fsdp=1) hold the same bits."""
+    view = [r["checksum"] for r in records(runs[fsdp], "coordinator", "round")]
+    assert len(view) == ROUNDS and len(set(view)) == ROUNDS
+    for name in ("a", "b"):
+        assert [r["checksum"] for r in records(runs[fsdp], f"islands/{name}", "round")] == view
+
+
+def test_a_stopped_fsdp_run_resumes_to_the_checksums_of_one_without_a_stop(runs, tmp_path):
+    c = config(tmp_path, 2)
+    c.islands.a.crash_at_round = 2
+    workdir = tmp_path / "stopped"
+    with pytest.raises(RuntimeError, match="island a crashes at round 2 on purpose"):
+        run_in_process(c, str(workdir))
+    c.islands.a.crash_at_round = 0
+    summary = run_in_process(c, str(workdir))
+    assert summary["checksums_agree"] is True
+    for role in ("coordinator", "islands/a", "islands/b"):
+        resumed = {r["round"]: r["checksum"] for r in records(workdir, role, "round")}
+        assert resumed == {r["round"]: r["checksum"] for r in records(runs[2], role, "round")}
