@@ -8,6 +8,8 @@ figures need to be right relative to each other, not attainable.
 
 from __future__ import annotations
 
+import functools
+import time
 from dataclasses import dataclass
 
 
@@ -56,3 +58,42 @@ def lookup(name: str) -> Hardware:
         return CATALOG[name]
     except KeyError:
         raise KeyError(f"hardware {name!r} is not in the catalog; choose one of {sorted(CATALOG)}") from None
+
+
+@functools.cache
+def measured_cpu_peak_flops(n: int = 1024, repeats: int = 5) -> float:
+    """This machine's CPU matmul rate, FLOP/s: the best of `repeats` float32 [n, n] x [n, n] products on the
+    first CPU device (2 n^3 FLOPs each), after one that compiles. Measured once per process (about 0.1 s).
+
+    It stands for the CPU's peak: XLA:CPU runs every virtual device of a process on the same cores, so
+    this one figure is the peak of all of them together, not of each.
+    """
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    device = jax.local_devices(backend="cpu")[0]
+    a = jax.device_put(np.random.default_rng(0).standard_normal((n, n), np.float32), device)
+    matmul = jax.jit(jnp.matmul)
+    matmul(a, a).block_until_ready()
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        matmul(a, a).block_until_ready()
+        best = min(best, time.perf_counter() - start)
+    return 2.0 * n**3 / best
+
+
+def peak_flops(hardware: str, num_devices: int, platform: str) -> float:
+    """The most FLOP/s an island's devices can do, the denominator of its MFU.
+
+    On an accelerator, num_devices x the catalog's dense bf16 peak of `hardware`. On CPU ("cpu" platform),
+    the machine's measured matmul rate (`measured_cpu_peak_flops`), whatever the number of virtual devices,
+    since they share the same cores.
+
+    Raises:
+      KeyError: `hardware` is not in the catalog (on an accelerator).
+    """
+    if platform == "cpu":
+        return measured_cpu_peak_flops()
+    return num_devices * lookup(hardware).peak_tflops * 1e12

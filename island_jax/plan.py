@@ -100,15 +100,23 @@ class Link:
 class Model:
     """Attributes: total_params (all parameters, what the exchange moves); active_params (per token, what
     a step computes; 0: total_params); num_layers (Streaming DiLoCo's fragments are groups of whole
-    layers: a plan with more fragments than layers says so; 0: unknown)."""
+    layers: a plan with more fragments than layers says so; 0: unknown); flops_per_token (training FLOPs
+    per token, `model.flops.train_flops_per_token`; 0: 6 x active, what parameter counts alone give)."""
 
     total_params: float
     active_params: float = 0.0
     num_layers: int = 0
+    flops_per_token: float = 0.0
 
     @property
     def active(self) -> float:
         return self.active_params or self.total_params
+
+    @property
+    def train_flops_per_token(self) -> float:
+        from island_jax.model.flops import train_flops_per_token
+
+        return self.flops_per_token or train_flops_per_token(self.active)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -145,7 +153,7 @@ class Island:
         return self.batch_size * self.seq_len
 
     def seconds_per_step(self, model: Model) -> float:
-        """`step_seconds`, else 6 x active params x tokens per step / (devices x peak x MFU), seconds.
+        """`step_seconds`, else training FLOPs per token x tokens per step / (devices x peak x MFU), seconds.
 
         Raises:
           KeyError: hardware outside the catalog.
@@ -153,7 +161,7 @@ class Island:
         if self.step_seconds > 0:
             return self.step_seconds
         flops = self.num_devices * lookup(self.hardware).peak_tflops * 1e12 * self.mfu
-        return 6.0 * model.active * self.tokens_per_step / flops
+        return model.train_flops_per_token * self.tokens_per_step / flops
 
 
 @dataclasses.dataclass(frozen=True)
@@ -604,27 +612,14 @@ def format_plan(p: Plan) -> str:
 
 
 def model_of(config: ml_collections.ConfigDict) -> Model:
-    """The parameter counts of `config.model` / `config.moe`, from the shapes alone (nothing is computed).
+    """The parameter counts of `config.model` / `config.moe`, from the shapes alone (`model.flops.model_size`).
 
     Active parameters count k of the E routed experts of each MoE layer.
     """
-    import jax
-    import numpy as np
-    from flax import nnx
+    from island_jax.model.flops import model_size
 
-    from island_jax.model.transformer import Transformer
-
-    abstract = nnx.eval_shape(lambda: Transformer(config, rngs=nnx.Rngs(0)))
-    state = nnx.to_pure_dict(nnx.state(abstract, nnx.Param))
-    total = routed = 0
-    for path, leaf in jax.tree_util.tree_flatten_with_path(state)[0]:
-        n = int(np.prod(leaf.shape))
-        total += n
-        keys = [str(getattr(k, "key", k)) for k in path]
-        if len(keys) >= 2 and keys[-2] == "moe" and keys[-1] in ("w_gate", "w_up", "w_down"):
-            routed += n
-    k, e = config.moe.num_experts_per_token, config.moe.num_experts
-    return Model(float(total), float(total - routed * (1 - k / e)), int(config.model.num_layers))
+    size = model_size(config)
+    return Model(float(size.total_params), float(size.active_params), size.num_layers, size.flops_per_token)
 
 
 def link_of(config: ml_collections.ConfigDict) -> Link:
@@ -867,7 +862,9 @@ def _main(argv):
         model, islands, outer, coordinator = from_config(
             config, step_seconds=_per_island(f.step_seconds, list(config.islands.keys())), mfu=f.mfu, link=link)
         model = Model(*(getattr(f, k) if k in given else getattr(model, a) for k, a in
-                        (("total_params", "total_params"), ("active_params", "active_params"), ("layers", "num_layers"))))
+                        (("total_params", "total_params"), ("active_params", "active_params"), ("layers", "num_layers"))),
+                      # the config's FLOPs per token, unless the flags changed the parameter counts
+                      flops_per_token=0.0 if {"total_params", "active_params"} & set(given) else model.flops_per_token)
     elif f.island:
         link = Link(f.gbps, f.rtt_ms, f.connections, f.window_bytes)
         model = Model(f.total_params, f.active_params, f.layers)

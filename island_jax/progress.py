@@ -115,5 +115,7 @@ class Progress:
             + " | blocked " + each("{:.2f}s", "seconds_blocked")
             + " | link " + each("{:.2f}Gbit/s", "achieved_gbps", 0.0)
             + " | utilization " + each("{:.2f}", "compute_utilization", 0.0)
+            + " | MFU " + " ".join(f"{n}={100 * recs[n].get('mfu', 0.0):.2f}%" if n in recs else f"{n}=-"
+                                   for n in self.names)
             + f" | ETA {eta}"
         )

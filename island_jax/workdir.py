@@ -233,7 +233,8 @@ def summarize_island(folder: str) -> dict:
     outside their wall seconds; the evaluation and save after the last round
     are in `process_seconds` only), `ideal_compute_seconds` (per round, inner
     steps x the step time with no exchange in flight), `seconds_transferring`;
-    then `compute_utilization` (ideal compute / wall), `achieved_gbps` (all
+    then `compute_utilization` (ideal compute / wall), `mfu` (model FLOPs utilization: the rounds' `mfu`,
+    weighted by inner steps x median step seconds), `achieved_gbps` (all
     bytes moved x 8 / seconds_transferring / 1e9), the last `checksum` (of the
     last round record, or of a later `rejoin` record), and
     when the island evaluated, `eval_loss_initial` (round 0), `eval_loss_final`, its standard error
@@ -251,6 +252,10 @@ def summarize_island(folder: str) -> dict:
     wall = summary["wall_seconds"]
     summary["compute_utilization"] = summary["ideal_compute_seconds"] / wall if wall else 0.0
     summary["achieved_gbps"] = gbps(summary["bytes_sent"] + summary["bytes_received"], summary["seconds_transferring"])
+    # MFU over the run: each round's, weighted by the seconds its steps took at their median
+    stepped = [(rec.get("mfu", 0.0), rec["inner_steps"] * rec.get("step_seconds", 0.0)) for rec in rounds.values()]
+    seconds = sum(t for _, t in stepped)
+    summary["mfu"] = sum(m * t for m, t in stepped) / seconds if seconds else 0.0
     summary.update(rounds=max(rounds, default=0), checksum=held)
     if evals:
         last = evals[max(evals)]
@@ -275,7 +280,7 @@ def combine_summaries(config: ml_collections.ConfigDict, workdir: str, wall_seco
       `wall_seconds` (the caller's, seconds), `checksums_agree` (every island's final
       global parameters equal the coordinator's view; without an outer loop,
       True), and `islands.NAME`: the island's `SUMMED` totals,
-      `achieved_gbps`, `compute_utilization`, `mean_weight` (its share of a
+      `achieved_gbps`, `compute_utilization`, `mfu`, `mean_weight` (its share of a
       merge, averaged over rounds) and `rounds_merged`.
 
     Raises:
@@ -308,7 +313,7 @@ def combine_summaries(config: ml_collections.ConfigDict, workdir: str, wall_seco
         checksums_agree=agree,
         islands={
             name: dict(
-                {k: s[k] for k in (*SUMMED, "achieved_gbps", "compute_utilization")},
+                {k: s[k] for k in (*SUMMED, "achieved_gbps", "compute_utilization", "mfu")},
                 # the share of each round's merge, averaged over rounds (0 for a round it missed)
                 mean_weight=sum(r["weights"].get(name, 0.0) for r in merged.values()) / max(len(merged), 1),
                 rounds_merged=sum(name in r["weights"] for r in merged.values()),

@@ -32,6 +32,8 @@ from island_jax import data as data_lib
 from island_jax import distributed
 from island_jax.island import step as step_lib
 from island_jax.mesh import BATCH_AXES, island_mesh
+from island_jax.hardware import peak_flops
+from island_jax.model.flops import model_size
 from island_jax.model.init import checksum
 from island_jax.model.moe import LAYER_METRICS, check_dispatch
 from island_jax.outer import codec
@@ -205,6 +207,9 @@ class Island:
         self.inner_steps = plan_inner_steps(config)[name]
         self.batch_size = cfg.batch_size
         self.tokens_per_step = cfg.batch_size * config.model.seq_len
+        # MFU's numerator per token and denominator (model/flops.py; a CPU's peak is measured, shared by its devices)
+        self.flops_per_token = model_size(config).flops_per_token
+        self.peak_flops = peak_flops(cfg.hardware, len(devices), devices[0].platform)
         self._speed = SimulatedSpeed(cfg.simulated_speed)
         check_dispatch(config.moe.dispatch, cfg.mesh.expert, devices[0].platform)
         self.mesh = island_mesh(cfg.mesh.data, cfg.mesh.expert, devices, fsdp=cfg.mesh.fsdp)
@@ -287,7 +292,8 @@ class Island:
           sleeps included), `busy_seconds` (steps only), `step_seconds` (the
           median step, sleep included: robust to the first step's compilation), `compute_step_seconds`
           (the median step without its sleep, over the steps that did not compile: what `SimulatedSpeed`
-          scales; 0.0 when every step compiled), per-step lists of the
+          scales; 0.0 when every step compiled), `mfu` (model FLOPs utilization at the median step,
+          `Island.mfu`), per-step lists of the
           STEP_METRICS scalars, `layers` (per step, the LAYER_METRICS arrays per
           MoE layer), `expert_load` of the last step [num_moe_layers, E], and
           `step_times` (each step's seconds, sleep included).
@@ -335,10 +341,16 @@ class Island:
             busy_seconds=busy,
             step_seconds=float(np.median(step_times)) if step_times else 0.0,
             compute_step_seconds=float(np.median(compute_times)) if compute_times else 0.0,
+            mfu=self.mfu(float(np.median(step_times))) if step_times else 0.0,
             expert_load=out["layers"][-1]["expert_load"] if history else None,
             step_times=step_times,
         )
         return out
+
+    def mfu(self, step_seconds: float) -> float:
+        """Model FLOPs utilization of an inner step of `step_seconds` s: FLOPs per token x tokens per step /
+        (peak FLOP/s x step_seconds) (`model.flops`; 0 for a step of no seconds)."""
+        return self.flops_per_token * self.tokens_per_step / (self.peak_flops * step_seconds) if step_seconds > 0 else 0.0
 
     @property
     def global_checksum(self) -> str:

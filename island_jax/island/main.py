@@ -352,11 +352,12 @@ def _train_rounds(config, island: Island, sync: StreamingSync, role: RoleFolder,
                 role.metrics.write(dict(kind="checkpoint", round=r + 1, checksums=checksums))
         logging.info(
             "island %s round %d/%d | loss %.4f | eval %s | sent/received %.2f/%.2f MB | compute %.1f s, blocked "
-            "%.1f s, idle %.1f s (before it: eval %.1f s, save %.1f s) | utilization %.3f | tau %d | ETA %s",
+            "%.1f s, idle %.1f s (before it: eval %.1f s, save %.1f s) | utilization %.3f | MFU %.2f%% | tau %d | "
+            "ETA %s",
             name, r + 1, rounds, record["train_loss"], f"{record['eval_loss']:.4f}" if "eval_loss" in record else "-",
             record["bytes_sent"] / 1e6, record["bytes_received"] / 1e6, result["compute_seconds"],
             result["seconds_blocked"], result["idle_seconds"], result["eval_seconds"], result["checkpoint_seconds"],
-            result["compute_utilization"], result["overlap_steps"], eta.after(r + 1),
+            result["compute_utilization"], 100 * result["mfu"], result["overlap_steps"], eta.after(r + 1),
         )
         r += 1
 
@@ -396,6 +397,7 @@ def _round_record(island: Island, result: dict, r: int) -> dict:
         busy_seconds=result["busy_seconds"],
         step_seconds=result["step_seconds"],
         compute_step_seconds=result["compute_step_seconds"],
+        mfu=result["mfu"],
         **{k: result[k] for k in ACCOUNTING_FIELDS},
         achieved_gbps=gbps(result["bytes_sent"] + result["bytes_received"], result["seconds_transferring"]),
         checksum=functools.partial(checksum, params),  # computed by the metrics thread
