@@ -30,9 +30,9 @@ from jax.sharding import PartitionSpec as P
 
 from island_jax import data as data_lib
 from island_jax import distributed
+from island_jax.hardware import peak_flops
 from island_jax.island import step as step_lib
 from island_jax.mesh import BATCH_AXES, island_mesh
-from island_jax.hardware import peak_flops
 from island_jax.model.flops import model_size
 from island_jax.model.init import checksum
 from island_jax.model.moe import LAYER_METRICS, check_dispatch
