@@ -53,6 +53,10 @@ MAX_CONNECTIONS = 256
 KEEPALIVE_SECONDS = 10.0  # default of comm.keepalive_seconds (island_jax/comm/grpc_server.py), seconds
 RECONNECT_BACKOFF_CAP_SECONDS = 8.0  # default of comm.reconnect_backoff_cap_seconds (island_jax/comm/grpc_client.py)
 DTYPES = ("float32", "bfloat16")  # values of model.param_dtype and model.compute_dtype
+# Values of model.remat: "none" keeps every activation, "full" recomputes each block's from its input, and the
+# others are `jax.checkpoint_policies` of those names (what a block keeps; the rest is recomputed)
+REMAT = ("none", "full", "dots_saveable", "dots_with_no_batch_dims_saveable", "everything_saveable",
+         "nothing_saveable")
 BYTE_SYMBOLS = 256  # symbols of the byte-level data (island_jax/data.py): model.vocab_size must hold them all
 
 
@@ -171,6 +175,7 @@ def _model() -> dict:
         param_dtype="float32",  # dtype the parameters are stored in: float32 | bfloat16 (routers stay float32)
         compute_dtype="float32",  # dtype of activations and matmuls: float32 | bfloat16
         mlp_hidden_dim=512,  # SwiGLU width of the dense feed-forward layers between MoE layers
+        remat="none",  # rematerialization per block (jax.checkpoint policy): none | full | dots_saveable | ...
     )
 
 
@@ -368,6 +373,7 @@ def _check_model(m: ml_collections.ConfigDict) -> None:
         f"of at least {BYTE_SYMBOLS} (rows beyond it are padding)",
     )
     _require(m.mlp_hidden_dim > 0, f"model.mlp_hidden_dim is {m.mlp_hidden_dim}; it must be positive")
+    _require(m.remat in REMAT, f"model.remat is {m.remat!r}; choose one of {REMAT}")
 
 
 def _check_moe(moe: ml_collections.ConfigDict, m: ml_collections.ConfigDict) -> None:
@@ -673,11 +679,12 @@ def fingerprint_fields(config: ml_collections.ConfigDict) -> dict:
 
     Covers the model and MoE shapes, the codec kind and block size, the held-out
     share of the corpus and the seed; not island sizes, batch sizes or learning
-    rates, which may differ per island, nor `data.files`, whose path may differ
+    rates or `model.remat`, which may differ per island, nor `data.files`, whose path may differ
     per host (an island's join carries its corpus's fingerprint, checked
     against the first island's: `coordinator.handshake.check_corpus`).
     """
-    fields = {f"model.{k}": v for k, v in config.model.items()}
+    # model.remat changes what is recomputed, not the model: each island picks its own for its devices
+    fields = {f"model.{k}": v for k, v in config.model.items() if k != "remat"}
     shapes = ("num_experts", "num_experts_per_token", "expert_hidden_dim", "num_shared_experts", "every_n_layers")
     fields.update({f"moe.{k}": config.moe[k] for k in shapes})
     fields["moe.routing_bias"] = config.moe.routing_bias_update_rate > 0

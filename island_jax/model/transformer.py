@@ -48,7 +48,7 @@ class Attention(nnx.Module):
     def __call__(self, x: jax.Array) -> jax.Array:
         b, s, d = x.shape
         q, k, v = jnp.split(_linear(self.qkv, x).reshape(b, s, 3 * self.num_heads, d // self.num_heads), 3, axis=2)
-        y = jax.nn.dot_product_attention(q, k, v, is_causal=True)
+        y = jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=attention_implementation(q.dtype))
         return _linear(self.out, y.reshape(b, s, d))
 
     def decode(self, x: jax.Array, cache: tuple[jax.Array, jax.Array], pos: jax.Array):
@@ -73,6 +73,27 @@ class Attention(nnx.Module):
         seen = (jnp.arange(keys.shape[1]) <= pos)[None, None, None, :]  # [1, 1, 1, T]: positions 0..pos
         y = jax.nn.dot_product_attention(q, keys.astype(q.dtype), values.astype(q.dtype), mask=seen)
         return _linear(self.out, y.reshape(b, s, d)), (keys, values)
+
+
+def attention_implementation(dtype) -> str:
+    """`jax.nn.dot_product_attention`'s implementation for activations of `dtype` on the devices of the current
+    mesh (`jax.set_mesh`; else the default backend): "cudnn" (fused flash attention) on GPU in bfloat16 or
+    float16, which cuDNN's kernel needs, "xla" otherwise."""
+    device = getattr(jax.sharding.get_abstract_mesh(), "abstract_device", None)
+    platform = getattr(device, "platform", None) or jax.default_backend()
+    return "cudnn" if platform == "gpu" and jnp.dtype(dtype) in (jnp.bfloat16, jnp.float16) else "xla"
+
+
+# `model.remat` -> the `jax.checkpoint` policy of a block (None: recompute everything from the block's input)
+REMAT_POLICIES = {
+    "full": None,
+    **{name: getattr(jax.checkpoint_policies, name) for name in (
+        "dots_saveable", "dots_with_no_batch_dims_saveable", "everything_saveable", "nothing_saveable")},
+}
+
+
+def _call_block(block, x, mask, key):
+    return block(x, mask, key)
 
 
 def is_moe_layer(layer: int, every_n_layers: int) -> bool:
@@ -149,6 +170,7 @@ class Transformer(nnx.Module):
         normal = nnx.initializers.normal(0.02)
         self.embedding = nnx.Param(logical(normal, "vocab", "embed")(rngs.params(), (m.vocab_size, m.d_model), pd))
         self.compute_dtype = cd
+        self.remat = m.get("remat", "none")
         self.position = nnx.Param(logical(normal, "position", "embed")(rngs.params(), (m.seq_len, m.d_model), pd))
         self.blocks = nnx.List([Block(config, layer, rngs=rngs) for layer in range(m.num_layers)])
         self.final_norm = _norm(m.d_model, pd, cd, rngs)
@@ -200,8 +222,10 @@ class Transformer(nnx.Module):
     def __call__(self, tokens: jax.Array, mask: jax.Array | None = None, key: jax.Array | None = None):
         x = self._embed(tokens, gathered(self.position[...])[: tokens.shape[1]])
         layer_stats = []
+        # model.remat: each block's activations recomputed in the backward pass, as its policy says
+        call = _call_block if self.remat == "none" else nnx.remat(_call_block, policy=REMAT_POLICIES[self.remat])
         for i, block in enumerate(self.blocks):
-            x, stats = block(x, mask, None if key is None else jax.random.fold_in(key, i))
+            x, stats = call(block, x, mask, None if key is None else jax.random.fold_in(key, i))
             if stats is not None:
                 layer_stats.append(stats)
         logits = _linear(self.head, self.final_norm(x)).astype(jnp.float32)
