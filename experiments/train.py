@@ -4,6 +4,8 @@
       the coordinator and every island in this process, on threads (in-process transport);
   python experiments/train.py --config=CONFIG.py --workdir=DIR --role=coordinator --coordinator=HOST:PORT
       the coordinator, serving gRPC on HOST:PORT;
+  python experiments/train.py --config=CONFIG.py --dry_run [--role=island --island=NAME]
+      the memory budget per device of every island (or one), from shapes and then measured; trains nothing;
   python experiments/train.py --config=CONFIG.py --workdir=DIR --role=island --island=NAME --coordinator=HOST:PORT
       island NAME, exchanging with the coordinator at HOST:PORT;
       an island of several processes (islands.NAME.num_processes) runs one such command per process, each
@@ -50,7 +52,13 @@ _ALLOW_CONFIG_CHANGE = flags.DEFINE_bool(
     "(each role's config.json): the change is recorded (a config_change record, run_info.json). Without it, that is "
     "refused, naming every changed field.",
 )
-flags.mark_flags_as_required(["config", "workdir"])
+_DRY_RUN = flags.DEFINE_bool(
+    "dry_run", False, "Train nothing: print, per island (this one with --role=island) and per device, the bytes of "
+    "parameters, gradients, optimizer state, anchor and activations, from shapes and then measured on the island's "
+    "devices (its inner step compiled, not run); a config that cannot fit fails first, naming what to change. Needs "
+    "no --workdir and writes nothing.",
+)
+flags.mark_flags_as_required(["config"])
 
 
 def _quiet_libraries() -> None:
@@ -100,6 +108,8 @@ def main(argv):
     config, role, name = _CONFIG.value, _ROLE.value, _ISLAND.value
     if role == "island" and not name:
         sys.exit("--role=island needs --island=NAME, one of the config's islands")
+    if not _WORKDIR.value and not _DRY_RUN.value:
+        sys.exit("--workdir is required: the run's folder (or give --dry_run, which writes nothing)")
     try:
         # Everything that needs no backend, before JAX starts.
         config_lib.validate(config, island=name if role == "island" else None)
@@ -114,6 +124,18 @@ def main(argv):
         from island_jax import distributed
 
         distributed.initialize(island.num_processes, _PROCESS_ID.value, _ISLAND_COORDINATOR.value, config.distributed)
+
+    if _DRY_RUN.value:
+        import jax
+
+        from island_jax.island import memory
+
+        names = [name] if role == "island" else list(config.islands.keys())
+        try:
+            print(memory.table(memory.dry_run(config, names, jax.devices()), config))
+        except config_lib.ConfigError as e:
+            sys.exit(str(e))
+        return
 
     from island_jax.checkpoint import CheckpointError
     from island_jax.comm.security import SecurityError

@@ -23,6 +23,7 @@ from absl import logging
 from island_jax import config as config_lib
 from island_jax.comm.inprocess import InProcessExchange, RunAborted
 from island_jax.coordinator.main import run_coordinator
+from island_jax.island import memory
 from island_jax.island.main import run_island
 from island_jax.progress import Progress
 from island_jax.workdir import check_resume, combine_summaries, refuse_finished
@@ -49,6 +50,7 @@ def run_in_process(config: ml_collections.ConfigDict, workdir: str, allow_config
       likewise stops every role before it propagates.
     """
     config_lib.validate(config, num_available_devices=len(jax.devices()))
+    memory.check_fits(config)  # every island's budget, before anything is made, saved or compiled
     refuse_finished(workdir)
     check_resume(config, workdir, allow_config_change)
     start = time.perf_counter()

@@ -28,7 +28,7 @@ from island_jax import distributed
 from island_jax.comm.inprocess import InProcessExchange, InProcessTransport, RunAborted
 from island_jax.comm.link import LinkEmulator
 from island_jax.comm.transport import CoordinatorRestarted, ExchangeError
-from island_jax.island import ACCOUNTING_FIELDS, STEP_METRICS, EventLog, Island, StreamingSync
+from island_jax.island import ACCOUNTING_FIELDS, STEP_METRICS, EventLog, Island, StreamingSync, memory
 from island_jax.metrics import gbps, write_json
 from island_jax.model.init import checksum, count, init_params
 from island_jax.progress import Eta
@@ -117,6 +117,7 @@ def run_island(
     cfg = config.islands[name]
     devices = list(devices) if devices is not None else jax.devices()[: cfg.num_devices]
     config_lib.validate(config, num_available_devices=len(devices), island=name)
+    memory.check_fits(config, [name])  # before anything is made, saved or compiled
     start = time.perf_counter()
     # An island of several processes runs as one in a single process (the in-process run: the same devices).
     multi_process = cfg.num_processes > 1 and jax.process_count() > 1

@@ -193,8 +193,8 @@ def dry_run(config: ml_collections.ConfigDict, names, devices) -> dict[str, tupl
     """For each island in `names`: (its budget from shapes, the same measured on `devices`), without training.
 
     The shape budget is checked first (`check_fits`), so a config that cannot fit fails before anything is
-    made. Then each island is built on its own devices in turn (the islands' devices in config order, as a
-    run assigns them) and its inner step is compiled, not run.
+    made. Then each island is built in turn on its own devices (`devices` dealt to `names` in order, as a run
+    deals them) and its inner step is compiled, not run.
 
     Raises:
       ConfigError: an island that cannot fit (`check_fits`), or fewer `devices` than the islands need.
@@ -203,14 +203,14 @@ def dry_run(config: ml_collections.ConfigDict, names, devices) -> dict[str, tupl
     from island_jax.model.init import init_params
 
     check_fits(config, names)
+    need = sum(config.islands[n].num_devices for n in names)
+    if len(devices) < need:
+        raise ConfigError(f"islands {names} need {need} devices; this process has {len(devices)}")
     graphdef, params, specs = init_params(config)
     out, offset = {}, 0
-    for name, isl in config.islands.items():
+    for name in names:
+        isl = config.islands[name]
         mine, offset = devices[offset : offset + isl.num_devices], offset + isl.num_devices
-        if name not in names:
-            continue
-        if len(mine) < isl.num_devices:
-            raise ConfigError(f"islands.{name} needs {isl.num_devices} devices; this process has {len(devices)}")
         corpus = np.zeros(config.model.seq_len * isl.batch_size + config.model.seq_len + 1, np.uint8)
         island = Island(name, config, mine, graphdef, params, specs, corpus, config.outer.rounds)
         out[name] = (budget(config, name), measured(island))

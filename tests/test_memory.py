@@ -1,0 +1,98 @@
+"""The memory budget per device (island/memory.py): from shapes, as placed, and the refusal of a config that
+cannot fit, before anything is made."""
+
+import os
+import subprocess
+import sys
+
+import jax
+import pytest
+from tiny_config import get_config, write_corpus
+
+from island_jax.config import ConfigError, default_config, island
+from island_jax.island import memory
+from island_jax.model.flops import model_size
+from island_jax.run import run_in_process
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def test_state_bytes_shard_every_embed_dimension_over_fsdp():
+    c = get_config()  # the tiny model: V 256, D 32, S 32, one block, 4 experts of F 32
+    c.islands.a.mesh.update(data=1, fsdp=4, expert=1)
+    d, v, s, e, f = 32, 256, 32, 4, 32
+    whole = 3 * d  # the three norms' scales: replicated
+    embed = v * d + s * d + 3 * d * d + d * d + d * e + 3 * e * d * f + d * v  # every other leaf has D
+    assert whole + embed == model_size(c).total_params
+    params = 4 * (whole + embed // 4)
+    assert memory.state_bytes(c, "a") == (params, params, 2 * params, params)
+    # island b: data=1 x fsdp=1 x expert=2, the experts split over expert only
+    experts = 3 * e * d * f
+    assert memory.state_bytes(c, "b")[0] == 4 * (whole + embed - experts + experts // 2)
+
+
+def test_a_run_that_cannot_fit_is_refused_before_anything_is_made(tmp_path):
+    c = default_config()
+    c.model.update(d_model=2048, num_layers=12, num_heads=16)
+    c.moe.update(num_experts=4, expert_hidden_dim=4096)
+    c.islands.a = island(1, 1, 1, 1, 1, memory_gb=1)
+    c.outer.enabled = False
+    c.eval.batch_size = 1
+    c.data.files = write_corpus(tmp_path / "corpus")
+    total = model_size(c).total_params
+    assert 1e9 < total < 1.7e9  # a 1B-parameter model
+    need = memory.budget(c, "a")
+    assert need.params == 4 * total and need.state == 20 * total
+    expected = (f"ConfigError: islands.a needs {need.total / 1e9:.2f} GB per device but its devices have 1.00 GB "
+                f"(islands.a.memory_gb, or the catalog's for 'cpu'): parameters {4 * total / 1e9:.2f}, gradients "
+                f"{4 * total / 1e9:.2f}, optimizer state {8 * total / 1e9:.2f}, anchor {4 * total / 1e9:.2f} and "
+                f"activations {need.activations / 1e9:.2f} GB (estimated from shapes). Shard the state over more "
+                "devices (islands.a.mesh.fsdp, now 1), recompute activations (model.remat='full'), or lower "
+                "islands.a.batch_size (now 1)")
+    with pytest.raises(ConfigError) as raised:
+        run_in_process(c, str(tmp_path / "workdir"))
+    assert str(raised.value) == expected
+    assert not (tmp_path / "workdir").exists()  # nothing made, nothing saved
+    c.islands.a.memory_gb = 0  # unknown (the cpu catalog's 0): not checked
+    memory.check_fits(c)
+
+
+def test_remat_full_keeps_less_by_the_estimate():
+    c = get_config()
+    c.model.num_layers = 4
+    kept = memory.estimated_activation_bytes(c, "a")
+    c.model.remat = "full"
+    assert memory.estimated_activation_bytes(c, "a") < kept / 2
+
+
+def test_a_dry_run_measures_what_the_shapes_say_of_the_state():
+    c = get_config()
+    c.islands.a.mesh.update(data=1, fsdp=2, expert=2)
+    results = memory.dry_run(c, ["a", "b"], jax.devices()[:6])
+    for name in ("a", "b"):
+        estimate, placed = results[name]
+        assert (estimate.activations_source, placed.activations_source) == ("estimate", "compiled")
+        assert (placed.params, placed.grads, placed.anchor) == (estimate.params,) * 3
+        # the moments, and the step counts of Adam and of the schedule (int32 each, whole on every device)
+        assert placed.optimizer == estimate.optimizer + 8
+        assert placed.activations > 0
+    lines = memory.table(results, c).splitlines()
+    assert lines[0].split() == ["island", "source", "params", "MB", "grads", "MB", "optimizer", "MB", "anchor", "MB",
+                                "activations", "MB", "total", "MB", "of", "GB"]
+    assert [line.split()[:2] for line in lines[1:]] == [["a", "estimate"], ["a", "compiled"], ["b", "estimate"],
+                                                        ["b", "compiled"]]
+
+
+@pytest.mark.slow
+def test_the_dry_run_command_prints_the_budget_and_refuses_what_cannot_fit(tmp_path):
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"} | {"PYTHONPATH": os.path.join(ROOT, "tests")}
+    cmd = [sys.executable, os.path.join(ROOT, "experiments", "train.py"), "--config=tests/tiny_config.py", "--dry_run"]
+    done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert [line.split()[:2] for line in done.stdout.splitlines()[1:]] == [
+        ["a", "estimate"], ["a", "compiled"], ["b", "estimate"], ["b", "compiled"]]
+    refused = subprocess.run(cmd + ["--config.islands.b.memory_gb=1e-6"], cwd=ROOT, env=env, capture_output=True,
+                             text=True, timeout=300)
+    assert refused.returncode == 1
+    assert refused.stderr.strip().splitlines()[-1].startswith("ConfigError: islands.b needs 0.00 GB per device but "
+                                                              "its devices have 0.00 GB")
