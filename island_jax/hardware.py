@@ -97,3 +97,17 @@ def peak_flops(hardware: str, num_devices: int, platform: str) -> float:
     if platform == "cpu":
         return measured_cpu_peak_flops()
     return num_devices * lookup(hardware).peak_tflops * 1e12
+
+
+# Substrings of `jax.Device.device_kind` (lowercase, spaces removed) -> catalog names
+_DEVICE_KINDS = (("h200", "h200"), ("h100", "h100"), ("a100", "a100"), ("b200", "b200"), ("v6", "tpu-v6e"),
+                 ("v5p", "tpu-v5p"), ("v4", "tpu-v4"))
+
+
+def kind_of(device) -> str | None:
+    """The catalog name of a device ("cpu" for a CPU device; e.g. "h200" for an "NVIDIA H200"), or None for a
+    kind the catalog does not have."""
+    if device.platform == "cpu":
+        return "cpu"
+    kind = device.device_kind.lower().replace(" ", "")
+    return next((name for part, name in _DEVICE_KINDS if part in kind), None)

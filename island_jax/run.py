@@ -29,7 +29,8 @@ from island_jax.progress import Progress
 from island_jax.workdir import check_resume, combine_summaries, refuse_finished
 
 
-def run_in_process(config: ml_collections.ConfigDict, workdir: str, allow_config_change: bool = False) -> dict:
+def run_in_process(config: ml_collections.ConfigDict, workdir: str, allow_config_change: bool = False,
+                   devices: dict | None = None) -> dict:
     """Trains the run's islands with the DiLoCo outer loop (or one island without it) and evaluates.
 
     Args:
@@ -37,6 +38,8 @@ def run_in_process(config: ml_collections.ConfigDict, workdir: str, allow_config
       workdir: the run's folder (created; an unfinished run in it is resumed).
       allow_config_change: resume an unfinished run under a config that differs from the one it started
         with (recorded in every role's folder, `workdir.open_role`); otherwise that is refused.
+      devices: {island: its devices}, for islands on different backends in one process (an island on the GPU
+        beside one on CPU devices); None deals `jax.devices()` to the islands in config order.
 
     Returns:
       `workdir.combine_summaries`'s summary, also in `workdir/summary.json`.
@@ -49,23 +52,33 @@ def run_in_process(config: ml_collections.ConfigDict, workdir: str, allow_config
       their checkpoints in progress finished); KeyboardInterrupt or SystemExit
       likewise stops every role before it propagates.
     """
-    config_lib.validate(config, num_available_devices=len(jax.devices()))
+    if devices is None:
+        config_lib.validate(config, num_available_devices=len(jax.devices()))
+        dealt, offset = jax.devices(), 0
+        devices = {}
+        for name, cfg in config.islands.items():
+            devices[name], offset = dealt[offset : offset + cfg.num_devices], offset + cfg.num_devices
+    else:
+        config_lib.validate(config)
+        for name, cfg in config.islands.items():
+            if len(devices.get(name, ())) != cfg.num_devices:
+                raise config_lib.ConfigError(f"islands.{name}.num_devices is {cfg.num_devices} but the run was given "
+                                             f"{len(devices.get(name, ()))} devices for it")
     memory.check_fits(config)  # every island's budget, before anything is made, saved or compiled
     refuse_finished(workdir)
     check_resume(config, workdir, allow_config_change)
     start = time.perf_counter()
     exchange = InProcessExchange() if config.outer.enabled else None
-    devices, offset = jax.devices(), 0
-    device_lock = threading.Lock() if devices[0].platform == "cpu" else None
+    # XLA:CPU's in-process collectives must not interleave: one lock for every island's device work
+    cpu = any(d.platform == "cpu" for island_devices in devices.values() for d in island_devices)
+    device_lock = threading.Lock() if cpu else None
     stop = threading.Event()  # set when the run is stopped: every island stops before its next round
     roles = []
     if exchange is not None:
         roles.append(("coordinator", run_coordinator, (config, workdir, exchange, False, allow_config_change)))
-    for name, cfg in config.islands.items():
-        island_devices = devices[offset : offset + cfg.num_devices]
-        offset += cfg.num_devices
+    for name in config.islands.keys():
         roles.append((f"island {name}", run_island,
-                      (config, workdir, name, exchange, island_devices, device_lock, stop, allow_config_change)))
+                      (config, workdir, name, exchange, list(devices[name]), device_lock, stop, allow_config_change)))
     errors: list[tuple[str, BaseException]] = []
 
     def work(role, fn, args):

@@ -55,16 +55,7 @@ def test_bfloat16_compute_trains_as_float32_over_50_steps(corpus):
     for dtype in ("float32", "bfloat16"):
         c = get_config()
         c.model.compute_dtype = dtype
-        graphdef, params, shardings = _placed(c, mesh)
-        tx = step_lib.inner_optimizer(c, 50)
-        train_step = step_lib.build_train_step(c, graphdef, tx)
-        batches = data_lib.train_dataset(corpus, c.model.seq_len, 8, 0)
-        losses = []
-        with jax.set_mesh(mesh):
-            opt_state = jax.jit(tx.init)(params)
-            for step in range(50):
-                params, opt_state, metrics = train_step(params, opt_state, *shardings.batch_of(batches[step]), step)
-                losses.append(float(metrics["cross_entropy"]))
+        losses, params = step_lib.train_losses(c, mesh, data_lib.train_dataset(corpus, c.model.seq_len, 8, 0), 50)
         # the parameters, the routers among them, stay float32
         assert {leaf.dtype for leaf in jax.tree.leaves(params)} == {jnp.dtype("float32")}
         curves[dtype] = np.array(losses)

@@ -154,3 +154,33 @@ def mix(local: list, global_: list, alpha: jax.Array) -> list:
     """
     return [(alpha * x.astype(jnp.float32) + (1.0 - alpha) * g.astype(jnp.float32)).astype(x.dtype)
             for x, g in zip(local, global_)]
+
+
+def train_losses(config: ml_collections.ConfigDict, mesh: jax.sharding.Mesh, batches, steps: int) -> tuple[list, dict]:
+    """Cross-entropy of each of `steps` inner steps of a freshly initialised model on `mesh`, with no outer loop:
+    a quick comparison of settings (bfloat16 against float32, say) on the same batches.
+
+    Args:
+      config: the model, MoE and inner optimizer settings (islands are not read).
+      mesh: an `island_mesh` to train on; the batch is split over every axis.
+      batches: `batches[step]`, uint8 [B, seq_len + 1] windows (`data.train_dataset`).
+      steps: inner steps, which also set the learning-rate schedule's length.
+
+    Returns:
+      (the per-step cross-entropy in nats per token as floats, the parameters after the last step).
+    """
+    from island_jax.island.island import Shardings
+    from island_jax.model.init import init_params
+
+    graphdef, params, specs = init_params(config)
+    shardings = Shardings(mesh, specs)
+    tx = inner_optimizer(config, steps)
+    train_step = build_train_step(config, graphdef, tx)
+    losses = []
+    with jax.set_mesh(mesh):
+        params = shardings.place(params)
+        opt_state = jax.jit(tx.init)(params)
+        for step in range(steps):
+            params, opt_state, metrics = train_step(params, opt_state, *shardings.batch_of(batches[step]), step)
+            losses.append(float(metrics["cross_entropy"]))
+    return losses, params

@@ -397,6 +397,38 @@ def _reshard(x, spec):
     return None if x is None else jax.reshard(x, spec)
 
 
+def dense_reference(x: jax.Array, weights: dict, k: int, mask: jax.Array | None = None):
+    """The MoE layer's oracle: every expert on every real token, combined with the top-k router weights
+    (renormalised to sum to 1), and the auxiliary losses over real tokens, in plain float32 einsums on one
+    device. What `MoE` (renormalize=True, no drops, no jitter, no shared experts or routing bias) must equal on
+    any mesh (tests/test_moe.py, benchmarks/accelerator_check.py).
+
+    Args:
+      x: [B, S, D]; weights: `router` [D, E], `w_gate`, `w_up` [E, D, F], `w_down` [E, F, D]; k: top-k;
+      mask: [B, S] (1 real, 0 padded) or None (all real).
+
+    Returns:
+      (y [B, S, D], load-balancing loss [], router z-loss []).
+    """
+    e = weights["router"].shape[1]
+    xt = x.reshape(-1, x.shape[-1])
+    real = jnp.ones(xt.shape[0]) if mask is None else mask.reshape(-1)
+    logits = xt @ weights["router"]
+    probs = jax.nn.softmax(logits, axis=-1)
+    top_w, top_e = jax.lax.top_k(probs, k)
+    top_w = top_w / top_w.sum(-1, keepdims=True)
+    gate = jnp.einsum("td,edf->tef", xt, weights["w_gate"])
+    up = jnp.einsum("td,edf->tef", xt, weights["w_up"])
+    all_out = jnp.einsum("tef,efd->ted", jax.nn.silu(gate) * up, weights["w_down"])
+    combine = jnp.sum(jax.nn.one_hot(top_e, e) * top_w[..., None], axis=1) * real[:, None]
+    out = jnp.einsum("ted,te->td", all_out, combine).reshape(x.shape)
+    n = jnp.sum(real)
+    f = jnp.sum(jnp.sum(jax.nn.one_hot(top_e, e), axis=1) * real[:, None], axis=0) / (n * k)
+    lb = e * jnp.sum(f * jnp.sum(probs * real[:, None], axis=0) / n)
+    z = jnp.sum(jax.nn.logsumexp(logits, axis=-1) ** 2 * real) / n
+    return out, lb, z
+
+
 def routing_bias_update(bias: jax.Array, expert_load: jax.Array, rate: float) -> jax.Array:
     """DeepSeek-V3's auxiliary-loss-free update: b_i += rate * sign(mean load - load_i).
 
