@@ -887,7 +887,24 @@ def _main(argv):
         fixed_ns_per_param=f.merge_fixed_ns, per_island_ns_per_param=f.merge_per_island_ns,
     )
     print(plan(model, islands, outer, coordinator, dp_dtype=f.dp_dtype))
+    if f.config is not None:
+        print(memory_lines(f.config))
     return 0
+
+
+def memory_lines(config: ml_collections.ConfigDict) -> str:
+    """Each island's memory per device from shapes alone (`island.memory.budget`, docs/island.md), against its
+    `memory_gb` or the catalog's: what a config needs of hardware that is not here."""
+    from island_jax.island import memory
+
+    lines = ["memory per device, from shapes (parameters, gradients, optimizer state, anchor; activations):"]
+    for name in config.islands.keys():
+        b, gb = memory.budget(config, name), memory.memory_gb(config, name)
+        of = f"of {gb:g} GB" if gb else "of unknown GB"
+        lines.append(f"  {name}: {b.total / 1e9:.3f} GB {of} ({b.params / 1e9:.3f}, {b.grads / 1e9:.3f}, "
+                     f"{b.optimizer / 1e9:.3f}, {b.anchor / 1e9:.3f}; {b.activations / 1e9:.3f})"
+                     + (" DOES NOT FIT" if gb and b.total > gb * 1e9 else ""))
+    return "\n".join(lines)
 
 
 def _define_flags() -> None:

@@ -96,3 +96,19 @@ def test_the_dry_run_command_prints_the_budget_and_refuses_what_cannot_fit(tmp_p
     assert refused.returncode == 1
     assert refused.stderr.strip().splitlines()[-1].startswith("ConfigError: islands.b needs 0.00 GB per device but "
                                                               "its devices have 0.00 GB")
+
+
+def test_the_planner_prints_each_islands_memory_from_shapes():
+    from island_jax.plan import memory_lines
+
+    c = get_config()
+    c.islands.a.memory_gb = 1e-4
+    a, b = memory.budget(c, "a"), memory.budget(c, "b")
+    assert memory_lines(c).splitlines() == [
+        "memory per device, from shapes (parameters, gradients, optimizer state, anchor; activations):",
+        f"  a: {a.total / 1e9:.3f} GB of 0.0001 GB ({a.params / 1e9:.3f}, {a.grads / 1e9:.3f}, {a.optimizer / 1e9:.3f}, "
+        f"{a.anchor / 1e9:.3f}; {a.activations / 1e9:.3f}) DOES NOT FIT",
+        f"  b: {b.total / 1e9:.3f} GB of unknown GB ({b.params / 1e9:.3f}, {b.grads / 1e9:.3f}, {b.optimizer / 1e9:.3f}, "
+        f"{b.anchor / 1e9:.3f}; {b.activations / 1e9:.3f})",
+    ]
+    assert a.total > 1e5  # the tiny model's state and activations exceed 0.0001 GB

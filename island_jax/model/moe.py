@@ -295,7 +295,7 @@ class SharedExperts(nnx.Module):
 class MoE(nnx.Module):
     """Top-k routed SwiGLU experts, expert-parallel over the `expert` mesh axis.
 
-    Must be called under a mesh (`jax.set_mesh`) with axes ("data", "expert");
+    Must be called under a mesh (`jax.set_mesh`) with the axes of `mesh.AXES`;
     a 1 x 1 mesh runs it on one device.
 
     Args:
@@ -312,7 +312,7 @@ class MoE(nnx.Module):
       param_dtype, compute_dtype: dtypes of the expert weights and matmuls
         (the router always computes in float32).
 
-    Call: x [B, S, D] (B divisible by data x expert), optional mask [B, S]
+    Call: x [B, S, D] (B divisible by data x fsdp x expert), optional mask [B, S]
       (1 real, 0 padded), optional PRNG key (jitter; training only) ->
       (y [B, S, D] in x's dtype, stats (`LAYER_METRICS`): load_balancing_loss [],
       router_z_loss [], router_entropy [] (nats), dropped_fraction [] float32,
