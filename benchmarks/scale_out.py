@@ -115,13 +115,14 @@ def _run(parts: int) -> dict:
     """The island exchanged from `parts` processes: per round, the seconds and each process's CPU seconds."""
     from island_jax.comm.grpc_server import serve
     from island_jax.coordinator import FragmentedCoordinator
+    from island_jax.mesh import without_forced_device_count
 
     num_bytes = _MEGABYTES.value << 20
     config = _config()
     coordinator = FragmentedCoordinator(config, _params(num_bytes), ["a"])
     server, _, port = serve(coordinator, "localhost:0", config.comm.chunk_bytes)
     cpu = time.process_time()
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"} | {"JAX_PLATFORMS": "cpu"}
+    env = without_forced_device_count(os.environ) | {"JAX_PLATFORMS": "cpu"}
 
     def start(part: int) -> subprocess.Popen:
         return subprocess.Popen(

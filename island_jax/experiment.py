@@ -303,12 +303,9 @@ def _changes(path: str, config: ml_collections.ConfigDict) -> list:
 def _child_env() -> dict:
     """This process's environment, without a forced host device count (the run process sets its own)
     and with this package importable."""
-    env = dict(os.environ)
-    flags = [f for f in env.get("XLA_FLAGS", "").split() if not f.startswith("--xla_force_host_platform_device_count")]
-    if flags:
-        env["XLA_FLAGS"] = " ".join(flags)
-    else:
-        env.pop("XLA_FLAGS", None)
+    from island_jax.mesh import without_forced_device_count
+
+    env = without_forced_device_count(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (_PACKAGE_ROOT, env.get("PYTHONPATH")) if p)
     return env
 

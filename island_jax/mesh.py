@@ -13,7 +13,7 @@ Axes, in order (docs/island.md):
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Mapping, Sequence
 
 import jax
 from jax.sharding import AxisType
@@ -62,6 +62,18 @@ def use_cpu_devices(count: int) -> None:
     """Gives this process `count` (at least 1) virtual CPU devices; call it before JAX starts its backend
     (the first device query). Processes on accelerators use their own devices and ignore it."""
     jax.config.update("jax_num_cpu_devices", max(count, 1))
+
+
+def without_forced_device_count(env: Mapping[str, str]) -> dict[str, str]:
+    """A copy of the environment `env` for a process that sets its own device count (`use_cpu_devices`): `XLA_FLAGS`
+    keeps every flag but `--xla_force_host_platform_device_count`, and goes when none is left."""
+    out = dict(env)
+    flags = [f for f in out.get("XLA_FLAGS", "").split() if not f.startswith("--xla_force_host_platform_device_count")]
+    if flags:
+        out["XLA_FLAGS"] = " ".join(flags)
+    else:
+        out.pop("XLA_FLAGS", None)
+    return out
 
 
 def island_mesh(data: int, expert: int, devices: Sequence[jax.Device], fsdp: int = 1) -> jax.sharding.Mesh:

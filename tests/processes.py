@@ -24,6 +24,7 @@ import pytest
 from filelock import FileLock
 from tiny_config import write_corpus
 
+from island_jax.mesh import without_forced_device_count
 from island_jax.metrics import read_jsonl
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -35,7 +36,7 @@ def role_env() -> dict:
     """The environment of a process a test starts: this one's, without the 8 virtual devices tests/conftest.py
     forces (each role sets its own device count), with tests/ importable (tiny_config); the compilation cache
     settings are inherited."""
-    return {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"} | {"PYTHONPATH": TESTS}
+    return without_forced_device_count(os.environ) | {"PYTHONPATH": TESTS}
 
 
 def launch(workdir, files: str, *overrides: str, config: str = CONFIG) -> subprocess.CompletedProcess:

@@ -17,6 +17,8 @@ import sys
 
 import pytest
 
+from island_jax.mesh import without_forced_device_count
+
 pytestmark = pytest.mark.slow  # every test here starts processes
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -41,7 +43,7 @@ LAST_LINES = {
 def smoke(name: str, *args: str, timeout: float) -> subprocess.CompletedProcess:
     """`python benchmarks/NAME.py --smoke ARGS` to its end; on `timeout` (seconds), its whole process group is
     interrupted (then killed) and the test fails with the output so far."""
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # the benchmarks set their own devices
+    env = without_forced_device_count(os.environ)  # the benchmarks set their own devices
     cmd = [sys.executable, os.path.join(BENCHMARKS, f"{name}.py"), "--smoke", *args]
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             start_new_session=True)

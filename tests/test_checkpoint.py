@@ -16,6 +16,7 @@ from orbax.checkpoint._src.path import atomicity
 from tiny_config import get_config, write_corpus
 
 from island_jax.checkpoint import Checkpointer, CheckpointError
+from island_jax.mesh import without_forced_device_count
 from island_jax.workdir import checkpoint_schedule, island_dir, island_saves, open_role
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -257,7 +258,7 @@ def test_a_role_whose_save_fails_exits_naming_the_folder_and_its_checkpoint_rest
     corpus = write_corpus(tmp_path / "corpus")
     (tmp_path / "alone.py").write_text(ALONE.format(tests=os.path.join(ROOT, "tests")))
     workdir = tmp_path / "workdir"
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # the role sets its own devices
+    env = without_forced_device_count(os.environ)  # the role sets its own devices
     result = subprocess.run(
         [sys.executable, "-c", FAILING_RUN, f"--config={tmp_path / 'alone.py'}", f"--workdir={workdir}",
          "--role=island", "--island=a", f"--config.data.files={corpus}", "--config.outer.rounds=3",

@@ -19,6 +19,7 @@ from island_jax.comm.proxy import FaultProxy
 from island_jax.comm.transport import ExchangeError
 from island_jax.config import default_config, fingerprint_fields, island
 from island_jax.coordinator import ContributionHeader, FragmentedCoordinator, HandshakeError
+from island_jax.mesh import without_forced_device_count
 from island_jax.model.init import checksum
 from island_jax.outer import codec
 
@@ -41,7 +42,7 @@ def _frames(transport: GrpcTransport, island: str, payload: bytes, tokens: int =
 @pytest.fixture(scope="module")
 def server_process():
     """The 5 MB coordinator of tests/exchange_server.py in a process of its own."""
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env = without_forced_device_count(os.environ)
     proc = subprocess.Popen(
         [sys.executable, os.path.join(HERE, "exchange_server.py")], stdout=subprocess.PIPE, text=True, env=env
     )

@@ -11,6 +11,7 @@ from tiny_config import get_config, write_corpus
 
 from island_jax.config import ConfigError, default_config, island
 from island_jax.island import memory
+from island_jax.mesh import without_forced_device_count
 from island_jax.model.flops import model_size
 from island_jax.run import run_in_process
 
@@ -85,7 +86,7 @@ def test_a_dry_run_measures_what_the_shapes_say_of_the_state():
 
 @pytest.mark.slow
 def test_the_dry_run_command_prints_the_budget_and_refuses_what_cannot_fit(tmp_path):
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"} | {"PYTHONPATH": os.path.join(ROOT, "tests")}
+    env = without_forced_device_count(os.environ) | {"PYTHONPATH": os.path.join(ROOT, "tests")}
     cmd = [sys.executable, os.path.join(ROOT, "experiments", "train.py"), "--config=tests/tiny_config.py", "--dry_run"]
     done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
