@@ -62,6 +62,16 @@ def pytest_collection_modifyitems(config, items):
         items.sort(key=fixed)  # stable: file order within each part
 
 
+def pytest_xdist_auto_num_workers(config):
+    """`-n auto` (pyproject.toml): one pytest-xdist worker more than this machine's CPUs, unless
+    PYTEST_XDIST_AUTO_NUM_WORKERS says otherwise. The tests that start processes spend part of their time waiting
+    on a condition in those processes (a round, a heartbeat, a restart), and the extra worker runs other tests
+    meanwhile (docs/benchmarks.md, "The test suite")."""
+    if os.environ.get("PYTEST_XDIST_AUTO_NUM_WORKERS"):
+        return int(os.environ["PYTEST_XDIST_AUTO_NUM_WORKERS"])
+    return (os.cpu_count() or 1) + 1
+
+
 _durations: dict = {}
 
 
