@@ -9,6 +9,7 @@ figures need to be right relative to each other, not attainable.
 from __future__ import annotations
 
 import functools
+import threading
 import time
 from dataclasses import dataclass
 
@@ -60,14 +61,23 @@ def lookup(name: str) -> Hardware:
         raise KeyError(f"hardware {name!r} is not in the catalog; choose one of {sorted(CATALOG)}") from None
 
 
-@functools.cache
+_MEASURE_LOCK = threading.Lock()
+
+
 def measured_cpu_peak_flops(n: int = 1024, repeats: int = 5) -> float:
     """This machine's CPU matmul rate, FLOP/s: the best of `repeats` float32 [n, n] x [n, n] products on the
-    first CPU device (2 n^3 FLOPs each), after one that compiles. Measured once per process (about 0.1 s).
+    first CPU device (2 n^3 FLOPs each), after one that compiles. Measured once per process (about 0.1 s),
+    under a lock, so that islands starting on threads of one process all get the same figure.
 
     It stands for the CPU's peak: XLA:CPU runs every virtual device of a process on the same cores, so
     this one figure is the peak of all of them together, not of each.
     """
+    with _MEASURE_LOCK:
+        return _measure_cpu_peak_flops(n, repeats)
+
+
+@functools.cache
+def _measure_cpu_peak_flops(n: int, repeats: int) -> float:
     import jax
     import jax.numpy as jnp
     import numpy as np

@@ -12,6 +12,7 @@ Fixtures (tests/conftest.py imports them for every test module):
 """
 
 import os
+import pathlib
 import re
 import shutil
 import signal
@@ -63,19 +64,34 @@ def corpus(tmp_path_factory) -> str:
     return str(root / "corpus" / "*.py")
 
 
+def shared_folder(tmp_path_factory, name: str, make) -> pathlib.Path:
+    """The folder `name` that every pytest-xdist worker of this run sees, filled once by `make(folder)`: the first
+    worker that asks runs it, the others wait for it (a file lock) and read the same folder. For what tests only
+    read; a module-scoped fixture would run once per worker instead. A `make` that raises leaves nothing done, and
+    the next worker to ask tries again."""
+    root = _shared(tmp_path_factory)
+    folder, done = root / name, root / f"{name}.done"
+    with FileLock(str(root / f"{name}.lock")):
+        if not done.exists():
+            shutil.rmtree(folder, ignore_errors=True)  # what a failed first try left
+            folder.mkdir()
+            make(folder)
+            done.touch()
+    return folder
+
+
 @pytest.fixture(scope="session")
 def straight(tmp_path_factory, corpus):
     """Three rounds of tests/tiny_config.py, start to end, with the launcher: (workdir, the launcher's stdout).
     The first worker that needs it runs it; the others wait for it and read the same folder."""
-    root = _shared(tmp_path_factory)
-    workdir, stdout = root / "straight", root / "straight.stdout"
-    with FileLock(str(root / "straight.lock")):
-        if not stdout.exists():
-            shutil.rmtree(workdir, ignore_errors=True)  # what a failed first try left
-            result = launch(workdir, corpus)
-            assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-            stdout.write_text(result.stdout)
-    return workdir, stdout.read_text()
+
+    def make(folder):
+        result = launch(folder / "workdir", corpus)
+        assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+        (folder / "stdout").write_text(result.stdout)
+
+    folder = shared_folder(tmp_path_factory, "straight", make)
+    return folder / "workdir", (folder / "stdout").read_text()
 
 
 class Run:

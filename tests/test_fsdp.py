@@ -6,6 +6,7 @@ import numpy as np
 import optax
 import pytest
 from jax.sharding import PartitionSpec as P
+from processes import shared_folder
 from tiny_config import get_config, write_corpus
 
 from island_jax.island import Island
@@ -34,13 +35,12 @@ def records(workdir, role, kind):
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    """{fsdp of island a: its run's workdir}, for 1 and 2."""
-    out = {}
-    for fsdp in (1, 2):
-        tmp = tmp_path_factory.mktemp(f"fsdp{fsdp}")
-        run_in_process(config(tmp, fsdp), str(tmp / "workdir"))
-        out[fsdp] = tmp / "workdir"
-    return out
+    """{fsdp of island a: its run's workdir}, for 1 and 2 (made once per pytest run, `shared_folder`)."""
+
+    def make(fsdp):
+        return lambda folder: run_in_process(config(folder, fsdp), str(folder / "workdir"))
+
+    return {fsdp: shared_folder(tmp_path_factory, f"fsdp{fsdp}", make(fsdp)) / "workdir" for fsdp in (1, 2)}
 
 
 def test_parameters_gradients_moments_and_anchor_are_sharded_over_fsdp(tmp_path):

@@ -8,6 +8,7 @@ import sys
 import jax
 import numpy as np
 import pytest
+from processes import shared_folder
 from tiny_config import get_config, write_corpus
 
 from island_jax import experiment, sample
@@ -23,13 +24,21 @@ PROMPT = b"def self(:"  # bytes of the tiny corpus's words
 
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory):
-    """The tiny two-island run with 64-byte sequences, 3 rounds: (config, workdir)."""
-    tmp = tmp_path_factory.mktemp("sample")
-    config = get_config()
-    config.data.files = write_corpus(tmp / "corpus")
-    config.model.seq_len = 64
-    run_in_process(config, str(tmp / "workdir"))
-    return config, tmp / "workdir"
+    """The tiny two-island run with 64-byte sequences, 3 rounds: (config, workdir), made once per pytest run
+    (`shared_folder`)."""
+
+    def trained_config(folder):
+        config = get_config()
+        config.data.files = str(folder / "corpus" / "*.py")
+        config.model.seq_len = 64
+        return config
+
+    def make(folder):
+        write_corpus(folder / "corpus")
+        run_in_process(trained_config(folder), str(folder / "workdir"))
+
+    folder = shared_folder(tmp_path_factory, "sample", make)
+    return trained_config(folder), folder / "workdir"
 
 
 def test_greedy_sampling_with_the_cache_equals_argmax_decoding_without_it(trained):
