@@ -180,7 +180,9 @@ def check_mixed(accelerators, cpus) -> str:
     c.eval.every_rounds = 2
     n = len(accelerators)
     expert = 2 if n % 2 == 0 else 1
-    c.islands.a.update(num_devices=n, batch_size=8 // n * n if n <= 8 else n)
+    from island_jax.hardware import kind_of
+
+    c.islands.a.update(num_devices=n, batch_size=8 // n * n if n <= 8 else n, hardware=kind_of(accelerators[0]) or "h100")
     c.islands.a.mesh.update(data=n // expert, fsdp=1, expert=expert)
     summary = run_in_process(c, os.path.join(folder, "workdir"), devices={"a": accelerators, "b": cpus[:2]})
     if not summary["checksums_agree"]:

@@ -23,6 +23,7 @@ from absl import logging
 from island_jax import config as config_lib
 from island_jax.comm.inprocess import InProcessExchange, RunAborted
 from island_jax.coordinator.main import run_coordinator
+from island_jax.hardware import measured_cpu_peak_flops
 from island_jax.island import memory
 from island_jax.island.main import run_island
 from island_jax.progress import Progress
@@ -72,6 +73,8 @@ def run_in_process(config: ml_collections.ConfigDict, workdir: str, allow_config
     # XLA:CPU's in-process collectives must not interleave: one lock for every island's device work
     cpu = any(d.platform == "cpu" for island_devices in devices.values() for d in island_devices)
     device_lock = threading.Lock() if cpu else None
+    if cpu:  # MFU's denominator (once per process), measured before the roles' threads compete for the cores
+        measured_cpu_peak_flops()
     stop = threading.Event()  # set when the run is stopped: every island stops before its next round
     roles = []
     if exchange is not None:

@@ -5,6 +5,8 @@ import pytest
 from tiny_config import get_config, write_corpus
 
 from island_jax import hardware
+from island_jax.config import ConfigError
+from island_jax.island.island import Island
 from island_jax.metrics import read_jsonl
 from island_jax.model.flops import model_size, train_flops_per_token
 from island_jax.model.init import count, init_params
@@ -53,3 +55,12 @@ def test_every_round_record_and_the_summary_give_the_islands_mfu(tmp_path):
         weights = [r["inner_steps"] * r["step_seconds"] for r in rounds]
         expected = float(np.average([r["mfu"] for r in rounds], weights=weights))
         assert summary["islands"][name]["mfu"] == pytest.approx(expected, rel=1e-12)
+
+
+def test_an_island_on_accelerators_left_at_hardware_cpu_is_refused_naming_its_kind():
+    class H100:  # what an island's first device reports; the check comes before anything uses the devices
+        platform, device_kind = "gpu", "NVIDIA H100 80GB HBM3"
+
+    with pytest.raises(ConfigError, match=r"^ConfigError: islands\.a\.hardware is 'cpu' but its devices are gpu \(NVIDIA H100 80GB "
+                                          r"HBM3\); set islands\.a\.hardware to their catalog name \(h100\)$"):
+        Island("a", get_config(), [H100()] * 4, None, None, None, np.zeros(4096, np.uint8), 3)

@@ -30,7 +30,8 @@ from jax.sharding import PartitionSpec as P
 
 from island_jax import data as data_lib
 from island_jax import distributed
-from island_jax.hardware import peak_flops
+from island_jax.config import ConfigError
+from island_jax.hardware import CATALOG, kind_of, peak_flops
 from island_jax.island import step as step_lib
 from island_jax.mesh import BATCH_AXES, island_mesh
 from island_jax.model.flops import model_size
@@ -209,6 +210,12 @@ class Island:
         self.tokens_per_step = cfg.batch_size * config.model.seq_len
         # MFU's numerator per token and denominator (model/flops.py; a CPU's peak is measured, shared by its devices)
         self.flops_per_token = model_size(config).flops_per_token
+        if devices[0].platform != "cpu" and cfg.hardware == "cpu":  # MFU and the memory check would use CPU figures
+            raise ConfigError(
+                f"islands.{name}.hardware is 'cpu' but its devices are {devices[0].platform} "
+                f"({devices[0].device_kind}); set islands.{name}.hardware to their catalog name "
+                f"({kind_of(devices[0]) or 'one of ' + ', '.join(sorted(CATALOG))})"
+            )
         self.peak_flops = peak_flops(cfg.hardware, len(devices), devices[0].platform)
         self._speed = SimulatedSpeed(cfg.simulated_speed)
         check_dispatch(config.moe.dispatch, cfg.mesh.expert, devices[0].platform)

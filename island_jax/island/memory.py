@@ -96,8 +96,9 @@ def estimated_activation_bytes(config: ml_collections.ConfigDict, name: str) -> 
     projection (9 D), the attention weights of its H heads over S positions before and after the softmax
     (2 H S), the router's logits (E, float32) and, for each of the k experts a token goes to, its input and
     output (2 D) and the SwiGLU's gate, up, activation and product (4 F); a dense block has 4 x mlp_hidden_dim
-    and no router. With `model.remat` = "full", a block keeps its input alone (D) and one block's worth is
-    recomputed at a time. The head adds its logits, their softmax and their gradient in float32 (3 V).
+    and no router. With `model.remat` = "full" (or "nothing_saveable", the same policy), a block keeps its input
+    alone (D) and one block's worth is recomputed at a time; the policies that save some tensors ("dots_saveable"
+    and the like) are estimated as "none", an upper bound. The head adds its logits, their softmax and their gradient in float32 (3 V).
     """
     from island_jax.model.transformer import is_moe_layer
 
@@ -113,7 +114,7 @@ def estimated_activation_bytes(config: ml_collections.ConfigDict, name: str) -> 
         else:
             ffn = 4 * m.mlp_hidden_dim * item
         per_block.append(attention + ffn)
-    if getattr(m, "remat", "none") == "full":
+    if getattr(m, "remat", "none") in ("full", "nothing_saveable"):  # both recompute everything
         kept = m.num_layers * m.d_model * item + max(per_block, default=0)
     else:
         kept = sum(per_block)
