@@ -683,7 +683,7 @@ def fingerprint_fields(config: ml_collections.ConfigDict) -> dict:
     per host (an island's join carries its corpus's fingerprint, checked
     against the first island's: `coordinator.handshake.check_corpus`).
     """
-    # model.remat changes what is recomputed, not the model: each island picks its own for its devices
+    # model.remat changes what is recomputed, not the model: an island in a process of its own may differ
     fields = {f"model.{k}": v for k, v in config.model.items() if k != "remat"}
     shapes = ("num_experts", "num_experts_per_token", "expert_hidden_dim", "num_shared_experts", "every_n_layers")
     fields.update({f"moe.{k}": config.moe[k] for k in shapes})

@@ -97,8 +97,8 @@ def gathered(x: jax.Array) -> jax.Array:
     """`x` whole over the fsdp axis: its sharding with `FSDP_AXIS` taken out (an all-gather, whose gradient is a
     reduce-scatter back to the shards). Unchanged where `x` is not split over fsdp, or outside a mesh.
 
-    The model calls it on a weight just before using it, so that only the weights of the layer at work are
-    whole at one time. It knows the axis's name, never its size.
+    The model calls it on a weight just before using it; how long the whole weight lives is XLA's choice
+    (without remat it is kept for the backward pass). It knows the axis's name, never its size.
     """
     sharding = getattr(jax.typeof(x), "sharding", None)
     spec = getattr(sharding, "spec", None)
