@@ -98,7 +98,8 @@ def estimated_activation_bytes(config: ml_collections.ConfigDict, name: str) -> 
     output (2 D) and the SwiGLU's gate, up, activation and product (4 F); a dense block has 4 x mlp_hidden_dim
     and no router. With `model.remat` = "full" (or "nothing_saveable", the same policy), a block keeps its input
     alone (D) and one block's worth is recomputed at a time; the policies that save some tensors ("dots_saveable"
-    and the like) are estimated as "none", an upper bound. The head adds its logits, their softmax and their gradient in float32 (3 V).
+    and the like) are estimated as "none", an upper bound. The head adds its logits, their softmax and their
+    gradient in float32 (3 V).
     """
     from island_jax.model.transformer import is_moe_layer
 
