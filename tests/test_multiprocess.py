@@ -51,6 +51,10 @@ def test_a_two_process_island_holds_the_global_parameters_of_every_island(tmp_pa
         assert ra["process_payload_bytes"] == shares and ra["payload_bytes"] == payload
         assert ra["bytes_sent"] == sum(ra["process_bytes_sent"])
         assert all(0.45 <= s / ra["bytes_sent"] <= 0.55 for s in ra["process_bytes_sent"])
+    # island a's anchor after every round, checksummed shard by shard on its devices over both processes, is the
+    # coordinator's view (a NumPy tree): one checksum whatever the layout
+    saved = [r for r in read_jsonl(tmp_path / "two" / "islands/a/metrics.jsonl") if r["kind"] == "checkpoint"]
+    assert [r["checksums"]["anchor"] for r in saved] == [r["checksum"] for r in merged]
 
     # The same run with island a as one process of 4 devices (the shared `straight` run: chunks of the default
     # size, which frame the same payload): the same data and the same first round, to float32 rounding (gloo

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import base64
 import hashlib
+import math
 from typing import Any
 
 import jax
@@ -32,14 +34,118 @@ def init_params(config: ml_collections.ConfigDict) -> tuple[nnx.GraphDef, dict, 
     return graphdef, params, specs
 
 
+CHECKSUM_PIECE_ELEMENTS = 1 << 14  # elements of one checksum piece (64 KiB of float32)
+
+
 def checksum(tree: Any) -> str:
-    """SHA-256 (first 16 hex digits) over every leaf's shape, dtype and bytes, in pytree order."""
+    """The checksum of a parameter-shaped pytree, whatever its layout: 16 hex digits of a SHA-256.
+
+    Each leaf is read as its flat elements in C order and cut into pieces of `CHECKSUM_PIECE_ELEMENTS` (the
+    last may be short; an empty leaf is one empty piece), and each piece's bytes get a SHA-256 digest of their
+    own. The checksum hashes, leaf after leaf in pytree order, the leaf's shape and dtype and then its pieces'
+    digests in order. So the same values give the same string whether a leaf is one NumPy array, a `jax.Array`
+    sharded over any mesh, or spread over the processes of an island: each piece is hashed where its elements
+    are, and between processes travel only digests (32 bytes a piece) and the parts of the pieces a shard's
+    edge cuts (at most one piece per edge).
+
+    Args:
+      tree: a pytree of NumPy arrays, scalars or `jax.Array`s. A `jax.Array` is read shard by shard (one
+        replica of each element), never gathered whole; one that spans several processes makes this a
+        collective over them (`distributed.allgather_json`): every process calls it at the same point.
+
+    Returns:
+      16 lowercase hex digits, the same on every process.
+    """
+    leaves = jax.tree.leaves(tree)
+    held: dict[tuple[int, int], list] = {}  # (leaf, piece) -> [(first element, elements, bytes)] held here
+    heads, sizes = [], []
+    for i, leaf in enumerate(leaves):
+        shape = tuple(int(d) for d in np.shape(leaf))
+        dtype = np.dtype(leaf.dtype) if hasattr(leaf, "dtype") else np.asarray(leaf).dtype
+        heads.append(f"{shape}{dtype}".encode())
+        sizes.append(math.prod(shape))
+        for start, data in _runs(leaf):
+            for piece, *part in _cut(start, data, dtype.itemsize):
+                held.setdefault((i, piece), []).append(tuple(part))
+    digests = {key: _digest(parts) for key, parts in held.items() if _whole(key, parts, sizes)}
+    if any(isinstance(x, jax.Array) and not x.is_fully_addressable for x in leaves):
+        from island_jax import distributed
+
+        cut = {f"{i},{p}": [[first, n, base64.b64encode(part).decode()] for first, n, part in parts]
+               for (i, p), parts in held.items() if (i, p) not in digests}
+        everyone = distributed.allgather_json([{f"{i},{p}": d.hex() for (i, p), d in digests.items()}, cut])
+        parts_of: dict[tuple[int, int], list] = {}
+        for theirs, theirs_cut in everyone:
+            digests.update({_key(k): bytes.fromhex(v) for k, v in theirs.items()})
+            for k, parts in theirs_cut.items():
+                parts_of.setdefault(_key(k), []).extend((first, n, base64.b64decode(b)) for first, n, b in parts)
+        digests.update({key: _digest(parts) for key, parts in parts_of.items()})
     h = hashlib.sha256()
-    for leaf in jax.tree.leaves(tree):
-        a = np.ascontiguousarray(np.asarray(leaf))
-        h.update(f"{a.shape}{a.dtype}".encode())
-        h.update(a.tobytes())
+    for i, size in enumerate(sizes):
+        h.update(heads[i])
+        for piece in range(max(1, -(-size // CHECKSUM_PIECE_ELEMENTS))):
+            h.update(digests[(i, piece)])
     return h.hexdigest()[:16]
+
+
+def _key(text: str) -> tuple[int, int]:
+    leaf, piece = text.split(",")
+    return int(leaf), int(piece)
+
+
+def _runs(leaf):
+    """(first flat element, uint8 bytes) of each contiguous run of `leaf`'s elements that this process holds,
+    with one replica of each element over the whole job (a `jax.Array`'s shards of replica_id 0)."""
+    if not isinstance(leaf, jax.Array):
+        yield 0, _bytes(np.asarray(leaf))
+        return
+    shape = tuple(int(d) for d in leaf.shape)
+    for shard in leaf.addressable_shards:
+        if shard.replica_id != 0:
+            continue
+        data = np.asarray(shard.data)
+        bounds = [s.indices(n)[:2] for s, n in zip(shard.index, shape)]
+        # Elements are contiguous from the last dimension the shard cuts on: one run per index of the dimensions
+        # before it.
+        cut = max((d for d, b in enumerate(bounds) if b != (0, shape[d])), default=0)
+        flat, run = _bytes(data), math.prod(data.shape[cut:]) * data.dtype.itemsize
+        for k, index in enumerate(np.ndindex(*data.shape[:cut])):
+            position = tuple(lo + j for (lo, _), j in zip(bounds, index)) + tuple(lo for lo, _ in bounds[cut:])
+            start = int(np.ravel_multi_index(position, shape)) if shape else 0
+            yield start, flat[k * run : (k + 1) * run]
+
+
+def _bytes(a: np.ndarray) -> np.ndarray:
+    """`a`'s elements in C order as uint8 (a view where `a` is contiguous)."""
+    return np.ascontiguousarray(a).reshape(-1).view(np.uint8)
+
+
+def _cut(start: int, data: np.ndarray, itemsize: int):
+    """(piece, its first element in this run, its elements in this run, bytes) for each checksum piece a run of
+    elements meets."""
+    count = data.size // itemsize
+    if count == 0:
+        yield start // CHECKSUM_PIECE_ELEMENTS, start, 0, b""
+        return
+    for piece in range(start // CHECKSUM_PIECE_ELEMENTS, (start + count - 1) // CHECKSUM_PIECE_ELEMENTS + 1):
+        lo = max(start, piece * CHECKSUM_PIECE_ELEMENTS)
+        hi = min(start + count, (piece + 1) * CHECKSUM_PIECE_ELEMENTS)
+        yield piece, lo, hi - lo, data[(lo - start) * itemsize : (hi - start) * itemsize].tobytes()
+
+
+def _whole(key: tuple[int, int], parts: list, sizes: list[int]) -> bool:
+    """Whether `parts` ((first element, elements, bytes) each) hold every element of piece `key` (leaf, piece)."""
+    leaf, piece = key
+    expected = min(sizes[leaf], (piece + 1) * CHECKSUM_PIECE_ELEMENTS) - piece * CHECKSUM_PIECE_ELEMENTS
+    return sum(n for _, n, _ in parts) == max(expected, 0)
+
+
+def _digest(parts: list) -> bytes:
+    """SHA-256 of a piece's bytes, from its parts ((first element, elements, bytes) each) in element order."""
+    h = hashlib.sha256()
+    for _, _, part in sorted(parts, key=lambda p: p[0]):
+        h.update(part)
+    return h.digest()
 
 
 def count(tree: Any) -> int:
