@@ -24,12 +24,15 @@ pytestmark = pytest.mark.slow  # every test here starts processes
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BENCHMARKS = os.path.join(ROOT, "benchmarks")
 R, R2 = r"\d+\.\d{3}", r"\d+\.\d{2}"  # ratios as the scripts print them: 3 decimals, or 2
+F = r"-?\d+\.\d"  # bytes per parameter, one decimal (less a baseline: negative for a tiny model)
 
 # name -> the last lines of its stdout (exact regexes, the last line last), the seconds it may take
 LAST_LINES = {
     # on CPU: every check but the one that needs an accelerator beside the CPU (docs/benchmarks.md has a GPU's run)
     "accelerator_check": ([r"check mixed: not run \(needs an accelerator beside the CPU\)",
                            r"accelerator_check: ran=4 not_run=1 failed=0"], 240),
+    "memory": ([rf"memory: fsdp_bytes_per_param={F} two_process_ratio=-?{R} replicated_bytes_per_param={F} "
+                rf"coordinator_bytes_per_param={F} planner_coordinator_bytes_per_param={F}"], 240),
     "merge": ([rf"merge: ratio={R2} \(K=2 / K=1 CPU\)"], 120),
     "moe_layer": ([rf"moe_layer: ratio={R}"], 180),
     "scale_out": ([rf"scale_out: ratio={R2} \(P=2 / P=1 exchange seconds per round\)"], 120),
