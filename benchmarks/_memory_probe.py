@@ -6,7 +6,8 @@ Every `SAMPLE_SECONDS` a thread reads the process's resident set (`/proc/self/st
 arrays alive on this process's devices (`jax.live_arrays()`: every addressable shard, once the backend is up)
 and, with `MEMORY_PROBE_TRACEMALLOC=1`, the bytes Python and NumPy hold on the host (`tracemalloc`: NumPy
 reports its data buffers to it). At exit it writes OUT.json: the sample taken at the largest resident set, with
-each part in bytes. The device buffers of XLA:CPU live in host memory but outside tracemalloc's view, so at the
+each part in bytes, and with tracemalloc the `TOP_LINES` source lines that held the most host bytes then
+(from a snapshot taken when the peak last grew by 5%). The device buffers of XLA:CPU live in host memory but outside tracemalloc's view, so at the
 peak: resident = device arrays + traced host memory + the rest (the runtime, compiled programs, XLA's
 temporaries, allocator slack).
 
@@ -26,6 +27,7 @@ import time
 import tracemalloc
 
 SAMPLE_SECONDS = 0.2
+TOP_LINES = 8  # with tracemalloc: the source lines that hold the most host bytes at the peak
 PAGE = os.sysconf("SC_PAGE_SIZE")
 
 
@@ -61,6 +63,8 @@ def main() -> None:
     peak = {"resident_bytes": 0, "device_bytes": 0, "host_traced_bytes": 0, "seconds": 0.0}
     start, stop = time.monotonic(), threading.Event()
 
+    snapped = [0]  # the resident bytes at the last snapshot of the traced allocations
+
     def sample() -> None:
         while not stop.wait(SAMPLE_SECONDS):
             resident = _resident()
@@ -68,6 +72,10 @@ def main() -> None:
                 peak.update(resident_bytes=resident, device_bytes=_device_bytes(),
                             host_traced_bytes=tracemalloc.get_traced_memory()[0] if traced else 0,
                             seconds=time.monotonic() - start)
+                if traced and resident > 1.05 * snapped[0]:  # where the host bytes were allocated, by line
+                    snapped[0] = resident
+                    stats = tracemalloc.take_snapshot().statistics("lineno")[:TOP_LINES]
+                    peak["top"] = [[f"{s.traceback[0].filename}:{s.traceback[0].lineno}", s.size] for s in stats]
 
     def write() -> None:
         stop.set()

@@ -52,12 +52,14 @@ _NUM_LAYERS = flags.DEFINE_integer("num_layers", 6, "Blocks (each an MoE).")
 _NUM_HEADS = flags.DEFINE_integer("num_heads", 12, "Attention heads.")
 _NUM_EXPERTS = flags.DEFINE_integer("num_experts", 4, "Routed experts per block.")
 _EXPERT_HIDDEN = flags.DEFINE_integer("expert_hidden_dim", 1536, "Hidden width of an expert.")
-_SEQ_LEN = flags.DEFINE_integer("seq_len", 128, "Tokens per sequence.")
+_SEQ_LEN = flags.DEFINE_integer("seq_len", 64, "Tokens per sequence.")
 _BATCH = flags.DEFINE_integer("batch_size", 4, "Sequences per inner step (a multiple of 4, the devices).")
 _ROUNDS = flags.DEFINE_integer("rounds", 2, "Rounds of each run.")
 _INNER_STEPS = flags.DEFINE_integer("inner_steps", 2, "Inner steps per round.")
 _ITEMIZE = flags.DEFINE_bool("itemize", False, "Run every role under the memory probe (tracemalloc on) and print "
                              "where each process's bytes are at its peak.")
+_LAYOUTS = flags.DEFINE_list("layouts", ["fsdp", "two_process", "replicated"], "The layouts to run (the last line "
+                             "needs all three).")
 _MEMORY_ROLE = flags.DEFINE_string("memory_role", "main", "main | baseline (started by main).")
 _DEVICES = flags.DEFINE_integer("devices", 1, "baseline: the CPU devices it starts.")
 flags.adopt_module_key_flags(_smoke)  # --smoke, in --help
@@ -155,8 +157,8 @@ def baseline(devices: int, folder: str) -> int:
     return _wait_all({"baseline": proc}, 300)["baseline"]
 
 
-def run_layout(name: str, folder: str, itemize: bool) -> tuple[dict[str, int], dict[str, dict]]:
-    """One layout's run: (peak resident set per process, bytes; the probe's samples per process, with --itemize)."""
+def write_config(name: str, folder: str) -> str:
+    """The run's config file for layout `name` in `folder`; its path."""
     processes, data, fsdp, expert = LAYOUTS[name]
     config = os.path.join(folder, f"{name}.py")
     with open(config, "w") as f:
@@ -166,6 +168,13 @@ def run_layout(name: str, folder: str, itemize: bool) -> tuple[dict[str, int], d
             num_experts=_NUM_EXPERTS.value, expert_hidden_dim=_EXPERT_HIDDEN.value, batch=_BATCH.value,
             inner_steps=_INNER_STEPS.value, rounds=_ROUNDS.value,
         ))
+    return config
+
+
+def run_layout(name: str, folder: str, itemize: bool) -> tuple[dict[str, int], dict[str, dict]]:
+    """One layout's run: (peak resident set per process, bytes; the probe's samples per process, with --itemize)."""
+    processes = LAYOUTS[name][0]
+    config = write_config(name, folder)
     workdir, address = os.path.join(folder, name), f"localhost:{_free_port()}"
     common = [sys.executable, TRAIN, f"--config={config}", f"--workdir={workdir}", f"--coordinator={address}"]
     roles = {"coordinator": ["--role=coordinator"]}
@@ -210,15 +219,18 @@ def main_run() -> None:
     _smoke.sizes(d_model=64, num_layers=2, num_heads=4, num_experts=4, expert_hidden_dim=128, seq_len=32,
                  batch_size=4, rounds=1, inner_steps=1)
     itemize = _ITEMIZE.value
+    unknown = sorted(set(_LAYOUTS.value) - set(LAYOUTS))
+    if unknown:
+        raise app.UsageError(f"--layouts names {unknown}; choose from {sorted(LAYOUTS)}")
     with tempfile.TemporaryDirectory(prefix="memory-") as folder:
         bases = {n: baseline(n, folder) for n in (1, 2, 4)}
         print("no-model baseline (imports and CPU devices, no model): "
               + ", ".join(f"{n} device{'s' if n > 1 else ''} {b / MB:.0f} MB" for n, b in bases.items()), flush=True)
         runs = {}
-        for name in LAYOUTS:
+        for name in _LAYOUTS.value:
             runs[name] = run_layout(name, folder, itemize)
             print(f"{name}: done", flush=True)
-        params, state, activations, planner = _model_figures(os.path.join(folder, "fsdp.py"))
+        params, state, activations, planner = _model_figures(write_config("fsdp", folder))
 
     print(f"model: {params / 1e6:.1f}M parameters; the island's state {state / MB:.0f} MB over its {DEVICES} devices "
           f"(parameters, gradients, AdamW, anchor: {state / params:.1f} bytes per parameter); activations "
@@ -240,13 +252,18 @@ def main_run() -> None:
                 rest = s["resident_bytes"] - s["device_bytes"] - s["host_traced_bytes"]
                 line += f" {s['device_bytes'] / MB:>11.0f} {s['host_traced_bytes'] / MB:>9.0f} {rest / MB:>9.0f}"
             print(line)
+            if itemize:
+                for where, nbytes in samples[role].get("top", []):
+                    print(f"{'':<25} host {nbytes / MB:>7.0f} MB  {os.path.relpath(where, ROOT)}")
 
     def island(name: str) -> float:
         return max(v for (n, role), v in per_param.items() if n == name and role != "coordinator")
 
-    fsdp, two = island("fsdp"), island("two_process")
     print(f"planner's coordinator memory for this model: {planner / MB:.0f} MB ({planner / params:.1f} bytes per "
           "parameter)")
+    if set(runs) != set(LAYOUTS):
+        return
+    fsdp, two = island("fsdp"), island("two_process")
     print(f"memory: fsdp_bytes_per_param={fsdp:.1f} two_process_ratio={two / fsdp:.3f} "
           f"replicated_bytes_per_param={island('replicated'):.1f} "
           f"coordinator_bytes_per_param={per_param[('fsdp', 'coordinator')]:.1f} "

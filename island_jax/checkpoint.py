@@ -35,6 +35,8 @@ import numpy as np
 import orbax.checkpoint as ocp
 from absl import logging
 
+from island_jax.mesh import host_copy
+
 # One writer per process: roles that share a process (the in-process run) save one after another, since
 # orbax's background saves of several CheckpointManagers at once in one process collide.
 _WRITER = futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="checkpoint")
@@ -49,7 +51,7 @@ class CheckpointError(RuntimeError):
 
 def _host(tree: Any) -> Any:
     """A host copy of every leaf (NumPy): a background save never sees a later change."""
-    return jax.tree.map(lambda x: np.array(jax.device_get(x), copy=True), tree)
+    return jax.tree.map(host_copy, tree)
 
 
 def _spans_processes(x: Any) -> bool:
@@ -58,10 +60,11 @@ def _spans_processes(x: Any) -> bool:
 
 def _abstract(tree: Any) -> Any:
     """What orbax restores into: arrays of several processes as their shape, dtype and sharding; the rest
-    as NumPy."""
+    as NumPy arrays of their shape and dtype (zeros: only the structure is read, and untouched zero pages take
+    no memory)."""
     return jax.tree.map(
         lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding) if _spans_processes(x) else
-        np.array(jax.device_get(x), copy=True), tree,
+        np.zeros(np.shape(x), np.asarray(x).dtype if not hasattr(x, "dtype") else x.dtype), tree,
     )
 
 

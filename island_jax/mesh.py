@@ -16,6 +16,7 @@ from __future__ import annotations
 from typing import Mapping, Sequence
 
 import jax
+import numpy as np
 from jax.sharding import AxisType
 from jax.sharding import PartitionSpec as P
 
@@ -62,6 +63,26 @@ def use_cpu_devices(count: int) -> None:
     """Gives this process `count` (at least 1) virtual CPU devices; call it before JAX starts its backend
     (the first device query). Processes on accelerators use their own devices and ignore it."""
     jax.config.update("jax_num_cpu_devices", max(count, 1))
+
+
+def host_copy(x) -> np.ndarray:
+    """A new NumPy array holding `x` whole: a `jax.Array` is read shard by shard, one replica of each, and
+    written into one host buffer (`np.asarray` of a sharded array would also keep a whole host copy cached on
+    the array for as long as it lives); anything else is copied with `np.array`.
+
+    Raises:
+      ValueError: `x` spans devices of other processes (read its shards instead).
+    """
+    if not isinstance(x, jax.Array):
+        return np.array(x, copy=True)
+    if not x.is_fully_addressable:
+        raise ValueError(f"an array of shape {x.shape} spans devices of other processes; this process holds only "
+                         "its shards (`addressable_shards`)")
+    out = np.empty(x.shape, x.dtype)
+    for shard in x.addressable_shards:
+        if shard.replica_id == 0:
+            out[shard.index] = np.asarray(shard.data)
+    return out
 
 
 def without_forced_device_count(env: Mapping[str, str]) -> dict[str, str]:

@@ -57,7 +57,8 @@ def checksum(tree: Any) -> str:
       16 lowercase hex digits, the same on every process.
     """
     leaves = jax.tree.leaves(tree)
-    held: dict[tuple[int, int], list] = {}  # (leaf, piece) -> [(first element, elements, bytes)] held here
+    digests: dict[tuple[int, int], bytes] = {}  # (leaf, piece) -> the digest of a piece held whole here
+    held: dict[tuple[int, int], list] = {}  # (leaf, piece) -> [(first element, elements, bytes)] of a cut piece
     heads, sizes = [], []
     for i, leaf in enumerate(leaves):
         shape = tuple(int(d) for d in np.shape(leaf))
@@ -65,9 +66,12 @@ def checksum(tree: Any) -> str:
         heads.append(f"{shape}{dtype}".encode())
         sizes.append(math.prod(shape))
         for start, data in _runs(leaf):
-            for piece, *part in _cut(start, data, dtype.itemsize):
-                held.setdefault((i, piece), []).append(tuple(part))
-    digests = {key: _digest(parts) for key, parts in held.items() if _whole(key, parts, sizes)}
+            for piece, first, n, part in _cut(start, data, dtype.itemsize):
+                if _whole((i, piece), [(first, n, None)], sizes):  # hashed in place: no copy of the bytes
+                    digests[(i, piece)] = hashlib.sha256(part).digest()
+                else:  # a shard's edge cuts it: its parts are put together below
+                    held.setdefault((i, piece), []).append((first, n, bytes(part)))
+    digests.update({key: _digest(parts) for key, parts in held.items() if _whole(key, parts, sizes)})
     if any(isinstance(x, jax.Array) and not x.is_fully_addressable for x in leaves):
         from island_jax import distributed
 
@@ -121,16 +125,16 @@ def _bytes(a: np.ndarray) -> np.ndarray:
 
 
 def _cut(start: int, data: np.ndarray, itemsize: int):
-    """(piece, its first element in this run, its elements in this run, bytes) for each checksum piece a run of
-    elements meets."""
+    """(piece, its first element in this run, its elements in this run, a view of their bytes) for each checksum
+    piece a run of elements meets."""
     count = data.size // itemsize
     if count == 0:
-        yield start // CHECKSUM_PIECE_ELEMENTS, start, 0, b""
+        yield start // CHECKSUM_PIECE_ELEMENTS, start, 0, memoryview(b"")
         return
     for piece in range(start // CHECKSUM_PIECE_ELEMENTS, (start + count - 1) // CHECKSUM_PIECE_ELEMENTS + 1):
         lo = max(start, piece * CHECKSUM_PIECE_ELEMENTS)
         hi = min(start + count, (piece + 1) * CHECKSUM_PIECE_ELEMENTS)
-        yield piece, lo, hi - lo, data[(lo - start) * itemsize : (hi - start) * itemsize].tobytes()
+        yield piece, lo, hi - lo, memoryview(data[(lo - start) * itemsize : (hi - start) * itemsize])
 
 
 def _whole(key: tuple[int, int], parts: list, sizes: list[int]) -> bool:
