@@ -288,3 +288,32 @@ def test_a_role_whose_save_fails_exits_naming_the_folder_and_its_checkpoint_rest
     assert record["round"] == 1 and int(restored["round"]) == 1
     assert {k: checksum(v) for k, v in restored.items()} == record["checksums"]
     assert json.loads((workdir / "islands" / "a" / "config.json").read_text())["outer"]["rounds"] == 3
+
+
+def test_a_save_copies_a_sharded_array_to_the_host_once_and_orbax_copies_none(tmp_path, monkeypatch):
+    """A checkpoint's host copy of a sharded array is one buffer read shard by shard (`mesh.host_copy`): no whole
+    copy stays cached on the array, and orbax writes the private copy without copying it again."""
+    import copy
+
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    from island_jax.mesh import host_copy, island_mesh
+
+    values = np.arange(64, dtype=np.float32).reshape(8, 8)
+    x = jax.device_put(values, NamedSharding(island_mesh(1, 1, jax.devices()[:4], fsdp=4), P("fsdp")))
+    host = host_copy(x)
+    np.testing.assert_array_equal(host, values)
+    assert host.flags.writeable and getattr(x, "_npy_value", None) is None  # nothing cached on the array
+
+    copied = []
+    real = copy.deepcopy
+    monkeypatch.setattr(copy, "deepcopy", lambda v, *a: copied.append(type(v)) or real(v, *a))
+    checkpoints = Checkpointer(str(tmp_path / "checkpoints"), every_rounds=1, max_to_keep=2)
+    assert checkpoints.save(1, {"x": x, "step": np.asarray(3, np.int64)})
+    checkpoints.close()
+    assert np.ndarray not in copied
+    restored = Checkpointer(str(tmp_path / "checkpoints"), every_rounds=1, max_to_keep=2).restore(
+        {"x": host, "step": np.asarray(0, np.int64)})
+    np.testing.assert_array_equal(restored["x"], values)
+    assert int(restored["step"]) == 3
