@@ -1,6 +1,7 @@
 """Peak host memory of an island's processes and of the coordinator, in bytes per parameter, for three layouts.
 
-  python benchmarks/memory.py [--d_model=768 --num_layers=6 ...] [--itemize] [--smoke]
+  python benchmarks/memory.py [--d_model=768 --num_layers=6 ...] [--layouts=fsdp,two_process,replicated] [--itemize]
+      [--smoke]
 
 One island `a` of 4 devices and a coordinator, each role a process of its own started as a cluster would
 (`experiments/train.py --role=...`, gRPC over loopback), trains a MoE of about 100M parameters (by default
