@@ -50,9 +50,14 @@ _TMP_SUFFIX = ".orbax-checkpoint-tmp"
 # synchronous saves of a multi-process island), so orbax's copy would only double the state's host bytes at each
 # save (docs/benchmarks.md, "Host memory per parameter"). This is orbax's own switch, for NumPy arrays in this
 # process.
-ocp.type_handlers.register_type_handler(
-    np.ndarray, ocp.type_handlers.NumpyHandler(deepcopy_host_arrays=False), override=True
-)
+_verbosity = logging.get_verbosity()
+logging.set_verbosity(logging.ERROR)  # orbax warns that it replaces its own handler, which is what is asked
+try:
+    ocp.type_handlers.register_type_handler(
+        np.ndarray, ocp.type_handlers.NumpyHandler(deepcopy_host_arrays=False), override=True
+    )
+finally:
+    logging.set_verbosity(_verbosity)
 
 
 class CheckpointError(RuntimeError):

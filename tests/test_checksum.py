@@ -51,6 +51,13 @@ def test_the_same_values_give_the_same_checksum_on_every_layout(data, fsdp, expe
     mesh = island_mesh(data, expert, jax.devices()[: data * fsdp * expert], fsdp=fsdp)
     placed = {k: jax.device_put(v, NamedSharding(mesh, SPECS[k])) for k, v in tree.items()}
     assert checksum(placed) == checksum(tree) == "e619badef8825431"
+    # a leaf split on its last dimension (every row a run of its own, most pieces cut) and an empty one
+    more = {"cols": np.random.default_rng(1).standard_normal((40, 1024)).astype(np.float32),
+            "empty": np.zeros((0, 4), np.float32)}
+    placed = {k: jax.device_put(v, NamedSharding(mesh, P(None, "fsdp"))) for k, v in more.items()}
+    assert checksum(placed) == checksum(more)
+    assert checksum({"empty": jax.device_put(more["empty"], NamedSharding(mesh, P()))}) == checksum(
+        {"empty": more["empty"]}) == hashlib.sha256(b"(0, 4)float32" + hashlib.sha256(b"").digest()).hexdigest()[:16]
 
     # the model's own parameters, placed by their partition specs
     _, params, specs = init_params(get_config())

@@ -44,9 +44,11 @@ def checksum(tree: Any) -> str:
     last may be short; an empty leaf is one empty piece), and each piece's bytes get a SHA-256 digest of their
     own. The checksum hashes, leaf after leaf in pytree order, the leaf's shape and dtype and then its pieces'
     digests in order. So the same values give the same string whether a leaf is one NumPy array, a `jax.Array`
-    sharded over any mesh, or spread over the processes of an island: each piece is hashed where its elements
-    are, and between processes travel only digests (32 bytes a piece) and the parts of the pieces a shard's
-    edge cuts (at most one piece per edge).
+    sharded over any mesh, or spread over the processes of an island. Each piece is hashed where its elements
+    are, from views of the shards (nothing is copied in one process). Between processes travel the digests
+    (32 bytes a piece) and the parts of the pieces that shard edges cut: at most one piece per edge for a leaf
+    split on its leading dimension, but most of the leaf for one split on a later dimension, whose every row
+    is a run of its own (sending each cut piece to one owner instead is left for later).
 
     Args:
       tree: a pytree of NumPy arrays, scalars or `jax.Array`s. A `jax.Array` is read shard by shard (one
@@ -65,12 +67,15 @@ def checksum(tree: Any) -> str:
         dtype = np.dtype(leaf.dtype) if hasattr(leaf, "dtype") else np.asarray(leaf).dtype
         heads.append(f"{shape}{dtype}".encode())
         sizes.append(math.prod(shape))
+        if sizes[-1] == 0:  # an empty leaf is one empty piece, on every process and layout
+            digests[(i, 0)] = hashlib.sha256(b"").digest()
+            continue
         for start, data in _runs(leaf):
             for piece, first, n, part in _cut(start, data, dtype.itemsize):
                 if _whole((i, piece), [(first, n, None)], sizes):  # hashed in place: no copy of the bytes
                     digests[(i, piece)] = hashlib.sha256(part).digest()
-                else:  # a shard's edge cuts it: its parts are put together below
-                    held.setdefault((i, piece), []).append((first, n, bytes(part)))
+                else:  # shard edges cut it: its parts (views of the shards) are put together below
+                    held.setdefault((i, piece), []).append((first, n, part))
     digests.update({key: _digest(parts) for key, parts in held.items() if _whole(key, parts, sizes)})
     if any(isinstance(x, jax.Array) and not x.is_fully_addressable for x in leaves):
         from island_jax import distributed
