@@ -121,17 +121,22 @@ def _wait_all(procs: dict[str, subprocess.Popen], timeout: float) -> dict[str, i
             proc.returncode = os.waitstatus_to_exitcode(status)
             peaks[name] = usage.ru_maxrss * 1024  # KiB on Linux
             if proc.returncode != 0:
-                for other in procs.values():
-                    if other.returncode is None:
-                        other.kill()
+                _stop(procs)
                 raise RuntimeError(f"{name} exited with status {proc.returncode}; its log:\n{_tail(proc)}")
         if time.monotonic() > deadline:
-            for proc in procs.values():
-                if proc.returncode is None:
-                    proc.kill()
-            raise RuntimeError(f"the run's processes ran past {timeout:.0f} s")
+            _stop(procs)
+            tails = "\n".join(f"--- {name}\n{_tail(proc)}" for name, proc in procs.items())
+            raise RuntimeError(f"the run's processes ran past {timeout:.0f} s; their logs:\n{tails}")
         time.sleep(0.2)
     return peaks
+
+
+def _stop(procs: dict[str, subprocess.Popen]) -> None:
+    """Kills and reaps every process still running."""
+    for proc in procs.values():
+        if proc.returncode is None:
+            proc.kill()
+            proc.wait()
 
 
 def _tail(proc: subprocess.Popen) -> str:
