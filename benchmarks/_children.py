@@ -3,13 +3,15 @@
 A benchmark that starts processes (a receiver, a coordinator) waits for each
 with a deadline (`read_line`), and a process that serves from threads ends
 when one of them fails (`exit_on_thread_error`), so the process waiting on it
-sees it gone instead of waiting forever.
+sees it gone instead of waiting forever. `free_port` finds such a process a
+port on localhost.
 """
 
 from __future__ import annotations
 
 import os
 import queue
+import socket
 import subprocess
 import sys
 import threading
@@ -84,3 +86,10 @@ def read_line(proc: subprocess.Popen, prefix: str, timeout: float) -> str:
 def _name(proc: subprocess.Popen) -> str:
     args = proc.args if isinstance(proc.args, list) else [str(proc.args)]
     return "the helper process " + " ".join(os.path.basename(str(a)) if i == 0 else str(a) for i, a in enumerate(args))
+
+
+def free_port() -> int:
+    """A TCP port on localhost that is free now (the OS picks it), for a helper process to listen on."""
+    with socket.socket() as s:
+        s.bind(("localhost", 0))
+        return s.getsockname()[1]

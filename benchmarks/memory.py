@@ -39,12 +39,12 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import tempfile
 import time
 
+import _children
 import _smoke
 from absl import app, flags
 
@@ -90,12 +90,6 @@ def get_config():
     config.eval.update(num_windows={batch}, batch_size={batch}, every_rounds={rounds})
     return config
 '''
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("localhost", 0))
-        return s.getsockname()[1]
 
 
 def _env() -> dict:
@@ -181,10 +175,10 @@ def run_layout(name: str, folder: str, itemize: bool) -> tuple[dict[str, int], d
     """One layout's run: (peak resident set per process, bytes; the probe's samples per process, with --itemize)."""
     processes = LAYOUTS[name][0]
     config = write_config(name, folder)
-    workdir, address = os.path.join(folder, name), f"localhost:{_free_port()}"
+    workdir, address = os.path.join(folder, name), f"localhost:{_children.free_port()}"
     common = [sys.executable, TRAIN, f"--config={config}", f"--workdir={workdir}", f"--coordinator={address}"]
     roles = {"coordinator": ["--role=coordinator"]}
-    island_address = f"localhost:{_free_port()}"
+    island_address = f"localhost:{_children.free_port()}"
     for p in range(processes):
         roles[f"a/{p}"] = ["--role=island", "--island=a"] + (
             [f"--process_id={p}", f"--island_coordinator={island_address}"] if processes > 1 else [])

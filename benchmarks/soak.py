@@ -50,6 +50,7 @@ import tempfile
 import threading
 import time
 
+import _children
 import _smoke
 from absl import app, flags
 
@@ -78,14 +79,6 @@ OVERRIDES = [
     "--config.comm.reconnect_seconds=120",
     "--config.comm.reconnect_backoff_cap_seconds=1",  # retries of a lost coordinator at most 1 s apart
 ]
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("localhost", 0))
-        return s.getsockname()[1]
 
 
 class Launch:
@@ -158,7 +151,7 @@ def main(argv):
     workdir = _WORKDIR.value or tempfile.mkdtemp(prefix="soak-")
     os.makedirs(workdir, exist_ok=True)
     rng = random.Random(_SEED.value + 1)
-    port = _free_port()
+    port = _children.free_port()
     plan = schedule(_ROUNDS.value, _FAULTS.value, _SEED.value)
     print(f"soak: {_ROUNDS.value} rounds in {workdir}; faults at {plan}", flush=True)
     start = time.perf_counter()
