@@ -562,11 +562,17 @@ def _check_island(config: ml_collections.ConfigDict, name: str, isl: ml_collecti
         "count their own steps by the clock; use outer.sync='steps' or 'auto' for an island of several processes",
     )
     _require(isl.crash_at_round >= 0, f"{p}.crash_at_round is {isl.crash_at_round}; use 0 (never) or a round")
-    _require(
-        config.model.d_model % isl.mesh.fsdp == 0,
-        f"model.d_model={config.model.d_model} is not divisible by {p}.mesh.fsdp={isl.mesh.fsdp}: fsdp splits "
-        "every parameter on its embed (d_model) dimension; choose fsdp as a divisor of d_model",
-    )
+    # fsdp splits each parameter with a d_model dimension on its leading dimension that is not the experts'
+    # (`mesh.fsdp_leading`): the embedding's vocabulary, the positions, d_model or a feed-forward width.
+    for key in ("model.vocab_size", "model.seq_len", "model.d_model", "model.mlp_hidden_dim", "moe.expert_hidden_dim"):
+        section, field = key.split(".")
+        size = config[section][field]
+        _require(
+            size % isl.mesh.fsdp == 0,
+            f"{key}={size} is not divisible by {p}.mesh.fsdp={isl.mesh.fsdp}: fsdp splits every parameter on its "
+            "leading dimension that is not the experts' (vocabulary, positions, d_model and the feed-forward widths); "
+            f"choose fsdp as a divisor of {field}",
+        )
     _require(isl.memory_gb >= 0, f"{p}.memory_gb is {isl.memory_gb}; use 0 (the hardware catalog's) or the GB "
                                  "per device")
     _require(

@@ -13,6 +13,7 @@ Axes, in order (docs/island.md):
 
 from __future__ import annotations
 
+import math
 from typing import Mapping, Sequence
 
 import jax
@@ -50,6 +51,27 @@ LOGICAL_RULES = (
 )
 
 
+def fsdp_leading(spec: P) -> P:
+    """`spec` with its `FSDP_AXIS` moved to the leading dimension not split over `EXPERT_AXIS`: every parameter that
+    `LOGICAL_RULES` splits over fsdp (on its `embed` dimension) is split there instead, so that what one fsdp shard
+    holds of it is one run of consecutive elements (C order) per expert it holds, and a chunk of the outer loop's
+    plan meets at most two shards' edges. Specs without `FSDP_AXIS` are returned unchanged.
+
+    Each island checks that its `mesh.fsdp` divides those dimensions (`config.validate`).
+    """
+    entries = list(spec)
+    if not any(_uses(entry, FSDP_AXIS) for entry in entries):
+        return spec
+    entries = [_without(entry, FSDP_AXIS) for entry in entries]
+    leading = next(d for d, entry in enumerate(entries) if not _uses(entry, EXPERT_AXIS))
+    entries[leading] = FSDP_AXIS if entries[leading] is None else (*_as_tuple(entries[leading]), FSDP_AXIS)
+    return P(*entries)
+
+
+def _as_tuple(entry) -> tuple:
+    return entry if isinstance(entry, tuple) else (entry,)
+
+
 def logical(initializer, *names: str):
     """`initializer` whose `nnx.Param` carries the logical axis names `names`, one per dimension (names of
     `LOGICAL_RULES`). The variable is made unsharded (`eager_sharding=False`: parameters are initialised once,
@@ -83,6 +105,34 @@ def host_copy(x) -> np.ndarray:
         if shard.replica_id == 0:
             out[shard.index] = np.asarray(shard.data)
     return out
+
+
+def shard_runs(shape: Sequence[int], index: tuple) -> list[tuple[int, int, int]]:
+    """Where a shard's elements sit in its leaf: (first flat element of the leaf, elements, first element of the
+    shard), C order both, for each run of consecutive elements, in order.
+
+    A shard holds a box of the leaf (`index`: one slice per dimension, as `Sharding.devices_indices_map` gives);
+    its elements are consecutive in the leaf from the last dimension the box cuts on, so it is one run per index
+    of the dimensions before that one (one run when it is whole or cut on its leading dimension only). A shard
+    with no elements has one empty run.
+    """
+    shape = tuple(int(n) for n in shape)
+    bounds = [s.indices(n)[:2] for s, n in zip(index, shape)] + [(0, n) for n in shape[len(index):]]
+    extent = [hi - lo for lo, hi in bounds]
+    cut = max((d for d, b in enumerate(bounds) if b != (0, shape[d])), default=0)
+    run = math.prod(extent[cut:])
+    if run == 0 or not shape:
+        return [(int(np.ravel_multi_index([lo for lo, _ in bounds], shape)) if shape and run else 0, run, 0)]
+    out = []
+    for k, head in enumerate(np.ndindex(*extent[:cut])):
+        position = tuple(lo + j for (lo, _), j in zip(bounds, head)) + tuple(lo for lo, _ in bounds[cut:])
+        out.append((int(np.ravel_multi_index(position, shape)), run, k * run))
+    return out
+
+
+def index_key(index: tuple, shape: Sequence[int]) -> tuple[tuple[int, int], ...]:
+    """A shard's `index` (slices) as ((start, stop) per dimension): hashable, the same for every replica."""
+    return tuple(s.indices(int(n))[:2] for s, n in zip(index, shape))
 
 
 def without_forced_device_count(env: Mapping[str, str]) -> dict[str, str]:

@@ -32,8 +32,13 @@ def test_two_islands_is_valid():
         (lambda c: c.islands.a.mesh.update(data=1, fsdp=3),
          r"islands\.a\.mesh has data=1, fsdp=3, expert=2 \(6 devices\) but islands\.a\.num_devices is 4"),
         (lambda c: c.model.update(d_model=90, num_heads=2) or c.islands.a.mesh.update(data=1, fsdp=4, expert=1),
-         r"model\.d_model=90 is not divisible by islands\.a\.mesh\.fsdp=4: fsdp splits every parameter on its embed "
-         r"\(d_model\) dimension; choose fsdp as a divisor of d_model"),
+         r"model\.d_model=90 is not divisible by islands\.a\.mesh\.fsdp=4: fsdp splits every parameter on its "
+         r"leading dimension that is not the experts' .*; choose fsdp as a divisor of d_model$"),
+        (lambda c: c.model.update(seq_len=66) or c.islands.a.mesh.update(data=1, fsdp=4, expert=1),
+         r"model\.seq_len=66 is not divisible by islands\.a\.mesh\.fsdp=4: .*; choose fsdp as a divisor of seq_len$"),
+        (lambda c: c.moe.update(expert_hidden_dim=30) or c.islands.a.mesh.update(data=1, fsdp=4, expert=1),
+         r"moe\.expert_hidden_dim=30 is not divisible by islands\.a\.mesh\.fsdp=4: .*; choose fsdp as a divisor "
+         r"of expert_hidden_dim$"),
         (lambda c: c.islands.b.update(memory_gb=-1.0), r"islands\.b\.memory_gb is -1\.0; use 0"),
         (lambda c: c.islands.a.update(batch_size=10), r"islands\.a\.batch_size=10 is not divisible by data x fsdp x expert = 4"),
         (lambda c: c.moe.update(num_experts_per_token=5), r"moe\.num_experts_per_token \(top-k\) is 5 but moe\.num_experts is 4"),

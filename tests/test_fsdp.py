@@ -46,15 +46,16 @@ def runs(tmp_path_factory):
 def test_parameters_gradients_moments_and_anchor_are_sharded_over_fsdp(tmp_path):
     c = config(tmp_path, 2)
     graphdef, params, specs = init_params(c)
-    # every parameter by its logical names: embed over fsdp, the routed experts over expert, the rest whole
-    assert specs["embedding"] == P(None, "fsdp") and specs["position"] == P(None, "fsdp")
+    # every parameter with an embed dimension over fsdp on its leading non-expert dimension, the routed experts over
+    # expert, the rest whole
+    assert specs["embedding"] == P("fsdp", None) and specs["position"] == P("fsdp", None)
     assert specs["head"]["kernel"] == P("fsdp", None)
     block = specs["blocks"][0]
-    assert block["attn"]["qkv"]["kernel"] == P("fsdp", None) and block["attn"]["out"]["kernel"] == P(None, "fsdp")
+    assert block["attn"]["qkv"]["kernel"] == P("fsdp", None) and block["attn"]["out"]["kernel"] == P("fsdp", None)
     assert block["attn_norm"]["scale"] == P(None)
     assert block["moe"]["router"] == P("fsdp", None)
     assert block["moe"]["w_gate"] == block["moe"]["w_up"] == P("expert", "fsdp", None)
-    assert block["moe"]["w_down"] == P("expert", None, "fsdp")
+    assert block["moe"]["w_down"] == P("expert", "fsdp", None)
 
     corpus = np.random.default_rng(0).integers(0, 256, 4096, dtype=np.uint8)
     island = Island("a", c, jax.devices()[:4], graphdef, params, specs, corpus, ROUNDS)

@@ -12,6 +12,7 @@ import ml_collections
 import numpy as np
 from flax import nnx
 
+from island_jax.mesh import shard_runs
 from island_jax.model.transformer import Transformer, partition_specs
 
 
@@ -77,7 +78,7 @@ def checksum(tree: Any) -> str:
                 else:  # shard edges cut it: its parts (views of the shards) are put together below
                     held.setdefault((i, piece), []).append((first, n, part))
     digests.update({key: _digest(parts) for key, parts in held.items() if _whole(key, parts, sizes)})
-    if any(isinstance(x, jax.Array) and not x.is_fully_addressable for x in leaves):
+    if any(not getattr(x, "is_fully_addressable", True) for x in leaves):  # spread over processes
         from island_jax import distributed
 
         cut = {f"{i},{p}": [[first, n, base64.b64encode(part).decode()] for first, n, part in parts]
@@ -104,24 +105,20 @@ def _key(text: str) -> tuple[int, int]:
 
 def _runs(leaf):
     """(first flat element, uint8 bytes) of each contiguous run of `leaf`'s elements that this process holds,
-    with one replica of each element over the whole job (a `jax.Array`'s shards of replica_id 0)."""
+    with one replica of each element over the whole job: a `jax.Array`'s shards of replica_id 0, or the runs of
+    a `island.shards.HostLeaf` (a host copy of one process's shards) that it says are this process's to read."""
+    if hasattr(leaf, "checksum_runs"):
+        yield from leaf.checksum_runs()
+        return
     if not isinstance(leaf, jax.Array):
         yield 0, _bytes(np.asarray(leaf))
         return
-    shape = tuple(int(d) for d in leaf.shape)
     for shard in leaf.addressable_shards:
         if shard.replica_id != 0:
             continue
-        data = np.asarray(shard.data)
-        bounds = [s.indices(n)[:2] for s, n in zip(shard.index, shape)]
-        # Elements are contiguous from the last dimension the shard cuts on: one run per index of the dimensions
-        # before it.
-        cut = max((d for d, b in enumerate(bounds) if b != (0, shape[d])), default=0)
-        flat, run = _bytes(data), math.prod(data.shape[cut:]) * data.dtype.itemsize
-        for k, index in enumerate(np.ndindex(*data.shape[:cut])):
-            position = tuple(lo + j for (lo, _), j in zip(bounds, index)) + tuple(lo for lo, _ in bounds[cut:])
-            start = int(np.ravel_multi_index(position, shape)) if shape else 0
-            yield start, flat[k * run : (k + 1) * run]
+        flat = _bytes(np.asarray(shard.data))
+        for start, n, offset in shard_runs(leaf.shape, shard.index):
+            yield start, flat[offset * shard.data.dtype.itemsize : (offset + n) * shard.data.dtype.itemsize]
 
 
 def _bytes(a: np.ndarray) -> np.ndarray:

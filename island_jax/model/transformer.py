@@ -14,8 +14,9 @@ import jax
 import jax.numpy as jnp
 import ml_collections
 from flax import nnx
+from jax.sharding import PartitionSpec as P
 
-from island_jax.mesh import BATCH_AXES, LOGICAL_RULES, gathered, logical
+from island_jax.mesh import BATCH_AXES, LOGICAL_RULES, fsdp_leading, gathered, logical
 from island_jax.model.moe import MEAN_METRICS, MoE, SharedExperts, routing_bias_update
 
 
@@ -272,9 +273,10 @@ def partition_specs(params: nnx.State) -> dict:
     """PartitionSpec per parameter, as a pure dict shaped like `nnx.to_pure_dict(params)`.
 
     Each parameter's logical axis names (its `out_sharding` metadata, `mesh.logical`) go through the one rules
-    table, `mesh.LOGICAL_RULES`: the routed experts split over `expert`, every `embed` dimension over `fsdp`,
-    the rest replicated.
+    table, `mesh.LOGICAL_RULES`: the routed experts split over `expert`, and every parameter that has an
+    `embed` dimension splits over `fsdp` on its leading dimension that is not `expert` (`mesh.fsdp_leading`), so
+    that a process's part of it is a few runs of consecutive elements; the rest is replicated.
     """
     with nnx.logical_axis_rules(LOGICAL_RULES):
         specs = nnx.get_partition_spec(params)
-    return nnx.to_pure_dict(specs)
+    return jax.tree.map(fsdp_leading, nnx.to_pure_dict(specs), is_leaf=lambda x: isinstance(x, P))
