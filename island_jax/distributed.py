@@ -89,6 +89,25 @@ def allgather_json(value) -> list:
     return [json.loads(bytes(row[: int(n)])) for row, n in zip(rows, sizes.reshape(-1))]
 
 
+def exchange_rows(mine: np.ndarray, sizes: Sequence[int]) -> list[np.ndarray]:
+    """Every process's 1-D `mine`, in process order, where process p's has `sizes[p]` elements (every process
+    knows every size): a collective over the island's devices (its interconnect), padded to the longest, so the
+    training thread calls it at the same point on every process. One process: [mine].
+
+    Raises:
+      ValueError: `mine` is not `sizes[this process]` long.
+    """
+    if len(mine) != sizes[jax.process_index()]:
+        raise ValueError(f"process {jax.process_index()} sends {len(mine)} elements where every process expects "
+                         f"{sizes[jax.process_index()]}")
+    if jax.process_count() == 1:
+        return [mine]
+    padded = np.zeros(max(max(sizes), 1), mine.dtype)
+    padded[: len(mine)] = mine
+    rows = multihost_utils.process_allgather(padded)
+    return [rows[p, :n] for p, n in enumerate(sizes)]
+
+
 def gather_shares(payload, shares: Sequence[Sequence]) -> bytes:
     """The whole payload on every process, from each process's share of its chunks (`codec.deal`): process p's
     `payload` holds the chunks `shares[p]` at their offsets. A collective over the island's devices (its fast

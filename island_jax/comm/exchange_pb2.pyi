@@ -55,7 +55,7 @@ class FragmentPlan(_message.Message):
     def __init__(self, payload_bytes: _Optional[int] = ..., layout: _Optional[str] = ..., chunk_offsets: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class PayloadHeader(_message.Message):
-    __slots__ = ("round", "island", "tokens", "total_bytes", "crc32", "layout", "params_checksum", "step_seconds", "inner_steps", "streams", "fragment", "attempt", "fragment_rounds", "incarnation", "part", "parts")
+    __slots__ = ("round", "island", "tokens", "total_bytes", "crc32", "layout", "params_checksum", "step_seconds", "inner_steps", "streams", "fragment", "attempt", "fragment_rounds", "incarnation", "part", "parts", "share")
     ROUND_FIELD_NUMBER: _ClassVar[int]
     ISLAND_FIELD_NUMBER: _ClassVar[int]
     TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -72,6 +72,7 @@ class PayloadHeader(_message.Message):
     INCARNATION_FIELD_NUMBER: _ClassVar[int]
     PART_FIELD_NUMBER: _ClassVar[int]
     PARTS_FIELD_NUMBER: _ClassVar[int]
+    SHARE_FIELD_NUMBER: _ClassVar[int]
     round: int
     island: str
     tokens: int
@@ -88,7 +89,8 @@ class PayloadHeader(_message.Message):
     incarnation: str
     part: int
     parts: int
-    def __init__(self, round: _Optional[int] = ..., island: _Optional[str] = ..., tokens: _Optional[int] = ..., total_bytes: _Optional[int] = ..., crc32: _Optional[int] = ..., layout: _Optional[str] = ..., params_checksum: _Optional[str] = ..., step_seconds: _Optional[float] = ..., inner_steps: _Optional[int] = ..., streams: _Optional[int] = ..., fragment: _Optional[int] = ..., attempt: _Optional[int] = ..., fragment_rounds: _Optional[_Iterable[int]] = ..., incarnation: _Optional[str] = ..., part: _Optional[int] = ..., parts: _Optional[int] = ...) -> None: ...
+    share: bytes
+    def __init__(self, round: _Optional[int] = ..., island: _Optional[str] = ..., tokens: _Optional[int] = ..., total_bytes: _Optional[int] = ..., crc32: _Optional[int] = ..., layout: _Optional[str] = ..., params_checksum: _Optional[str] = ..., step_seconds: _Optional[float] = ..., inner_steps: _Optional[int] = ..., streams: _Optional[int] = ..., fragment: _Optional[int] = ..., attempt: _Optional[int] = ..., fragment_rounds: _Optional[_Iterable[int]] = ..., incarnation: _Optional[str] = ..., part: _Optional[int] = ..., parts: _Optional[int] = ..., share: _Optional[bytes] = ...) -> None: ...
 
 class RawFrame(_message.Message):
     __slots__ = ()
@@ -109,7 +111,7 @@ class ContributeReply(_message.Message):
     def __init__(self, round: _Optional[int] = ..., bytes_received: _Optional[int] = ..., crc32: _Optional[int] = ..., discarded: _Optional[bool] = ..., duplicate: _Optional[bool] = ...) -> None: ...
 
 class FetchRequest(_message.Message):
-    __slots__ = ("round", "island", "connection", "connections", "fragment", "min_round", "incarnation", "part", "parts")
+    __slots__ = ("round", "island", "connection", "connections", "fragment", "min_round", "incarnation", "part", "parts", "share")
     ROUND_FIELD_NUMBER: _ClassVar[int]
     ISLAND_FIELD_NUMBER: _ClassVar[int]
     CONNECTION_FIELD_NUMBER: _ClassVar[int]
@@ -119,6 +121,7 @@ class FetchRequest(_message.Message):
     INCARNATION_FIELD_NUMBER: _ClassVar[int]
     PART_FIELD_NUMBER: _ClassVar[int]
     PARTS_FIELD_NUMBER: _ClassVar[int]
+    SHARE_FIELD_NUMBER: _ClassVar[int]
     round: int
     island: str
     connection: int
@@ -128,4 +131,5 @@ class FetchRequest(_message.Message):
     incarnation: str
     part: int
     parts: int
-    def __init__(self, round: _Optional[int] = ..., island: _Optional[str] = ..., connection: _Optional[int] = ..., connections: _Optional[int] = ..., fragment: _Optional[int] = ..., min_round: _Optional[int] = ..., incarnation: _Optional[str] = ..., part: _Optional[int] = ..., parts: _Optional[int] = ...) -> None: ...
+    share: bytes
+    def __init__(self, round: _Optional[int] = ..., island: _Optional[str] = ..., connection: _Optional[int] = ..., connections: _Optional[int] = ..., fragment: _Optional[int] = ..., min_round: _Optional[int] = ..., incarnation: _Optional[str] = ..., part: _Optional[int] = ..., parts: _Optional[int] = ..., share: _Optional[bytes] = ...) -> None: ...

@@ -89,7 +89,7 @@ class _Fetch:
 
     def __init__(
         self, transport: "GrpcTransport", round: int, island: str, what: str, plan, methods: list, fragment: int = 0,
-        incarnation: str = "", min_round: int = 0, share=None, part: int = 0, parts: int = 1,
+        incarnation: str = "", min_round: int = 0, share=None, part: int = 0, parts: int = 1, bitmap: bytes = b"",
     ):
         self.assembler = wire.ChunkAssembler(plan, share)
         self.lock = threading.Lock()
@@ -106,7 +106,7 @@ class _Fetch:
                 method,
                 pb.FetchRequest(round=round, island=island, connection=i, connections=n, fragment=fragment,
                                 incarnation=incarnation, min_round=min_round, part=part,
-                                parts=parts if parts > 1 else 0),
+                                parts=parts if parts > 1 else 0, share=bitmap if parts > 1 else b""),
                 i,
                 n,
             )
@@ -255,8 +255,10 @@ class GrpcTransport:
         it (for `server_name` when set), with the island's client certificate when given (mutual TLS).
       token: the island's bearer token (`security.read_token`), sent with the island's name on every call.
       part, parts: this process's index and the island's process count. Of an island of several processes,
-        each process sends and receives only its share of every payload's chunks (`codec.deal`) over its own
-        connections; process 0 alone joins the coordinator for the island (the others ask who it is).
+        each process sends and receives only its share of every payload's chunks over its own connections;
+        process 0 alone joins the coordinator for the island (the others ask who it is).
+      shares: of an island of several processes, per fragment the indices of the chunks this process owns
+        (`island.shards.Ownership`); None: the plan dealt out by bytes (`codec.deal`).
       keepalive_seconds: seconds between keepalive pings on each idle channel (`comm.keepalive_seconds`).
       backoff_cap_seconds: the longest pause between reconnect attempts (`comm.reconnect_backoff_cap_seconds`).
 
@@ -281,11 +283,13 @@ class GrpcTransport:
         token: str | None = None,
         part: int = 0,
         parts: int = 1,
+        shares: list[list[int]] | None = None,
         keepalive_seconds: float = KEEPALIVE_SECONDS,
         backoff_cap_seconds: float = RECONNECT_BACKOFF_CAP_SECONDS,
     ):
         self.address, self.chunk_bytes = address, chunk_bytes
         self.part, self.parts = part, parts
+        self._share_indices = shares
         self.reconnect_seconds, self.finished = reconnect_seconds, finished
         self.backoff_cap_seconds = backoff_cap_seconds
         self.incarnation = ""  # the coordinator's, from the last join
@@ -324,6 +328,7 @@ class GrpcTransport:
         self.layouts: list[str] = []  # per fragment
         self.plans: list[list[codec.Chunk]] = []  # per fragment
         self.shares: list[list[codec.Chunk]] = []  # per fragment: this process's chunks (all of them with one)
+        self.share_bitmaps: list[bytes] = []  # per fragment: `shares` as `wire.share_bitmap` (several processes)
         self.view_plan: list[codec.Chunk] = []
         self.last_stats = SyncStats()
         self._stats: dict[tuple[int, int], SyncStats] = {}  # (fragment, round) -> its exchange
@@ -371,9 +376,32 @@ class GrpcTransport:
         self.payload_bytes, self.view_bytes = reply.payload_bytes, reply.view_bytes
         self.layouts = [f.layout for f in reply.fragments]
         self.plans = [_plan(list(f.chunk_offsets), f.payload_bytes) for f in reply.fragments]
-        self.shares = [codec.deal(plan, self.parts)[self.part] if self.parts > 1 else plan for plan in self.plans]
+        self.shares, self.share_bitmaps = self._shares_of(self.plans)
         self.view_plan = _plan(list(reply.view_chunk_offsets), reply.view_bytes)
         return dict(round=reply.round, checksum=reply.params_checksum, rejoin=reply.rejoin)
+
+    def _shares_of(self, plans: list[list[codec.Chunk]]) -> tuple[list[list[codec.Chunk]], list[bytes]]:
+        """This process's chunks of each fragment's plan, and their bitmaps (empty with one process).
+
+        Raises:
+          ExchangeError: the island's shares do not fit the coordinator's plans (another model, codec or
+            comm.chunk_bytes).
+        """
+        if self.parts <= 1:
+            return plans, [b""] * len(plans)
+        if self._share_indices is None:
+            shares = [codec.deal(plan, self.parts)[self.part] for plan in plans]
+            return shares, [b""] * len(plans)
+        if len(self._share_indices) != len(plans) or any(
+            i < 0 or i >= len(plan) for plan, share in zip(plans, self._share_indices) for i in share
+        ):
+            raise ExchangeError(
+                f"process {self.part}'s chunks ({[len(s) for s in self._share_indices]} per fragment) do not fit the "
+                f"coordinator's plan ({[len(p) for p in plans]} chunks per fragment); the island's model, codec or "
+                "comm.chunk_bytes differs from the coordinator's"
+            )
+        shares = [[plan[i] for i in share] for plan, share in zip(plans, self._share_indices)]
+        return shares, [wire.share_bitmap(share, plan) for share, plan in zip(shares, plans)]
 
     def _why_not(self, island: str, probe: pb.JoinRequest) -> None:
         """Logs why the coordinator does not answer yet (not started, or a TLS handshake that fails: a CA, a
@@ -503,7 +531,7 @@ class GrpcTransport:
                 self._fetches[(fragment, round, island)] = self._open_fetch(round, island, fragment, incarnation)
             total = sum(c.nbytes for c in self.plans[fragment])
             fields = wire.payload_header(header, self.layouts[fragment], n, total, wire.new_attempt(), incarnation,
-                                         self.part, self.parts)
+                                         self.part, self.parts, self.share_bitmaps[fragment])
             upload = _Upload(self, self.shares[fragment], n, wire.header_frame(fields), payload, self.clock(), cache)
             sent += upload.bytes_sent
             calls = [self._contribute[i].future(upload.frames(i), timeout=self.round_timeout) for i in range(n)]
@@ -544,7 +572,8 @@ class GrpcTransport:
         methods = self._fetch_update[: self._streams(fragment)]
         return _Fetch(self, round, island, "fetch_update", self.plans[fragment], methods, fragment,
                       incarnation=self.incarnation if incarnation is None else incarnation,
-                      share=self.shares[fragment], part=self.part, parts=self.parts)
+                      share=self.shares[fragment], part=self.part, parts=self.parts,
+                      bitmap=self.share_bitmaps[fragment])
 
     def fetch_update(self, round: int, island: str, fragment: int = 0) -> bytes:
         """The round's update bytes; waits up to `round_timeout` seconds for the merge. Of an island of several

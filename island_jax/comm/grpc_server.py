@@ -152,9 +152,10 @@ class _Open:
     chunks: set = dataclasses.field(default_factory=set)  # of a share (parts > 1): the chunks it handed on
 
 
-def _share(plan: list[codec.Chunk], request: pb.FetchRequest) -> list[codec.Chunk]:
-    """The chunks of `plan` an update request asks for: share `part` of `parts` (`codec.deal`), or all."""
-    return codec.deal(plan, request.parts)[request.part] if request.parts > 1 else plan
+def _share(plan: list[codec.Chunk], request) -> list[codec.Chunk]:
+    """The chunks of `plan` a contribution's header or an update request names: share `part` of `parts`
+    (`wire.share_of`), or all."""
+    return wire.share_of(plan, request.part, request.parts, request.share)
 
 
 def _key(header: pb.PayloadHeader) -> tuple[int, int, str, int]:
@@ -239,7 +240,7 @@ class _OpenContributions:
                                     "again while this attempt was still open; the retry counts")
         if header.parts > 1:
             c = self.coordinator.fragments[header.fragment]
-            missing = sorted({k.index for k in codec.deal(c.plan, header.parts)[header.part]} - entry.chunks)
+            missing = sorted({k.index for k in _share(c.plan, header)} - entry.chunks)
             if missing:  # its streams ended, some early (a closed connection can read as the end of the requests)
                 del self._open[_key(header)]
                 self._forget_share(header, entry, "a stream of it ended early", keep_complete=True)
@@ -279,6 +280,7 @@ def _check_header(header: pb.PayloadHeader, c: Coordinator, layout: str) -> None
             f"island {header.island!r} encoded round {header.round} for payload layout {header.layout}, "
             f"but the coordinator expects {layout} (leaf shapes, codec, block size differ); refused"
         )
+    _share(c.plan, header)  # a share's bitmap must fit the plan
 
 
 def _check_chunk(header: pb.PayloadHeader, c: Coordinator, index: int, offset: int, crc: int, data) -> None:

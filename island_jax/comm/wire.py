@@ -24,6 +24,7 @@ import random
 import struct
 
 import crc32c
+import numpy as np
 from google.protobuf.message import DecodeError
 
 from island_jax.comm import exchange_pb2 as pb
@@ -108,18 +109,46 @@ def stream_count(connections: int, plan: list[codec.Chunk]) -> int:
     return max(1, min(connections, len(plan)))
 
 
+def share_bitmap(share: list[codec.Chunk], plan: list[codec.Chunk]) -> bytes:
+    """`PayloadHeader.share` / `FetchRequest.share`: bit k (little-endian within each byte) set for each chunk k of
+    `plan` in `share`."""
+    bits = np.zeros(len(plan), np.uint8)
+    bits[[c.index for c in share]] = 1
+    return np.packbits(bits, bitorder="little").tobytes()
+
+
+def share_of(plan: list[codec.Chunk], part: int, parts: int, bitmap: bytes = b"") -> list[codec.Chunk]:
+    """The chunks of `plan` in share `part` of `parts`: those `bitmap` names (`share_bitmap`), or when it is empty
+    the plan dealt out by bytes (`codec.deal`); the whole plan when `parts` <= 1.
+
+    Raises:
+      WireError: a bitmap of another length than the plan's chunks need.
+    """
+    if parts <= 1:
+        return plan
+    if not bitmap:
+        return codec.deal(plan, parts)[part]
+    if len(bitmap) != -(-len(plan) // 8):
+        raise WireError(f"share {part} of {parts} names chunks in {len(bitmap)} bytes, but the fragment's plan of "
+                        f"{len(plan)} chunks needs {-(-len(plan) // 8)}; the island and the coordinator derive "
+                        "different plans (model, codec or comm.chunk_bytes)")
+    bits = np.unpackbits(np.frombuffer(bitmap, np.uint8), count=len(plan), bitorder="little")
+    return [c for c in plan if bits[c.index]]
+
+
 def payload_header(
     header: ContributionHeader, layout: str, streams: int, total_bytes: int, attempt: int = 0, incarnation: str = "",
-    part: int = 0, parts: int = 1,
+    part: int = 0, parts: int = 1, share: bytes = b"",
 ) -> pb.PayloadHeader:
     """The 'H' frame's header of a contribution sent over `streams` streams (`codec.layout` of its payload), for
     one `attempt` (a random 64-bit number per try) to the coordinator `incarnation` the island joined; of an
-    island of several processes, share `part` of `parts` (`codec.deal`)."""
+    island of several processes, share `part` of `parts`, its chunks named by `share` (`share_bitmap`)."""
     return pb.PayloadHeader(
         round=header.round, island=header.island, tokens=header.tokens, layout=layout,
         params_checksum=header.params_checksum or "", step_seconds=header.step_seconds or 0.0, streams=streams,
         total_bytes=total_bytes, fragment=header.fragment, attempt=attempt, incarnation=incarnation, part=part,
         parts=parts if parts > 1 else 0,  # one process: the header of before (no share fields)
+        share=share if parts > 1 else b"",
     )
 
 

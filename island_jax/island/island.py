@@ -15,6 +15,7 @@ AdamW state is kept across rounds, as DiLoCo does. The programs are in
 from __future__ import annotations
 
 import collections
+import hashlib
 import contextlib
 import dataclasses
 import time
@@ -24,7 +25,6 @@ import jax
 import ml_collections
 import numpy as np
 from flax import nnx
-from jax.experimental import multihost_utils
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -32,6 +32,7 @@ from island_jax import data as data_lib
 from island_jax import distributed
 from island_jax.config import ConfigError
 from island_jax.hardware import CATALOG, kind_of, peak_flops
+from island_jax.island import shards as shards_lib
 from island_jax.island import step as step_lib
 from island_jax.mesh import BATCH_AXES, island_mesh
 from island_jax.model.flops import model_size
@@ -80,9 +81,13 @@ class Shardings:
       multi_process: the mesh spans devices of other processes.
     """
 
-    def __init__(self, mesh: jax.sharding.Mesh, specs: dict):
+    def __init__(self, mesh: jax.sharding.Mesh, specs: dict, shapes: dict | None = None):
         self.params = jax.tree.map(lambda s: NamedSharding(mesh, s), specs, is_leaf=lambda x: isinstance(x, P))
         self.leaves = jax.tree.leaves(self.params)
+        # the shapes of the parameter leaves that are split over devices: never gathered whole (`to_host`)
+        self._split_shapes = set() if shapes is None else {
+            tuple(np.shape(x)) for x, s in zip(jax.tree.leaves(shapes), self.leaves) if not s.is_fully_replicated
+        }
         self.batch = NamedSharding(mesh, P(BATCH_AXES))
         self.multi_process = any(d.process_index != jax.process_index() for d in mesh.devices.flat)
         self._replicate = jax.jit(lambda tree: tree, out_shardings=NamedSharding(mesh, P()))
@@ -100,10 +105,6 @@ class Shardings:
     def place(self, host_params: dict) -> dict:
         """The parameters (a NumPy pytree, whole on every process) on the devices, sharded."""
         return self._put(host_params, self.params)
-
-    def place_leaves(self, indices: Sequence[int], leaves: Sequence[np.ndarray]) -> list[jax.Array]:
-        """Parameter leaves number `indices` (`jax.tree.leaves` order) on the devices, sharded."""
-        return self._put(list(leaves), [self.leaves[i] for i in indices])
 
     def local_rows(self, batch_size: int) -> slice:
         """The rows of a [batch_size, ...] batch that this process's devices hold (all of them in one process).
@@ -131,11 +132,22 @@ class Shardings:
         return jax.make_array_from_process_local_data(self.batch, rows, (batch_size or len(rows), rows.shape[1]))
 
     def to_host(self, tree):
-        """Every leaf whole, as NumPy (a collective on a multi-process mesh unless the leaves are replicated)."""
+        """Every leaf whole, as NumPy (a collective on a multi-process mesh unless the leaves are replicated): for
+        metrics and losses.
+
+        Raises:
+          ValueError: on a multi-process mesh, a leaf shaped like a parameter that is split over the devices (no
+            process holds more of the model than its shards; `shards.HostLeaf` is a process's host copy).
+        """
         if not self.multi_process:
             return jax.device_get(tree)
         leaves, treedef = jax.tree.flatten(tree)
         spread = [i for i, x in enumerate(leaves) if isinstance(x, jax.Array) and not x.is_fully_replicated]
+        for i in spread:
+            if tuple(leaves[i].shape) in self._split_shapes:
+                raise ValueError(f"to_host of an array shaped like a parameter split over the island's processes "
+                                 f"({tuple(leaves[i].shape)}) would hold it whole on every host; read this process's "
+                                 "shards instead (shards.HostLeaf)")
         for i, x in zip(spread, self._replicate([leaves[i] for i in spread]) if spread else ()):
             leaves[i] = x
         host = [np.asarray(x.addressable_data(0)) if isinstance(x, jax.Array) else np.asarray(x) for x in leaves]
@@ -220,12 +232,18 @@ class Island:
         self._speed = SimulatedSpeed(cfg.simulated_speed)
         check_dispatch(config.moe.dispatch, cfg.mesh.expert, devices[0].platform)
         self.mesh = island_mesh(cfg.mesh.data, cfg.mesh.expert, devices, fsdp=cfg.mesh.fsdp)
-        self.shardings = Shardings(self.mesh, specs)
+        self.shardings = Shardings(self.mesh, specs, params)
         # Of an island of several processes: this process's index and their count; each sends its share of
         # every payload (`fragment_shares`), and every process holds the same global parameters.
         self.multi_process = self.shardings.multi_process
         self.part, self.parts = (jax.process_index(), jax.process_count()) if self.multi_process else (0, 1)
-        self.global_params = params  # host copy of the global view (NumPy): the anchor
+        # Where each leaf's elements are over the island's processes, and this process's host copy of the global view
+        # (the anchor's bits): its own shards of every leaf (`shards.HostLeaf`).
+        self.layouts = [shards_lib.LeafLayout(np.shape(x), np.asarray(x).dtype, sharding)
+                        for x, sharding in zip(jax.tree.leaves(params), self.shardings.leaves)]
+        self.global_params = jax.tree.unflatten(
+            jax.tree.structure(params), [shards_lib.HostLeaf.of(l, x) for l, x in zip(self.layouts, jax.tree.leaves(params))]
+        )
         self._global_checksum: str | None = None
         self.dataset = data_lib.train_dataset(
             train_bytes, config.model.seq_len, cfg.batch_size, config.seed, rows=self.shardings.local_rows(cfg.batch_size)
@@ -238,8 +256,9 @@ class Island:
             self.params = self.shardings.place(params)
             self.anchor = self.shardings.place(params)
             self.opt_state = jax.jit(self.tx.init)(self.params)
-        # Error feedback's memory of what the codec lost (float32 NumPy, like the parameters).
-        self.residual = jax.tree.map(lambda x: np.zeros(np.shape(x), np.float32), params)
+        # Error feedback's memory of what the codec lost, of the pieces this process owns: {(fragment, leaf, first
+        # element): float32 [piece elements]}, made as the pieces are first encoded.
+        self.residual: dict[tuple[int, int, int], np.ndarray] = {}
         c = config.codec
         self.partition = fragments_lib.partition(fragments_lib.leaf_bytes(params), config.outer.fragments)
         self.fragments = FragmentLeaves(jax.tree.structure(params), self.partition)
@@ -247,7 +266,12 @@ class Island:
             codec.chunk_plan(self.fragments.take(params, f), c.kind, c.block_size, config.comm.chunk_bytes)
             for f in range(len(self.partition))
         ]
-        self.fragment_shares = [codec.deal(plan, self.parts) for plan in self.fragment_plans]  # per fragment, part
+        # per fragment: which process owns each chunk, and what travels over the island's interconnect
+        self.ownerships = [
+            shards_lib.Ownership(plan, [self.layouts[i] for i in self.partition[f]], self.parts)
+            for f, plan in enumerate(self.fragment_plans)
+        ]
+        self.fragment_shares = [o.shares for o in self.ownerships]  # per fragment, per process: its chunks
 
     def _build_train_step(self, total_steps: int) -> None:
         """The inner optimizer for `total_steps` steps in all, and the jitted step that uses it (its first
@@ -359,6 +383,22 @@ class Island:
         (peak FLOP/s x step_seconds) (`model.flops`; 0 for a step of no seconds)."""
         return self.flops_per_token * self.tokens_per_step / (self.peak_flops * step_seconds) if step_seconds > 0 else 0.0
 
+    def host_shards(self, tree) -> Any:
+        """This process's shards of a parameter-shaped tree of arrays on the island's devices, copied to the host
+        (`shards.HostLeaf` each): what `model.init.checksum` reads without gathering anything whole."""
+        layouts = jax.tree.unflatten(jax.tree.structure(self.global_params), self.layouts)
+        return jax.tree.map(shards_lib.HostLeaf.of, layouts, tree)
+
+    def replica_digests(self) -> dict[str, str]:
+        """SHA-256 (16 hex digits) of each shard of the global parameters that this process holds and another
+        process holds too ({"leaf,shard": digest}), for the processes to compare."""
+        out = {}
+        for i, (layout, leaf) in enumerate(zip(self.layouts, jax.tree.leaves(self.global_params))):
+            for k in layout.mine:
+                if len(layout.holders[k]) > 1:
+                    out[f"{i},{k}"] = hashlib.sha256(np.ascontiguousarray(leaf.shards[k]).tobytes()).hexdigest()[:16]
+        return out
+
     @property
     def global_checksum(self) -> str:
         """`model.init.checksum` of the global parameters (the anchors), computed when first asked for."""
@@ -368,68 +408,96 @@ class Island:
 
     # -- fragments (Streaming DiLoCo) ------------------------------------------------------------------
 
-    def fragment_pseudo_gradient(self, fragment: int) -> list[jax.Array]:
-        """anchor - params (float32, each leaf's shape and sharding) over the fragment's leaves, on the
-        island's devices.
+    def fragment_pseudo_gradient(self, fragment: int) -> shards_lib.OwnedValues:
+        """anchor - params (float32, each leaf's shape and sharding) over the fragment's leaves, computed on the
+        island's devices, as the values of the chunks this process owns (`shards.Ownership`): read from its own
+        shards where it holds them, and from the other processes (a collective over the island's interconnect)
+        for the few elements at shard edges that it lacks.
 
         Runs on the calling (training) thread and waits for the result, so the
         next inner step may take (donate) the parameters.
-        Of an island of several processes, the values come back whole to every process's host (an all-gather over
-        the island's interconnect), which encodes its share of the chunks from them.
         """
         anchor, params = self.fragments.take(self.anchor, fragment), self.fragments.take(self.params, fragment)
         with self.device_lock, jax.set_mesh(self.mesh):
             pseudo_gradient = jax.block_until_ready(step_lib.pseudo_gradient(anchor, params))
-            return self.shardings.to_host(pseudo_gradient) if self.multi_process else pseudo_gradient
+        layouts = self.ownerships[fragment].layouts
+        local: dict[tuple[int, int], np.ndarray] = {}
+        for i, leaf in enumerate(pseudo_gradient):
+            for shard in leaf.addressable_shards:
+                key = (i, layouts[i].key_of(shard.index))
+                if key not in local:  # a view of the device buffer on the CPU; the leaves stay alive with it
+                    local[key] = np.asarray(shard.data).reshape(-1)
 
-    def encode_fragment(self, fragment: int, pseudo_gradient: list) -> codec.ChunkEncoder:
-        """The fragment's pseudo-gradient for the wire (`codec.ChunkEncoder` over `fragment_plans[fragment]`,
-        `config.codec` kind and block size; its `nbytes` is the payload's bytes).
+        def read(leaf: int, shard: int, _keep=pseudo_gradient) -> np.ndarray:
+            return local[(leaf, shard)]
+
+        return self.ownerships[fragment].owner_values(read)
+
+    def encode_fragment(self, fragment: int, pseudo_gradient: shards_lib.OwnedValues) -> codec.ChunkEncoder:
+        """This process's chunks of the fragment's pseudo-gradient for the wire (`codec.ChunkEncoder` over its share
+        of `fragment_plans[fragment]`, `config.codec` kind and block size; its `nbytes` is the share's bytes).
 
         Safe on a background thread. With `codec.error_feedback`, what the codec
-        lost last time is added first, and the fragment's residual leaves are
-        updated in place. Once the payload is sent, the encoder's
+        lost last time is added first, and the residual of each piece is
+        overwritten as it is encoded. Once the payload is sent, the encoder's
         `relative_error` is ||sent - intended|| / ||intended||.
         """
         c = self.config.codec
-        residual = self.fragments.take(self.residual, fragment) if c.error_feedback else None
-        share = self.fragment_shares[fragment][self.part]
-        return codec.ChunkEncoder(pseudo_gradient, c.kind, c.block_size, share, residual, measure=True)
+        residual_of = None
+        if c.error_feedback:
+            def residual_of(piece: codec.Piece) -> np.ndarray:
+                key = (fragment, piece.leaf, piece.start)
+                if key not in self.residual:
+                    self.residual[key] = np.zeros(piece.stop - piece.start, np.float32)
+                return self.residual[key]
+
+        share = self.ownerships[fragment].share
+        return codec.ChunkEncoder(None, c.kind, c.block_size, share, measure=True, read=pseudo_gradient.read,
+                                  residual_of=residual_of)
 
     def fragment_checksum(self, fragment: int) -> str:
         """`model.init.checksum` of the fragment's global leaves (a list): what its contribution carries. With one
-        fragment it equals `global_checksum`."""
+        fragment it equals `global_checksum`. Of an island of several processes, a collective (training thread)."""
         return checksum(self.fragments.take(self.global_params, fragment))
 
-    def gather_update(self, fragment: int, payload: bytes) -> bytes:
-        """The fragment's whole update on every process, from each process's share (`GrpcTransport.fetch_update`
-        of an island of several processes): a collective, on the training thread. One process: `payload`."""
-        if not self.multi_process:
-            return payload
-        return distributed.gather_shares(payload, self.fragment_shares[fragment])
+    def gather_update(self, fragment: int, payload: bytes) -> dict:
+        """Where this process reads each update chunk of the fragment that it holds elements of: its own chunks in
+        `payload` (what its transport fetched), the others' passed on by their owners over the island's
+        interconnect (`shards.Ownership.update_sources`: a collective, on the training thread, when any chunk
+        has holders besides its owner)."""
+        return self.ownerships[fragment].update_sources(payload)
 
     def agree(self, value) -> list:
         """Every process's `value` (JSON), in process order (`distributed.allgather_json`, a collective on the
         training thread); [value] for an island of one process."""
         return distributed.allgather_json(value) if self.multi_process else [value]
 
-    def decode_fragment(self, fragment: int, payload: bytes) -> list[np.ndarray]:
-        """The fragment's new global leaves: its update applied with `codec.decode_and_apply` (host NumPy,
-        each leaf's shape and dtype).
+    def decode_fragment(self, fragment: int, update) -> list[shards_lib.HostLeaf]:
+        """The fragment's new global leaves, this process's shards of them: the update applied with the arithmetic
+        of `codec.decode_and_apply`, chunk by chunk. `update`: `gather_update`'s sources, or (an island of one
+        process) the fetched payload itself.
 
-        Safe on a background thread (reads only this fragment's global leaves).
+        Safe on a background thread with one process (reads only this fragment's global leaves).
 
         Raises:
-          CodecError: if the payload does not fit the fragment.
+          CodecError: if the update does not fit the fragment.
         """
         c = self.config.codec
-        return codec.decode_and_apply(self.fragments.take(self.global_params, fragment), payload, c.kind, c.block_size)
+        ownership = self.ownerships[fragment]
+        if not isinstance(update, dict):
+            if len(update) != sum(chunk.nbytes for chunk in self.fragment_plans[fragment]):
+                raise codec.CodecError(
+                    f"the update of fragment {fragment} is {len(update)} bytes but its plan holds "
+                    f"{sum(chunk.nbytes for chunk in self.fragment_plans[fragment])}; the coordinator uses another "
+                    "model shape, codec or block_size")
+            update = ownership.update_sources(update)
+        return ownership.apply(self.fragments.take(self.global_params, fragment), update, c.kind, c.block_size)
 
-    def place_fragment(self, fragment: int, global_leaves: list[np.ndarray], copies: int) -> list[list[jax.Array]]:
+    def place_fragment(self, fragment: int, global_leaves: list[shards_lib.HostLeaf], copies: int) -> list[list[jax.Array]]:
         """`copies` placements of a fragment's new global leaves on the island's devices, for
         `apply_fragment` (one for the anchor, one more for the parameters without mixing). Safe on a
         background thread, so the training thread does not wait for the copies."""
-        placed = [self.shardings.place_leaves(self.partition[fragment], global_leaves) for _ in range(copies)]
+        placed = [[leaf.place() for leaf in global_leaves] for _ in range(copies)]
         return jax.block_until_ready(placed)
 
     def apply_fragment(
@@ -456,64 +524,96 @@ class Island:
 
     def load_view(self, payload: bytes) -> None:
         """Replaces the global parameters with the coordinator's view, sent whole (`FragmentedCoordinator.fetch_view`,
-        a float32 "none" payload); it becomes both anchor and parameters, and the error feedback starts afresh.
+        a float32 "none" payload); this process keeps its own shards of it, which become both anchor and
+        parameters, and the error feedback starts afresh.
 
         Raises:
           CodecError: if the payload does not fit the model.
         """
-        self.global_params = codec.decode_view(payload, self.global_params)
+        leaves, treedef = jax.tree.flatten(self.global_params)
+        like = [jax.ShapeDtypeStruct(leaf.shape, leaf.dtype) for leaf in leaves]
+        expected = codec.payload_bytes(like, "none", 1)
+        if len(payload) != expected:
+            raise codec.CodecError(f"the view is {len(payload)} bytes but a float32 view of these parameters is "
+                                   f"{expected} bytes; the coordinator uses a different model shape")
+        whole = codec.Chunk(0, 0, expected, tuple(codec.pieces(like, "none", 1)))
+        ownership = shards_lib.Ownership([whole], self.layouts, self.parts)
+        self.global_params = jax.tree.unflatten(treedef, ownership.apply(leaves, {0: (memoryview(payload), 0)}, "none", 1, add=False))
         self._global_checksum = None
         # what the codec lost of pseudo-gradients from the replaced anchors is no debt of the new ones
-        self.residual = jax.tree.map(np.zeros_like, self.residual)
+        self.residual.clear()
         with jax.set_mesh(self.mesh):
-            self.params = self.shardings.place(self.global_params)
-            self.anchor = self.shardings.place(self.global_params)
-
-    def _merged_residual(self) -> Any:
-        """The error-feedback residual whole: each process keeps it for the chunks it encodes (its share), so
-        the processes' residuals are put together chunk by chunk (a collective); one process: its own."""
-        if not self.multi_process or not self.config.codec.error_feedback:
-            return self.residual
-        gathered = multihost_utils.process_allgather(self.residual)  # leaves [processes, *shape]
-        leaves = [np.array(x[0], np.float32) for x in jax.tree.leaves(gathered)]
-        flat = [x.reshape(-1) for x in leaves]
-        everyone = [x.reshape(x.shape[0], -1) for x in jax.tree.leaves(gathered)]
-        for f, shares in enumerate(self.fragment_shares):
-            for p, share in enumerate(shares):
-                for chunk in share:
-                    for piece in chunk.pieces:
-                        leaf = self.partition[f][piece.leaf]
-                        flat[leaf][piece.start : piece.stop] = everyone[leaf][p, piece.start : piece.stop]
-        self.residual = jax.tree.unflatten(jax.tree.structure(self.residual), leaves)
-        return self.residual
+            self.params = jax.tree.map(shards_lib.HostLeaf.place, self.global_params)
+            self.anchor = jax.tree.map(shards_lib.HostLeaf.place, self.global_params)
 
     # -- checkpoints and evaluation --------------------------------------------------------------------
 
+    def _residual_sharding(self) -> NamedSharding:
+        """The error-feedback residual's sharding in a checkpoint: one row per process, held by its devices."""
+        devices = np.asarray(self.mesh.devices).reshape(-1)
+        rows = np.array(sorted(devices, key=lambda d: (d.process_index, d.id))).reshape(self.parts, -1)
+        return NamedSharding(jax.sharding.Mesh(rows, ("process", "local")), P("process"))
+
+    def _residual_rows(self, template: bool) -> jax.Array:
+        """The error-feedback residual as float32 [processes, elements]: row p holds, in fragment, chunk and piece
+        order, the residual of the pieces process p owns (zero-padded to the longest row). Each process writes
+        its own row; nothing is gathered."""
+        sizes = [sum(o.residual_elements[p] for o in self.ownerships) for p in range(self.parts)]
+        row = np.zeros((1, max(max(sizes), 1)), np.float32)
+        if not template:
+            at = 0
+            for f, ownership in enumerate(self.ownerships):
+                for chunk in ownership.share:
+                    for piece in chunk.pieces:
+                        n = piece.stop - piece.start
+                        kept = self.residual.get((f, piece.leaf, piece.start))
+                        if kept is not None:
+                            row[0, at : at + n] = kept
+                        at += n
+        return jax.make_array_from_callback((self.parts, row.shape[1]), self._residual_sharding(), lambda index: row)
+
+    def _load_residual(self, rows) -> None:
+        """Takes this process's row of a checkpoint's `_residual_rows`."""
+        self.residual = {}
+        shard = next(s for s in rows.addressable_shards if s.index[0].indices(self.parts)[0] == self.part)
+        row = np.asarray(shard.data).reshape(-1)
+        at = 0
+        for f, ownership in enumerate(self.ownerships):
+            for chunk in ownership.share:
+                for piece in chunk.pieces:
+                    n = piece.stop - piece.start
+                    if row[at : at + n].any():
+                        self.residual[(f, piece.leaf, piece.start)] = np.array(row[at : at + n], np.float32)
+                    at += n
+
     def state(self, round: int, template: bool = False) -> dict:
         """What a checkpoint holds after `round` completed rounds: `params`, `anchor`,
-        `opt_state` (AdamW), `residual` (error feedback, float32 NumPy), `step` (inner steps taken,
-        also the data position; int64 []) and `round` (int64 []). Of an island of several processes, the
-        residual is first put together from every process's share (a collective), unless the state is only
-        a `template` to restore into."""
-        return dict(
+        `opt_state` (AdamW), `step` (inner steps taken, also the data position; int64 []) and `round` (int64
+        []); with `codec.error_feedback` also `residual` (`_residual_rows`: each process's own pieces, one row
+        per process, so a resume needs the same processes and layout). A `template` is only a state to
+        restore into (its residual is zeros)."""
+        out = dict(
             params=self.params,
             anchor=self.anchor,
             opt_state=self.opt_state,
-            residual=self.residual if template else self._merged_residual(),
             step=np.asarray(self.step, np.int64),
             round=np.asarray(round, np.int64),
         )
+        if self.config.codec.error_feedback:
+            out["residual"] = self._residual_rows(template)
+        return out
 
     def load_state(self, state: dict) -> int:
         """Continues from a checkpointed `state()`; returns its round (completed rounds)."""
         opt_sharding = jax.tree.map(lambda x: x.sharding, self.opt_state)
-        self.global_params = jax.tree.map(np.asarray, self.shardings.to_host(state["anchor"]))
+        self.global_params = self.host_shards(state["anchor"])
         self._global_checksum = None
         with jax.set_mesh(self.mesh):
             self.params = self.shardings.place(state["params"])
             self.anchor = self.shardings.place(state["anchor"])
             self.opt_state = jax.device_put(state["opt_state"], opt_sharding)
-        self.residual = jax.tree.map(lambda x: np.array(x, np.float32, copy=True), state["residual"])
+        if "residual" in state:
+            self._load_residual(state["residual"])
         self.step = int(state["step"])
         return int(state["round"])
 

@@ -46,12 +46,13 @@ from island_jax.workdir import (
 
 def connect(
     config: ml_collections.ConfigDict, exchange: str | InProcessExchange | None, finished=None, part: int = 0,
-    parts: int = 1,
+    parts: int = 1, shares: list[list[int]] | None = None,
 ):
     """Island's transport to `exchange`: gRPC to "HOST:PORT", in process to an `InProcessExchange`, or None
     (no outer loop). An emulated link (`comm.link` in the config) sits under either transport. `finished`
     (gRPC): called while the coordinator is unreachable; True ends the retries (the run is over). `part`,
-    `parts`: this process of an island of several (gRPC), which moves its share of every payload."""
+    `parts`: this process of an island of several (gRPC), which moves its share of every payload: `shares`, per
+    fragment the indices of the chunks it owns (`island.shards.Ownership`)."""
     if exchange is None:
         return None
     link, c = LinkEmulator.from_config(config), config.comm
@@ -63,7 +64,7 @@ def connect(
     return GrpcTransport(
         exchange, c.chunk_bytes, c.join_timeout_seconds, c.round_timeout_seconds, connections=c.connections,
         pipeline=c.pipeline, link=link, reconnect_seconds=c.reconnect_seconds, finished=finished, tls=c.tls,
-        token=security.read_token(c.auth.token_file, c.auth.token_env), part=part, parts=parts,
+        token=security.read_token(c.auth.token_file, c.auth.token_env), part=part, parts=parts, shares=shares,
         keepalive_seconds=c.keepalive_seconds, backoff_cap_seconds=c.reconnect_backoff_cap_seconds,
     )
 
@@ -146,7 +147,7 @@ def run_island(
             return {}
         island.warm_up()  # compiles before the first round's clock starts
         transport = connect(config, exchange, finished=lambda: run_finished(workdir), part=island.part,
-                            parts=island.parts)
+                            parts=island.parts, shares=[[c.index for c in o.share] for o in island.ownerships])
         evaluator = (_Evaluator(config, corpus, island, role, global_params=transport is not None)
                      if name == config_lib.evaluating_island(config) else None)
         fingerprint = join_fingerprint(config, corpus)
@@ -364,20 +365,27 @@ def _train_rounds(config, island: Island, sync: StreamingSync, role: RoleFolder,
 
 
 def _agree_on_round(island: Island, record: dict, r: int) -> None:
-    """Of an island of several processes: checks that every process holds the same global parameters after
-    round `r` (0-based), and books the island's bytes as all its processes moved them (`process_*` fields:
-    per process, in process order; `bytes_sent`, `bytes_received` and `payload_bytes`: their sums).
+    """Of an island of several processes: checks that they hold the same global parameters after round `r`
+    (0-based), and books the island's bytes as all its processes moved them (`process_*` fields: per process,
+    in process order; `bytes_sent`, `bytes_received` and `payload_bytes`: their sums).
+
+    Each process holds only its shards, so the checksum (`global_checksum`) is computed by all of them together,
+    and the shards that several processes hold (replicas over `data`) are compared by their digests.
 
     Raises:
-      RuntimeError: the processes' global parameters differ (their checksums are named).
+      RuntimeError: two processes hold different bits of one shard (the leaf and the processes are named).
     """
     shared = island.agree([island.global_checksum, record["bytes_sent"], record["bytes_received"],
-                           record["payload_bytes"]])
+                           record["payload_bytes"], island.replica_digests()])
     checksums = [c for c, *_ in shared]
-    if len(set(checksums)) != 1:
-        raise RuntimeError(f"island {island.name}: after round {r + 1} its processes hold different global "
-                           f"parameters (checksums {checksums}); the update was not applied alike")
-    _, sent, received, payload = zip(*shared)
+    seen: dict[str, tuple[int, str]] = {}
+    for p, (*_, digests) in enumerate(shared):
+        for shard, digest in digests.items():
+            first = seen.setdefault(shard, (p, digest))
+            if first[1] != digest:
+                raise RuntimeError(f"island {island.name}: after round {r + 1} processes {first[0]} and {p} hold "
+                                   f"different bits of shard {shard} (leaf, shard); the update was not applied alike")
+    _, sent, received, payload, _ = zip(*shared)
     record.update(
         process_checksums=checksums, process_bytes_sent=list(sent), process_bytes_received=list(received),
         process_payload_bytes=list(payload), bytes_sent=sum(sent), bytes_received=sum(received),
@@ -388,7 +396,7 @@ def _agree_on_round(island: Island, record: dict, r: int) -> None:
 def _round_record(island: Island, result: dict, r: int) -> dict:
     """The island's metrics record of round `r` (0-based); see `StreamingSync.run_round` for the fields."""
     # Without an outer loop the run's parameters are the island's own (copied now: the next step donates them).
-    params = island.global_params if island.config.outer.enabled else island.shardings.to_host(island.params)
+    params = island.global_params if island.config.outer.enabled else island.host_shards(island.params)
     return dict(
         kind="round",
         round=r + 1,

@@ -36,7 +36,6 @@ import time
 from concurrent import futures
 from typing import Callable, Protocol, runtime_checkable
 
-import numpy as np
 from absl import logging
 
 from island_jax.comm.transport import CoordinatorRestarted, ExchangeError, Transport
@@ -58,9 +57,9 @@ class OuterLoopIsland(Protocol):
       partition: per fragment, its leaf indices in `jax.tree.leaves` order.
       fragment_plans: per fragment, its payload's `codec.Chunk`s (their `nbytes` sum to the payload's bytes).
       last_step_compiled: the last inner step compiled, so its seconds say nothing of the step time.
-      multi_process: the island spans several processes: each exchanges its share of every payload, and the
-        update is put together (`gather_update`) and applied on the training thread, where the processes'
-        collectives run in the same order.
+      multi_process: the island spans several processes: each exchanges the chunks it owns of every payload,
+        and the update's chunks that other processes hold elements of are passed on (`gather_update`) and
+        applied on the training thread, where the processes' collectives run in the same order.
     """
 
     name: str
@@ -85,29 +84,33 @@ class OuterLoopIsland(Protocol):
     def warm_up(self) -> None:
         """Compiles the island's programs without changing its state."""
 
-    def fragment_pseudo_gradient(self, fragment: int) -> list:
-        """anchor - params over the fragment's leaves (float32), ready before the next inner step."""
+    def fragment_pseudo_gradient(self, fragment: int):
+        """anchor - params over the fragment's leaves (float32), ready before the next inner step, in whatever form
+        `encode_fragment` takes (training thread)."""
 
-    def encode_fragment(self, fragment: int, pseudo_gradient: list) -> codec.ChunkEncoder:
-        """The fragment's pseudo-gradient for the wire (called on an exchange thread)."""
+    def encode_fragment(self, fragment: int, pseudo_gradient) -> codec.ChunkEncoder:
+        """This process's chunks of the fragment's pseudo-gradient for the wire (called on an exchange thread)."""
 
     def fragment_checksum(self, fragment: int) -> str:
-        """`model.init.checksum` of the fragment's global leaves (called on an exchange thread)."""
+        """`model.init.checksum` of the fragment's global leaves (an exchange thread with one process; the
+        training thread with several, where it is a collective)."""
 
     def agree(self, value) -> list:
         """Every process's `value`, in process order ([value] with one process; training thread)."""
 
-    def gather_update(self, fragment: int, payload: bytes) -> bytes:
-        """The whole update from every process's share (`payload` itself with one process; training thread)."""
+    def gather_update(self, fragment: int, payload: bytes):
+        """What `decode_fragment` needs of the update, from this process's fetched chunks and those the other
+        processes pass on (several processes; training thread)."""
 
-    def decode_fragment(self, fragment: int, payload: bytes) -> list[np.ndarray]:
-        """The fragment's new global leaves from the update (called on an exchange thread with one process)."""
+    def decode_fragment(self, fragment: int, update) -> list:
+        """The fragment's new global leaves (this process's part) from the update: the fetched payload with one
+        process (on an exchange thread), `gather_update`'s result with several."""
 
-    def place_fragment(self, fragment: int, global_leaves: list[np.ndarray], copies: int) -> list:
+    def place_fragment(self, fragment: int, global_leaves: list, copies: int) -> list:
         """`copies` device placements of the new global leaves (called on an exchange thread)."""
 
     def apply_fragment(
-        self, fragment: int, global_leaves: list[np.ndarray], mix_alpha: float | None = None, placed=None
+        self, fragment: int, global_leaves: list, mix_alpha: float | None = None, placed=None
     ) -> None:
         """The new global leaves become the fragment's anchor; its parameters mix with them (or take them)."""
 
@@ -400,12 +403,14 @@ class StreamingSync:
         schedule.steps_at_contribution[fragment] = island.step
         pseudo_gradient = island.fragment_pseudo_gradient(fragment)
         tau = self.current_tau(fragment)
+        checksum = None  # of one process: computed on the exchange thread
         if island.multi_process:  # every process applies the update at the same step: process 0's tau
             tau = island.agree(tau)[0]
+            checksum = island.fragment_checksum(fragment)  # a collective: here, on the training thread
         schedule.last_tau = tau
         step_seconds = self.clean_step_seconds()
         tokens = max(steps, 1) * island.tokens_per_step
-        future = self._pool.submit(self._exchange, fragment, round, tokens, pseudo_gradient, step_seconds, tau)
+        future = self._pool.submit(self._exchange, fragment, round, tokens, pseudo_gradient, step_seconds, tau, checksum)
         self.inflight[fragment] = _Flight(fragment, round, island.step + tau, tau, future)
         schedule.next_round[fragment] = round + 1
         schedule.contributed.add(fragment)
@@ -413,14 +418,16 @@ class StreamingSync:
             self._apply(fragment)
 
     def _exchange(
-        self, fragment: int, round: int, tokens: int, pseudo_gradient, step_seconds: float, tau: int
+        self, fragment: int, round: int, tokens: int, pseudo_gradient, step_seconds: float, tau: int,
+        checksum: str | None = None,
     ) -> dict:
         """On a background thread: encode, contribute, fetch the update, decode it and place it on the
         island's devices."""
         island, transport = self.island, self.transport
         t0 = time.time()
         encoder = island.encode_fragment(fragment, pseudo_gradient)
-        header = ContributionHeader(round, island.name, tokens, island.fragment_checksum(fragment), step_seconds, fragment)
+        checksum = checksum or island.fragment_checksum(fragment)
+        header = ContributionHeader(round, island.name, tokens, checksum, step_seconds, fragment)
         status = transport.contribute(header, encoder)
         t1 = time.time()
         self.events.add("send", t0, t1, round=round + 1, fragment=fragment)

@@ -47,7 +47,7 @@ import dataclasses
 import functools
 import math
 import threading
-from typing import Any
+from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
@@ -331,6 +331,10 @@ class ChunkEncoder:
       measure: also accumulate ||intended||^2 and ||intended - sent||^2.
       on_device: encode with the one device program (True), chunk by chunk on
         the host (False), or by where the arrays live (None).
+      read: instead of `tree` (then None): piece -> its float32 values [stop - start], read on the host when the
+        chunk is encoded (an island's own shards, `island.shards.OwnedValues.read`); `plan` is then required.
+      residual_of: with `read`, instead of `residual`: piece -> its float32 residual [stop - start], a writable
+        array the encoder overwrites with what it lost.
 
     `len(encoder)` is the payload's size in bytes; `chunk(k)` returns chunk
     k's bytes as a list of buffers, in payload order; `tobytes()` the whole
@@ -352,15 +356,23 @@ class ChunkEncoder:
         residual: Any = None,
         measure: bool = False,
         on_device: bool | None = None,
+        read: Callable[[Piece], np.ndarray] | None = None,
+        residual_of: Callable[[Piece], np.ndarray] | None = None,
     ):
         _check_kind(kind)
         _check_block_size(block_size)
-        self.kind, self.block_size, self.measure = kind, block_size, measure or residual is not None
-        leaves = jax.tree.leaves(tree)
+        self.kind, self.block_size = kind, block_size
+        self.measure = measure or residual is not None or residual_of is not None
+        leaves = [] if read is not None else jax.tree.leaves(tree)
         self.residuals = None if residual is None else [r.reshape(-1) for r in jax.tree.leaves(residual)]
+        self._read, self._residual_of = read, residual_of
         self._sums = [0.0, 0.0]  # ||intended||^2, ||intended - sent||^2
         self._encoded: list | None = None  # per leaf, from the device program: (codes, scales) or (values,)
-        if _on_accelerator(leaves) if on_device is None else on_device:
+        if read is not None:
+            if plan is None:
+                raise ValueError("a ChunkEncoder that reads its pieces (`read`) needs their `plan`")
+            self.leaves = None
+        elif _on_accelerator(leaves) if on_device is None else on_device:
             residuals = None if residual is None else jax.tree.leaves(residual)
             wire, new_residuals, intended_sq, lost_sq = jax.device_get(
                 _encode_on_device(leaves, residuals, kind, block_size)
@@ -433,9 +445,14 @@ class ChunkEncoder:
             return self._cut(index)
         parts, intended_sq, lost_sq = [], 0.0, 0.0
         for piece in self._chunks[index].pieces:
-            x = self.leaves[piece.leaf][piece.start : piece.stop]
-            if self.residuals is not None:
-                x = x + self.residuals[piece.leaf][piece.start : piece.stop]
+            if self._read is not None:
+                x = self._read(piece)
+                residual = None if self._residual_of is None else self._residual_of(piece)
+            else:
+                x = self.leaves[piece.leaf][piece.start : piece.stop]
+                residual = None if self.residuals is None else self.residuals[piece.leaf][piece.start : piece.stop]
+            if residual is not None:
+                x = x + residual
             if self.kind == "none":
                 sent = x
                 parts.append(x.astype("<f4", copy=False))
@@ -454,8 +471,8 @@ class ChunkEncoder:
                 lost = x - sent
                 intended_sq += float(np.dot(x, x))
                 lost_sq += float(np.dot(lost, lost))
-                if self.residuals is not None:
-                    self.residuals[piece.leaf][piece.start : piece.stop] = lost
+                if residual is not None:
+                    residual[:] = lost
         if self.measure:
             with self._lock:
                 self._sums[0] += intended_sq
