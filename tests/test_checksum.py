@@ -94,6 +94,22 @@ placed = {k: jax.make_array_from_callback(v.shape, NamedSharding(mesh, SPECS[k])
           for k, v in tree.items()}
 assert not placed["rows"].is_fully_addressable
 print("CHECKSUM", checksum(placed), flush=True)
+
+# Each process's host copy holds only its shards (half of each split leaf), checksums alike, and is never read
+# whole; to_host refuses an array shaped like a split parameter.
+import numpy as np
+from island_jax.island.island import Shardings
+from island_jax.island.shards import HostLeaf, LeafLayout
+host = {k: HostLeaf.of(LeafLayout(v.shape, v.dtype, placed[k].sharding), placed[k]) for k, v in tree.items()}
+print("HOST", checksum(host), [host[k].nbytes for k in sorted(host)], flush=True)
+try:
+    np.asarray(host["rows"])
+except TypeError as e:
+    print("ASARRAY", e, flush=True)
+try:
+    Shardings(mesh, SPECS, tree).to_host({"rows": placed["rows"]})
+except ValueError as e:
+    print("TO_HOST", e, flush=True)
 """
 
 
@@ -106,3 +122,11 @@ def test_an_island_of_two_processes_gets_the_same_checksum_from_its_shards(tmp_p
     assert [p.returncode for p in procs] == [0, 0], [err[-2000:] for _, err in outs]
     got = [line for out, _ in outs for line in out.splitlines() if line.startswith("CHECKSUM ")]
     assert got == ["CHECKSUM e619badef8825431"] * 2 and checksum(_tree()) == "e619badef8825431"
+    lines = [[line for line in out.splitlines() if line.startswith(("HOST ", "ASARRAY ", "TO_HOST "))] for out, _ in outs]
+    # bytes per leaf in sorted order (experiments, rows, small, step): halves of the split leaves, whole replicated ones
+    assert [line[0] for line in lines] == ["HOST e619badef8825431 [72000, 80000, 6, 4]"] * 2
+    assert [line[1] for line in lines] == ["ASARRAY a parameter leaf of shape (8, 5000) is held as this process's "
+                                           "shards; read them (`shards`) or place it (`place`)"] * 2
+    assert [line[2] for line in lines] == ["TO_HOST to_host of an array shaped like a parameter split over the "
+                                           "island's processes ((8, 5000)) would hold it whole on every host; read "
+                                           "this process's shards instead (shards.HostLeaf)"] * 2

@@ -5,20 +5,25 @@ devices, on the tiny config; the launcher starts them (`launch/local.py`), or th
 time, to kill one.
 """
 
+import re
 import time
 
+import jax
 import numpy as np
 import pytest
+from jax.sharding import PartitionSpec as P
 from processes import CONFIG, checkpointed, latest, launch, merged_and_rejoined
 from tiny_config import get_config
 
 from island_jax.metrics import read_jsonl
 from island_jax.model.init import init_params
 from island_jax.outer import codec
+from island_jax.outer import fragments as fragments_lib
 
 pytestmark = pytest.mark.slow  # every test here starts processes
 
 TWO_PROCESSES = ["--config.islands.a.num_processes=2", "--config.islands.a.devices_per_process=2"]
+FSDP_OVER_PROCESSES = [*TWO_PROCESSES, "--config.islands.a.mesh.data=1", "--config.islands.a.mesh.fsdp=2"]
 
 
 def _rounds(workdir, role: str) -> list[dict]:
@@ -72,12 +77,14 @@ def test_a_two_process_island_holds_the_global_parameters_of_every_island(tmp_pa
 
 
 def test_a_killed_process_ends_its_peer_and_the_island_rejoins(run_dir):
+    """Island a with fsdp = 2 over its 2 processes: one is killed, its peer ends, and both started again rejoin
+    from their checkpoint and the coordinator's view, each taking only its own shards of it."""
     heartbeat = 5  # s
     run = run_dir(
-        CONFIG, *TWO_PROCESSES, "--config.outer.rounds=16", "--config.outer.min_islands=1",
+        CONFIG, *FSDP_OVER_PROCESSES, "--config.outer.rounds=16", "--config.outer.min_islands=1",
         "--config.outer.grace_seconds=2", "--config.checkpoint.every_rounds=2", "--config.eval.every_rounds=16",
         f"--config.distributed.heartbeat_timeout_seconds={heartbeat}",
-        # each process keeps the residual of its own share; a checkpoint puts them together
+        # each process keeps the residual of the pieces it owns; a checkpoint holds one row per process
         "--config.codec.error_feedback=True",
         # each exchange crosses an emulated link of 0.4 s one way, so that the run outlasts a's restart
         "--config.comm.link.bandwidth_gbps=10", "--config.comm.link.latency_ms=400",
@@ -112,3 +119,68 @@ def test_a_killed_process_ends_its_peer_and_the_island_rejoins(run_dir):
     b = latest(run.records("b"))
     for r in range(first, 17):
         assert a[r]["process_checksums"] == [merged[r]["checksum"]] * 2 and b[r]["checksum"] == merged[r]["checksum"]
+
+STREAMING_INT4 = ["--config.comm.chunk_bytes=1024", "--config.outer.fragments=2", "--config.codec.kind=int4",
+                  "--config.codec.error_feedback=True"]
+
+
+def _owned_bytes(kind: str, chunk_bytes: int, fragments: int) -> list[int]:
+    """Payload bytes each of island a's 2 processes owns per round when fsdp = 2 spans them, worked out element by
+    element: process p holds the p-th half of every split leaf along its fsdp dimension, a chunk goes to the
+    process holding most of its elements, and chunks both hold whole (the replicated leaves) are dealt by bytes."""
+    config = get_config()
+    _, params, specs = init_params(config)
+    leaves = jax.tree.leaves(params)
+    spec_leaves = jax.tree.leaves(specs, is_leaf=lambda x: isinstance(x, P))
+    holder = []  # per leaf: the process of each flat element, or -1 where both hold it
+    for x, spec in zip(leaves, spec_leaves):
+        if "fsdp" not in tuple(spec):
+            holder.append(np.full(x.size, -1))
+            continue
+        d = tuple(spec).index("fsdp")
+        coordinate = np.arange(x.size) // int(np.prod(x.shape[d + 1:], dtype=np.int64)) % x.shape[d]
+        holder.append(coordinate // (x.shape[d] // 2))
+    owned = [0, 0]
+    for part in fragments_lib.partition(fragments_lib.leaf_bytes(params), fragments):
+        plan = codec.chunk_plan([leaves[i] for i in part], kind, config.codec.block_size, chunk_bytes)
+        loads = [0, 0]
+        for chunk in plan:
+            held = np.zeros(2, np.int64)
+            for piece in chunk.pieces:
+                h = holder[part[piece.leaf]][piece.start : piece.stop]
+                held += [np.sum((h == p) | (h == -1)) for p in (0, 1)]
+            owner = min((p for p in (0, 1) if held[p] == held.max()), key=lambda p: (loads[p], p))
+            loads[owner] += chunk.nbytes
+        owned = [o + n for o, n in zip(owned, loads)]
+    return owned
+
+
+def test_a_two_process_fsdp_island_moves_only_its_own_chunks_and_resumes_to_the_same_bits(tmp_path, corpus):
+    """fsdp = 2 over island a's 2 processes, streaming (F = 2) with int4 and error feedback: each process sends the
+    chunks it holds the most of, every checksum agrees with the coordinator's after every round, and a run whose
+    island a stops after round 2 and is started again ends with the same bits as one without a stop."""
+    result = launch(tmp_path / "straight", corpus, *FSDP_OVER_PROCESSES, *STREAMING_INT4)
+    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
+    merged = _rounds(tmp_path / "straight", "coordinator")
+    a, b = _rounds(tmp_path / "straight", "a"), _rounds(tmp_path / "straight", "b")
+    owned = _owned_bytes("int4", 1024, 2)
+    assert owned == [9612, 7940], owned
+    assert [(r["round"], r["fragment"]) for r in merged] == [(1, 0), (1, 1), (2, 0), (2, 1), (3, 0), (3, 1)]
+    assert [r["round"] for r in a] == [r["round"] for r in b] == [1, 2, 3]
+    for ra, rb in zip(a, b):  # both processes of a and island b hold the same global parameters after every round
+        assert ra["process_checksums"] == [rb["checksum"]] * 2 and ra["checksum"] == rb["checksum"]
+        assert ra["process_payload_bytes"] == owned and ra["payload_bytes"] == sum(owned)
+    assert len({r["checksum"] for r in a}) == 3
+    saved = [r for r in read_jsonl(tmp_path / "straight" / "islands/a/metrics.jsonl") if r["kind"] == "checkpoint"]
+    assert [r["checksums"]["anchor"] for r in saved] == [r["checksum"] for r in a]
+
+    # The same run stopped as round 3 starts (island a fails on purpose and the launcher stops every process), then
+    # started again on its workdir: every role resumes from its checkpoint of round 2.
+    stopped = tmp_path / "stopped"
+    crashed = launch(stopped, corpus, *FSDP_OVER_PROCESSES, *STREAMING_INT4, "--config.islands.a.crash_at_round=3")
+    assert crashed.returncode == 1 and "island a crashes at round 3 on purpose" in crashed.stdout + crashed.stderr
+    resumed = launch(stopped, corpus, *FSDP_OVER_PROCESSES, *STREAMING_INT4)
+    assert resumed.returncode == 0, resumed.stdout[-4000:] + resumed.stderr[-4000:]
+    assert re.search(r"^\[island a/0\] .*resumed from the checkpoint of round 2", resumed.stdout, re.M)
+    for role, straight in (("coordinator", merged), ("a", a), ("b", b)):
+        assert [r["checksum"] for r in _rounds(stopped, role)] == [r["checksum"] for r in straight], role

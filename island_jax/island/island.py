@@ -30,6 +30,7 @@ from jax.sharding import PartitionSpec as P
 
 from island_jax import data as data_lib
 from island_jax import distributed
+from island_jax.checkpoint import CheckpointError
 from island_jax.config import ConfigError
 from island_jax.hardware import CATALOG, kind_of, peak_flops
 from island_jax.island import shards as shards_lib
@@ -152,6 +153,9 @@ class Shardings:
             leaves[i] = x
         host = [np.asarray(x.addressable_data(0)) if isinstance(x, jax.Array) else np.asarray(x) for x in leaves]
         return jax.tree.unflatten(treedef, host)
+
+
+_LAYOUT_BYTES = 64  # `Island.layout_name` in a checkpoint, zero-padded
 
 
 class SimulatedSpeed:
@@ -575,8 +579,11 @@ class Island:
     def _load_residual(self, rows) -> None:
         """Takes this process's row of a checkpoint's `_residual_rows`."""
         self.residual = {}
-        shard = next(s for s in rows.addressable_shards if s.index[0].indices(self.parts)[0] == self.part)
-        row = np.asarray(shard.data).reshape(-1)
+        if isinstance(rows, jax.Array):
+            shard = next(s for s in rows.addressable_shards if s.index[0].indices(self.parts)[0] == self.part)
+            row = np.asarray(shard.data).reshape(-1)
+        else:  # restored on the host (an island of one process)
+            row = np.asarray(rows)[self.part]
         at = 0
         for f, ownership in enumerate(self.ownerships):
             for chunk in ownership.share:
@@ -601,10 +608,22 @@ class Island:
         )
         if self.config.codec.error_feedback:
             out["residual"] = self._residual_rows(template)
+            out["residual_layout"] = np.frombuffer(self.layout_name().encode().ljust(_LAYOUT_BYTES, b"\0"), np.uint8)
         return out
 
+    def layout_name(self) -> str:
+        """The island's layout, which decides which process owns which chunk: e.g. "2 processes, data=1 fsdp=2
+        expert=2"."""
+        mesh = self.config.islands[self.name].mesh
+        return f"{self.parts} process{'es' if self.parts > 1 else ''}, data={mesh.data} fsdp={mesh.fsdp} expert={mesh.expert}"
+
     def load_state(self, state: dict) -> int:
-        """Continues from a checkpointed `state()`; returns its round (completed rounds)."""
+        """Continues from a checkpointed `state()`; returns its round (completed rounds). The parameters, anchor and
+        AdamW state are placed by this run's layout, whatever the layout that saved them.
+
+        Raises:
+          CheckpointError: the state holds an error-feedback residual saved under another layout (`layout_name`).
+        """
         opt_sharding = jax.tree.map(lambda x: x.sharding, self.opt_state)
         self.global_params = self.host_shards(state["anchor"])
         self._global_checksum = None
@@ -613,6 +632,12 @@ class Island:
             self.anchor = self.shardings.place(state["anchor"])
             self.opt_state = jax.device_put(state["opt_state"], opt_sharding)
         if "residual" in state:
+            saved = bytes(np.asarray(state["residual_layout"], np.uint8)).rstrip(b"\0").decode()
+            if saved != self.layout_name():
+                raise CheckpointError(
+                    f"island {self.name}'s checkpoint holds the error-feedback residual of the chunks each process "
+                    f"owned under another layout ({saved}) than this run's ({self.layout_name()}); resume with "
+                    "that layout, or start a new --workdir")
             self._load_residual(state["residual"])
         self.step = int(state["step"])
         return int(state["round"])
