@@ -13,6 +13,8 @@ Axes, in order (docs/island.md):
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import math
 from typing import Mapping, Sequence
 
@@ -72,13 +74,41 @@ def _as_tuple(entry) -> tuple:
     return entry if isinstance(entry, tuple) else (entry,)
 
 
+def spec_of(names: Sequence[str]) -> P:
+    """The PartitionSpec of a parameter whose dimensions carry the logical axis `names`: each mapped by
+    `LOGICAL_RULES`, then fsdp moved to the leading non-expert dimension (`fsdp_leading`)."""
+    rules = dict(LOGICAL_RULES)
+    return fsdp_leading(P(*(rules[name] for name in names)))
+
+
+_SHARDED_INIT: contextvars.ContextVar = contextvars.ContextVar("island_jax_sharded_init", default=None)
+
+
+@contextlib.contextmanager
+def sharded_init(mesh: jax.sharding.Mesh):
+    """Within it, `logical` initializers make each parameter directly sharded on `mesh` by `spec_of` its names:
+    every device draws only its own shard (random bits are partitionable: `jax_threefry_partitionable`), so each
+    process computes only its shards, and on the CPU the values are the bits of an unsharded draw."""
+    token = _SHARDED_INIT.set(mesh)
+    try:
+        yield
+    finally:
+        _SHARDED_INIT.reset(token)
+
+
 def logical(initializer, *names: str):
     """`initializer` whose `nnx.Param` carries the logical axis names `names`, one per dimension (names of
-    `LOGICAL_RULES`). The variable is made unsharded (`eager_sharding=False`: parameters are initialised once,
-    on the CPU, outside any mesh), and `Island` places it by `transformer.partition_specs`."""
+    `LOGICAL_RULES`). Outside `sharded_init` the value is made whole and unsharded (`eager_sharding=False`), and
+    `Island` places it by `transformer.partition_specs`; within it, it is drawn sharded on the mesh."""
     from flax import nnx
 
-    return nnx.with_partitioning(initializer, names, eager_sharding=False)
+    def init(key, shape, dtype=np.float32):
+        mesh = _SHARDED_INIT.get()
+        if mesh is None:
+            return initializer(key, shape, dtype)
+        return initializer(key, shape, dtype, out_sharding=jax.sharding.NamedSharding(mesh, spec_of(names)))
+
+    return nnx.with_partitioning(init, names, eager_sharding=False)
 
 
 def use_cpu_devices(count: int) -> None:

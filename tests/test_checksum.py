@@ -65,6 +65,29 @@ def test_the_same_values_give_the_same_checksum_on_every_layout(data, fsdp, expe
     assert checksum(jax.device_put(params, shardings)) == checksum(params)
 
 
+TINY_INIT = "fa8f118e1ce15063"  # the checksum of tests/tiny_config.py's initial parameters
+
+
+@pytest.mark.parametrize("data,fsdp,expert", [(1, 1, 1), (2, 2, 2), (1, 4, 2), (1, 2, 1)])
+def test_parameters_drawn_sharded_on_a_mesh_are_the_bits_of_the_whole_draw(data, fsdp, expert):
+    config = get_config()
+    _, whole, specs = init_params(config)
+    mesh = island_mesh(data, expert, jax.devices()[: data * fsdp * expert], fsdp=fsdp)
+    _, sharded, sharded_specs = init_params(config, mesh)
+    assert sharded_specs == specs
+    for (path, a), b, spec in zip(jax.tree_util.tree_leaves_with_path(whole), jax.tree.leaves(sharded),
+                                  jax.tree.leaves(specs, is_leaf=lambda x: isinstance(x, P)), strict=True):
+        assert isinstance(b, jax.Array) and b.sharding == NamedSharding(mesh, spec), jax.tree_util.keystr(path)
+        assert a.dtype == b.dtype and np.array_equal(a.view(np.uint8), np.asarray(b).view(np.uint8)), path
+    assert checksum(sharded) == checksum(whole) == TINY_INIT
+    with pytest.raises(ValueError, match="a sharded init draws the CPU's bits"):
+        init_params(config, jax.sharding.Mesh(np.array([_FakeAccelerator()]), ("data",)))
+
+
+class _FakeAccelerator:
+    platform = "gpu"
+
+
 @pytest.mark.parametrize("element", [0, 15000, 39999])  # a piece's first, one a shard's edge cuts, the last
 def test_one_ulp_anywhere_changes_the_checksum_on_any_layout(element):
     tree = _tree()
@@ -110,6 +133,12 @@ try:
     Shardings(mesh, SPECS, tree).to_host({"rows": placed["rows"]})
 except ValueError as e:
     print("TO_HOST", e, flush=True)
+
+# The tiny model drawn on the mesh: each process computes its own shards, and the bits are the unsharded draw's.
+from island_jax.model.init import init_params
+from tiny_config import get_config
+_, params, _ = init_params(get_config(), mesh)
+print("INIT", checksum(params), not params["embedding"].is_fully_addressable, flush=True)
 """
 
 
@@ -122,7 +151,9 @@ def test_an_island_of_two_processes_gets_the_same_checksum_from_its_shards(tmp_p
     assert [p.returncode for p in procs] == [0, 0], [err[-2000:] for _, err in outs]
     got = [line for out, _ in outs for line in out.splitlines() if line.startswith("CHECKSUM ")]
     assert got == ["CHECKSUM e619badef8825431"] * 2 and checksum(_tree()) == "e619badef8825431"
-    lines = [[line for line in out.splitlines() if line.startswith(("HOST ", "ASARRAY ", "TO_HOST "))] for out, _ in outs]
+    lines = [[line for line in out.splitlines() if line.startswith(("HOST ", "ASARRAY ", "TO_HOST ", "INIT "))]
+             for out, _ in outs]
+    assert [line[3] for line in lines] == [f"INIT {TINY_INIT} True"] * 2
     # bytes per leaf in sorted order (experiments, rows, small, step): halves of the split leaves, whole replicated ones
     assert [line[0] for line in lines] == ["HOST e619badef8825431 [72000, 80000, 6, 4]"] * 2
     assert [line[1] for line in lines] == ["ASARRAY a parameter leaf of shape (8, 5000) is held as this process's "

@@ -15,9 +15,9 @@ AdamW state is kept across rounds, as DiLoCo does. The programs are in
 from __future__ import annotations
 
 import collections
-import hashlib
 import contextlib
 import dataclasses
+import hashlib
 import time
 from typing import Any, Sequence
 
@@ -93,19 +93,23 @@ class Shardings:
         self.multi_process = any(d.process_index != jax.process_index() for d in mesh.devices.flat)
         self._replicate = jax.jit(lambda tree: tree, out_shardings=NamedSharding(mesh, P()))
 
-    def _put(self, tree, shardings):
+    def _put(self, tree, shardings, copy: bool = False):
+        alias = False if copy else None  # a jax.Array already placed is itself unless a copy is asked for
         if not self.multi_process:
-            return jax.device_put(tree, shardings)
+            return jax.device_put(tree, shardings, may_alias=alias)
+
         def put(x, sharding):
-            if isinstance(x, jax.Array):  # restored onto the devices already
-                return jax.device_put(x, sharding)
+            if isinstance(x, jax.Array):  # drawn or restored onto the devices already
+                return jax.device_put(x, sharding, may_alias=alias)
             return jax.make_array_from_callback(np.shape(x), sharding, lambda index: np.asarray(x)[index])
 
         return jax.tree.map(put, tree, shardings)
 
-    def place(self, host_params: dict) -> dict:
-        """The parameters (a NumPy pytree, whole on every process) on the devices, sharded."""
-        return self._put(host_params, self.params)
+    def place(self, params: dict, copy: bool = False) -> dict:
+        """The parameters on the devices, sharded: NumPy arrays (whole on every process), or `jax.Array`s (drawn
+        sharded, `init_params` on a mesh, or restored), which are returned as they are when already placed so,
+        unless `copy`."""
+        return self._put(params, self.params, copy)
 
     def local_rows(self, batch_size: int) -> slice:
         """The rows of a [batch_size, ...] batch that this process's devices hold (all of them in one process).
@@ -186,8 +190,9 @@ class Island:
       name: the island's key in `config.islands`.
       config: the run's validated config.
       devices: this island's own devices (len = islands.NAME.num_devices).
-      graphdef, params, specs: from `model.init.init_params(config)` (params are
-        the seeded initial values as NumPy arrays).
+      graphdef, params, specs: from `model.init.init_params(config)` or, drawn on the island's own mesh,
+        `init_params(config, mesh)` (params are the seeded initial values: NumPy arrays, or `jax.Array`s
+        already sharded by `specs`, which the island then holds as its parameters).
       train_bytes: the island's training shard (uint8 [N]).
       total_rounds: rounds in the run, for the learning-rate schedule.
       device_lock: held around the island's device work (a `threading.Lock` shared by the islands of one
@@ -243,11 +248,11 @@ class Island:
         self.part, self.parts = (jax.process_index(), jax.process_count()) if self.multi_process else (0, 1)
         # Where each leaf's elements are over the island's processes, and this process's host copy of the global view
         # (the anchor's bits): its own shards of every leaf (`shards.HostLeaf`).
-        self.layouts = [shards_lib.LeafLayout(np.shape(x), np.asarray(x).dtype, sharding)
+        self.layouts = [shards_lib.LeafLayout(np.shape(x), x.dtype, sharding)
                         for x, sharding in zip(jax.tree.leaves(params), self.shardings.leaves)]
-        self.global_params = jax.tree.unflatten(
-            jax.tree.structure(params), [shards_lib.HostLeaf.of(l, x) for l, x in zip(self.layouts, jax.tree.leaves(params))]
-        )
+        self.global_params = jax.tree.unflatten(jax.tree.structure(params), [
+            shards_lib.HostLeaf.of(layout, x) for layout, x in zip(self.layouts, jax.tree.leaves(params))
+        ])
         self._global_checksum: str | None = None
         self.dataset = data_lib.train_dataset(
             train_bytes, config.model.seq_len, cfg.batch_size, config.seed, rows=self.shardings.local_rows(cfg.batch_size)
@@ -258,7 +263,7 @@ class Island:
         self._eval_step = step_lib.build_eval_step(graphdef)
         with self.device_lock, jax.set_mesh(self.mesh):
             self.params = self.shardings.place(params)
-            self.anchor = self.shardings.place(params)
+            self.anchor = self.shardings.place(params, copy=True)  # the inner steps donate the parameters
             self.opt_state = jax.jit(self.tx.init)(self.params)
         # Error feedback's memory of what the codec lost, of the pieces this process owns: {(fragment, leaf, first
         # element): float32 [piece elements]}, made as the pieces are first encoded.

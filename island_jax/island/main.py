@@ -30,6 +30,7 @@ from island_jax.comm.link import LinkEmulator
 from island_jax.comm.transport import CoordinatorRestarted, ExchangeError
 from island_jax.island import ACCOUNTING_FIELDS, STEP_METRICS, EventLog, Island, StreamingSync, memory
 from island_jax.metrics import gbps, write_json
+from island_jax.mesh import island_mesh
 from island_jax.model.init import checksum, count, init_params
 from island_jax.progress import Eta
 from island_jax.workdir import (
@@ -133,7 +134,9 @@ def run_island(
     transport = events = sync = None
     try:
         corpus = data_lib.load_corpus(config.data.files, config.data.eval_fraction, names)
-        graphdef, params, specs = init_params(config)
+        # On CPU devices each process draws only its own shards of the initial parameters (the same bits).
+        mesh = island_mesh(cfg.mesh.data, cfg.mesh.expert, devices, fsdp=cfg.mesh.fsdp) if devices[0].platform == "cpu" else None
+        graphdef, params, specs = init_params(config, mesh)
         if multi_process and devices[0].platform == "cpu":  # gloo between the processes: check it first
             leaf_sizes = [int(np.size(x)) for x in jax.tree.leaves(params)]
             distributed.check_collectives(devices, distributed.check_sizes(leaf_sizes, len(devices)))

@@ -12,21 +12,38 @@ import ml_collections
 import numpy as np
 from flax import nnx
 
-from island_jax.mesh import shard_runs
+from island_jax.mesh import shard_runs, sharded_init
 from island_jax.model.transformer import Transformer, partition_specs
 
 
-def init_params(config: ml_collections.ConfigDict) -> tuple[nnx.GraphDef, dict, dict]:
-    """Builds the model from `config.seed` on the CPU backend.
+def init_params(config: ml_collections.ConfigDict, mesh: jax.sharding.Mesh | None = None) -> tuple[nnx.GraphDef, dict, dict]:
+    """Builds the model from `config.seed`, on the CPU backend or sharded on a CPU `mesh`.
 
     Initialising on the CPU, whatever accelerator a process has, gives every
-    island and the coordinator the same bits.
+    island and the coordinator the same bits. On a `mesh` (an island's, of
+    CPU devices) each parameter is drawn directly sharded by its partition
+    spec (`mesh.sharded_init`): each process computes only its own shards,
+    and the values are those of the unsharded draw, bit for bit.
 
     Returns:
       (graphdef, params, specs): the model's static structure; its `nnx.Param`
       values as a nested dict of NumPy arrays (`config.model.param_dtype`,
-      except the float32 routers); and a matching dict of PartitionSpecs.
+      except the float32 routers), or of `jax.Array`s sharded on `mesh`; and a
+      matching dict of PartitionSpecs.
+
+    Raises:
+      ValueError: `mesh` is not of CPU devices.
     """
+    if mesh is not None:
+        if any(d.platform != "cpu" for d in mesh.devices.flat):
+            raise ValueError("a sharded init draws the CPU's bits: give a mesh of CPU devices, or none (the whole "
+                             "model is then drawn on this process's CPU)")
+        with jax.set_mesh(mesh), sharded_init(mesh):
+            model = Transformer(config, rngs=nnx.Rngs(config.seed))
+            graphdef, state = nnx.split(model, nnx.Param)
+            specs = partition_specs(state)
+            params = nnx.to_pure_dict(state)
+        return graphdef, params, specs
     with jax.default_device(jax.local_devices(backend="cpu")[0]):
         model = Transformer(config, rngs=nnx.Rngs(config.seed))
         graphdef, state = nnx.split(model, nnx.Param)
