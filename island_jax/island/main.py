@@ -29,8 +29,8 @@ from island_jax.comm.inprocess import InProcessExchange, InProcessTransport, Run
 from island_jax.comm.link import LinkEmulator
 from island_jax.comm.transport import CoordinatorRestarted, ExchangeError
 from island_jax.island import ACCOUNTING_FIELDS, STEP_METRICS, EventLog, Island, StreamingSync, memory
-from island_jax.metrics import gbps, write_json
 from island_jax.mesh import island_mesh
+from island_jax.metrics import gbps, write_json
 from island_jax.model.init import checksum, count, init_params
 from island_jax.progress import Eta
 from island_jax.workdir import (
