@@ -109,6 +109,10 @@ def test_a_killed_process_ends_its_peer_and_the_island_rejoins(run_dir):
     run.finish()
 
     merged, first = merged_and_rejoined(run, "a/0", 16, resumed_at=2)
+    # each process fetched the view's chunks that its own shards need: with the tiny model's leaves (each one
+    # piece of the view, split between the processes) that is every chunk
+    taken = [re.findall(r"process \d: took (\d+) of the view's (\d+) chunks", run.log(f"a/{p}")) for p in (0, 1)]
+    assert all(t and all(n == m for n, m in t) for t in taken), taken
     without = [r for r in range(3, first) if merged[r]["contributors"] == ["b"]]
     assert without and all(merged[r]["weights"] == {"b": 1.0} for r in without)
     # a contributes again from its first whole round, unless that round closed after b's and the 2 s grace

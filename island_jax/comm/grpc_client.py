@@ -614,9 +614,11 @@ class GrpcTransport:
         """The island's inner steps per round as last planned by the coordinator (None: no plan)."""
         return self._planned.get(island)
 
-    def fetch_view(self, island: str, min_round: int = 0) -> tuple[list[int], bytes]:
+    def fetch_view(self, island: str, min_round: int = 0, needed=None) -> tuple[list[int], bytes]:
         """(each fragment's round, the island view as a float32 payload) for an island that rejoins or fell
         behind, once every fragment completed `min_round` rounds (waiting up to `round_timeout` seconds).
+        `needed`: of an island of several processes, the chunks of the view's plan this process holds elements
+        of (a function of the plan); the others are left zero and never travel.
 
         Raises:
           ExchangeError: unreachable, late, or a corrupt stream (CRC-32C), after the retries.
@@ -625,7 +627,10 @@ class GrpcTransport:
 
         def attempt(incarnation: str):
             del incarnation  # a view is the same whoever serves it
-            fetch = _Fetch(self, 0, island, "fetch_view", self.view_plan, [self._fetch_view], min_round=min_round)
+            share = needed(self.view_plan) if needed is not None and self.parts > 1 else None
+            bitmap = wire.share_bitmap(share, self.view_plan) if share is not None else b""
+            fetch = _Fetch(self, 0, island, "fetch_view", self.view_plan, [self._fetch_view], min_round=min_round,
+                           share=share, part=self.part, parts=self.parts if share is not None else 1, bitmap=bitmap)
             return fetch.result()
 
         header, payload = self._retrying("fetch the island view", attempt)

@@ -644,14 +644,16 @@ class ExchangeService:
             if context.time_remaining() is not None and context.time_remaining() <= 0:
                 await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, f"round {request.min_round} is not reached yet")
         rounds, payload = await self._call(c.fetch_view, request.island)
+        # a process of an island of several asks for the chunks it holds elements of (FetchRequest.share)
+        plan = wire.share_of(self.view_plan, request.part, request.parts, request.share) if request.share else self.view_plan
         crcs = []
-        for _, frame in wire.chunk_frames(payload, self.view_plan):
+        for _, frame in wire.chunk_frames(payload, plan):
             crcs.append(wire.parse(frame)[1][2])
             yield frame
         yield wire.trailer_frame(
             pb.PayloadHeader(
                 round=min(rounds), island=request.island, params_checksum=self.coordinator.checksum,
-                total_bytes=len(payload), crc32=wire.fold_crc32(crcs), fragment_rounds=rounds,
+                total_bytes=sum(chunk.nbytes for chunk in plan), crc32=wire.fold_crc32(crcs), fragment_rounds=rounds,
             )
         )
 

@@ -287,9 +287,10 @@ class InProcessTransport:
             stats.seconds_transferring = stats.seconds_sending + receiving
         return update
 
-    def fetch_view(self, island: str, min_round: int = 0) -> tuple[list[int], bytes]:
+    def fetch_view(self, island: str, min_round: int = 0, needed=None) -> tuple[list[int], bytes]:
         """(each fragment's round, the island view as a float32 "none" payload) for an island that rejoins or
         fell behind, once every fragment completed `min_round` rounds (waiting up to `timeout` seconds).
+        `needed` is not used: an island in process is one process, and gets the whole view.
 
         Raises:
           RunAborted: the run was aborted or ended. TimeoutError: no coordinator was served, or the round was

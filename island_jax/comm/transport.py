@@ -92,9 +92,10 @@ class Transport(Protocol):
         """The update of `round` of `fragment`, once merged (raises StaleRoundError for an old round)."""
         ...
 
-    def fetch_view(self, island: str, min_round: int = 0) -> tuple[list[int], bytes]:
+    def fetch_view(self, island: str, min_round: int = 0, needed=None) -> tuple[list[int], bytes]:
         """(each fragment's round, the island view as a float32 "none" payload): the lossless state to rejoin
-        from, once every fragment completed `min_round` rounds."""
+        from, once every fragment completed `min_round` rounds. `needed`: None, or a function of the view's chunk
+        plan giving the chunks this process of an island of several needs (the others may be left zero)."""
         ...
 
     def planned_inner_steps(self, island: str) -> int | None:

@@ -215,7 +215,9 @@ class ChunkAssembler:
 
     `add` checks one chunk and copies it into place; `finish(header)` checks
     that every expected chunk came and that the CRC of their CRCs equals the
-    header's, then returns the payload (the chunks outside the share left zero).
+    header's, then returns the payload (the chunks outside the share left zero:
+    pages the share does not touch are never written, so a process holds only
+    its share's bytes).
     `forget(indices)` drops chunks (a restart).
     """
 
@@ -224,7 +226,7 @@ class ChunkAssembler:
         self.share = plan if share is None else share
         self._expected = {c.index for c in self.share}
         self.total = sum(c.nbytes for c in plan)
-        self.buffer = bytearray(self.total)
+        self.buffer = np.zeros(self.total, np.uint8)  # zero pages, mapped when first written
         self.crcs: dict[int, int] = {}
         self.wire_bytes = 0  # frame bytes received, all kinds
 
@@ -258,15 +260,15 @@ class ChunkAssembler:
                 "transit and the payload was refused",
                 code="DATA_LOSS",
             )
-        self.buffer[offset : offset + len(data)] = data
+        self.buffer[offset : offset + len(data)] = np.frombuffer(data, np.uint8)
         self.crcs[index] = crc
 
     @property
     def complete(self) -> bool:
         return len(self.crcs) == len(self.share)
 
-    def finish(self, header: pb.PayloadHeader) -> bytearray:
-        """The whole payload (the assembler's own buffer, not a copy), once every chunk is in and the
+    def finish(self, header: pb.PayloadHeader) -> memoryview:
+        """The whole payload (a view of the assembler's own buffer, not a copy), once every chunk is in and the
         header's size and CRC agree.
 
         Raises:
@@ -285,4 +287,4 @@ class ChunkAssembler:
                 "bytes, or the CRC of its chunks); refused",
                 code="DATA_LOSS",
             )
-        return self.buffer
+        return memoryview(self.buffer)

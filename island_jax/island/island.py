@@ -531,6 +531,11 @@ class Island:
             self.anchor = fragments.put(self.anchor, fragment, new_anchor)
             self.params = fragments.put(self.params, fragment, new_params)
 
+    def view_chunks(self, plan: list[codec.Chunk]) -> list[codec.Chunk]:
+        """The chunks of the view's plan (a float32 "none" payload of every leaf) that hold elements of this
+        process's shards (`shards.view_chunks`): all of them with one process."""
+        return list(plan) if not self.multi_process else shards_lib.view_chunks(plan, self.layouts)
+
     def load_view(self, payload: bytes) -> None:
         """Replaces the global parameters with the coordinator's view, sent whole (`FragmentedCoordinator.fetch_view`,
         a float32 "none" payload); this process keeps its own shards of it, which become both anchor and

@@ -285,8 +285,12 @@ def align(config, island: Island, transport, role: RoleFolder, at: int, resume: 
             return target, None, True
         logging.warning("island %s: its checkpoint of round %d holds other parameters than the coordinator's "
                         "view; it takes the view", name, target)
-    rounds, view = transport.fetch_view(name, min_round=target)
+    rounds, view = transport.fetch_view(name, min_round=target, needed=island.view_chunks)
     island.load_view(view)
+    if island.multi_process:
+        plan = getattr(transport, "view_plan", None) or []
+        logging.info("island %s, process %d: took %d of the view's %d chunks, those of its own shards", name,
+                     island.part, len(island.view_chunks(plan)), len(plan))
     first = min(rounds)
     if first > at and resume:
         logging.warning("island %s rejoined the run at round %d: it missed rounds %d..%d (it had completed %d)",

@@ -114,8 +114,12 @@ class OuterLoopIsland(Protocol):
     ) -> None:
         """The new global leaves become the fragment's anchor; its parameters mix with them (or take them)."""
 
+    def view_chunks(self, plan: list[codec.Chunk]) -> list[codec.Chunk]:
+        """The chunks of the view's plan (a float32 "none" payload) that this process holds elements of."""
+
     def load_view(self, payload: bytes) -> None:
-        """Replaces every global parameter with the coordinator's view (a float32 "none" payload)."""
+        """Replaces every global parameter with the coordinator's view (a float32 "none" payload; only the chunks
+        `view_chunks` names need be there)."""
 
 
 _FAILURES = ("restarted", "stale", "error")  # how an exchange can fail, the one every process follows first
@@ -515,7 +519,7 @@ class StreamingSync:
     def _rejoin(self) -> None:
         """More than a round behind: every fragment restarts from the coordinator's view, sent whole."""
         self.forget_inflight()
-        rounds, view = self.transport.fetch_view(self.island.name)
+        rounds, view = self.transport.fetch_view(self.island.name, needed=self.island.view_chunks)
         self.island.load_view(view)
         logging.warning("island %s fell behind; rejoined from the view at rounds %s", self.island.name, rounds)
         self.schedule.start_at(rounds, self.island.step)

@@ -43,6 +43,9 @@ class LeafLayout:
     Args:
       shape, dtype: the leaf's.
       sharding: its sharding on the island's mesh (every device of every process of the island).
+      process_of: the process a device belongs to (default: its `process_index`); with `process`, this
+        process's index (default: `jax.process_index()`). A test may pretend one process's devices are several
+        processes' to work out what each would hold.
 
     Attributes:
       keys: the distinct shards (boxes, `mesh.index_key`), in the order of the sharding's devices.
@@ -52,12 +55,14 @@ class LeafLayout:
       single_process: every device of the sharding is this process's.
     """
 
-    def __init__(self, shape: Sequence[int], dtype, sharding: jax.sharding.Sharding):
+    def __init__(self, shape: Sequence[int], dtype, sharding: jax.sharding.Sharding,
+                 process_of: Callable[[jax.Device], int] | None = None, process: int | None = None):
         self.shape = tuple(int(n) for n in shape)
         self.dtype = np.dtype(dtype)
         self.size = math.prod(self.shape)
         self.sharding = sharding
-        self.process = jax.process_index()
+        self.process = jax.process_index() if process is None else process
+        process_of = process_of or (lambda device: device.process_index)
         ids: dict[Key, int] = {}
         holders: list[set] = []
         for device, index in sharding.devices_indices_map(self.shape).items():
@@ -65,7 +70,7 @@ class LeafLayout:
             if key not in ids:
                 ids[key] = len(ids)
                 holders.append(set())
-            holders[ids[key]].add(device.process_index)
+            holders[ids[key]].add(process_of(device))
         self._ids = ids
         self.keys = list(ids)
         self.holders = [tuple(sorted(h)) for h in holders]
@@ -95,6 +100,25 @@ class LeafLayout:
                 out.append((lo, hi, k, offset + lo - first))
             i += 1
         return out
+
+
+def view_chunks(plan: list[codec.Chunk], layouts: Sequence[LeafLayout]) -> list[codec.Chunk]:
+    """The chunks of a float32 "none" payload of every leaf (`plan`: the coordinator's view plan, leaves in order,
+    4 bytes an element) that hold elements of this process's shards (`LeafLayout.mine`)."""
+    starts = np.cumsum([0] + [layout.size for layout in layouts])  # each leaf's first element in the payload
+    out = []
+    for chunk in plan:
+        first, end = chunk.offset // 4, (chunk.offset + chunk.nbytes) // 4
+        for i in range(int(np.searchsorted(starts, first, side="right")) - 1, len(layouts)):
+            if starts[i] >= end:
+                break
+            layout = layouts[i]
+            lo, hi = max(first, starts[i]) - starts[i], min(end, starts[i + 1]) - starts[i]
+            mine = set(layout.mine)
+            if any(k in mine for _, _, k, _ in layout.segments(int(lo), int(hi))):
+                out.append(chunk)
+                break
+    return out
 
 
 class HostLeaf:
@@ -189,11 +213,15 @@ class Ownership:
       shares: per process, the chunks it owns, in plan order.
       share: this process's chunks.
       residual_elements: per process, the elements of the pieces it owns (its error-feedback residual's size).
+      values_sent: per process, the pseudo-gradient elements it passes on to owners that lack them, per exchange
+        (float32, 4 bytes each), over the interconnect.
+      update_bytes_sent: per process, the update bytes it passes on to the other holders of its chunks, per
+        exchange, over the interconnect.
     """
 
     def __init__(self, plan: list[codec.Chunk], layouts: Sequence[LeafLayout], processes: int):
         self.plan, self.layouts, self.processes = plan, list(layouts), processes
-        self.process = jax.process_index() if processes > 1 else 0
+        self.process = self.layouts[0].process if processes > 1 and self.layouts else 0
         self.segments: list[list[_Segment]] = []
         self.owners: list[int] = []
         self.holders: list[set[int]] = []  # per chunk: every process holding any of its elements
@@ -223,11 +251,12 @@ class Ownership:
                 holders = self.layouts[s.piece.leaf].holders[s.shard]
                 if owner not in holders:
                     self._sent_values[holders[0]].append(s)
-        self._value_rows = [sum(s.hi - s.lo for s in sent) for sent in self._sent_values]
+        self.values_sent = [sum(s.hi - s.lo for s in sent) for sent in self._sent_values]
         # Update chunks that other processes need, in plan order, by owner.
         self._sent_updates: list[list[codec.Chunk]] = [
             [c for c in self.shares[p] if self.holders[c.index] - {p}] for p in range(processes)
         ]
+        self.update_bytes_sent = [sum(c.nbytes for c in sent) for sent in self._sent_updates]
 
     # -- the pseudo-gradient, to the owners --------------------------------------------------------------
 
@@ -240,12 +269,12 @@ class Ownership:
           local: (leaf, shard) -> that shard's values of this process, float32, 1-D in C order.
         """
         mine = self._sent_values[self.process]
-        out = np.empty(self._value_rows[self.process], np.float32)
+        out = np.empty(self.values_sent[self.process], np.float32)
         at = 0
         for s in mine:
             out[at : at + s.hi - s.lo] = local(s.piece.leaf, s.shard)[s.offset : s.offset + s.hi - s.lo]
             at += s.hi - s.lo
-        rows = distributed.exchange_rows(out, self._value_rows) if max(self._value_rows, default=0) else None
+        rows = distributed.exchange_rows(out, self.values_sent) if max(self.values_sent, default=0) else None
         return OwnedValues(self, local, rows)
 
     # -- the update, from the owners ---------------------------------------------------------------------
@@ -256,7 +285,7 @@ class Ownership:
         (a collective over the island when any chunk has holders besides its owner)."""
         buf = memoryview(payload)
         out = {c.index: (buf, 0) for c in self.share}
-        sizes = [sum(c.nbytes for c in sent) for sent in self._sent_updates]
+        sizes = self.update_bytes_sent
         if not max(sizes, default=0):
             return out
         mine = np.empty(sizes[self.process], np.uint8)
