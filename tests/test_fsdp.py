@@ -1,6 +1,8 @@
 """Islands with an fsdp axis: what is sharded where, the same training as fsdp = 1, islands of both layouts in
 one run, and a resume."""
 
+import re
+
 import jax
 import numpy as np
 import optax
@@ -9,6 +11,7 @@ from jax.sharding import PartitionSpec as P
 from processes import shared_folder
 from tiny_config import get_config, write_corpus
 
+from island_jax.checkpoint import CheckpointError
 from island_jax.island import Island
 from island_jax.island import step as step_lib
 from island_jax.metrics import read_jsonl
@@ -104,3 +107,35 @@ def test_a_stopped_fsdp_run_resumes_to_the_checksums_of_one_without_a_stop(runs,
     for role in ("coordinator", "islands/a", "islands/b"):
         resumed = {r["round"]: r["checksum"] for r in records(workdir, role, "round")}
         assert resumed == {r["round"]: r["checksum"] for r in records(runs[2], role, "round")}
+
+
+def test_the_residual_is_saved_as_its_owners_rows_and_refused_under_other_owners(tmp_path):
+    c = config(tmp_path, 2)
+    c.codec.update(kind="int4", error_feedback=True)
+    graphdef, params, specs = init_params(c)
+    corpus = np.random.default_rng(0).integers(0, 256, 4096, dtype=np.uint8)
+    island = Island("a", c, jax.devices()[:4], graphdef, params, specs, corpus, ROUNDS)
+    chunk = island.ownerships[0].share[0]  # one chunk of every piece (the default comm.chunk_bytes)
+    piece = chunk.pieces[3]
+    kept = np.arange(piece.stop - piece.start, dtype=np.float32)
+    island.residual[(0, piece.leaf, piece.start)] = kept
+    state = island.state(1)
+    # one process owns every piece: one row of every element, this piece's values at its place in the row
+    elements = sum(int(np.size(x)) for x in jax.tree.leaves(params))
+    before = sum(p.stop - p.start for p in chunk.pieces[:3])
+    row = np.asarray(state["residual"])
+    assert row.shape == (1, elements) and np.array_equal(row[0, before : before + kept.size], kept)
+    assert np.count_nonzero(row) == kept.size - 1  # arange's first value is 0
+    again = Island("a", c, jax.devices()[:4], graphdef, params, specs, corpus, ROUNDS)
+    assert again.load_state(jax.device_get(state)) == 1
+    assert list(again.residual) == [(0, piece.leaf, piece.start)]
+    np.testing.assert_array_equal(again.residual[(0, piece.leaf, piece.start)], kept)
+    # a checkpoint whose pieces were owned otherwise (here: by 2 processes, as its layout bytes say) is refused
+    layout = bytearray(np.asarray(state["residual_layout"]).tobytes())
+    layout[0] ^= 1
+    layout[16:] = b"2 processes, data=2 fsdp=1 expert=2".ljust(len(layout) - 16, b"\0")
+    with pytest.raises(CheckpointError, match=re.escape(
+            "island a's checkpoint holds the error-feedback residual of the chunks each process owned under another "
+            "layout (2 processes, data=2 fsdp=1 expert=2) than this run's (1 process, data=1 fsdp=2 expert=2); "
+            "resume with that layout, or start a new --workdir")):
+        again.load_state(dict(jax.device_get(state), residual_layout=np.frombuffer(bytes(layout), np.uint8)))

@@ -618,8 +618,16 @@ class Island:
         )
         if self.config.codec.error_feedback:
             out["residual"] = self._residual_rows(template)
-            out["residual_layout"] = np.frombuffer(self.layout_name().encode().ljust(_LAYOUT_BYTES, b"\0"), np.uint8)
+            out["residual_layout"] = self._residual_layout()
         return out
+
+    def _residual_layout(self) -> np.ndarray:
+        """uint8 [_LAYOUT_BYTES]: a digest of which process owns which pieces (16 bytes), then `layout_name`
+        (zero-padded): what a checkpoint's residual rows need of the run that restores them."""
+        owned = [[[c.index for c in share] for share in o.shares] for o in self.ownerships]
+        digest = hashlib.sha256(repr(owned).encode()).digest()[:16]
+        name = self.layout_name().encode()[: _LAYOUT_BYTES - 16]
+        return np.frombuffer(digest + name.ljust(_LAYOUT_BYTES - 16, b"\0"), np.uint8)
 
     def layout_name(self) -> str:
         """The island's layout, which decides which process owns which chunk: e.g. "2 processes, data=1 fsdp=2
@@ -642,12 +650,12 @@ class Island:
             self.anchor = self.shardings.place(state["anchor"])
             self.opt_state = jax.device_put(state["opt_state"], opt_sharding)
         if "residual" in state:
-            saved = bytes(np.asarray(state["residual_layout"], np.uint8)).rstrip(b"\0").decode()
-            if saved != self.layout_name():
+            saved = bytes(np.asarray(state["residual_layout"], np.uint8))
+            if saved[:16] != bytes(self._residual_layout()[:16]):
                 raise CheckpointError(
                     f"island {self.name}'s checkpoint holds the error-feedback residual of the chunks each process "
-                    f"owned under another layout ({saved}) than this run's ({self.layout_name()}); resume with "
-                    "that layout, or start a new --workdir")
+                    f"owned under another layout ({saved[16:].rstrip(bytes(1)).decode()}) than this run's "
+                    f"({self.layout_name()}); resume with that layout, or start a new --workdir")
             self._load_residual(state["residual"])
         self.step = int(state["step"])
         return int(state["round"])
