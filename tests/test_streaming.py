@@ -99,6 +99,9 @@ class VectorIsland:
             local = self.params[i]
             self.params[i] = g.copy() if mix_alpha is None else np.float32(mix_alpha) * local + np.float32(1 - mix_alpha) * g
 
+    def view_chunks(self, plan):
+        return list(plan)  # one process holds every leaf
+
     def load_view(self, payload):
         self.global_leaves = [np.asarray(g, np.float32) for g in codec.decode_view(payload, self.global_leaves)]
         self.anchor = [g.copy() for g in self.global_leaves]
