@@ -108,27 +108,6 @@ def exchange_rows(mine: np.ndarray, sizes: Sequence[int]) -> list[np.ndarray]:
     return [rows[p, :n] for p, n in enumerate(sizes)]
 
 
-def gather_shares(payload, shares: Sequence[Sequence]) -> bytes:
-    """The whole payload on every process, from each process's share of its chunks (`codec.deal`): process p's
-    `payload` holds the chunks `shares[p]` at their offsets. A collective over the island's devices (its fast
-    interconnect): the training thread calls it at the same point on every process."""
-    mine = np.frombuffer(payload, np.uint8)
-    if jax.process_count() == 1:
-        return bytes(mine)
-    return combine_shares(multihost_utils.process_allgather(mine), shares)
-
-
-def combine_shares(rows, shares: Sequence[Sequence]) -> bytes:
-    """The whole payload from every process's copy of it, uint8 [processes, bytes] `rows`: the bytes of each
-    chunk of `shares[p]` taken from row p."""
-    rows = np.asarray(rows, np.uint8)
-    whole = np.zeros(rows.shape[1], np.uint8)
-    for p, share in enumerate(shares):
-        for chunk in share:
-            whole[chunk.offset : chunk.offset + chunk.nbytes] = rows[p, chunk.offset : chunk.offset + chunk.nbytes]
-    return whole.tobytes()
-
-
 def check_sizes(leaf_sizes: Iterable[int], num_devices: int) -> list[int]:
     """The element counts the self-check moves per device: each distinct parameter leaf size (what the inner
     step reduces and the exchange gathers), rounded up to a multiple of `num_devices`, ascending."""
