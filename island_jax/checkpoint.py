@@ -64,9 +64,10 @@ class CheckpointError(RuntimeError):
     """A checkpoint cannot be written, or cannot be restored into this run (none, other structure or shapes)."""
 
 
-def _host(tree: Any) -> Any:
-    """A host copy of every leaf (NumPy): a background save never sees a later change."""
-    return jax.tree.map(host_copy, tree)
+def _host(tree: Any, frozen_numpy: bool = False) -> Any:
+    """A host copy of every leaf (NumPy): a background save never sees a later change. With `frozen_numpy`, NumPy
+    arrays are taken as they are (their owner never writes them again), and only the rest is copied."""
+    return jax.tree.map(lambda x: x if frozen_numpy and isinstance(x, np.ndarray) else host_copy(x), tree)
 
 
 def _spans_processes(x: Any) -> bool:
@@ -141,8 +142,10 @@ class Checkpointer:
         """
         return self._last
 
-    def save(self, round: int, state: Any, force: bool = False) -> bool:
-        """Saves `state` (arrays on any device; copied to the host here) as of `round` completed rounds.
+    def save(self, round: int, state: Any, force: bool = False, frozen_numpy: bool = False) -> bool:
+        """Saves `state` (arrays on any device; copied to the host here) as of `round` completed rounds. With
+        `frozen_numpy` the caller promises that no NumPy array in `state` is written again (fresh arrays, or ones
+        it only ever replaces), so the background save takes them without a copy.
 
         The files are written in the background while training goes on; the
         next `save` and `close` wait for them, and a checkpoint only counts
@@ -165,7 +168,7 @@ class Checkpointer:
             if self.multi_process:  # every process writes its shards, here (orbax's saves are collectives)
                 self._save_in_background(round, state)
                 return True
-            host = _host(state)
+            host = _host(state, frozen_numpy)
             self._last = self._unreported = _WRITER.submit(self._save_in_background, round, host)
         return True  # the caller only pays for the host copy
 

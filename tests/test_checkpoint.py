@@ -318,3 +318,14 @@ def test_a_save_copies_a_sharded_array_to_the_host_once_and_orbax_copies_none(tm
         {"x": host, "step": np.asarray(0, np.int64)})
     np.testing.assert_array_equal(restored["x"], values)
     assert int(restored["step"]) == 3
+
+
+def test_a_save_copies_device_arrays_and_takes_frozen_numpy_arrays_as_they_are():
+    from island_jax.checkpoint import _host
+
+    tree = {"fresh": np.arange(4, dtype=np.float32), "device": jax.device_put(np.ones(3, np.float32))}
+    frozen, copied = _host(tree, frozen_numpy=True), _host(tree)
+    assert frozen["fresh"] is tree["fresh"] and copied["fresh"] is not tree["fresh"]
+    assert isinstance(frozen["device"], np.ndarray) and isinstance(copied["device"], np.ndarray)
+    np.testing.assert_array_equal(copied["fresh"], tree["fresh"])
+    np.testing.assert_array_equal(frozen["device"], np.ones(3, np.float32))

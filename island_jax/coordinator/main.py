@@ -275,7 +275,8 @@ def _checkpoint(coordinator, endpoint, role: RoleFolder, rounds_done: int, force
     if state is None:
         logging.warning("round %d: a fragment moved on before the checkpoint; not saved", rounds_done)
         return
-    if not role.checkpoints.save(rounds_done, state, force=force):
+    # the master trees are laid out fresh for the save, and a view is replaced each round, never written
+    if not role.checkpoints.save(rounds_done, state, force=force, frozen_numpy=True):
         with endpoint.lock:
             saving.discard(rounds_done)
             hold()

@@ -148,7 +148,8 @@ class FragmentState:
         return self.checksum if self.view_rows is view_rows else checksum(self._tree_of(view_rows, True))
 
     def state(self) -> dict:
-        """`master` (float32 pytree), `opt_state` (one optax state per chunk) and `view` (pytree)."""
+        """`master` (float32 pytree, laid out afresh), `opt_state` (one optax state per chunk) and `view` (the
+        current view's pytree, which is replaced after a round, never written in place)."""
         return dict(master=self._tree_of(self.master_rows, dtypes=False), opt_state=self.opt, view=self.view)
 
     def load_state(self, state: dict) -> None:
