@@ -183,7 +183,7 @@ class Island:
     """One island: its mesh, parameters, AdamW state, anchor and data shard.
 
     Parameters, anchor and optimizer state live on the island's devices,
-    sharded by `specs`; `global_params` is the host copy (NumPy) of the global
+    sharded by `specs`; `global_params` is this process's host copy of its shards (`shards.HostLeaf`) of the global
     view, the anchor's exact bits.
 
     Args:
@@ -454,11 +454,12 @@ class Island:
         c = self.config.codec
         residual_of = None
         if c.error_feedback:
+            kept = self.residual  # an encoder left running past a rejoin writes to the replaced dict, not the new one
+
             def residual_of(piece: codec.Piece) -> np.ndarray:
                 key = (fragment, piece.leaf, piece.start)
-                if key not in self.residual:
-                    self.residual[key] = np.zeros(piece.stop - piece.start, np.float32)
-                return self.residual[key]
+                found = kept.get(key)
+                return found if found is not None else kept.setdefault(key, np.zeros(piece.stop - piece.start, np.float32))
 
         share = self.ownerships[fragment].share
         return codec.ChunkEncoder(None, c.kind, c.block_size, share, measure=True, read=pseudo_gradient.read,
@@ -555,7 +556,7 @@ class Island:
         self.global_params = jax.tree.unflatten(treedef, ownership.apply(leaves, {0: (memoryview(payload), 0)}, "none", 1, add=False))
         self._global_checksum = None
         # what the codec lost of pseudo-gradients from the replaced anchors is no debt of the new ones
-        self.residual.clear()
+        self.residual = {}
         with jax.set_mesh(self.mesh):
             self.params = jax.tree.map(shards_lib.HostLeaf.place, self.global_params)
             self.anchor = jax.tree.map(shards_lib.HostLeaf.place, self.global_params)
@@ -563,17 +564,19 @@ class Island:
     # -- checkpoints and evaluation --------------------------------------------------------------------
 
     def _residual_sharding(self) -> NamedSharding:
-        """The error-feedback residual's sharding in a checkpoint: one row per process, held by its devices."""
+        """The error-feedback residual's sharding in a checkpoint: one row per process, split over its devices."""
         devices = np.asarray(self.mesh.devices).reshape(-1)
         rows = np.array(sorted(devices, key=lambda d: (d.process_index, d.id))).reshape(self.parts, -1)
-        return NamedSharding(jax.sharding.Mesh(rows, ("process", "local")), P("process"))
+        return NamedSharding(jax.sharding.Mesh(rows, ("process", "local")), P("process", "local"))
 
     def _residual_rows(self, template: bool) -> jax.Array:
         """The error-feedback residual as float32 [processes, elements]: row p holds, in fragment, chunk and piece
-        order, the residual of the pieces process p owns (zero-padded to the longest row). Each process writes
-        its own row; nothing is gathered."""
+        order, the residual of the pieces process p owns (zero-padded to the longest row, rounded up to a
+        multiple of its devices, which hold a part of it each). Each process writes its own row; nothing is
+        gathered."""
         sizes = [sum(o.residual_elements[p] for o in self.ownerships) for p in range(self.parts)]
-        row = np.zeros((1, max(max(sizes), 1)), np.float32)
+        local = self.mesh.devices.size // self.parts
+        row = np.zeros((1, -(-max(max(sizes), 1) // local) * local), np.float32)
         if not template:
             at = 0
             for f, ownership in enumerate(self.ownerships):
@@ -584,14 +587,17 @@ class Island:
                         if kept is not None:
                             row[0, at : at + n] = kept
                         at += n
-        return jax.make_array_from_callback((self.parts, row.shape[1]), self._residual_sharding(), lambda index: row)
+        return jax.make_array_from_callback((self.parts, row.shape[1]), self._residual_sharding(),
+                                            lambda index: row[:, index[1]])
 
     def _load_residual(self, rows) -> None:
         """Takes this process's row of a checkpoint's `_residual_rows`."""
         self.residual = {}
-        if isinstance(rows, jax.Array):
-            shard = next(s for s in rows.addressable_shards if s.index[0].indices(self.parts)[0] == self.part)
-            row = np.asarray(shard.data).reshape(-1)
+        if isinstance(rows, jax.Array):  # this process's row, from the parts its devices hold
+            row = np.zeros(rows.shape[1], np.float32)
+            for shard in rows.addressable_shards:
+                if shard.index[0].indices(self.parts)[0] == self.part:
+                    row[shard.index[1]] = np.asarray(shard.data).reshape(-1)
         else:  # restored on the host (an island of one process)
             row = np.asarray(rows)[self.part]
         at = 0

@@ -141,6 +141,8 @@ def run_island(
             leaf_sizes = [int(np.size(x)) for x in jax.tree.leaves(params)]
             distributed.check_collectives(devices, distributed.check_sizes(leaf_sizes, len(devices)))
         island = Island(name, config, devices, graphdef, params, specs, corpus.train_bytes[name], rounds, device_lock)
+        num_params = count(params)
+        del params  # the island holds its own shards now; a whole draw (on accelerators) is not kept for the run
         first = 0
         if role.checkpoints.latest_round() is not None:
             first = island.load_state(role.checkpoints.restore(island.state(0, template=True)))
@@ -172,7 +174,7 @@ def run_island(
         return {}
     summary = summarize_island(role.path)
     summary.update(
-        params=count(params), codec=config.codec.kind, block_size=config.codec.block_size,
+        params=num_params, codec=config.codec.kind, block_size=config.codec.block_size,
         process_seconds=time.perf_counter() - start,  # start-up, compilation and evaluation included
     )
     if evaluator is not None:
@@ -246,8 +248,10 @@ def _join(config, island: Island, transport, role: RoleFolder, first: int, evalu
         scored = evaluator(first, write=first == 0)
         logging.info("round %d: eval loss %.4f +- %.4f nats/byte (%d held-out windows)", first, scored["eval_loss"],
                      scored["eval_loss_stderr"], scored["eval_windows"])
-    if transport is not None and not rejoined and island.part == 0:  # every island starts its first round together
-        transport.start_together(name, fingerprint, island.global_checksum, first)
+    if transport is not None and not rejoined:  # every island starts its first round together
+        checksum_now = island.global_checksum  # a collective over an island's processes: every one computes it
+        if island.part == 0:
+            transport.start_together(name, fingerprint, checksum_now, first)
     return first, fragment_rounds
 
 
