@@ -5,10 +5,11 @@
 A coordinator serves one island over gRPC on loopback (this process). The
 island's exchange is run by P sender processes, each a `GrpcTransport` with
 `part=p, parts=P`: per round, each encodes its share of the payload's chunks
-(`codec.deal`, balanced by bytes) from the same float32 pseudo-gradient,
-contributes it over its own `--connections` channels and receives its share
-of the update, exactly as the processes of a multi-process island do (the
-island's gather of the shares over its interconnect is not included). The
+(`codec.deal`, balanced by bytes: the shares of an island whose processes all
+hold every leaf) from the same float32 pseudo-gradient, contributes it over
+its own `--connections` channels and receives its share of the update, as the
+processes of a multi-process island do (what the island passes over its
+interconnect is not included). The
 payload is float32 ("none" codec), so moving bytes dominates encoding. For P
 = 1 and then P = 2: the exchange seconds of each round (from the round's start
 to the last process holding its share of the update, median over rounds) and
@@ -85,7 +86,7 @@ def sender() -> None:
     params = _params(num_bytes)
     transport.join("a", fingerprint_fields(config), checksum(params), 0)  # process 0 joins; the others ask who
     plan = codec.chunk_plan(params, "none", config.codec.block_size, config.comm.chunk_bytes)
-    share = codec.deal(plan, _PARTS.value)[_PART.value]  # as `island.Island.fragment_shares`
+    share = codec.deal(plan, _PARTS.value)[_PART.value]  # as `shards.Ownership` deals chunks every process holds
     pseudo_gradient = [np.random.default_rng(0).standard_normal(num_bytes // 4, dtype=np.float32) * 1e-3]
     for r in range(_ROUNDS.value):
         cpu, start = time.process_time(), time.time()

@@ -173,7 +173,7 @@ class _OpenContributions:
     under the service's lock, on its worker threads.
 
     An island of several processes sends its contribution in `parts` shares
-    (`codec.deal`), one per process, each with attempts of its own: the first
+    (the chunks each process owns, named in the header's `share`), one per process, each with attempts of its own: the first
     share to arrive opens the contribution, a share that fails or is sent
     again loses only its own chunks, and the contribution closes when every
     share's streams have ended. A share whose streams all end without every

@@ -211,7 +211,8 @@ class ChunkAssembler:
     Args:
       plan: the payload's chunks (`codec.chunk_plan`), which fixes every chunk's
         offset and size.
-      share: the chunks expected (a process's share of an island's payload, `codec.deal`); default: all.
+      share: the chunks expected (a process's share of an island's payload, `island.shards.Ownership`); default:
+        all.
 
     `add` checks one chunk and copies it into place; `finish(header)` checks
     that every expected chunk came and that the CRC of their CRCs equals the

@@ -69,9 +69,10 @@ def checksum(tree: Any) -> str:
     is a run of its own (sending each cut piece to one owner instead is left for later).
 
     Args:
-      tree: a pytree of NumPy arrays, scalars or `jax.Array`s. A `jax.Array` is read shard by shard (one
-        replica of each element), never gathered whole; one that spans several processes makes this a
-        collective over them (`distributed.allgather_json`): every process calls it at the same point.
+      tree: a pytree of NumPy arrays, scalars, `jax.Array`s or `island.shards.HostLeaf`s (a process's host
+        copy of its shards). A `jax.Array` is read shard by shard (one replica of each element), never gathered
+        whole; one that spans several processes (and a `HostLeaf` of such a layout) makes this a collective over
+        them (`distributed.allgather_json`): every process calls it at the same point.
 
     Returns:
       16 lowercase hex digits, the same on every process.
