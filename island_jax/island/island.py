@@ -242,8 +242,8 @@ class Island:
         check_dispatch(config.moe.dispatch, cfg.mesh.expert, devices[0].platform)
         self.mesh = island_mesh(cfg.mesh.data, cfg.mesh.expert, devices, fsdp=cfg.mesh.fsdp)
         self.shardings = Shardings(self.mesh, specs, params)
-        # Of an island of several processes: this process's index and their count; each sends its share of
-        # every payload (`fragment_shares`), and every process holds the same global parameters.
+        # Of an island of several processes: this process's index and their count; each sends the chunks it owns
+        # of every payload (`ownerships`), and every process holds the same bits of the shards it holds.
         self.multi_process = self.shardings.multi_process
         self.part, self.parts = (jax.process_index(), jax.process_count()) if self.multi_process else (0, 1)
         # Where each leaf's elements are over the island's processes, and this process's host copy of the global view
@@ -280,7 +280,6 @@ class Island:
             shards_lib.Ownership(plan, [self.layouts[i] for i in self.partition[f]], self.parts)
             for f, plan in enumerate(self.fragment_plans)
         ]
-        self.fragment_shares = [o.shares for o in self.ownerships]  # per fragment, per process: its chunks
 
     def _build_train_step(self, total_steps: int) -> None:
         """The inner optimizer for `total_steps` steps in all, and the jitted step that uses it (its first
