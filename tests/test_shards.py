@@ -73,7 +73,7 @@ def test_an_update_applied_shard_by_shard_has_the_bits_of_the_whole_update():
     expected = jax.tree.leaves(codec.decode_and_apply(tree, payload, "int8", 64))
     for h, x, layout in zip(new, expected, layouts):
         for k, shard in h.shards.items():
-            box = tuple(slice(lo, hi) for lo, hi in layout.keys[k])
+            box = layout.box(k)
             assert shard.dtype == x.dtype and np.array_equal(shard.view(np.uint8), x[box].view(np.uint8))
     assert checksum(new) == checksum(expected) != checksum(host)
     # the encoder reads the owner's pieces from its shards: the same payload as from the whole values

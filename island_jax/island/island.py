@@ -568,6 +568,16 @@ class Island:
         rows = np.array(sorted(devices, key=lambda d: (d.process_index, d.id))).reshape(self.parts, -1)
         return NamedSharding(jax.sharding.Mesh(rows, ("process", "local")), P("process", "local"))
 
+    def _owned_pieces(self):
+        """(residual key, its place in this process's residual row, elements) of each piece this process owns, in
+        fragment, chunk and piece order: the layout of `_residual_rows`."""
+        at = 0
+        for f, ownership in enumerate(self.ownerships):
+            for chunk in ownership.share:
+                for piece in chunk.pieces:
+                    yield (f, piece.leaf, piece.start), at, piece.stop - piece.start
+                    at += piece.stop - piece.start
+
     def _residual_rows(self, template: bool) -> jax.Array:
         """The error-feedback residual as float32 [processes, elements]: row p holds, in fragment, chunk and piece
         order, the residual of the pieces process p owns (zero-padded to the longest row, rounded up to a
@@ -577,15 +587,10 @@ class Island:
         local = self.mesh.devices.size // self.parts
         row = np.zeros((1, -(-max(max(sizes), 1) // local) * local), np.float32)
         if not template:
-            at = 0
-            for f, ownership in enumerate(self.ownerships):
-                for chunk in ownership.share:
-                    for piece in chunk.pieces:
-                        n = piece.stop - piece.start
-                        kept = self.residual.get((f, piece.leaf, piece.start))
-                        if kept is not None:
-                            row[0, at : at + n] = kept
-                        at += n
+            for key, at, n in self._owned_pieces():
+                kept = self.residual.get(key)
+                if kept is not None:
+                    row[0, at : at + n] = kept
         return jax.make_array_from_callback((self.parts, row.shape[1]), self._residual_sharding(),
                                             lambda index: row[:, index[1]])
 
@@ -599,14 +604,9 @@ class Island:
                     row[shard.index[1]] = np.asarray(shard.data).reshape(-1)
         else:  # restored on the host (an island of one process)
             row = np.asarray(rows)[self.part]
-        at = 0
-        for f, ownership in enumerate(self.ownerships):
-            for chunk in ownership.share:
-                for piece in chunk.pieces:
-                    n = piece.stop - piece.start
-                    if row[at : at + n].any():
-                        self.residual[(f, piece.leaf, piece.start)] = np.array(row[at : at + n], np.float32)
-                    at += n
+        for key, at, n in self._owned_pieces():
+            if row[at : at + n].any():
+                self.residual[key] = np.array(row[at : at + n], np.float32)
 
     def state(self, round: int, template: bool = False) -> dict:
         """What a checkpoint holds after `round` completed rounds: `params`, `anchor`,

@@ -76,8 +76,8 @@ class LeafLayout:
         self.holders = [tuple(sorted(h)) for h in holders]
         self.mine = [k for k, h in enumerate(self.holders) if self.process in h]
         self.single_process = all(h == (self.process,) for h in self.holders)
-        runs = sorted((start, n, k, offset) for k, key in enumerate(self.keys)
-                      for start, n, offset in shard_runs(self.shape, tuple(slice(lo, hi) for lo, hi in key)) if n)
+        runs = sorted((start, n, k, offset) for k in range(len(self.keys))
+                      for start, n, offset in shard_runs(self.shape, self.box(k)) if n)
         self._starts = [r[0] for r in runs]
         self._runs = runs
 
@@ -85,8 +85,13 @@ class LeafLayout:
         """The shard number of a device's `index` (slices)."""
         return self._ids[index_key(index, self.shape)]
 
-    def box_shape(self, k: int) -> tuple[int, ...]:
-        return tuple(hi - lo for lo, hi in self.keys[k])
+    def box(self, k: int) -> tuple[slice, ...]:
+        """Shard `k`'s box as an index (one slice per dimension)."""
+        return tuple(slice(lo, hi) for lo, hi in self.keys[k])
+
+    def runs_of(self, k: int) -> list[tuple[int, int, int]]:
+        """Shard `k`'s runs: (first flat element of the leaf, elements, first element of the shard) each."""
+        return [(start, n, offset) for start, n, shard, offset in self._runs if shard == k]
 
     def segments(self, start: int, stop: int) -> list[tuple[int, int, int, int]]:
         """Elements [start, stop) of the flat leaf, cut at the shards' runs: (first, end, shard, the first's place
@@ -106,6 +111,7 @@ def view_chunks(plan: list[codec.Chunk], layouts: Sequence[LeafLayout]) -> list[
     """The chunks of a float32 "none" payload of every leaf (`plan`: the coordinator's view plan, leaves in order,
     4 bytes an element) that hold elements of this process's shards (`LeafLayout.mine`)."""
     starts = np.cumsum([0] + [layout.size for layout in layouts])  # each leaf's first element in the payload
+    mine = [set(layout.mine) for layout in layouts]
     out = []
     for chunk in plan:
         first, end = chunk.offset // 4, (chunk.offset + chunk.nbytes) // 4
@@ -114,8 +120,7 @@ def view_chunks(plan: list[codec.Chunk], layouts: Sequence[LeafLayout]) -> list[
                 break
             layout = layouts[i]
             lo, hi = max(first, starts[i]) - starts[i], min(end, starts[i + 1]) - starts[i]
-            mine = set(layout.mine)
-            if any(k in mine for _, _, k, _ in layout.segments(int(lo), int(hi))):
+            if any(k in mine[i] for _, _, k, _ in layout.segments(int(lo), int(hi))):
                 out.append(chunk)
                 break
     return out
@@ -154,8 +159,7 @@ class HostLeaf:
                     shards[k] = np.array(shard.data, layout.dtype, copy=True)
             return cls(layout, shards)
         x = np.asarray(x)
-        return cls(layout, {k: np.array(x[tuple(slice(lo, hi) for lo, hi in layout.keys[k])], layout.dtype, copy=True)
-                            for k in layout.mine})
+        return cls(layout, {k: np.array(x[layout.box(k)], layout.dtype, copy=True) for k in layout.mine})
 
     def __array__(self, *args, **kwargs):
         raise TypeError(f"a parameter leaf of shape {self.shape} is held as this process's shards; read them "
@@ -182,7 +186,7 @@ class HostLeaf:
                 continue
             flat = np.ascontiguousarray(self.shards[k]).reshape(-1).view(np.uint8)
             itemsize = layout.dtype.itemsize
-            for start, n, offset in shard_runs(layout.shape, tuple(slice(lo, hi) for lo, hi in layout.keys[k])):
+            for start, n, offset in layout.runs_of(k) or shard_runs(layout.shape, layout.box(k)):  # empty: one run
                 yield start, flat[offset * itemsize : (offset + n) * itemsize]
 
 
@@ -319,12 +323,13 @@ class Ownership:
             if chunk.index not in sources:
                 raise codec.CodecError(f"the update's chunk {chunk.index} did not reach process {self.process}")
             buf, shift = sources[chunk.index]
-            decoded: dict[codec.Piece, np.ndarray] = {}
-            for s in segments:
-                if s.piece not in decoded:
-                    piece = dataclasses.replace(s.piece, offset=s.piece.offset - shift)
-                    decoded[s.piece] = codec.decode_piece(buf, piece, kind, block_size)
-                values = decoded[s.piece][s.lo - s.piece.start : s.hi - s.piece.start]
+            piece, decoded = None, None
+            for s in segments:  # in piece order: each piece decoded once, and only it held at a time
+                if s.piece is not piece:
+                    piece = s.piece
+                    decoded = codec.decode_piece(buf, dataclasses.replace(piece, offset=piece.offset - shift), kind,
+                                                 block_size)
+                values = decoded[s.lo - piece.start : s.hi - piece.start]
                 target = new[s.piece.leaf].flat(s.shard)[s.offset : s.offset + s.hi - s.lo]
                 if add:
                     target[:] = (target.astype(np.float32) + values).astype(target.dtype, copy=False)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import base64
+import contextlib
 import hashlib
 import math
 from typing import Any
@@ -34,22 +35,20 @@ def init_params(config: ml_collections.ConfigDict, mesh: jax.sharding.Mesh | Non
     Raises:
       ValueError: `mesh` is not of CPU devices.
     """
-    if mesh is not None:
-        if any(d.platform != "cpu" for d in mesh.devices.flat):
-            raise ValueError("a sharded init draws the CPU's bits: give a mesh of CPU devices, or none (the whole "
-                             "model is then drawn on this process's CPU)")
-        with jax.set_mesh(mesh), sharded_init(mesh):
-            model = Transformer(config, rngs=nnx.Rngs(config.seed))
-            graphdef, state = nnx.split(model, nnx.Param)
-            specs = partition_specs(state)
-            params = nnx.to_pure_dict(state)
-        return graphdef, params, specs
-    with jax.default_device(jax.local_devices(backend="cpu")[0]):
+    with contextlib.ExitStack() as scope:
+        if mesh is None:
+            scope.enter_context(jax.default_device(jax.local_devices(backend="cpu")[0]))
+        else:
+            if any(d.platform != "cpu" for d in mesh.devices.flat):
+                raise ValueError("a sharded init draws the CPU's bits: give a mesh of CPU devices, or none (the "
+                                 "whole model is then drawn on this process's CPU)")
+            scope.enter_context(jax.set_mesh(mesh))
+            scope.enter_context(sharded_init(mesh))
         model = Transformer(config, rngs=nnx.Rngs(config.seed))
         graphdef, state = nnx.split(model, nnx.Param)
         specs = partition_specs(state)
-        params = jax.tree.map(np.asarray, nnx.to_pure_dict(state))
-    return graphdef, params, specs
+        params = nnx.to_pure_dict(state)
+    return graphdef, params if mesh is not None else jax.tree.map(np.asarray, params), specs
 
 
 CHECKSUM_PIECE_ELEMENTS = 1 << 14  # elements of one checksum piece (64 KiB of float32)
