@@ -273,7 +273,8 @@ class Plan:
     islands: list[IslandRound]
     wall_seconds: float  # one round
     required_gbps: dict[float, float | None]  # target -> Gbit/s of every island's link (0.0: any; None: none)
-    # bytes: master, momentum, view, buffered contributions (at most K x P), kept update, total (a ring: all 0)
+    # bytes: master, momentum, view, the merge's new state (their sum), buffered contributions (at most K x P), kept
+    # update, total (a ring: all 0)
     coordinator_memory: dict[str, float]
     coordinator_cpu_seconds: float  # per round
     coordinator_bytes_per_day: float  # both ways
@@ -517,13 +518,14 @@ def plan(
         return min(r.compute_utilization for r in _rounds(model, islands, outer, coordinator, payload, gbps)[0])
 
     k, ring = len(islands), outer.topology == "ring"
-    memory = dict(
+    state = dict(
         master=4 * model.total_params,
         momentum=4 * model.total_params if coordinator.momentum else 0.0,
         view=4 * model.total_params,
-        buffered_contributions=k * payload,
-        kept_update=payload,
     )
+    # The merge writes the round's new master, momentum and view beside the old ones, which stay until the round
+    # commits: a merge restarted without an island (a new generation) starts again from them.
+    memory = dict(**state, merged_state=sum(state.values()), buffered_contributions=k * payload, kept_update=payload)
     memory = {key: 0.0 if ring else v for key, v in memory.items()}
     memory["total"] = sum(memory.values())
     cpu = 0.0 if ring else _coordinator_cpu(model, k, coordinator)

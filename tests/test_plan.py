@@ -83,8 +83,8 @@ def test_the_coordinators_memory_cpu_and_link():
     islands = [Island(n, step_seconds=0.5, inner_steps=100, link=Link(10.0)) for n in ("a", "b", "c")]
     coordinator = Coordinator(gbps=15.0, cores=4, fixed_ns_per_param=10.0, per_island_ns_per_param=2.0)
     p = plan(Model(1e9), islands, Outer(codec="bf16"), coordinator)
-    assert p.coordinator_memory == dict(master=4e9, momentum=4e9, view=4e9, buffered_contributions=6e9,
-                                        kept_update=2e9, total=20e9)
+    assert p.coordinator_memory == dict(master=4e9, momentum=4e9, view=4e9, merged_state=12e9,
+                                        buffered_contributions=6e9, kept_update=2e9, total=32e9)
     assert p.coordinator_cpu_seconds == pytest.approx(1e9 * (10 + 2 * 3) * 1e-9, rel=1e-12)  # 16 s
     assert p.merge_seconds == pytest.approx(4.0, rel=1e-12)  # over 4 cores
     r = p.islands[0]

@@ -103,7 +103,9 @@ def run_coordinator(
     names, rounds = list(config.islands.keys()), config.outer.rounds
     try:
         _, params, _ = init_params(config)
+        num_params = count(params)
         coordinator = FragmentedCoordinator(config, params, names)
+        del params  # the coordinator holds them in its rows from here on
         if role.checkpoints.latest_round() is not None:
             coordinator.load_state(role.checkpoints.restore(coordinator.state()))
             logging.info("resumed from the checkpoint of round %d (view checksum %s); islands past it roll back",
@@ -113,11 +115,11 @@ def run_coordinator(
             logging.info("the run is complete (%d of %d rounds); nothing to do", coordinator.round, rounds)
             return {}
         if role.checkpoints.latest_round() is None:  # so that a coordinator that dies early can restart too
-            role.checkpoints.save(0, coordinator.state(), force=True)
+            role.checkpoints.save(0, coordinator.state(), force=True, frozen_numpy=True)
         endpoint = _serve(coordinator, exchange, config, insecure)
         logging.info(
             "coordinator serving on %s for islands %s (%d parameters, %s payloads of %d bytes)",
-            endpoint.where, names, count(params), config.codec.kind, endpoint.payload_bytes,
+            endpoint.where, names, num_params, config.codec.kind, endpoint.payload_bytes,
         )
         try:
             if finished:  # it died after its last checkpoint: islands still waiting take the final view
@@ -129,7 +131,7 @@ def run_coordinator(
     finally:
         role.close()
     summary = dict(
-        rounds=rounds, params=count(params), codec=config.codec.kind, block_size=config.codec.block_size,
+        rounds=rounds, params=num_params, codec=config.codec.kind, block_size=config.codec.block_size,
         update_bytes=endpoint.payload_bytes, wire_bytes=endpoint.wire_bytes, checksum=coordinator.checksum,
         wall_seconds=time.perf_counter() - start,
     )

@@ -36,20 +36,20 @@ class FragmentState:
 
     def __init__(self, config: ml_collections.ConfigDict, params: Any):
         self.kind, self.block_size = config.codec.kind, config.codec.block_size
-        view = jax.tree.map(lambda x: np.array(x, copy=True), params)
-        self._treedef = jax.tree.structure(view)
-        self._leaf_specs = [(np.shape(x), np.asarray(x).dtype) for x in jax.tree.leaves(view)]
+        self._treedef = jax.tree.structure(params)
+        self._leaf_specs = [(tuple(np.shape(x)), np.asarray(x).dtype) for x in jax.tree.leaves(params)]
         self._checksum: str | None = None
-        self.plan = codec.chunk_plan(view, self.kind, self.block_size, config.comm.chunk_bytes)
-        self.payload_bytes = codec.payload_bytes(view, self.kind, self.block_size)
+        self.plan = codec.chunk_plan(params, self.kind, self.block_size, config.comm.chunk_bytes)
+        self.payload_bytes = codec.payload_bytes(params, self.kind, self.block_size)
         self.layouts, self.num_rows = chunk_step.row_layouts(self.plan, self.block_size)
+        self._pieces_of_leaf = self._leaf_pieces()
         self._step = chunk_step.ChunkStep(outer_optimizer(config), self.kind, self.block_size, self.num_rows)
         self._bf16_rows = [self._bf16_mask(lay) for lay in self.layouts]
         self.master_rows = self._rows_of(params)
         self.opt = [self._step.place(self._step.init(m)) for m in self.master_rows]
-        # The view lives in rows next to the master (the merge program updates it); `view` lays it out.
-        self.view_rows = self._rows_of(view)
-        self._view: Any = view
+        # The view lives in rows next to the master (the merge program replaces them; `view` lays them out). At
+        # the start both hold the initial parameters, so they share their (immutable) arrays until the first merge.
+        self.view_rows = list(self.master_rows)
 
     def _bf16_mask(self, layout: chunk_step.RowLayout) -> np.ndarray:
         """bool [R]: the rows of `layout` that hold a bfloat16 leaf (its view is rounded to bfloat16)."""
@@ -66,6 +66,21 @@ class FragmentState:
         leaves = [np.asarray(x, np.float32) for x in jax.tree.leaves(tree)]
         return [
             self._step.place(chunk_step.gather_rows(leaves, lay, self.block_size, self.num_rows)) for lay in self.layouts
+        ]
+
+    def _leaf_pieces(self) -> list[list[tuple[int, codec.Piece, int]]]:
+        """For each leaf, (chunk index, piece, first row) of its pieces in element order."""
+        pieces: list[list] = [[] for _ in self._leaf_specs]
+        for index, lay in enumerate(self.layouts):
+            for piece, row in zip(lay.chunk.pieces, lay.row_offsets):
+                pieces[piece.leaf].append((index, piece, row))
+        return [sorted(p, key=lambda x: x[1].start) for p in pieces]
+
+    def _row_leaves(self, rows: list) -> list["RowsLeaf"]:
+        """The leaves held in per-chunk `rows`, each read in place (`RowsLeaf`), in pytree-flatten order."""
+        return [
+            RowsLeaf(shape, dtype, rows, pieces, self.block_size)
+            for (shape, dtype), pieces in zip(self._leaf_specs, self._pieces_of_leaf)
         ]
 
     def _tree_of(self, rows: list, dtypes: bool) -> Any:
@@ -120,42 +135,68 @@ class FragmentState:
     def commit(self, master_rows: list, opt: list, view_rows: list) -> None:
         """Makes a merged round's rows and optimizer states (one per chunk) the fragment's state."""
         self.master_rows, self.opt, self.view_rows = master_rows, opt, view_rows
-        self._view, self._checksum = None, None
+        self._checksum = None
 
     # -- views of the state ------------------------------------------------------------------------------
 
     @property
     def view(self) -> Any:
-        """The island view (what every island holds after the latest update): a pytree of NumPy arrays
-        in the parameters' dtypes, laid out from the rows when first asked for after each round."""
-        if self._view is None:
-            self._view = self._tree_of(self.view_rows, dtypes=True)
-        return self._view
+        """The island view (what every island holds after the latest update): a new pytree of NumPy arrays in
+        the parameters' dtypes, laid out from the rows at each call (the rows are the state: a kept copy would
+        add 4 bytes per parameter to the coordinator's peak)."""
+        return self._tree_of(self.view_rows, dtypes=True)
 
     @property
     def checksum(self) -> str:
-        """`model.init.checksum` of the island view, computed when first asked for after each round.
+        """`model.init.checksum` of the island view, read from the view's rows piece by piece (no laid-out
+        copy) when first asked for after each round.
 
         (SHA-256 over every parameter takes a while for a large model: left out
         of the merge, it never delays an update.)
         """
         if self._checksum is None:
-            self._checksum = checksum(self.view)
+            self._checksum = checksum(self._row_leaves(self.view_rows))
         return self._checksum
 
     def checksum_of(self, view_rows: list) -> str:
         """`model.init.checksum` of the view held in `view_rows` (the current view's, or an older round's)."""
-        return self.checksum if self.view_rows is view_rows else checksum(self._tree_of(view_rows, True))
+        return self.checksum if self.view_rows is view_rows else checksum(self._row_leaves(view_rows))
 
     def state(self) -> dict:
-        """`master` (float32 pytree, laid out afresh), `opt_state` (one optax state per chunk) and `view` (the
-        current view's pytree, which is replaced after a round, never written in place)."""
-        return dict(master=self._tree_of(self.master_rows, dtypes=False), opt_state=self.opt, view=self.view)
+        """`master` (float32 pytree, laid out afresh), `opt_state` (one optax state per chunk, as read-only NumPy
+        views of its arrays on the CPU device, which the merge replaces and never writes or donates) and `view`
+        (laid out afresh): arrays no later round writes, so a checkpoint may keep them as they are
+        (`Checkpointer.save(frozen_numpy=True)`)."""
+        opt = jax.tree.map(np.asarray, self.opt)
+        return dict(master=self._tree_of(self.master_rows, dtypes=False), opt_state=opt, view=self.view)
 
     def load_state(self, state: dict) -> None:
         """Continues from a `state()` (as restored from a checkpoint)."""
-        self._view = jax.tree.map(lambda x: np.array(x, copy=True), state["view"])
-        self.view_rows = self._rows_of(self._view)
+        self.view_rows = self._rows_of(state["view"])
         self.master_rows = self._rows_of(state["master"])
         self.opt = [self._step.place(x) for x in state["opt_state"]]
         self._checksum = None
+
+
+class RowsLeaf:
+    """One leaf of the coordinator's state, read in place from per-chunk float32 rows: what `model.init.checksum`
+    needs of a leaf (`shape`, `dtype`, `checksum_runs`) without laying the leaf out.
+
+    Args:
+      shape, dtype: the leaf's (float32 or bfloat16).
+      rows: the per-chunk rows [R * block_size] float32 (NumPy or single-device CPU `jax.Array`s).
+      pieces: (chunk index, piece, first row) of each of the leaf's pieces, in element order.
+      block_size: elements per row.
+    """
+
+    def __init__(self, shape: tuple, dtype, rows: list, pieces: list, block_size: int):
+        self.shape, self.dtype = shape, np.dtype(dtype)
+        self._rows, self._pieces, self._block_size = rows, pieces, block_size
+
+    def checksum_runs(self):
+        """(first flat element, uint8 bytes in the leaf's dtype) of each piece, in element order; a bfloat16
+        piece is rounded from its float32 row values one piece at a time."""
+        for index, piece, row in self._pieces:
+            start = row * self._block_size
+            values = np.asarray(self._rows[index])[start : start + piece.stop - piece.start]
+            yield piece.start, np.ascontiguousarray(values.astype(self.dtype, copy=False)).view(np.uint8)
