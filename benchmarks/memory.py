@@ -271,10 +271,10 @@ def main_run() -> None:
 
 
 def main_baseline() -> None:
-    """What every role imports and starts, without a model, with the roles' allocator setting."""
-    from island_jax.allocator import return_large_buffers
+    """What every role imports and starts, without a model, with the roles' allocator settings."""
+    from island_jax import allocator
 
-    return_large_buffers()
+    allocator.configure()
     import island_jax.comm.grpc_client  # noqa: F401
     import island_jax.comm.grpc_server  # noqa: F401
     import island_jax.coordinator.main  # noqa: F401

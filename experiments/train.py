@@ -52,12 +52,6 @@ _ALLOW_CONFIG_CHANGE = flags.DEFINE_bool(
     "(each role's config.json): the change is recorded (a config_change record, run_info.json). Without it, that is "
     "refused, naming every changed field.",
 )
-_MMAP_THRESHOLD = flags.DEFINE_integer(
-    "mmap_threshold_bytes", 1 << 20,
-    "Host buffers of at least this many bytes are mapped on their own and go back to the kernel when freed "
-    "(island_jax/allocator.py; glibc only); 0 keeps glibc's adaptive threshold, under which freed buffers can "
-    "stay in the process's resident set.",
-)
 _DRY_RUN = flags.DEFINE_bool(
     "dry_run", False, "Train nothing: print, per island (this one with --role=island) and per device, the bytes of "
     "parameters, gradients, optimizer state, anchor and activations, from shapes and then measured on the island's "
@@ -105,13 +99,10 @@ def _leave_island(name: str, error: Exception) -> None:
 def main(argv):
     del argv
     from island_jax import config as config_lib
-    from island_jax.allocator import return_large_buffers
+    from island_jax import allocator
 
     _quiet_libraries()
-    try:
-        return_large_buffers(_MMAP_THRESHOLD.value)
-    except ValueError as e:
-        sys.exit(f"--mmap_threshold_bytes: {e}")
+    allocator.configure()  # glibc malloc's settings for every role (a MALLOC_*_ variable set by hand wins)
 
     # A stopped role (the launcher stops the others when one fails) unwinds like an error, so that its
     # checkpoint being written in the background is finished before the process ends.

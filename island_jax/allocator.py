@@ -1,50 +1,82 @@
-"""How the host's C allocator gives memory back: large buffers straight from and to the kernel.
+"""How a role's host memory is allocated and given back: glibc malloc's settings, in one place.
 
-A role allocates and frees buffers of megabytes all the time: chunk rows and payloads on the coordinator,
-shards of the global view, decoded updates, checkpoint snapshots and XLA:CPU's device buffers on an island.
-glibc's malloc serves a request from its heaps unless it is at least `M_MMAP_THRESHOLD` bytes, a threshold
-that starts at 128 KiB and rises (up to 32 MiB on 64-bit) each time a mapped buffer is freed. Once it has
-risen, freed megabyte buffers stay in the heaps of the threads that used them, where fragmentation keeps them
-from the kernel: the resident set then grows well past what is alive (docs/benchmarks.md, "Host memory per
-parameter", has the measured bytes per parameter with and without this setting).
+A role allocates and frees arrays of megabytes all the time: activations and device buffers on an island's
+XLA:CPU devices, the shards of the global view and the decoded updates, chunk rows and payloads on the
+coordinator, checkpoint snapshots everywhere. glibc's malloc maps a request of at least `M_MMAP_THRESHOLD`
+bytes on its own and unmaps it when freed; below that it serves from its heaps (one per thread, up to 8 per
+core), which keep what is freed. Two costs pull apart (docs/benchmarks.md, "Memory allocation" and "Host
+memory per parameter", has both measured):
 
-`return_large_buffers` fixes the threshold, so every buffer of at least that size is its own mapping,
-returned to the kernel when freed. The cost is a fresh mapping (page faults, zeroed pages) per large
-allocation.
+- speed: a fresh mapping faults in zeroed pages at first touch, about a tenth of an island's CPU when
+  every large array is mapped afresh;
+- memory: what the heaps keep stays in the resident set. A coordinator, whose state is the whole model's
+  master, momentum and view, then holds buffers of past merges and saves beside its live ones.
+
+So every role takes `SPEED` (buffers up to 32 MiB from the heaps, freed memory kept), and the coordinator
+gives its freed heap memory back after each merged round and each complete checkpoint (`trim`), once a round
+rather than at every free. A `MALLOC_*_` variable in the environment is the operator's explicit choice and
+wins over the setting it names.
 """
 
 from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import os
 
-M_MMAP_THRESHOLD = -3  # mallopt's parameter number (glibc's malloc.h)
-DEFAULT_THRESHOLD_BYTES = 1 << 20
+# mallopt's parameter numbers (glibc's malloc.h) and the environment variables that set them at a process's start
+_PARAMS = {"trim_threshold": (-1, "MALLOC_TRIM_THRESHOLD_"), "top_pad": (-2, "MALLOC_TOP_PAD_"),
+           "mmap_threshold": (-3, "MALLOC_MMAP_THRESHOLD_")}
+MAX_MMAP_THRESHOLD = 32 << 20  # glibc's limit on 64-bit, bytes
+
+# Every role's settings, bytes: buffers up to 32 MiB come from the heaps, up to 1 GiB freed at a heap's top is
+# kept, and a heap grows by 64 MiB at a time.
+SPEED = {"mmap_threshold": 32 << 20, "trim_threshold": 1 << 30, "top_pad": 64 << 20}
 
 
-def return_large_buffers(threshold_bytes: int = DEFAULT_THRESHOLD_BYTES) -> bool:
-    """Makes this process's C allocator map every buffer of at least `threshold_bytes` on its own (glibc's
-    `mallopt(M_MMAP_THRESHOLD)`), so it goes back to the kernel when freed. Call it early, before the large
-    buffers are allocated; it applies to every allocation after the call.
+def _libc():
+    name = ctypes.util.find_library("c")
+    return ctypes.CDLL(name) if name else None
 
-    Args:
-      threshold_bytes: bytes, at most 32 MiB (glibc's limit); 0 leaves glibc's own adaptive threshold.
+
+def configure(settings: dict[str, int] = SPEED) -> list[str]:
+    """Applies `settings` ({"mmap_threshold" | "trim_threshold" | "top_pad": bytes}) to this process's C
+    allocator with glibc's `mallopt`, each unless its `MALLOC_*_` variable is in the environment (the operator's
+    choice). Applies to allocations after the call.
 
     Returns:
-      Whether the setting took: False with 0, or where the C library is not glibc (macOS: nothing to do).
+      The names of the settings applied: none where the C library is not glibc (macOS: nothing to do).
 
     Raises:
-      ValueError: `threshold_bytes` is negative or above 32 MiB.
+      ValueError: an unknown name, a negative value, or an mmap threshold above 32 MiB (glibc's limit).
     """
-    if not 0 <= threshold_bytes <= 32 << 20:
-        raise ValueError(f"the mmap threshold is {threshold_bytes} bytes; give 0 (glibc's default) up to 33554432 "
-                         "(32 MiB)")
-    if threshold_bytes == 0:
-        return False
-    name = ctypes.util.find_library("c")
-    libc = ctypes.CDLL(name) if name else None
-    mallopt = getattr(libc, "mallopt", None)
+    for name, value in settings.items():
+        if name not in _PARAMS:
+            raise ValueError(f"unknown allocator setting {name!r}; choose from {sorted(_PARAMS)}")
+        if value < 0 or (name == "mmap_threshold" and value > MAX_MMAP_THRESHOLD):
+            raise ValueError(f"allocator setting {name} is {value} bytes; give 0 or more"
+                             f"{f', up to {MAX_MMAP_THRESHOLD} (32 MiB)' if name == 'mmap_threshold' else ''}")
+    mallopt = getattr(_libc(), "mallopt", None)
     if mallopt is None:
-        return False
+        return []
     mallopt.argtypes, mallopt.restype = (ctypes.c_int, ctypes.c_int), ctypes.c_int
-    return mallopt(M_MMAP_THRESHOLD, threshold_bytes) == 1
+    applied = []
+    for name, value in settings.items():
+        number, variable = _PARAMS[name]
+        if variable not in os.environ and mallopt(number, value) == 1:
+            applied.append(name)
+    return applied
+
+
+def trim() -> bool:
+    """Gives the heaps' freed memory back to the kernel (glibc's `malloc_trim(0)`, every heap of the process).
+    Costs a walk over the heaps and, later, fresh pages where the memory is used again.
+
+    Returns:
+      Whether memory was given back (False also where the C library is not glibc).
+    """
+    malloc_trim = getattr(_libc(), "malloc_trim", None)
+    if malloc_trim is None:
+        return False
+    malloc_trim.argtypes, malloc_trim.restype = (ctypes.c_size_t,), ctypes.c_int
+    return malloc_trim(0) == 1

@@ -35,6 +35,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 from absl import logging
 
+from island_jax import allocator
 from island_jax.mesh import host_copy
 
 # One writer per process: roles that share a process (the in-process run) save one after another, since
@@ -111,8 +112,12 @@ class Checkpointer:
         self.multi_process = jax.process_count() > 1  # a process of a multi-process island
 
     def _open_manager(self) -> ocp.CheckpointManager:
+        # Uncompressed: orbax's zstd holds the compressed chunks in memory until they are written (about 0.6 of
+        # the state's bytes on top of it at each save), for files about 8% smaller (docs/benchmarks.md, "Host
+        # memory per parameter"); written plain, the arrays go to the files as they are. Restore reads either.
         return ocp.CheckpointManager(
-            self.directory, options=ocp.CheckpointManagerOptions(max_to_keep=self.max_to_keep, create=True)
+            self.directory, options=ocp.CheckpointManagerOptions(max_to_keep=self.max_to_keep, create=True),
+            item_handlers=ocp.PyTreeCheckpointHandler(use_compression=False),
         )
 
     def rounds(self, wait: bool = False) -> list[int]:
@@ -166,10 +171,11 @@ class Checkpointer:
             if self.latest_round() == round:
                 return False
             if self.multi_process:  # every process writes its shards, here (orbax's saves are collectives)
-                self._save_in_background(round, state)
+                self._save_in_background(round, [state])
                 return True
             host = _host(state, frozen_numpy)
-            self._last = self._unreported = _WRITER.submit(self._save_in_background, round, host)
+            # passed in a list that the writer empties, so that the snapshot is freed once written
+            self._last = self._unreported = _WRITER.submit(self._save_in_background, round, [host])
         return True  # the caller only pays for the host copy
 
     def _write(self, round: int, host_state: Any) -> None:
@@ -178,13 +184,18 @@ class Checkpointer:
         Runs on the writer thread, never two at once. The one place the files
         are written: a test replaces it to make a save fail.
         """
-        if not self._manager.save(round, args=ocp.args.StandardSave(host_state), force=True):
+        if not self._manager.save(round, args=ocp.args.PyTreeSave(host_state), force=True):
             raise CheckpointError(f"orbax did not save round {round} in {self.directory}")
         self._manager.wait_until_finished()
 
-    def _save_in_background(self, round: int, host_state: Any) -> None:
+    def _save_in_background(self, round: int, holder: list) -> None:
+        """Writes the state in the one-element list `holder`, which it empties: a snapshot nobody else holds is
+        then freed once written, and its memory given back to the kernel (`allocator.trim`)."""
+        state = holder.pop()
         try:
-            self._write(round, host_state)
+            self._write(round, state)
+            del state
+            allocator.trim()
         except Exception as e:
             self._reopen(round)
             newest = self.latest_round()
@@ -287,9 +298,11 @@ class Checkpointer:
                 f"no complete checkpoint of round {round} in {self.directory}; the complete ones are of rounds "
                 f"{self._complete}"
             )
-        like = _abstract(like) if self.multi_process else _host(like)
+        like = _abstract(like)
         try:
-            restored = self._manager.restore(round, args=ocp.args.StandardRestore(like))
+            restored = self._manager.restore(
+                round, args=ocp.args.PyTreeRestore(like, restore_args=ocp.checkpoint_utils.construct_restore_args(like))
+            )
         except Exception as e:  # orbax raises several types for a mismatched tree
             raise CheckpointError(
                 f"the checkpoint of round {round} in {self.directory} does not fit this run's model and optimizer "

@@ -143,11 +143,13 @@ def test_update_codec_relative_error_is_logged():
     assert coord.history[-1].update_codec_relative_error == 0.0
 
 
-@pytest.mark.parametrize("kind", ["int8", "int4", "bf16", "none"])
-def test_view_of_bfloat16_and_float32_leaves_is_what_islands_compute(kind):
+@pytest.mark.parametrize("kind,chunk_bytes", [("int8", 4096), ("int4", None), ("bf16", 3000), ("none", None)])
+def test_view_of_bfloat16_and_float32_leaves_is_what_islands_compute(kind, chunk_bytes):
     import ml_dtypes
 
     config = _config(0.7, 0.9, True, kind=kind)
+    if chunk_bytes is not None:  # leaves cut over several chunks: the checksum reads each leaf from many rows
+        config.comm.chunk_bytes = chunk_bytes
     rng = np.random.default_rng(3)
     params = {
         "w": rng.normal(size=(70, 300)).astype(ml_dtypes.bfloat16),  # 21,000 elements: several pieces for int8
@@ -163,7 +165,7 @@ def test_view_of_bfloat16_and_float32_leaves_is_what_islands_compute(kind):
             coord.contribute(ContributionHeader(r, name, 100), codec.encode(pg, kind, config.codec.block_size))
         island_view = codec.decode_and_apply(island_view, coord.fetch_update(r, "a"), kind, config.codec.block_size)
         assert {k: v.dtype for k, v in coord.view.items()} == {"w": ml_dtypes.bfloat16, "b": np.float32}
-        assert checksum(coord.view) == checksum(island_view) == coord.history[-1].checksum
+        assert checksum(coord.view) == checksum(island_view) == coord.history[-1].checksum == coord.checksum
 
 
 def test_outer_momentum_warms_up_linearly_with_one_state_structure():
@@ -186,3 +188,24 @@ def test_outer_momentum_warms_up_linearly_with_one_state_structure():
     assert jax.tree.structure(zero) == jax.tree.structure(state)  # checkpoints keep their shape
     update, _ = outer_optimizer(plain).update(jnp.full(1, 0.3, jnp.float32), zero)
     assert float(update[0]) == -np.float32(0.3)  # plain averaging, exactly
+
+
+def test_checkpoint_state_is_read_in_place_and_never_written_again():
+    """`state()` gives a checkpoint the optimizer state as read-only views of the coordinator's own arrays (no
+    copy), and the master and view laid out afresh; a later round replaces the arrays, so a snapshot taken before
+    it keeps the values it had."""
+    config = _config(0.7, 0.9, True, kind="int8")
+    coord = _coordinator(config, np.linspace(-1.0, 1.0, 3000))
+    snapshot = coord.state()
+    held = jax.tree.leaves(coord._state.opt)
+    views = jax.tree.leaves(snapshot["opt_state"])
+    assert len(views) == len(held) > 0
+    for view, array in zip(views, held):
+        assert isinstance(view, np.ndarray) and not view.flags.writeable
+        assert view.ctypes.data == array.unsafe_buffer_pointer()  # the same bytes, not a copy
+    before = jax.tree.map(np.array, snapshot)
+    assert coord.state()["view"]["w"] is not snapshot["view"]["w"]  # laid out at each call
+    _round(coord, config, (np.full(3000, 0.5), np.full(3000, -0.25)))
+    after = coord.state()
+    assert not np.array_equal(after["master"]["w"], before["master"]["w"])  # the round moved the state ...
+    jax.tree.map(np.testing.assert_array_equal, snapshot, before)  # ... and left the snapshot as it was

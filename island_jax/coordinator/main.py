@@ -15,6 +15,7 @@ import time
 import ml_collections
 from absl import logging
 
+from island_jax import allocator
 from island_jax import config as config_lib
 from island_jax.comm.inprocess import InProcessExchange
 from island_jax.comm.transport import Endpoint
@@ -159,6 +160,7 @@ def _serve_rounds(config, coordinator: FragmentedCoordinator, endpoint, role: Ro
                 " ".join(f"{k}={v:.4f}" for k, v in rec.pseudo_gradient_norm.items()),
                 " ".join(f"{k}={v:.3f}" for k, v in rec.cosine_similarity.items()) or "-",
             )
+        allocator.trim()  # the merge's old state and the round's contributions go back to the kernel
         if due(r + 1, every, rounds):
             _checkpoint(coordinator, endpoint, role, r + 1, force=r + 1 == rounds, saving=saving)
     # Every island that contributed to the last round receives its update (a quorum may have left some out).

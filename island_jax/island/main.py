@@ -22,6 +22,7 @@ import ml_collections
 import numpy as np
 from absl import logging
 
+from island_jax import allocator
 from island_jax import config as config_lib
 from island_jax import data as data_lib
 from island_jax import distributed
@@ -372,6 +373,7 @@ def _train_rounds(config, island: Island, sync: StreamingSync, role: RoleFolder,
             result["seconds_blocked"], result["idle_seconds"], result["eval_seconds"], result["checkpoint_seconds"],
             result["compute_utilization"], 100 * result["mfu"], result["overlap_steps"], eta.after(r + 1),
         )
+        allocator.trim()  # what the round's exchange, eval and checkpoint freed goes back to the kernel
         r += 1
 
 
