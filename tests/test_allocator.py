@@ -1,47 +1,48 @@
-"""Large host buffers mapped on their own (island_jax/allocator.py), so that freeing one gives it back."""
+"""glibc malloc's settings for the roles, and giving freed memory back (island_jax/allocator.py)."""
 
-import ctypes
+import os
 import sys
 
 import numpy as np
 import pytest
 
-from island_jax.allocator import DEFAULT_THRESHOLD_BYTES, return_large_buffers
+from island_jax import allocator
 
 MIB = 1 << 20
+glibc = pytest.mark.skipif(sys.platform != "linux", reason="mallopt and malloc_trim are glibc's")
 
 
-class _MallInfo2(ctypes.Structure):  # glibc's struct mallinfo2 (malloc.h), fields of size_t
-    _fields_ = [(name, ctypes.c_size_t) for name in (
-        "arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks", "keepcost")]
+def _resident() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
-def _mapped_bytes() -> int:
-    """Bytes the C allocator holds in buffers mapped on their own (`hblkhd`)."""
-    mallinfo2 = ctypes.CDLL(None).mallinfo2
-    mallinfo2.restype = _MallInfo2
-    return mallinfo2().hblkhd
+@glibc
+def test_trim_gives_what_the_heaps_keep_back_to_the_kernel(monkeypatch):
+    for name in ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "MALLOC_TOP_PAD_"):
+        monkeypatch.delenv(name, raising=False)
+    assert allocator.configure() == ["mmap_threshold", "trim_threshold", "top_pad"]
+    buffers = [np.ones(4 * MIB, np.uint8) for _ in range(16)]  # 64 MiB, touched, from the heaps
+    held = _resident()
+    del buffers
+    kept = _resident()
+    assert held - kept < 16 * MIB  # SPEED keeps most of what was freed (1 GiB may stay at a heap's top) ...
+    assert allocator.trim() is True
+    assert kept - _resident() >= 48 * MIB  # ... until it is trimmed
 
 
-@pytest.mark.skipif(sys.platform != "linux", reason="mallopt and mallinfo2 are glibc's")
-def test_buffers_from_the_threshold_up_are_mapped_and_given_back():
-    try:
-        assert return_large_buffers(32 * MIB)
-        before = _mapped_bytes()
-        small = np.ones(2 * MIB, np.uint8)  # under 32 MiB: from the heap
-        assert _mapped_bytes() == before
-        del small
-        assert return_large_buffers(MIB)
-        large = np.ones(2 * MIB, np.uint8)  # over 1 MiB: a mapping of its own ...
-        assert _mapped_bytes() - before >= 2 * MIB
-        del large
-        assert _mapped_bytes() == before  # ... unmapped when freed
-    finally:
-        return_large_buffers(DEFAULT_THRESHOLD_BYTES)  # what the roles run with
+def test_a_malloc_variable_in_the_environment_wins(monkeypatch):
+    monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", str(MIB))
+    monkeypatch.delenv("MALLOC_TRIM_THRESHOLD_", raising=False)
+    monkeypatch.setenv("MALLOC_TOP_PAD_", "0")
+    expected = ["trim_threshold"] if sys.platform == "linux" else []
+    assert allocator.configure() == expected
 
 
-def test_zero_keeps_glibcs_threshold_and_a_bad_one_is_refused():
-    assert return_large_buffers(0) is False
-    for bad in (-1, 32 * MIB + 1):
-        with pytest.raises(ValueError, match="0 \\(glibc's default\\) up to 33554432"):
-            return_large_buffers(bad)
+def test_a_bad_setting_is_refused_naming_it():
+    with pytest.raises(ValueError, match="mmap_threshold is 33554433 bytes; give 0 or more, up to 33554432"):
+        allocator.configure({"mmap_threshold": 32 * MIB + 1})
+    with pytest.raises(ValueError, match="top_pad is -1 bytes; give 0 or more"):
+        allocator.configure({"top_pad": -1})
+    with pytest.raises(ValueError, match="unknown allocator setting 'arena_max'"):
+        allocator.configure({"arena_max": 2})
