@@ -329,3 +329,28 @@ def test_a_save_copies_device_arrays_and_takes_frozen_numpy_arrays_as_they_are()
     assert isinstance(frozen["device"], np.ndarray) and isinstance(copied["device"], np.ndarray)
     np.testing.assert_array_equal(copied["fresh"], tree["fresh"])
     np.testing.assert_array_equal(frozen["device"], np.ones(3, np.float32))
+
+
+def test_a_compressed_checkpoint_of_an_earlier_version_is_restored_and_new_ones_are_written_plain(tmp_path):
+    """Checkpoints were once written with orbax's standard handler, zstd-compressed; they are written plain now
+    (the compressed chunks were held in memory until written), and an old one still restores bit for bit."""
+    import orbax.checkpoint as ocp
+    import tensorstore as ts
+
+    directory = folder(tmp_path)
+    old = ocp.CheckpointManager(directory, options=ocp.CheckpointManagerOptions(create=True))
+    old.save(1, args=ocp.args.StandardSave(state(1)))
+    old.wait_until_finished()
+    old.close()
+    ckpt = Checkpointer(directory, every_rounds=1, max_to_keep=3)
+    assert_same_bits(ckpt.restore(state(0)), state(1))
+    saved(ckpt, 2)
+    assert_same_bits(ckpt.restore(state(0)), state(2))
+    ckpt.close()
+    compressors = {}
+    for n in (1, 2):  # each array's zarr metadata, in the checkpoint's OCDBT database
+        kv = ts.KvStore.open({"driver": "ocdbt", "base": f"file://{os.path.join(directory, str(n), 'default')}"}).result()
+        keys = [k.decode() for k in kv.list().result() if k.endswith(b"/.zarray")]
+        compressors[n] = {json.loads(kv.read(k).result().value)["compressor"] is None for k in keys}
+        assert len(keys) == len(jax.tree.leaves(state(n)))
+    assert compressors == {1: {False}, 2: {True}}
