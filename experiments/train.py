@@ -98,8 +98,8 @@ def _leave_island(name: str, error: Exception) -> None:
 
 def main(argv):
     del argv
-    from island_jax import config as config_lib
     from island_jax import allocator
+    from island_jax import config as config_lib
 
     _quiet_libraries()
     allocator.configure()  # glibc malloc's settings for every role (a MALLOC_*_ variable set by hand wins)

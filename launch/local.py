@@ -78,7 +78,6 @@ from typing import TextIO
 from absl import app, flags
 from ml_collections import config_flags
 
-
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Path to an experiment config (a get_config() file).", lock_config=True)
 _WORKDIR = flags.DEFINE_string("workdir", None, "The run's folder (one subfolder per role).")
 _HOST = flags.DEFINE_string("host", "localhost", "Host the coordinator listens on.")

@@ -22,10 +22,9 @@ import ml_collections
 import numpy as np
 from absl import logging
 
-from island_jax import allocator
+from island_jax import allocator, distributed
 from island_jax import config as config_lib
 from island_jax import data as data_lib
-from island_jax import distributed
 from island_jax.comm.inprocess import InProcessExchange, InProcessTransport, RunAborted
 from island_jax.comm.link import LinkEmulator
 from island_jax.comm.transport import CoordinatorRestarted, ExchangeError
