@@ -45,6 +45,10 @@ setup(
         "crc32c>=2.7,<3",  # CRC-32C of every chunk, in hardware
         "cryptography>=42,<51",  # island_jax/comm/security.py: the run's TLS certificates (x509, ECDSA P-256)
         "safetensors>=0.8,<0.9",  # island_jax/export.py: the exported weights
+        # island_jax/tokenizer.py: byte-level BPE and tokenizer.json files, SentencePiece models, tiktoken encodings
+        "tokenizers>=0.22,<0.24",
+        "sentencepiece>=0.2,<0.3",
+        "tiktoken>=0.9,<0.15",
     ],
     extras_require={
         # tensorboard: its own event reader checks the event files the runs write;

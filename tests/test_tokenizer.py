@@ -1,0 +1,113 @@
+"""Tokenizers from local files (island_jax/tokenizer.py): every kind's round trip, a deterministic BPE, refusals."""
+
+import base64
+import hashlib
+
+import numpy as np
+import pytest
+
+from island_jax import tokenizer as tok
+from island_jax.data import DataError, find_files
+
+TEXT = "def f(x):\n    return x ** 2  # naïve — 平方\n\tprint('ok')\r\n"
+
+
+def _documents(limit=40):
+    """Standard-library sources: the same ones, in the same order, on every call."""
+    _, files = find_files("")
+    return [p.read_text(encoding="utf-8", errors="replace") for p in files[:limit]]
+
+
+def test_bytes_are_the_byte_level_models_symbols_and_256_ends_a_document():
+    t = tok.load("bytes")
+    ids = t.encode(TEXT)
+    assert ids.dtype == np.int32 and ids.tolist() == list(TEXT.encode("utf-8"))
+    doc = t.encode_document(TEXT)
+    assert doc.tolist() == ids.tolist() + [256] and (t.vocab_size, t.eos_id) == (257, 256)
+    assert t.decode(doc) == TEXT
+
+
+def test_a_bpe_trained_twice_on_the_same_files_is_the_same_and_gives_documents_back_exactly(tmp_path):
+    docs = _documents()
+    first, second = tok.train_bpe(iter(docs), 1024), tok.train_bpe(iter(docs), 1024)
+    assert first.hash == second.hash and first.vocab_size == second.vocab_size == 1024
+    assert first.eos_id == 0 and first.kind == "bpe"
+    assert tok.train_bpe(iter(docs[:-1]), 1024).hash != first.hash  # other text, another tokenizer
+    for text in (TEXT, docs[3], "", "\x00\udcff".encode("utf-8", "surrogatepass").decode("utf-8", "replace")):
+        ids = first.encode(text)
+        assert first.decode(ids) == text
+        assert first.decode(first.encode_document(text)) == text
+    assert len(first.encode(docs[3])) < len(docs[3].encode("utf-8")) / 2  # the merges compress source code
+    path = str(tmp_path / "tokenizer.json")
+    first.save(path)
+    again = tok.load("bpe", path)
+    assert (again.hash, again.vocab_size, again.eos_id) == (first.hash, first.vocab_size, first.eos_id)
+    assert again.encode(docs[5]).tolist() == first.encode(docs[5]).tolist()
+
+
+def test_a_tokenizer_json_file_names_its_end_of_document_token(tmp_path):
+    path = str(tmp_path / "tokenizer.json")
+    tok.train_bpe(iter(_documents(10)), 400).save(path)
+    t = tok.load("tokenizer_json", path)
+    assert (t.kind, t.eos_id) == ("tokenizer_json", 0) and t.decode(t.encode(TEXT)) == TEXT
+    with pytest.raises(tok.TokenizerError, match="no end-of-document token '</s>'; name the one it has"):
+        tok.load("tokenizer_json", path, eos_token="</s>")
+
+
+def test_a_sentencepiece_model_round_trips_its_text(tmp_path):
+    import sentencepiece
+
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("\n".join(line for d in _documents(20) for line in d.splitlines() if line.strip()))
+    prefix = str(tmp_path / "sp")
+    sentencepiece.SentencePieceTrainer.train(
+        input=str(corpus), model_prefix=prefix, vocab_size=500, model_type="bpe", byte_fallback=True,
+        num_threads=1, minloglevel=2,
+    )
+    t = tok.load("sentencepiece", prefix + ".model")
+    assert (t.kind, t.vocab_size, t.eos_id) == ("sentencepiece", 500, 2)
+    assert t.decode(t.encode_document("return x + 1")) == "return x + 1"
+    assert t.hash == tok.load("sentencepiece", prefix + ".model").hash
+
+
+def _tiktoken_file(path, merges=(b"re", b"ret", b"retu", b"return", b"  ", b"    ")):
+    """A .tiktoken file: every byte, then `merges` (each made of two earlier tokens), a base64 token and its rank
+    per line."""
+    tokens = [bytes([b]) for b in range(256)] + list(merges)
+    path.write_bytes(b"".join(base64.b64encode(t) + b" %d\n" % r for r, t in enumerate(tokens)))
+    return str(path)
+
+
+def test_tiktoken_ranks_of_ones_own_round_trip_and_a_named_encoding_checks_its_file(tmp_path):
+    path = _tiktoken_file(tmp_path / "own.tiktoken")
+    t = tok.load("tiktoken", path, tiktoken_name="")
+    assert (t.vocab_size, t.eos_id) == (263, 262)
+    assert t.encode("return").tolist() == [259]  # a piece that is a token is that token
+    assert t.encode("re").tolist() == [256] and t.encode("ret").tolist() == [257]  # the merges apply
+    assert t.decode(t.encode_document(TEXT)) == TEXT
+    digest = hashlib.sha256(open(path, "rb").read()).hexdigest()
+    with pytest.raises(tok.TokenizerError, match=f"is not the ranks of tiktoken's cl100k_base \\(SHA-256 {digest}"):
+        tok.load("tiktoken", path, tiktoken_name="cl100k_base")
+    with pytest.raises(tok.TokenizerError, match="tiktoken has no encoding 'cl99k'"):
+        tok.load("tiktoken", path, tiktoken_name="cl99k")
+
+
+def test_bad_tokenizer_input_is_refused_naming_the_file_and_the_fix(tmp_path):
+    with pytest.raises(tok.TokenizerError, match="unknown tokenizer kind 'wordpiece'; choose one of"):
+        tok.load("wordpiece")
+    missing = str(tmp_path / "none.json")
+    with pytest.raises(tok.TokenizerError, match=f"file '{missing}' does not exist; give the path of its tokenizer.json"):
+        tok.load("tokenizer_json", missing)
+    garbage = tmp_path / "garbage.model"
+    garbage.write_bytes(b"not a model")
+    with pytest.raises(tok.TokenizerError, match="garbage.model is not a SentencePiece model"):
+        tok.load("sentencepiece", str(garbage))
+    garbage_json = tmp_path / "garbage.json"
+    garbage_json.write_text("{")
+    with pytest.raises(tok.TokenizerError, match="garbage.json is not a Hugging Face tokenizer.json"):
+        tok.load("bpe", str(garbage_json))
+    with pytest.raises(tok.TokenizerError, match="at least 257 tokens .* got 200"):
+        tok.train_bpe(iter(["abc"]), 200)
+    with pytest.raises(tok.TokenizerError, match="no text to train the BPE on"):
+        tok.train_bpe(iter([]), 300)
+    assert issubclass(tok.TokenizerError, DataError)
