@@ -49,6 +49,10 @@ setup(
         "tokenizers>=0.22,<0.24",
         "sentencepiece>=0.2,<0.3",
         "tiktoken>=0.9,<0.15",
+        # island_jax/prepared.py: Parquet inputs, ArrayRecord shards, a progress bar
+        "pyarrow>=17,<27",
+        "array-record>=0.8,<0.9",
+        "tqdm>=4.66,<5",
     ],
     extras_require={
         # tensorboard: its own event reader checks the event files the runs write;
