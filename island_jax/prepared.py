@@ -34,6 +34,7 @@ from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
 import numpy as np
+from absl import logging
 
 from island_jax import tokenizer as tokenizer_lib
 from island_jax.data import DataError
@@ -321,6 +322,8 @@ def prepare(
     if tokenizer == "bpe":
         tok_path = os.path.join(out, TOKENIZER_FILE)
         if not os.path.exists(tok_path):  # trained once; a resumed run keeps it
+            logging.info("training a byte-level BPE of %d tokens on %.1f MB of training text", vocab_size,
+                         sum(len(t.encode("utf-8")) for s in shards if s.split == "train" for t in s.texts) / 1e6)
             trained = tokenizer_lib.train_bpe((t for s in shards if s.split == "train" for t in s.texts), vocab_size)
             trained.save(tok_path + ".tmp")
             os.replace(tok_path + ".tmp", tok_path)
@@ -337,6 +340,8 @@ def prepare(
                 progress(entry)
     args = (tokenizer, tok_path, eos_token, tiktoken_name)
     workers = workers or os.cpu_count() or 1
+    logging.info("tokenizing %d of %d shards in %d process(es); %d kept from an earlier run", len(todo), len(shards),
+                 1 if workers == 1 or len(todo) <= 1 else min(workers, len(todo)), len(entries))
     if workers == 1 or len(todo) <= 1:
         _start_worker(*args)
         for plan in todo:
