@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import glob
 import hashlib
+import math
 import os
 import sysconfig
 import zlib
@@ -241,3 +242,16 @@ def mean_and_stderr(losses: np.ndarray) -> tuple[float, float]:
     losses = np.asarray(losses, np.float64)
     stderr = float(np.std(losses, ddof=1) / np.sqrt(len(losses))) if len(losses) > 1 else float("nan")
     return float(np.mean(losses)), stderr
+
+
+def bits_per_byte(loss: float, tokens: int, text_bytes: int) -> float:
+    """Bits per byte of the underlying text: `loss` (nats per token, a mean over `tokens` tokens) x tokens, over
+    the text's `text_bytes` UTF-8 bytes and ln 2. Runs of different tokenizers compare by it; on bytes (tokens
+    == text_bytes) it is loss / ln 2 exactly.
+
+    Raises:
+      ValueError: `text_bytes` is not positive.
+    """
+    if text_bytes <= 0:
+        raise ValueError(f"bits per byte of {text_bytes} bytes of text; score at least one byte")
+    return loss / math.log(2) * (tokens / text_bytes)

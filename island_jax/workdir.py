@@ -237,7 +237,8 @@ def summarize_island(folder: str) -> dict:
     weighted by inner steps x median step seconds), `achieved_gbps` (all
     bytes moved x 8 / seconds_transferring / 1e9), the last `checksum` (of the
     last round record, or of a later `rejoin` record), and
-    when the island evaluated, `eval_loss_initial` (round 0), `eval_loss_final`, its standard error
+    when the island evaluated, `eval_loss_initial` (round 0), `eval_loss_final` and `eval_bits_per_byte_final`
+    (of the text, `data.bits_per_byte`), the loss's standard error
     `eval_loss_final_stderr`, and `eval_windows` and `eval_windows_sha256` (the held-out set scored).
     """
     rounds, evals, held = {}, {}, None
@@ -260,6 +261,7 @@ def summarize_island(folder: str) -> dict:
     if evals:
         last = evals[max(evals)]
         summary.update(eval_loss_initial=evals[0]["eval_loss"] if 0 in evals else None, eval_loss_final=last["eval_loss"],
+                       eval_bits_per_byte_final=last.get("eval_bits_per_byte"),
                        eval_loss_final_stderr=last.get("eval_loss_stderr"), eval_windows=last.get("eval_windows"),
                        eval_windows_sha256=last.get("eval_windows_sha256"))
     return summary
@@ -307,6 +309,7 @@ def combine_summaries(config: ml_collections.ConfigDict, workdir: str, wall_seco
         eval_loss_initial=evaluator.get("eval_loss_initial"),
         eval_loss_final=evaluator.get("eval_loss_final"),
         eval_loss_final_stderr=evaluator.get("eval_loss_final_stderr"),
+        eval_bits_per_byte_final=evaluator.get("eval_bits_per_byte_final"),
         eval_windows=evaluator.get("eval_windows"),
         eval_windows_sha256=evaluator.get("eval_windows_sha256"),
         wall_seconds=wall_seconds,

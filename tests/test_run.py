@@ -1,6 +1,7 @@
 """Every role in one process (`run_in_process`): determinism, bytes on the wire, workdir, resume, baseline."""
 
 import json
+import math
 import os
 
 import jax
@@ -85,6 +86,9 @@ def test_frame_bytes_tokens_and_summary(run):
     assert on_disk["corpus"]["files"] == 30
     assert abs(on_disk["eval_loss_initial"] - np.log(256)) < 0.15
     assert on_disk["eval_loss_final"] < on_disk["eval_loss_initial"]
+    assert on_disk["eval_bits_per_byte_final"] == on_disk["eval_loss_final"] / math.log(2)  # bytes: exactly
+    evals = records(workdir, "islands/a", "eval")
+    assert evals and all(r["eval_bits_per_byte"] == r["eval_loss"] / math.log(2) for r in evals)
     assert records(workdir, "coordinator", "round")[0]["weights"] == {"a": 2 / 3, "b": 1 / 3}  # 8 vs 4 sequences
 
 
@@ -294,3 +298,10 @@ def test_a_resume_under_another_config_is_refused_alike_unless_allowed(tmp_path,
         assert len(starts) == 2 and "config_changes" not in starts[0]
         assert starts[1]["config_changes"] == [["inner.learning_rate", 0.003, 0.001], ["islands.a.crash_at_round", 2, 0]]
         assert json.loads((workdir / role / "config.json").read_text())["islands"]["a"]["crash_at_round"] == 0
+
+
+def test_bits_per_byte_counts_the_texts_bytes_not_the_tokens():
+    assert data_lib.bits_per_byte(2.0, 1000, 1000) == 2.0 / math.log(2)
+    assert data_lib.bits_per_byte(2.0, 1000, 3370) == 2.0 / math.log(2) * (1000 / 3370)  # 3.37 bytes per BPE token
+    with pytest.raises(ValueError, match="bits per byte of 0 bytes of text; score at least one byte"):
+        data_lib.bits_per_byte(2.0, 10, 0)

@@ -185,7 +185,8 @@ def run_island(
 
 class _Evaluator:
     """The first island's evaluations of the held-out set (`data.eval_windows`; nats per byte), written as
-    `eval` records: `eval_loss` (the mean over windows), `eval_loss_stderr` (its standard error),
+    `eval` records: `eval_loss` (the mean over windows, nats per token), `eval_bits_per_byte` (of the text,
+    `data.bits_per_byte`), `eval_loss_stderr` (its standard error),
     `eval_loss_halves` (the means of the set's first and second halves), `eval_windows` (how many) and
     `eval_windows_sha256` (`data.windows_sha256`: equal in every run scored on the same windows)."""
 
@@ -194,6 +195,7 @@ class _Evaluator:
         windows = data_lib.eval_windows(corpus.eval_bytes, config.model.seq_len, config.eval.num_windows,
                                         config.eval.seed)
         self.count, self.sha256 = len(windows), data_lib.windows_sha256(windows)
+        self.tokens = int(np.size(windows))  # the windows' tokens (bytes of text)
         self.batches = data_lib.eval_batches(windows, config.eval.batch_size)
 
     def __call__(self, round: int, write: bool = True) -> dict:
@@ -201,7 +203,9 @@ class _Evaluator:
         losses = self.island.evaluate(self.batches, global_params=self.global_params)
         loss, stderr = data_lib.mean_and_stderr(losses)
         half = len(losses) // 2
-        result = dict(eval_loss=loss, eval_loss_stderr=stderr,
+        # byte-level windows: every token is one byte of the text
+        result = dict(eval_loss=loss, eval_loss_stderr=stderr, eval_bits_per_byte=data_lib.bits_per_byte(
+                          loss, self.tokens, self.tokens),
                       eval_loss_halves=[float(np.mean(losses[:half], dtype=np.float64)),
                                         float(np.mean(losses[half:], dtype=np.float64))],
                       eval_windows=self.count, eval_windows_sha256=self.sha256)
@@ -354,7 +358,8 @@ def _train_rounds(config, island: Island, sync: StreamingSync, role: RoleFolder,
         if evaluator is not None and due(r + 1, config.eval.every_rounds, rounds):
             with sync.between_rounds("eval"):
                 scored = evaluator(r + 1)
-                record.update(eval_loss=scored["eval_loss"], eval_loss_stderr=scored["eval_loss_stderr"])
+                record.update(eval_loss=scored["eval_loss"], eval_loss_stderr=scored["eval_loss_stderr"],
+                              eval_bits_per_byte=scored["eval_bits_per_byte"])
         role.metrics.write(record)
         if checkpoint_due:
             with sync.between_rounds("checkpoint"):
