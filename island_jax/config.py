@@ -55,6 +55,7 @@ RECONNECT_BACKOFF_CAP_SECONDS = 8.0  # default of comm.reconnect_backoff_cap_sec
 DTYPES = ("float32", "bfloat16")  # values of model.param_dtype and model.compute_dtype
 # Values of model.remat: "none" keeps every activation, "full" recomputes each block's from its input, and the
 # others are `jax.checkpoint_policies` of those names (what a block keeps; the rest is recomputed)
+POSITIONS = ("learned", "rope")  # values of model.positions
 REMAT = ("none", "full", "dots_saveable", "dots_with_no_batch_dims_saveable", "everything_saveable",
          "nothing_saveable")
 BYTE_SYMBOLS = 256  # symbols of the byte-level data (island_jax/data.py): model.vocab_size must hold them all
@@ -176,6 +177,8 @@ def _model() -> dict:
         compute_dtype="float32",  # dtype of activations and matmuls: float32 | bfloat16
         mlp_hidden_dim=512,  # SwiGLU width of the dense feed-forward layers between MoE layers
         remat="none",  # rematerialization per block (jax.checkpoint policy): none | full | dots_saveable | ...
+        positions="learned",  # learned: a position embedding of seq_len rows; rope: rotary (RoFORMER) in attention
+        rope_theta=10_000.0,  # with positions=rope: the base of the rotary frequencies
     )
 
 
@@ -374,6 +377,14 @@ def _check_model(m: ml_collections.ConfigDict) -> None:
     )
     _require(m.mlp_hidden_dim > 0, f"model.mlp_hidden_dim is {m.mlp_hidden_dim}; it must be positive")
     _require(m.remat in REMAT, f"model.remat is {m.remat!r}; choose one of {REMAT}")
+    _require(m.positions in POSITIONS, f"model.positions is {m.positions!r}; choose one of {POSITIONS}")
+    if m.positions == "rope":
+        _require(m.rope_theta > 1, f"model.rope_theta is {m.rope_theta}; use a base above 1 (10000 is usual)")
+        _require(
+            (m.d_model // m.num_heads) % 2 == 0,
+            f"model.positions is rope but the heads' width d_model / num_heads = {m.d_model // m.num_heads} is odd; "
+            "rotary positions rotate pairs of dimensions: pick num_heads so that the width is even",
+        )
 
 
 def _check_moe(moe: ml_collections.ConfigDict, m: ml_collections.ConfigDict) -> None:

@@ -36,19 +36,48 @@ def _norm(d_model: int, pd, cd, rngs: nnx.Rngs) -> nnx.RMSNorm:
                        rngs=rngs)
 
 
-class Attention(nnx.Module):
-    """Causal multi-head self-attention. x [B, S, D] -> [B, S, D]."""
+def rotary(x: jax.Array, positions: jax.Array, theta: float) -> jax.Array:
+    """Rotary position embedding (RoFormer, arXiv 2104.09864, eq. 34, in the rotate-half layout): each pair
+    (x[..., i], x[..., i + Dh / 2]) of a head is rotated by the angle position x theta^(-2i / Dh).
 
-    def __init__(self, d_model: int, num_heads: int, *, param_dtype, compute_dtype, rngs: nnx.Rngs):
+    Args:
+      x: [B, S, H, Dh] queries or keys (Dh even).
+      positions: int32 [S], each row's position.
+      theta: the frequencies' base.
+
+    Returns:
+      [B, S, H, Dh] in x's dtype (the angles in float32).
+    """
+    half = x.shape[-1] // 2
+    freqs = theta ** (-jnp.arange(half, dtype=jnp.float32) / half)
+    angles = positions.astype(jnp.float32)[:, None] * freqs  # [S, half]
+    cos, sin = jnp.cos(angles)[None, :, None, :], jnp.sin(angles)[None, :, None, :]
+    x1, x2 = x[..., :half].astype(jnp.float32), x[..., half:].astype(jnp.float32)
+    return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
+
+
+class Attention(nnx.Module):
+    """Causal multi-head self-attention. x [B, S, D] -> [B, S, D]; with `rope_theta`, queries and keys carry
+    rotary positions (`rotary`)."""
+
+    def __init__(self, d_model: int, num_heads: int, *, param_dtype, compute_dtype, rngs: nnx.Rngs,
+                 rope_theta: float | None = None):
         self.num_heads = num_heads
+        self.rope_theta = rope_theta
         kw = dict(use_bias=False, param_dtype=param_dtype, dtype=compute_dtype, rngs=rngs)
         init = nnx.initializers.lecun_normal()  # nnx.Linear's own default
         self.qkv = nnx.Linear(d_model, 3 * d_model, kernel_init=logical(init, "embed", "qkv"), **kw)
         self.out = nnx.Linear(d_model, d_model, kernel_init=logical(init, "heads", "embed"), **kw)
 
+    def _rotated(self, q, k, positions):
+        if self.rope_theta is None:
+            return q, k
+        return rotary(q, positions, self.rope_theta), rotary(k, positions, self.rope_theta)
+
     def __call__(self, x: jax.Array) -> jax.Array:
         b, s, d = x.shape
         q, k, v = jnp.split(_linear(self.qkv, x).reshape(b, s, 3 * self.num_heads, d // self.num_heads), 3, axis=2)
+        q, k = self._rotated(q, k, jnp.arange(s, dtype=jnp.int32))
         y = jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=attention_implementation(q.dtype))
         return _linear(self.out, y.reshape(b, s, d))
 
@@ -67,6 +96,7 @@ class Attention(nnx.Module):
         """
         b, s, d = x.shape
         q, k, v = jnp.split(_linear(self.qkv, x).reshape(b, s, 3 * self.num_heads, d // self.num_heads), 3, axis=2)
+        q, k = self._rotated(q, k, jnp.reshape(pos, (1,)).astype(jnp.int32))
         keys, values = (
             jax.lax.dynamic_update_slice_in_dim(c, jax.sharding.reshard(new.astype(c.dtype), jax.P(BATCH_AXES)), pos, 1)
             for c, new in zip(cache, (k, v))
@@ -113,7 +143,8 @@ class Block(nnx.Module):
         m, moe = config.model, config.moe
         pd, cd = _dtype(m.param_dtype), _dtype(m.compute_dtype)
         self.attn_norm = _norm(m.d_model, pd, cd, rngs)
-        self.attn = Attention(m.d_model, m.num_heads, param_dtype=pd, compute_dtype=cd, rngs=rngs)
+        rope = m.get("rope_theta", 10_000.0) if m.get("positions", "learned") == "rope" else None
+        self.attn = Attention(m.d_model, m.num_heads, param_dtype=pd, compute_dtype=cd, rngs=rngs, rope_theta=rope)
         self.ffn_norm = _norm(m.d_model, pd, cd, rngs)
         if is_moe_layer(layer, moe.every_n_layers):
             self.moe = MoE(
@@ -172,7 +203,10 @@ class Transformer(nnx.Module):
         self.embedding = nnx.Param(logical(normal, "vocab", "embed")(rngs.params(), (m.vocab_size, m.d_model), pd))
         self.compute_dtype = cd
         self.remat = m.get("remat", "none")
-        self.position = nnx.Param(logical(normal, "position", "embed")(rngs.params(), (m.seq_len, m.d_model), pd))
+        # learned positions: a row per position up to seq_len; rotary ones live in the attention (`rotary`)
+        self.learned_positions = m.get("positions", "learned") == "learned"
+        if self.learned_positions:
+            self.position = nnx.Param(logical(normal, "position", "embed")(rngs.params(), (m.seq_len, m.d_model), pd))
         self.blocks = nnx.List([Block(config, layer, rngs=rngs) for layer in range(m.num_layers)])
         self.final_norm = _norm(m.d_model, pd, cd, rngs)
         # A zero output head makes the first prediction uniform: loss ln(vocab_size).
@@ -185,7 +219,8 @@ class Transformer(nnx.Module):
         # A one-hot matmul rather than a gather: it keeps the batch sharding under
         # explicit mesh axes and costs little at a byte-level vocabulary.
         one_hot = jax.nn.one_hot(tokens, self.embedding.shape[0], dtype=self.compute_dtype)
-        return one_hot @ gathered(self.embedding[...]).astype(self.compute_dtype) + positions.astype(self.compute_dtype)
+        x = one_hot @ gathered(self.embedding[...]).astype(self.compute_dtype)
+        return x if positions is None else x + positions.astype(self.compute_dtype)
 
     def init_cache(self, batch: int, length: int) -> list[tuple[jax.Array, jax.Array]]:
         """An empty KV cache for `decode`: per block, (keys, values) of zeros [batch, length, H, D / H] in the
@@ -213,7 +248,8 @@ class Transformer(nnx.Module):
           same tokens, with no router jitter (run with `moe.capacity_factor <= 0`, so that no token is dropped
           in either).
         """
-        x = self._embed(tokens, jax.lax.dynamic_slice_in_dim(gathered(self.position[...]), pos, 1)[None])
+        x = self._embed(tokens, jax.lax.dynamic_slice_in_dim(gathered(self.position[...]), pos, 1)[None]
+                        if self.learned_positions else None)
         new = []
         for block, layer_cache in zip(self.blocks, cache):
             x, layer_cache = block.decode(x, layer_cache, pos)
@@ -221,7 +257,7 @@ class Transformer(nnx.Module):
         return _linear(self.head, self.final_norm(x)).astype(jnp.float32), new
 
     def __call__(self, tokens: jax.Array, mask: jax.Array | None = None, key: jax.Array | None = None):
-        x = self._embed(tokens, gathered(self.position[...])[: tokens.shape[1]])
+        x = self._embed(tokens, gathered(self.position[...])[: tokens.shape[1]] if self.learned_positions else None)
         layer_stats = []
         # model.remat: each block's activations recomputed in the backward pass, as its policy says
         call = _call_block if self.remat == "none" else nnx.remat(_call_block, policy=REMAT_POLICIES[self.remat])
