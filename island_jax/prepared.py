@@ -38,6 +38,7 @@ from absl import logging
 
 from island_jax import tokenizer as tokenizer_lib
 from island_jax.data import DataError
+from island_jax.metrics import write_json
 
 FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
@@ -131,7 +132,7 @@ def read_documents(files: Sequence[tuple[str, str]], fmt: str = "auto", field: s
                         keys = sorted(record) if isinstance(record, dict) else type(record).__name__
                         raise DataError(f"{path}, line {n + 1}: no field {field!r} (it has {keys}); name the text's "
                                         "field with --field")
-                    yield Document(f"{rel}:{n}", str(record[field]))
+                    yield Document(f"{rel}:{n}", "" if record[field] is None else str(record[field]))
         else:
             import pyarrow.parquet as pq
 
@@ -231,6 +232,7 @@ def _write_shard(plan: ShardPlan, out: str, seq_len: int) -> dict:
 
     tok = _WORKER["tokenizer"]
     dtype = _token_dtype(tok.vocab_size)
+    identity = _identity(plan, tok.hash)
     docs = [tok.encode_document(t) for t in plan.texts]
     tokens, segments = pack(docs, seq_len, dtype)
     path, tmp = os.path.join(out, plan.name), os.path.join(out, plan.name + ".tmp")
@@ -239,27 +241,33 @@ def _write_shard(plan: ShardPlan, out: str, seq_len: int) -> dict:
         writer.write(encode_record(t, s))
     writer.close()
     os.replace(tmp, path)
-    entry = dict(file=plan.name, split=plan.split, documents=len(docs), tokens=int(sum(len(d) for d in docs)),
+    entry = dict(file=plan.name, split=plan.split, identity=identity, documents=len(docs), tokens=int(sum(len(d) for d in docs)),
                  records=len(tokens), bytes=sum(len(t.encode("utf-8")) for t in plan.texts), sha256=_file_sha256(path))
-    _write_json(os.path.join(out, plan.name + ".done.json"), entry)
+    write_json(os.path.join(out, plan.name + ".done.json"), entry)
     return entry
 
 
-def _write_json(path: str, value) -> None:
-    tmp = path + ".tmp"
-    with open(tmp, "w", encoding="utf-8") as f:
-        json.dump(value, f, indent=2, sort_keys=True)
-    os.replace(tmp, path)
+def _identity(plan: ShardPlan, tokenizer_hash: str) -> str:
+    """16 hex digits of a SHA-256 over a shard's name, its documents' texts and the tokenizer's hash."""
+    h = hashlib.sha256(f"{plan.name}|{tokenizer_hash}|{len(plan.texts)}".encode())
+    for text in plan.texts:
+        data = text.encode("utf-8")
+        h.update(len(data).to_bytes(8, "little"))
+        h.update(data)
+    return h.hexdigest()[:16]
 
 
-def _finished(out: str, plan: ShardPlan) -> dict | None:
-    """The `.done.json` entry of a shard written by an earlier run whose file is intact, else None."""
+def _finished(out: str, plan: ShardPlan, tokenizer_hash: str) -> dict | None:
+    """The `.done.json` entry of a shard an earlier run wrote from the same documents with the same tokenizer,
+    whose file is intact; else None (it is made again)."""
     done = os.path.join(out, plan.name + ".done.json")
     path = os.path.join(out, plan.name)
     if not (os.path.exists(done) and os.path.exists(path)):
         return None
     with open(done, encoding="utf-8") as f:
         entry = json.load(f)
+    if entry.get("identity") != _identity(plan, tokenizer_hash):
+        return None
     return entry if entry.get("sha256") == _file_sha256(path) else None
 
 
@@ -304,13 +312,15 @@ def prepare(
     if seq_len < 2:
         raise DataError(f"seq_len is {seq_len}; records need at least 2 tokens")
     start = time.perf_counter()
-    files = input_files(inputs)
+    inside = os.path.abspath(out) + os.sep  # the output folder is never its own input
+    files = [(r, p) for r, p in input_files(inputs) if not p.startswith(inside)]
     documents = list(read_documents(files, fmt, field))
     if not documents:
         raise DataError(f"the inputs {list(inputs)} hold no document; give files with text in them")
     os.makedirs(out, exist_ok=True)
     settings = dict(seq_len=seq_len, eval_fraction=eval_fraction, shard_bytes=shard_bytes, format=fmt, field=field,
                     tokenizer=tokenizer, vocab_size=vocab_size if tokenizer == "bpe" else None, eos_token=eos_token,
+                    tokenizer_path=os.path.abspath(tokenizer_path) if tokenizer_path else "",
                     tiktoken_name=tiktoken_name if tokenizer == "tiktoken" else None,
                     inputs=[os.path.relpath(p, r) for r, p in files])
     _check_settings(out, settings)
@@ -328,10 +338,11 @@ def prepare(
             trained.save(tok_path + ".tmp")
             os.replace(tok_path + ".tmp", tok_path)
     tok = tokenizer_lib.load(tokenizer, tok_path, eos_token=eos_token, tiktoken_name=tiktoken_name)
+    _check_settings(out, dict(settings, tokenizer_hash=tok.hash))  # a tokenizer file changed since: refused
     entries: dict[str, dict] = {}
     todo = []
     for plan in shards:
-        entry = _finished(out, plan)
+        entry = _finished(out, plan, tok.hash)
         if entry is None:
             todo.append(plan)
         else:
@@ -371,7 +382,7 @@ def prepare(
         ) for split in SPLITS},
         seconds=time.perf_counter() - start,
     )
-    _write_json(os.path.join(out, MANIFEST), manifest)
+    write_json(os.path.join(out, MANIFEST), manifest)
     return manifest
 
 
@@ -381,12 +392,16 @@ def _check_settings(out: str, settings: dict) -> None:
     if os.path.exists(path):
         with open(path, encoding="utf-8") as f:
             earlier = json.load(f)
-        changed = sorted(k for k in set(earlier) | set(settings) if earlier.get(k) != settings.get(k))
+        if "tokenizer_hash" in settings and "tokenizer_hash" not in earlier:  # recorded once the tokenizer exists
+            write_json(path, settings)
+            earlier = settings
+        keys = (set(earlier) | set(settings)) - ({"tokenizer_hash"} - set(settings))
+        changed = sorted(k for k in keys if earlier.get(k) != settings.get(k))
         if changed:
             raise DataError(f"{out} was prepared with other settings ({', '.join(changed)} differ); give a new output "
                             "folder, or the settings it was made with")
         return
-    _write_json(path, settings)
+    write_json(path, settings)
 
 
 def read_records(out: str, split: str = "train") -> Iterator[tuple[np.ndarray, np.ndarray]]:

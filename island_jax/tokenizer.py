@@ -108,6 +108,8 @@ class HuggingFaceTokenizer(Tokenizer):
 
     def __init__(self, tokenizer, kind: str, eos_token: str = EOS_TEXT):
         self._tokenizer = tokenizer
+        # a special token's text inside a document is text: only `encode_document` ends a document
+        self._tokenizer.encode_special_tokens = True
         self.kind = kind
         self.vocab_size = tokenizer.get_vocab_size(with_added_tokens=True)
         eos = tokenizer.token_to_id(eos_token)
@@ -121,7 +123,7 @@ class HuggingFaceTokenizer(Tokenizer):
         return np.asarray(self._tokenizer.encode(text, add_special_tokens=False).ids, np.int32)
 
     def decode(self, ids) -> str:
-        return self._tokenizer.decode([int(i) for i in ids], skip_special_tokens=True)
+        return self._tokenizer.decode([int(i) for i in ids if int(i) != self.eos_id], skip_special_tokens=False)
 
     def save(self, path: str) -> None:
         """Writes the tokenizer as a tokenizer.json file at `path`."""
@@ -180,37 +182,32 @@ class TiktokenTokenizer(Tokenizer):
         import tiktoken
         from tiktoken_ext import openai_public
 
+        with open(path, "rb") as f:
+            contents = f.read()
+        ranks = _ranks(contents, path)
         if not name:  # ranks of one's own: GPT-2's pre-tokenization pattern, and the end of document after them
-            try:
-                ranks = openai_public.load_tiktoken_bpe(path)
-            except (ValueError, KeyError) as e:
-                raise TokenizerError(f"{path} is not a .tiktoken file of base64 tokens and ranks ({e})") from e
             self._encoding = tiktoken.Encoding(
                 name=os.path.basename(path), pat_str=openai_public.r50k_pat_str, mergeable_ranks=ranks,
                 special_tokens={EOS_TEXT: max(ranks.values(), default=-1) + 1},
             )
-            self._finish(name, open(path, "rb").read())
+            self._finish(name, contents)
             return
-        if name not in openai_public.ENCODING_CONSTRUCTORS:
-            raise TokenizerError(f"tiktoken has no encoding {name!r}; choose one of "
-                                 f"{sorted(openai_public.ENCODING_CONSTRUCTORS)}")
-        with open(path, "rb") as f:
-            contents = f.read()
-        load_ranks = openai_public.load_tiktoken_bpe
+        if name not in _TIKTOKEN_NAMES:
+            raise TokenizerError(f"tiktoken's encodings from a .tiktoken file are {sorted(_TIKTOKEN_NAMES)}; got "
+                                 f"{name!r} (gpt2's ranks are r50k_base's)")
 
         def local_ranks(url: str, expected_hash: str | None = None) -> dict[bytes, int]:
             found = hashlib.sha256(contents).hexdigest()
             if expected_hash is not None and found != expected_hash:
                 raise TokenizerError(f"{path} is not the ranks of tiktoken's {name} (SHA-256 {found}, expected "
                                      f"{expected_hash}, from {url}); give the file of that encoding")
-            return load_ranks(path)  # tiktoken reads a local path itself
+            return ranks
 
         with _TIKTOKEN_LOCK:
+            load_ranks = openai_public.load_tiktoken_bpe
             openai_public.load_tiktoken_bpe = local_ranks
             try:
                 params = openai_public.ENCODING_CONSTRUCTORS[name]()
-            except (ValueError, KeyError) as e:
-                raise TokenizerError(f"{path} is not a .tiktoken file of base64 tokens and ranks ({e})") from e
             finally:
                 openai_public.load_tiktoken_bpe = load_ranks
         self._encoding = tiktoken.Encoding(**params)
@@ -228,6 +225,28 @@ class TiktokenTokenizer(Tokenizer):
 
     def decode(self, ids) -> str:
         return self._encoding.decode([int(i) for i in ids if int(i) != self.eos_id])
+
+
+_TIKTOKEN_NAMES = ("cl100k_base", "o200k_base", "o200k_harmony", "p50k_base", "p50k_edit", "r50k_base")
+
+
+def _ranks(contents: bytes, path: str) -> dict[bytes, int]:
+    """A .tiktoken file's ranks (a base64 token and its rank per line), read here rather than by tiktoken, whose
+    reader keeps a cached copy of every path it reads and would serve it after the file changed."""
+    import base64
+    import binascii
+
+    ranks = {}
+    for n, line in enumerate(contents.splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            token, rank = line.split()
+            ranks[base64.b64decode(token, validate=True)] = int(rank)
+        except (ValueError, binascii.Error) as e:
+            raise TokenizerError(f"{path}, line {n}: not a base64 token and its rank ({e}); give a .tiktoken "
+                                 "file") from e
+    return ranks
 
 
 def train_bpe(texts: Iterable[str], vocab_size: int) -> HuggingFaceTokenizer:

@@ -21,6 +21,10 @@ os.environ["XLA_FLAGS"] = " ".join(
                 "--xla_cpu_use_fusion_emitters=false"] if f
 )
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# gRPC's fork handlers off: the launcher's tests fork role processes from a worker where earlier tests left gRPC
+# threads running ("skipping fork() handlers"), and one such child ended by SIGABRT before it ran (status -6,
+# once, in a fresh clone's suite). Every child the suite forks execs at once and needs no gRPC state.
+os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "false")
 # Bytecode for this checkout's modules (in its gitignored __pycache__ folders), even where the environment asks for
 # none (PYTHONDONTWRITEBYTECODE): otherwise every process a test starts, about 120 of them, compiles island_jax's
 # sources again, some 0.3 CPU seconds each (docs/benchmarks.md). Installed packages have theirs from pip.

@@ -128,3 +128,18 @@ def test_bad_input_is_refused_naming_the_file_and_the_fix(inputs, tmp_path):
         _prepare(folder, out, seq_len=32)
     with pytest.raises(tok.TokenizerError, match="file '' does not exist; give the path of its .model file"):
         _prepare(folder, str(tmp_path / "o6"), tokenizer="sentencepiece")
+    path = str(tmp_path / "tokenizer.json")
+    tok.train_bpe(iter(["one text", "two texts"]), 300).save(path)
+    _prepare(folder, str(tmp_path / "o7"), tokenizer="tokenizer_json", tokenizer_path=path)
+    tok.train_bpe(iter(["other texts", "make another"]), 300).save(path)  # the same file, another tokenizer
+    with pytest.raises(DataError, match="was prepared with other settings \\(tokenizer_hash differ\\)"):
+        _prepare(folder, str(tmp_path / "o7"), tokenizer="tokenizer_json", tokenizer_path=path)
+
+
+def test_an_output_folder_inside_an_input_folder_is_not_read_as_input(inputs):
+    folder, texts = inputs
+    out = os.path.join(folder, "prepared")
+    first = _prepare(folder, out)
+    again = _prepare(folder, out)  # its shards, manifest and tokenizer are not documents
+    assert first["splits"]["train"]["documents"] + first["splits"]["eval"]["documents"] == len(texts)
+    assert again["splits"] == first["splits"]

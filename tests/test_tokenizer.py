@@ -33,11 +33,13 @@ def test_a_bpe_trained_twice_on_the_same_files_is_the_same_and_gives_documents_b
     assert first.hash == second.hash and first.vocab_size == second.vocab_size == 1024
     assert first.eos_id == 0 and first.kind == "bpe"
     assert tok.train_bpe(iter(docs[:-1]), 1024).hash != first.hash  # other text, another tokenizer
-    for text in (TEXT, docs[3], "", "\x00\udcff".encode("utf-8", "surrogatepass").decode("utf-8", "replace")):
+    for text in (TEXT, docs[3], "", "\x00\udcff".encode("utf-8", "surrogatepass").decode("utf-8", "replace"),
+                 "a document that mentions <|endoftext|> in its text"):
         ids = first.encode(text)
         assert first.decode(ids) == text
         assert first.decode(first.encode_document(text)) == text
     assert len(first.encode(docs[3])) < len(docs[3].encode("utf-8")) / 2  # the merges compress source code
+    assert first.eos_id not in first.encode("x<|endoftext|>y").tolist()  # the text of a special token is text
     path = str(tmp_path / "tokenizer.json")
     first.save(path)
     again = tok.load("bpe", path)
@@ -88,8 +90,12 @@ def test_tiktoken_ranks_of_ones_own_round_trip_and_a_named_encoding_checks_its_f
     digest = hashlib.sha256(open(path, "rb").read()).hexdigest()
     with pytest.raises(tok.TokenizerError, match=f"is not the ranks of tiktoken's cl100k_base \\(SHA-256 {digest}"):
         tok.load("tiktoken", path, tiktoken_name="cl100k_base")
-    with pytest.raises(tok.TokenizerError, match="tiktoken has no encoding 'cl99k'"):
-        tok.load("tiktoken", path, tiktoken_name="cl99k")
+    for name in ("cl99k", "gpt2"):
+        with pytest.raises(tok.TokenizerError, match=f"encodings from a .tiktoken file are .*; got '{name}'"):
+            tok.load("tiktoken", path, tiktoken_name=name)
+    (tmp_path / "own.tiktoken").write_bytes(b"cmU= 0\nnot-base64 1\n")  # read again, not from a cached copy
+    with pytest.raises(tok.TokenizerError, match="own.tiktoken, line 2: not a base64 token and its rank"):
+        tok.load("tiktoken", path, tiktoken_name="")
 
 
 def test_bad_tokenizer_input_is_refused_naming_the_file_and_the_fix(tmp_path):

@@ -393,11 +393,13 @@ class ExchangeService:
     def __init__(self, coordinator: FragmentedCoordinator, chunk_bytes: int, authenticated: bool = False):
         self.coordinator = c = coordinator
         self.authenticated = authenticated  # calls carry a token for the island they name (`security.AuthInterceptor`)
-        self.layouts = [codec.layout(f.view, f.kind, f.block_size) for f in c.fragments]
+        self.layouts = [codec.layout(f.shapes, f.kind, f.block_size) for f in c.fragments]
         self.payload_bytes = sum(f.payload_bytes for f in c.fragments)  # one round of every fragment
         first = c.fragments[0]
-        self.view_plan = codec.chunk_plan(c.view, "none", first.block_size, chunk_bytes)
-        self.view_bytes = codec.payload_bytes(c.view, "none", first.block_size)
+        shapes = c.shapes
+        self.view_plan = codec.chunk_plan(shapes, "none", first.block_size, chunk_bytes)
+        self.view_bytes = codec.payload_bytes(shapes, "none", first.block_size)
+        self.view_layout = codec.layout(shapes, first.kind, first.block_size)  # what Join replies with
         self.lock = threading.Condition()
         self.fetched: dict[tuple[int, int], set[str]] = {}  # (fragment, round) -> islands that received its update
         self.wire_bytes = {name: dict(received=0, sent=0) for name in c.islands}
@@ -522,7 +524,7 @@ class ExchangeService:
         return pb.JoinReply(
             round=reply["round"], params_checksum=reply["checksum"], payload_bytes=self.payload_bytes,
             incarnation=c.incarnation, rejoin=reply["rejoin"],
-            layout=codec.layout(c.view, c.fragments[0].kind, c.fragments[0].block_size), view_bytes=self.view_bytes,
+            layout=self.view_layout, view_bytes=self.view_bytes,
             view_chunk_offsets=[k.offset for k in self.view_plan],
             fragments=[
                 pb.FragmentPlan(payload_bytes=f.payload_bytes, layout=layout, chunk_offsets=[k.offset for k in f.plan])

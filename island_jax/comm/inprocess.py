@@ -71,7 +71,7 @@ class InProcessExchange:
         with self.lock:
             self.coordinator = coordinator
             self.payload_bytes = sum(f.payload_bytes for f in coordinator.fragments)
-            self.layouts = [codec.layout(f.view, f.kind, f.block_size) for f in coordinator.fragments]
+            self.layouts = [codec.layout(f.shapes, f.kind, f.block_size) for f in coordinator.fragments]
             self.wire_bytes = {name: dict(received=0, sent=0) for name in coordinator.islands}
             self.lock.notify_all()
         return self

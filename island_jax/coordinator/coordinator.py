@@ -80,21 +80,32 @@ class FragmentedCoordinator:
         """Rounds every fragment has completed (the smallest fragment round)."""
         return min(f.round for f in self.fragments)
 
-    @property
-    def view(self) -> Any:
-        """The island view of every fragment, laid out as the parameters' pytree (NumPy, their dtypes)."""
+    def _whole(self, per_fragment) -> Any:
+        """The parameters' pytree from each fragment's leaves (`per_fragment(fragment)`, in its leaf order)."""
         leaves = [None] * sum(len(idx) for idx in self.partition)
         for f, idx in zip(self.fragments, self.partition):
-            for i, leaf in zip(idx, f.view):
+            for i, leaf in zip(idx, per_fragment(f)):
                 leaves[i] = leaf
         return jax.tree.unflatten(self._treedef, leaves)
 
     @property
+    def view(self) -> Any:
+        """The island view of every fragment, laid out afresh as the parameters' pytree (NumPy, their dtypes):
+        4 bytes per float32 parameter for as long as the caller keeps it."""
+        return self._whole(lambda f: jax.tree.leaves(f.view))
+
+    @property
+    def shapes(self) -> Any:
+        """The parameters' pytree as `jax.ShapeDtypeStruct`s: what layouts and plans need, laid out from nothing."""
+        return self._whole(lambda f: jax.tree.leaves(f.shapes))
+
+    @property
     def checksum(self) -> str:
-        """`model.init.checksum` of the whole island view (kept until a fragment merges again)."""
+        """`model.init.checksum` of the whole island view, read in place from every fragment's rows (kept until a
+        fragment merges again)."""
         key = tuple((f.round, f.generation) for f in self.fragments)
         if self._checksum is None or self._checksum[0] != key:
-            self._checksum = (key, checksum(self.view))
+            self._checksum = (key, checksum(self._whole(lambda f: f.view_leaves())))
         return self._checksum[1]
 
     def join(self, island: str, config_fingerprint: dict, params_checksum: str, round: int = 0) -> dict:

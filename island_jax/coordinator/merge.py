@@ -344,6 +344,15 @@ class Coordinator:
         return self._state.view
 
     @property
+    def shapes(self) -> Any:
+        """The fragment's parameters as `jax.ShapeDtypeStruct`s (`FragmentState.shapes`)."""
+        return self._state.shapes
+
+    def view_leaves(self) -> list:
+        """The island view's leaves, read in place from the rows (`FragmentState.view_leaves`)."""
+        return self._state.view_leaves()
+
+    @property
     def checksum(self) -> str:
         """`model.init.checksum` of the island view (16 hex digits), computed when first asked for after each round."""
         return self._state.checksum

@@ -147,6 +147,15 @@ class FragmentState:
         return self._tree_of(self.view_rows, dtypes=True)
 
     @property
+    def shapes(self) -> Any:
+        """The parameters' pytree as `jax.ShapeDtypeStruct`s (for layouts and plans; nothing is laid out)."""
+        return jax.tree.unflatten(self._treedef, [jax.ShapeDtypeStruct(shape, dtype) for shape, dtype in self._leaf_specs])
+
+    def view_leaves(self) -> list["RowsLeaf"]:
+        """The island view's leaves as `RowsLeaf`s, read in place from the current rows (what `checksum` reads)."""
+        return self._row_leaves(self.view_rows)
+
+    @property
     def checksum(self) -> str:
         """`model.init.checksum` of the island view, read from the view's rows piece by piece (no laid-out
         copy) when first asked for after each round.
