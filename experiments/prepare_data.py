@@ -19,17 +19,19 @@ import sys
 
 from absl import app, flags
 
+from island_jax.prepared import FORMATS
+from island_jax.tokenizer import KINDS
+
 _INPUT = flags.DEFINE_multi_string("input", None, "A file, folder or glob of local text, JSONL or Parquet files.")
 _OUT = flags.DEFINE_string("out", None, "The prepared dataset's folder (created; resumed when it exists).")
-_TOKENIZER = flags.DEFINE_enum("tokenizer", "bpe", ["bytes", "bpe", "tokenizer_json", "sentencepiece", "tiktoken"],
-                               "The tokenizer (island_jax/tokenizer.py).")
+_TOKENIZER = flags.DEFINE_enum("tokenizer", "bpe", list(KINDS), "The tokenizer (island_jax/tokenizer.py).")
 _VOCAB = flags.DEFINE_integer("vocab_size", 8192, "With --tokenizer=bpe: the vocabulary to train, tokens.")
 _TOKENIZER_PATH = flags.DEFINE_string("tokenizer_path", "", "The tokenizer's file, for the kinds read from one.")
 _EOS = flags.DEFINE_string("eos_token", "<|endoftext|>", "With --tokenizer=tokenizer_json: its end-of-document token.")
 _TIKTOKEN = flags.DEFINE_string("tiktoken_name", "cl100k_base", "With --tokenizer=tiktoken: tiktoken's encoding whose "
                                 "ranks --tokenizer_path holds ('' for ranks of one's own).")
-_FORMAT = flags.DEFINE_enum("format", "auto", ["auto", "text", "jsonl", "parquet"], "The inputs' format (auto: by "
-                            "suffix, .jsonl/.json and .parquet, else text).")
+_FORMAT = flags.DEFINE_enum("format", "auto", list(FORMATS), "The inputs' format (auto: by suffix, .jsonl/.json and "
+                            ".parquet, else text).")
 _FIELD = flags.DEFINE_string("field", "text", "The JSONL field or Parquet column that holds the text.")
 _SEQ_LEN = flags.DEFINE_integer("seq_len", 1024, "Tokens per record.")
 _EVAL = flags.DEFINE_float("eval_fraction", 0.02, "Share of documents held out for evaluation, in [0, 1).")

@@ -12,9 +12,9 @@ memory per parameter", has both measured):
 - memory: what the heaps keep stays in the resident set. A coordinator, whose state is the whole model's
   master, momentum and view, then holds buffers of past merges and saves beside its live ones.
 
-So every role takes `SPEED` (buffers up to 32 MiB from the heaps, freed memory kept), and the coordinator
-gives its freed heap memory back after each merged round and each complete checkpoint (`trim`), once a round
-rather than at every free. A `MALLOC_*_` variable in the environment is the operator's explicit choice and
+So every role takes `SPEED` (buffers up to 32 MiB from the heaps, freed memory kept) and gives its freed heap
+memory back once a round (`trim`: the coordinator after each merged round, an island after each of its rounds)
+and after each checkpoint is written, rather than at every free. A `MALLOC_*_` variable in the environment is the operator's explicit choice and
 wins over the setting it names.
 """
 
@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import functools
 import os
 
 # mallopt's parameter numbers (glibc's malloc.h) and the environment variables that set them at a process's start
@@ -34,6 +35,7 @@ MAX_MMAP_THRESHOLD = 32 << 20  # glibc's limit on 64-bit, bytes
 SPEED = {"mmap_threshold": 32 << 20, "trim_threshold": 1 << 30, "top_pad": 64 << 20}
 
 
+@functools.cache
 def _libc():
     name = ctypes.util.find_library("c")
     return ctypes.CDLL(name) if name else None

@@ -77,8 +77,8 @@ def _spans_processes(x: Any) -> bool:
 
 def _abstract(tree: Any) -> Any:
     """What orbax restores into: arrays of several processes as their shape, dtype and sharding; the rest
-    as NumPy arrays of their shape and dtype (zeros: only the structure is read, and untouched zero pages take
-    no memory)."""
+    as NumPy zeros of their shape and dtype (only their structure is read; large ones are fresh zero pages,
+    but those under the mmap threshold, `allocator.SPEED`, come from the heap)."""
     return jax.tree.map(
         lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding) if _spans_processes(x) else
         np.zeros(np.shape(x), np.asarray(x).dtype if not hasattr(x, "dtype") else x.dtype), tree,
@@ -193,8 +193,10 @@ class Checkpointer:
         then freed once written, and its memory given back to the kernel (`allocator.trim`)."""
         state = holder.pop()
         try:
-            self._write(round, state)
-            del state
+            try:
+                self._write(round, state)
+            finally:
+                del state  # written or not, the snapshot is freed (an error's traceback would keep it)
             allocator.trim()
         except Exception as e:
             self._reopen(round)

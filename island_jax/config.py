@@ -754,6 +754,9 @@ class ConfigChangeError(ConfigError):
         self.changes = changes
 
 
+_MISSING = object()  # not a field of the defaults
+
+
 def _flat(tree: dict, prefix: str = "") -> dict:
     out = {}
     for key, value in tree.items():
@@ -790,6 +793,16 @@ def config_changes(
     import json
 
     old, new = _flat(started), _flat(json.loads(config.to_json_best_effort()))
+    # A field the role's config.json lacks (it was written before the field existed) is unchanged while the
+    # config holds its default: runs started by an earlier version resume.
+    defaults = _flat(json.loads(default_config().to_json_best_effort()))
+    island_defaults = _flat(json.loads(ml_collections.ConfigDict(island(1, 1, 1, 1, 1)).to_json_best_effort()))
+    for k in set(new) - set(old):
+        parts = k.split(".")
+        default = island_defaults.get(".".join(parts[2:]), _MISSING) if parts[0] == "islands" else defaults.get(
+            k, _MISSING)
+        if default == new[k]:
+            old[k] = default
     return [
         (k, old.get(k), new.get(k)) for k in sorted(set(old) | set(new))
         if old.get(k) != new.get(k) and (allowed or not _may_change(k, old.get(k), new.get(k)))

@@ -11,8 +11,9 @@ newest checkpoint, or round R's; `model.load.from_workdir`), or of an export
 The prompt is bytes (UTF-8), as the model's tokens are; each step feeds one
 token through `Transformer.decode`, which keeps every block's keys and values
 (a KV cache), so a step costs one position, not the whole sequence. The model
-learned positions 0..model.seq_len-1, so the prompt and the new tokens
-together are at most seq_len bytes. Sampling runs with no router jitter and
+trained on positions 0..model.seq_len-1 (learned positions stop there, and
+rotary ones are kept to them), so the prompt and the new tokens together are
+at most seq_len bytes. Sampling runs with no router jitter and
 no token dropped by expert capacity (`moe.capacity_factor` 0), on this
 process's first device, or on a (data, expert) mesh of its devices (`--mesh`:
 the KV cache and the MoE layers' tokens split over it, the experts over

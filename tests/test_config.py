@@ -130,3 +130,18 @@ def test_every_key_is_documented_in_the_config_module():
             assert "#" in lines[i] or lines[i - 1].strip().startswith("#"), f"{path}: no comment on line {i + 1}"
     for key, path in leaves(island(4, 2, 2, 16, 25)):
         assert f"  {key}: " in config_lib.island.__doc__, path
+
+
+def test_a_config_json_from_before_a_field_existed_resumes_while_the_field_keeps_its_default():
+    import json
+
+    from island_jax.config import config_changes
+
+    c = default_config()
+    c.islands.a = island(2, 1, 1, 2, 5)
+    started = json.loads(c.to_json_best_effort())
+    del started["model"]["positions"], started["model"]["rope_theta"], started["islands"]["a"]["simulated_speed"]
+    assert config_changes(started, c) == []
+    c.model.positions = "rope"
+    c.islands.a.simulated_speed = 0.5
+    assert config_changes(started, c) == [("islands.a.simulated_speed", None, 0.5), ("model.positions", None, "rope")]

@@ -195,7 +195,8 @@ class _Evaluator:
         windows = data_lib.eval_windows(corpus.eval_bytes, config.model.seq_len, config.eval.num_windows,
                                         config.eval.seed)
         self.count, self.sha256 = len(windows), data_lib.windows_sha256(windows)
-        self.tokens = int(np.size(windows))  # the windows' tokens (bytes of text)
+        # the tokens the loss averages over: seq_len predictions per window, each one byte of the text
+        self.tokens = int(windows.shape[0] * (windows.shape[1] - 1))
         self.batches = data_lib.eval_batches(windows, config.eval.batch_size)
 
     def __call__(self, round: int, write: bool = True) -> dict:
