@@ -78,8 +78,8 @@ class Sink:
 
         self.fingerprint_fields = fingerprint_fields(default_config())
         self.kind, self.block_size = "none", 256
-        self.view = {"w": jax.ShapeDtypeStruct((num_bytes // 4,), np.float32)}
-        self.plan = codec.chunk_plan(self.view, "none", 256, chunk_bytes)
+        self.shapes = {"w": jax.ShapeDtypeStruct((num_bytes // 4,), np.float32)}
+        self.plan = codec.chunk_plan(self.shapes, "none", 256, chunk_bytes)
         self.payload_bytes = num_bytes
         self.islands, self.round, self.checksum, self.incarnation = ["a"], 0, "-", ""
         self.fragments = [self]
