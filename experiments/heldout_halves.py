@@ -43,7 +43,7 @@ def main(argv):
     use_cpu_devices(first.num_devices)  # before JAX starts its backend
     config, params, round = load.from_workdir(_WORKDIR.value, _ROUND.value)
     corpus = data_lib.load_corpus(config.data.files, config.data.eval_fraction, list(config.islands.keys()))
-    windows = data_lib.eval_windows(corpus.eval_bytes, config.model.seq_len, sys.maxsize, config.eval.get("seed", 0))
+    windows = data_lib.eval_windows(corpus.eval, config.model.seq_len, sys.maxsize, config.eval.get("seed", 0))
     graphdef, _, _ = init_params(config)
     step = build_eval_step(graphdef)
     with jax.set_mesh(island_mesh(first.mesh.data, first.mesh.expert, jax.devices()[: first.num_devices], fsdp=first.mesh.fsdp)):

@@ -18,7 +18,8 @@ island's entry, in `island`. A run is described by one
               (island_jax/planning.py), quorum, and Streaming DiLoCo fragments
               (arXiv 2501.18512) (`_outer`).
   codec       the pseudo-gradient wire format (island_jax/outer/codec.py) (`_codec`).
-  data        the corpus and its held-out split (island_jax/data.py) (`_data`).
+  data        the corpus (bytes of text files, or a prepared dataset of token records) and its held-out split
+              (island_jax/data.py) (`_data`).
   eval        held-out evaluation between rounds (`_eval`).
   comm        the gRPC exchange between islands and the coordinator, and the
               emulated WAN link of every island (island_jax/comm/link.py) (`_comm`).
@@ -81,6 +82,7 @@ def island(
     devices_per_process: int = 0,
     fsdp: int = 1,
     memory_gb: float = 0.0,
+    dataset: str = "",
 ) -> ml_collections.ConfigDict:
     """One island's entry for `config.islands` (keys as the arguments; `data`, `fsdp` and `expert` under `mesh`).
 
@@ -107,6 +109,9 @@ def island(
         and anchor on their `embed` dimension (docs/island.md); 1 replicates them.
       memory_gb: memory per device in GB for the budget checked before compiling (`island.memory`); 0 (the
         default) takes the catalog's figure for `hardware`, and a catalog figure of 0 (cpu) means unknown: no check.
+      dataset: the island's own training data, the field `data`: "" (its share of `data.prepared`'s training
+        records, or of the byte corpus), a prepared dataset's folder, or a mixture "PATH,WEIGHT;PATH,WEIGHT"
+        (`data.parse_mixture`); needs `data.prepared`, whose tokenizer it must share.
     """
     return ml_collections.ConfigDict(
         dict(
@@ -120,6 +125,7 @@ def island(
             num_processes=num_processes,
             devices_per_process=devices_per_process,
             memory_gb=float(memory_gb),
+            data=dataset,
         )
     )
 
@@ -257,6 +263,9 @@ def _data() -> dict:
     """`data`: the text corpus, split by file into held-out and per-island training bytes."""
     return dict(
         files="",  # glob of text files; "" = the running interpreter's stdlib *.py
+        # a prepared dataset's folder (experiments/prepare_data.py, docs/data.md): its token records are the
+        # training data instead of data.files' bytes, its eval split the held-out set; "" = bytes
+        prepared="",
         eval_fraction=0.02,  # share of files held out for evaluation, in (0, 1)
     )
 
@@ -351,7 +360,7 @@ def validate(
     _check_comm(config.comm)
     _check_checkpoint(config.checkpoint)
     _check_eval(config.eval)
-    _check_data(config.data)
+    _check_data(config)
     for key in ("initialization_timeout_seconds", "heartbeat_timeout_seconds", "shutdown_timeout_seconds"):
         _require(config.distributed[key] >= 1, f"distributed.{key} is {config.distributed[key]}; use at least 1 s")
     if "metrics" in config:  # a config saved before the section existed has none
@@ -370,11 +379,6 @@ def _check_model(m: ml_collections.ConfigDict) -> None:
     )
     for name in ("param_dtype", "compute_dtype"):
         _require(m[name] in DTYPES, f"model.{name} is {m[name]!r}; choose one of {DTYPES}")
-    _require(
-        m.vocab_size >= BYTE_SYMBOLS,
-        f"model.vocab_size is {m.vocab_size} but the byte-level data has {BYTE_SYMBOLS} symbols; use a vocab_size "
-        f"of at least {BYTE_SYMBOLS} (rows beyond it are padding)",
-    )
     _require(m.mlp_hidden_dim > 0, f"model.mlp_hidden_dim is {m.mlp_hidden_dim}; it must be positive")
     _require(m.remat in REMAT, f"model.remat is {m.remat!r}; choose one of {REMAT}")
     _require(m.positions in POSITIONS, f"model.positions is {m.positions!r}; choose one of {POSITIONS}")
@@ -554,8 +558,30 @@ def _check_metrics(metrics: ml_collections.ConfigDict) -> None:
              f"metrics.wandb.mode is {metrics.wandb.mode!r}; choose one of {WANDB_MODES[1:]} or '' (WANDB_MODE)")
 
 
-def _check_data(data: ml_collections.ConfigDict) -> None:
+def _check_data(config: ml_collections.ConfigDict) -> None:
+    """The data section and `islands.*.data`; a prepared dataset's tokenizer and records are checked against the
+    model when an island opens them (`data.load`), on the host that holds them."""
+    data, m = config.data, config.model
     _require(0.0 < data.eval_fraction < 1.0, f"data.eval_fraction is {data.eval_fraction}; use a value in (0, 1)")
+    shared = data.get("prepared", "")
+    if not shared:
+        _require(
+            m.vocab_size >= BYTE_SYMBOLS,
+            f"model.vocab_size is {m.vocab_size} but the byte-level data has {BYTE_SYMBOLS} symbols; use a vocab_size "
+            f"of at least {BYTE_SYMBOLS} (rows beyond it are padding)",
+        )
+    for name, isl in config.islands.items():
+        own = isl.get("data", "")
+        if not own:
+            continue
+        _require(bool(shared), f"islands.{name}.data is {own!r} but data.prepared is empty; set data.prepared to the "
+                 "prepared dataset whose eval split all islands score and whose tokenizer they share")
+        from island_jax.data import DataError, parse_mixture
+
+        try:
+            parse_mixture(own)
+        except DataError as e:
+            raise ConfigError(str(e).replace("islands.*.data", f"islands.{name}.data")) from None
 
 
 def _check_island(config: ml_collections.ConfigDict, name: str, isl: ml_collections.ConfigDict) -> None:

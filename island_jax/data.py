@@ -1,4 +1,13 @@
-"""Byte-level text data: corpus discovery, a deterministic split, grain pipelines, the held-out set.
+"""Text data: the byte corpus or prepared token records, a deterministic split, grain pipelines, held-out sets.
+
+Two kinds of data, one pipeline (`load`):
+
+- **Bytes** (the default, `data.prepared = ""`): the text files below, byte by byte.
+- **Prepared records** (`data.prepared = PATH`, island_jax/prepared.py): token records packed with segment
+  ids. The islands split the training records of that dataset (record i to the i mod n-th of the n islands
+  that read it), or read their own (`islands.NAME.data`: a dataset, or a mixture "PATH,WEIGHT;PATH,WEIGHT"
+  sampled by weight); its eval split is the shared held-out set, and an island with data of its own also
+  scores that data's eval split.
 
 The default corpus is real text found on every machine that runs island_jax:
 the `.py` files of the running interpreter's standard library (located through
@@ -21,8 +30,10 @@ import glob
 import hashlib
 import math
 import os
+import sys
 import sysconfig
 import zlib
+import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
@@ -66,17 +77,23 @@ def find_files(pattern: str = "") -> tuple[Path, list[Path]]:
 
 @dataclass(frozen=True)
 class Corpus:
-    """Held-out evaluation bytes and one training shard per island.
+    """The held-out set and each island's training data.
 
     Attributes:
-      eval_bytes: uint8 [n], the held-out files' bytes, concatenated.
-      train_bytes: {island name: uint8 [n]}, each island's disjoint shard.
-      fingerprint: see `load_corpus`.
+      eval: the shared held-out source: uint8 [n] bytes (the held-out files' bytes, concatenated), or a
+        `grain.MapDataset` of int32 [2, S + 1] packed records (a prepared dataset's eval split).
+      train: {island name: its training data}: uint8 [n] bytes (a disjoint shard), or a `grain.MapDataset` of
+        packed records (finite: its share; endless: a mixture).
+      fingerprint: see `load_corpus` and `load`.
+      own_eval: {island name: the eval records of the island's own data} for islands with data of their own.
+      token_bytes: int32 [vocab] UTF-8 bytes of text per token of a prepared dataset; None for bytes (1 each).
     """
 
-    eval_bytes: np.ndarray
-    train_bytes: dict[str, np.ndarray]
+    eval: np.ndarray | grain.MapDataset
+    train: dict
     fingerprint: dict
+    own_eval: dict = dataclasses.field(default_factory=dict)
+    token_bytes: np.ndarray | None = None
 
 
 def _join(contents: Sequence[bytes]) -> np.ndarray:
@@ -130,6 +147,109 @@ def load_corpus(pattern: str, eval_fraction: float, island_names: Sequence[str])
     return Corpus(_join(eval_files), {k: _join(v) for k, v in shards.items()}, fingerprint)
 
 
+def parse_mixture(spec: str) -> list[tuple[str, float]]:
+    """`islands.NAME.data`: "PATH" or "PATH,WEIGHT;PATH,WEIGHT;..." -> [(path, weight)], weights as given.
+
+    Raises:
+      DataError: a weight that is not a positive number, or an empty part.
+    """
+    parts = []
+    for part in spec.split(";"):
+        path, _, weight = part.strip().rpartition(",") if "," in part else (part.strip(), "", "1")
+        try:
+            w = float(weight)
+        except ValueError:
+            w = -1.0
+        if not path.strip() or not w > 0:
+            raise DataError(f"islands.*.data is {spec!r}; give a prepared dataset's folder, or a mixture "
+                            "'PATH,WEIGHT;PATH,WEIGHT' with positive weights")
+        parts.append((path.strip(), w))
+    return parts
+
+
+def _concatenated(datasets: Sequence[grain.MapDataset]) -> grain.MapDataset:
+    """The items of `datasets` one after another (each finite)."""
+    if len(datasets) == 1:
+        return datasets[0]
+    ends = np.cumsum([len(d) for d in datasets])
+
+    def item(i: int):
+        k = int(np.searchsorted(ends, i, side="right"))
+        return datasets[k][i - (int(ends[k - 1]) if k else 0)]
+
+    return grain.MapDataset.range(int(ends[-1])).map(item)
+
+
+def load(config, island_names: Sequence[str], island: str | None = None) -> Corpus:
+    """The run's data for `island` (every island when None): the byte corpus (`load_corpus`) or, with
+    `data.prepared`, prepared records (module docstring). Only `island`'s own datasets are opened, so an island
+    needs only its own data and the shared dataset on its host.
+
+    Returns:
+      A Corpus; with prepared data its fingerprint is the shared dataset's (`PreparedDataset.fingerprint`), the
+      one every island must read the same, and `train` holds `island`'s data (every island's when None).
+
+    Raises:
+      DataError: a missing or unfinished prepared folder, a split without records, datasets of other
+        tokenizers or record lengths than the shared one.
+      ConfigError: `model.vocab_size` below the tokenizer's vocabulary, or `model.seq_len` not the records'.
+    """
+    from island_jax import prepared as prepared_lib
+    from island_jax.config import ConfigError
+
+    if not config.data.get("prepared", ""):
+        return load_corpus(config.data.files, config.data.eval_fraction, island_names)
+    shared = prepared_lib.PreparedDataset(config.data.prepared)
+    if config.model.vocab_size < shared.vocab_size:
+        raise ConfigError(f"model.vocab_size is {config.model.vocab_size} but the tokenizer of {shared.path} has "
+                          f"{shared.vocab_size} tokens; set model.vocab_size to at least {shared.vocab_size}")
+    if config.model.seq_len != shared.seq_len:
+        raise ConfigError(f"model.seq_len is {config.model.seq_len} but {shared.path} holds records of "
+                          f"{shared.seq_len} tokens; set model.seq_len={shared.seq_len}, or prepare the data with "
+                          f"--seq_len={config.model.seq_len}")
+    own = {n: config.islands[n].get("data", "") for n in island_names}
+    readers = [n for n in island_names if not own[n]]  # they split the shared dataset's training records
+    train, own_eval = {}, {}
+    for k, name in enumerate(island_names):
+        if island is not None and name != island:
+            continue
+        if not own[name]:
+            train[name] = shared.records("train")[readers.index(name) :: len(readers)]
+            continue
+        parts = []
+        for path, weight in parse_mixture(own[name]):
+            dataset = prepared_lib.PreparedDataset(path)
+            if (dataset.tokenizer_hash, dataset.seq_len) != (shared.tokenizer_hash, shared.seq_len):
+                raise DataError(
+                    f"islands.{name}.data names {path}, prepared with tokenizer {dataset.tokenizer_hash} and records "
+                    f"of {dataset.seq_len} tokens, but data.prepared ({shared.path}) has tokenizer "
+                    f"{shared.tokenizer_hash} and {shared.seq_len}; prepare it with the shared dataset's tokenizer "
+                    f"(--tokenizer=tokenizer_json --tokenizer_path={shared.path}/tokenizer.json) and --seq_len")
+            parts.append((dataset, weight))
+        if len(parts) == 1:
+            train[name] = parts[0][0].records("train")
+        else:  # each part shuffled and repeated on its own, then drawn from by weight: an endless mixture
+            endless = [d.records("train").shuffle(seed=config.seed + i).repeat() for i, (d, _) in enumerate(parts)]
+            train[name] = grain.MapDataset.mix(endless, [w for _, w in parts])
+        own_eval[name] = _concatenated([d.records("eval") for d, _ in parts])
+    return Corpus(shared.records("eval"), train, shared.fingerprint(), own_eval, shared.token_bytes)
+
+
+def scored(windows: np.ndarray, token_bytes: np.ndarray | None) -> tuple[np.ndarray, np.ndarray]:
+    """(targets, bytes of text) each window of a held-out set predicts: int64 [n] each.
+
+    Args:
+      windows: `eval_windows`' array: uint8 [n, S + 1] byte windows (S targets of one byte each), or int32
+        [n, 2, S + 1] packed records (the targets whose segment is not 0, and their tokens' bytes).
+      token_bytes: `Corpus.token_bytes` (needed for records).
+    """
+    if windows.ndim == 2:
+        count = np.full(len(windows), windows.shape[1] - 1, np.int64)
+        return count, count
+    real = windows[:, 1, 1:] != 0
+    return real.sum(axis=1).astype(np.int64), np.where(real, token_bytes[windows[:, 0, 1:]], 0).sum(axis=1).astype(np.int64)
+
+
 class Windows:
     """Random-access source: item i is bytes [i*L, i*L + L + 1) of `data`, L = seq_len.
 
@@ -156,15 +276,18 @@ class Windows:
 
 
 def train_dataset(
-    data: np.ndarray, seq_len: int, batch_size: int, seed: int, rows: slice | None = None
+    data, seq_len: int, batch_size: int, seed: int, rows: slice | None = None
 ) -> grain.MapDataset:
-    """Shuffled, repeating batches: `ds[step]` is a uint8 array [batch_size, seq_len + 1].
+    """Shuffled, repeating batches: `ds[step]` is a uint8 array [batch_size, seq_len + 1] of byte windows, or an
+    int32 array [batch_size, 2, seq_len + 1] of packed records.
 
-    Indexing by step makes the data position one integer (the inner step count).
+    Indexing by step makes the data position one integer (the inner step count): a resumed island reads the
+    batches an uninterrupted one would, with nothing else to save. Records are read on demand.
 
     Args:
-      data: uint8 [n], an island's shard.
-      seq_len: bytes per input sequence (each row has one more, the last target).
+      data: an island's data (`Corpus.train`): uint8 [n] bytes, a finite `grain.MapDataset` of records
+        (shuffled by `seed` and repeated here), or an endless one (a mixture, shuffled already).
+      seq_len: tokens per input sequence (each row has one more, the last target).
       batch_size: sequences per batch.
       seed: shuffle seed (`config.seed`).
       rows: only these rows of every batch (a process of a multi-process island reads the rows its own
@@ -174,7 +297,9 @@ def train_dataset(
     Raises:
       DataError: fewer than seq_len + 1 bytes.
     """
-    windows = grain.MapDataset.source(Windows(data, seq_len)).shuffle(seed=seed).repeat()
+    if isinstance(data, np.ndarray):
+        data = grain.MapDataset.source(Windows(data, seq_len))
+    windows = data if len(data) == sys.maxsize else data.shuffle(seed=seed).repeat()
     lo, hi, _ = (rows or slice(None)).indices(batch_size)
     if (lo, hi) == (0, batch_size):
         return windows.batch(batch_size, drop_remainder=True)
@@ -183,7 +308,7 @@ def train_dataset(
     )
 
 
-def eval_windows(data: np.ndarray, seq_len: int, num_windows: int, seed: int = 0) -> np.ndarray:
+def eval_windows(data, seq_len: int, num_windows: int, seed: int = 0) -> np.ndarray:
     """The held-out set: `num_windows` distinct windows of the held-out bytes, chosen by `seed` alone.
 
     The windows are `Windows(data, seq_len)`'s items at the first `num_windows` places of a permutation seeded by
@@ -192,18 +317,19 @@ def eval_windows(data: np.ndarray, seq_len: int, num_windows: int, seed: int = 0
     whatever its batch size or devices, and the set's first and second halves are two random halves.
 
     Args:
-      data: uint8 [n], the held-out bytes (`Corpus.eval_bytes`).
-      seq_len: bytes per input sequence; a window is seq_len + 1 bytes.
-      num_windows: how many; when the held-out bytes hold fewer windows, all of them (in the seeded order).
+      data: uint8 [n], the held-out bytes (`Corpus.eval`), or a `grain.MapDataset` of packed records (each
+        one a window).
+      seq_len: tokens per input sequence; a window is seq_len + 1 tokens.
+      num_windows: how many; when the held-out data hold fewer windows, all of them (in the seeded order).
       seed: `eval.seed`.
 
     Returns:
-      uint8 [min(num_windows, len(Windows(data, seq_len))), seq_len + 1].
+      uint8 [min(num_windows, len(Windows(data, seq_len))), seq_len + 1], or int32 [n, 2, seq_len + 1] records.
 
     Raises:
       DataError: fewer than seq_len + 1 bytes.
     """
-    source = Windows(data, seq_len)
+    source = Windows(data, seq_len) if isinstance(data, np.ndarray) else data
     order = np.random.default_rng(seed).permutation(len(source))[:num_windows]
     return np.stack([source[i] for i in order])
 
@@ -211,7 +337,7 @@ def eval_windows(data: np.ndarray, seq_len: int, num_windows: int, seed: int = 0
 def windows_sha256(windows: np.ndarray) -> str:
     """The first 16 hex digits of the SHA-256 of a held-out set (`eval_windows`'s array, its shape included)."""
     digest = hashlib.sha256(str(windows.shape).encode())
-    digest.update(np.ascontiguousarray(windows, np.uint8).tobytes())
+    digest.update(np.ascontiguousarray(windows, np.uint8 if windows.ndim == 2 else np.int32).tobytes())
     return digest.hexdigest()[:16]
 
 
@@ -219,11 +345,11 @@ def eval_batches(windows: np.ndarray, batch_size: int) -> list[tuple[np.ndarray,
     """The held-out set in batches of `batch_size` windows, the last one padded with zero windows.
 
     Args:
-      windows: uint8 [n, seq_len + 1] (`eval_windows`).
+      windows: uint8 [n, seq_len + 1] or int32 [n, 2, seq_len + 1] (`eval_windows`).
       batch_size: windows per batch (`eval.batch_size`, a multiple of the island's devices).
 
     Returns:
-      [(uint8 [batch_size, seq_len + 1], how many of its rows are windows)], ceil(n / batch_size) of them;
+      [(windows' dtype [batch_size, ...], how many of its rows are windows)], ceil(n / batch_size) of them;
       padded rows come last and are left out of every loss (`Island.evaluate`).
     """
     batches = []
@@ -231,7 +357,7 @@ def eval_batches(windows: np.ndarray, batch_size: int) -> list[tuple[np.ndarray,
         part = windows[start : start + batch_size]
         real = len(part)
         if real < batch_size:
-            part = np.concatenate([part, np.zeros((batch_size - real, windows.shape[1]), np.uint8)])
+            part = np.concatenate([part, np.zeros((batch_size - real, *windows.shape[1:]), windows.dtype)])
         batches.append((part, real))
     return batches
 

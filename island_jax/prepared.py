@@ -40,9 +40,10 @@ from island_jax import tokenizer as tokenizer_lib
 from island_jax.data import DataError
 from island_jax.metrics import write_json
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: a record holds seq_len + 1 tokens, sharing one with the next (1: seq_len, none shared)
 MANIFEST = "manifest.json"
 TOKENIZER_FILE = "tokenizer.json"
+TOKEN_BYTES_FILE = "token_bytes.npy"  # int32 [vocab]: the text bytes of each token (`Tokenizer.token_bytes`)
 FORMATS = ("auto", "text", "jsonl", "parquet")
 SPLITS = ("train", "eval")
 SPLIT_RULE = ("a text file goes to eval when the first 8 bytes of SHA-256(its path relative to its input's root), "
@@ -144,22 +145,28 @@ def read_documents(files: Sequence[tuple[str, str]], fmt: str = "auto", field: s
 
 
 def pack(documents: Sequence[np.ndarray], seq_len: int, token_dtype) -> tuple[np.ndarray, np.ndarray]:
-    """Documents' token ids (each ending in its end-of-document token) one after another, cut into records.
+    """Documents' token ids (each ending in its end-of-document token) one after another, cut into records that
+    each give `seq_len` predictions: record i holds tokens [i x seq_len, i x seq_len + seq_len + 1), so two
+    consecutive records share one token (the last target of one is the first input of the next), as the byte
+    windows of `data.Windows` do.
 
     Returns:
-      (tokens [records, seq_len], segment_ids [records, seq_len] uint16): a token's segment id is the 1-based
-      index, within its record, of the document it belongs to; the last record's padding is token 0, segment 0.
+      (tokens [records, seq_len + 1], segment_ids [records, seq_len + 1] uint16): a token's segment id is the
+      1-based index, within its record, of the document it belongs to; the last record's padding is token 0,
+      segment 0.
     """
+    width = seq_len + 1
     if not documents:
-        return np.zeros((0, seq_len), token_dtype), np.zeros((0, seq_len), np.uint16)
+        return np.zeros((0, width), token_dtype), np.zeros((0, width), np.uint16)
     tokens = np.concatenate(documents).astype(token_dtype)
     doc_index = np.repeat(np.arange(len(documents)), [len(d) for d in documents])
-    records = -(-len(tokens) // seq_len)
-    pad = records * seq_len - len(tokens)
-    tokens = np.concatenate([tokens, np.zeros(pad, token_dtype)]).reshape(records, seq_len)
-    doc_index = np.concatenate([doc_index, np.full(pad, -1)]).reshape(records, seq_len)
-    first = np.where(doc_index[:, :1] >= 0, doc_index[:, :1], 0)
-    segments = np.where(doc_index >= 0, doc_index - first + 1, 0).astype(np.uint16)
+    records = max(1, -(-(len(tokens) - 1) // seq_len))
+    pad = records * seq_len + 1 - len(tokens)
+    tokens = np.concatenate([tokens, np.zeros(pad, token_dtype)])
+    doc_index = np.concatenate([doc_index, np.full(pad, -1)])
+    at = np.arange(records)[:, None] * seq_len + np.arange(width)
+    tokens, doc_index = tokens[at], doc_index[at]
+    segments = np.where(doc_index >= 0, doc_index - doc_index[:, :1] + 1, 0).astype(np.uint16)
     return tokens, segments
 
 
@@ -169,10 +176,10 @@ def encode_record(tokens: np.ndarray, segment_ids: np.ndarray) -> bytes:
 
 
 def decode_record(data: bytes, seq_len: int, token_dtype) -> tuple[np.ndarray, np.ndarray]:
-    """(tokens [seq_len] of `token_dtype`, segment_ids [seq_len] uint16) of a record's bytes."""
+    """(tokens [seq_len + 1] of `token_dtype`, segment_ids [seq_len + 1] uint16) of a record's bytes."""
     dtype = np.dtype(token_dtype).newbyteorder("<")
-    tokens = np.frombuffer(data, dtype, seq_len)
-    return tokens, np.frombuffer(data, "<u2", seq_len, seq_len * dtype.itemsize)
+    tokens = np.frombuffer(data, dtype, seq_len + 1)
+    return tokens, np.frombuffer(data, "<u2", seq_len + 1, (seq_len + 1) * dtype.itemsize)
 
 
 def _token_dtype(vocab_size: int) -> str:
@@ -318,7 +325,7 @@ def prepare(
     if not documents:
         raise DataError(f"the inputs {list(inputs)} hold no document; give files with text in them")
     os.makedirs(out, exist_ok=True)
-    settings = dict(seq_len=seq_len, eval_fraction=eval_fraction, shard_bytes=shard_bytes, format=fmt, field=field,
+    settings = dict(format_version=FORMAT_VERSION, seq_len=seq_len, eval_fraction=eval_fraction, shard_bytes=shard_bytes, format=fmt, field=field,
                     tokenizer=tokenizer, vocab_size=vocab_size if tokenizer == "bpe" else None, eos_token=eos_token,
                     tokenizer_path=os.path.abspath(tokenizer_path) if tokenizer_path else "",
                     tiktoken_name=tiktoken_name if tokenizer == "tiktoken" else None,
@@ -339,6 +346,7 @@ def prepare(
             os.replace(tok_path + ".tmp", tok_path)
     tok = tokenizer_lib.load(tokenizer, tok_path, eos_token=eos_token, tiktoken_name=tiktoken_name)
     _check_settings(out, dict(settings, tokenizer_hash=tok.hash))  # a tokenizer file changed since: refused
+    np.save(os.path.join(out, TOKEN_BYTES_FILE), tok.token_bytes())
     entries: dict[str, dict] = {}
     todo = []
     for plan in shards:
@@ -371,7 +379,7 @@ def prepare(
         format_version=FORMAT_VERSION, settings=settings, split_rule=SPLIT_RULE,
         tokenizer=dict(kind=tok.kind, hash=tok.hash, vocab_size=tok.vocab_size, eos_id=tok.eos_id,
                        file=os.path.basename(tok_path) if tok_path else ""),
-        token_dtype=_token_dtype(tok.vocab_size),
+        token_dtype=_token_dtype(tok.vocab_size), token_bytes=TOKEN_BYTES_FILE,
         eval_files=sorted({os.path.relpath(p, r) for r, p in files if _format_of(p, fmt) == "text"
                            and split_of(os.path.relpath(p, r), eval_fraction) == "eval"}),
         splits={split: dict(
@@ -404,17 +412,80 @@ def _check_settings(out: str, settings: dict) -> None:
     write_json(path, settings)
 
 
-def read_records(out: str, split: str = "train") -> Iterator[tuple[np.ndarray, np.ndarray]]:
-    """Every record of a prepared split, in shard order: (tokens [seq_len], segment_ids [seq_len])."""
-    from array_record.python.array_record_module import ArrayRecordReader
+class PreparedDataset:
+    """A prepared folder (`prepare`'s output), opened for reading: its records as grain datasets.
 
-    with open(os.path.join(out, MANIFEST), encoding="utf-8") as f:
-        manifest = json.load(f)
-    seq_len, dtype = manifest["settings"]["seq_len"], manifest["token_dtype"]
-    for shard in manifest["splits"][split]["shards"]:
-        reader = ArrayRecordReader(os.path.join(out, shard["file"]))
-        try:
-            for data in reader.read_all():
-                yield decode_record(data, seq_len, dtype)
-        finally:
-            reader.close()
+    An item is int32 [2, seq_len + 1]: row 0 the record's tokens, row 1 their segment ids (`pack`). Records are
+    read from the ArrayRecord shards on demand (`grain.sources.ArrayRecordDataSource`), so memory does not grow
+    with the dataset.
+
+    Args:
+      path: the folder.
+
+    Attributes:
+      path, manifest: the folder and its manifest.json.
+      seq_len: predictions per record (a record holds seq_len + 1 tokens).
+      vocab_size, eos_id, tokenizer_hash: the tokenizer's (`island_jax.tokenizer`).
+      token_bytes: int32 [vocab_size], the UTF-8 bytes of text of each token.
+
+    Raises:
+      DataError: no manifest.json in `path` (not prepared, or not finished), or one of another format version.
+    """
+
+    def __init__(self, path: str):
+        self.path = os.path.abspath(os.path.expanduser(path))
+        manifest = os.path.join(self.path, MANIFEST)
+        if not os.path.isfile(manifest):
+            raise DataError(f"{path} holds no {MANIFEST}: it is not a prepared dataset, or its preparation did not "
+                            "finish; run experiments/prepare_data.py --out=" + path)
+        with open(manifest, encoding="utf-8") as f:
+            self.manifest = json.load(f)
+        version = self.manifest.get("format_version")
+        if version != FORMAT_VERSION:
+            raise DataError(f"{path} was prepared in format {version}, and this version of island_jax reads format "
+                            f"{FORMAT_VERSION}; prepare it again into a new folder (experiments/prepare_data.py)")
+        self.seq_len = int(self.manifest["settings"]["seq_len"])
+        tok = self.manifest["tokenizer"]
+        self.vocab_size, self.eos_id, self.tokenizer_hash = int(tok["vocab_size"]), int(tok["eos_id"]), tok["hash"]
+        self.token_bytes = np.load(os.path.join(self.path, self.manifest["token_bytes"])).astype(np.int32)
+        self._dtype = self.manifest["token_dtype"]
+
+    def records(self, split: str = "train"):
+        """`split`'s records in shard order, a `grain.MapDataset` of int32 [2, seq_len + 1] items.
+
+        Raises:
+          DataError: the split has no record, or a shard file is missing.
+        """
+        import grain
+
+        shards = self.manifest["splits"][split]["shards"]
+        paths = [os.path.join(self.path, s["file"]) for s in shards if s["records"]]
+        missing = [p for p in paths if not os.path.isfile(p)]
+        if missing:
+            raise DataError(f"{self.path} lacks its shard {missing[0]}; copy the whole folder, or prepare it again")
+        if not paths:
+            raise DataError(f"the {split} split of {self.path} has no record; prepare it with more documents"
+                            + (" or a larger --eval_fraction" if split == "eval" else ""))
+        seq_len, dtype = self.seq_len, self._dtype
+
+        def decode(data: bytes) -> np.ndarray:
+            return np.stack(decode_record(data, seq_len, dtype)).astype(np.int32)
+
+        return grain.MapDataset.source(grain.sources.ArrayRecordDataSource(paths)).map(decode)
+
+    def fingerprint(self) -> dict:
+        """What islands reading this dataset agree on: the tokenizer's hash and a hash of every shard's SHA-256,
+        with the records of each split."""
+        shards = [s["sha256"] for split in SPLITS for s in self.manifest["splits"][split]["shards"]]
+        return dict(tokenizer=self.tokenizer_hash, seq_len=self.seq_len,
+                    shards_sha256=hashlib.sha256("\n".join(shards).encode()).hexdigest()[:16],
+                    **{f"{split}_records": sum(s["records"] for s in self.manifest["splits"][split]["shards"])
+                       for split in SPLITS})
+
+
+def read_records(out: str, split: str = "train") -> Iterator[tuple[np.ndarray, np.ndarray]]:
+    """Every record of a prepared split, in shard order: (tokens [seq_len + 1], segment_ids [seq_len + 1])."""
+    records = PreparedDataset(out).records(split)
+    for i in range(len(records)):
+        item = records[i]
+        yield item[0], item[1]

@@ -76,6 +76,14 @@ class Tokenizer:
         """int32 [tokens + 1]: `text`'s ids followed by the end-of-document token."""
         return np.append(self.encode(text), np.int32(self.eos_id)).astype(np.int32)
 
+    def token_bytes(self) -> np.ndarray:
+        """int32 [vocab_size]: the UTF-8 bytes of text each token stands for (0 for the end of document and other
+        special tokens), so that the bytes of a text are the sum over its tokens: bits per byte
+        (`data.bits_per_byte`) of a tokenized evaluation set. Exact for the bytes, BPE and tiktoken kinds; for
+        SentencePiece and other tokenizer.json files, each piece's own text (a normalizer's changes are not
+        undone)."""
+        raise NotImplementedError
+
     def __repr__(self) -> str:
         return f"{type(self).__name__}(kind={self.kind!r}, vocab_size={self.vocab_size}, hash={self.hash!r})"
 
@@ -92,6 +100,9 @@ class ByteTokenizer(Tokenizer):
     def decode(self, ids) -> str:
         ids = np.asarray(ids, np.int64)
         return bytes(ids[ids != BYTE_EOS].astype(np.uint8)).decode("utf-8", errors="replace")
+
+    def token_bytes(self) -> np.ndarray:
+        return np.append(np.ones(BYTE_EOS, np.int32), np.int32(0))
 
 
 class HuggingFaceTokenizer(Tokenizer):
@@ -124,6 +135,24 @@ class HuggingFaceTokenizer(Tokenizer):
 
     def decode(self, ids) -> str:
         return self._tokenizer.decode([int(i) for i in ids if int(i) != self.eos_id], skip_special_tokens=False)
+
+    def token_bytes(self) -> np.ndarray:
+        from tokenizers import decoders, pre_tokenizers
+
+        special = {t.content for t in self._tokenizer.get_added_tokens_decoder().values() if t.special}
+        # GPT-2's byte-level alphabet: one character per byte
+        byte_level = isinstance(self._tokenizer.decoder, decoders.ByteLevel)
+        alphabet = set(pre_tokenizers.ByteLevel.alphabet())
+        sizes = np.zeros(self.vocab_size, np.int32)
+        for i in range(self.vocab_size):
+            token = self._tokenizer.id_to_token(i)
+            if token is None or token in special or i == self.eos_id:
+                continue
+            if byte_level and all(c in alphabet for c in token):
+                sizes[i] = len(token)
+            else:
+                sizes[i] = len(self._tokenizer.decode([i], skip_special_tokens=False).encode("utf-8"))
+        return sizes
 
     def save(self, path: str) -> None:
         """Writes the tokenizer as a tokenizer.json file at `path`."""
@@ -159,6 +188,15 @@ class SentencePieceTokenizer(Tokenizer):
 
     def decode(self, ids) -> str:
         return self._sp.decode([int(i) for i in ids if int(i) != self.eos_id])
+
+    def token_bytes(self) -> np.ndarray:
+        sizes = np.zeros(self.vocab_size, np.int32)
+        for i in range(self.vocab_size):
+            if self._sp.is_byte(i):
+                sizes[i] = 1
+            elif not (self._sp.is_control(i) or self._sp.is_unknown(i)):
+                sizes[i] = len(self._sp.id_to_piece(i).replace("\u2581", " ").encode("utf-8"))
+        return sizes
 
 
 _TIKTOKEN_LOCK = threading.Lock()  # tiktoken's constructors are pointed at the local ranks one at a time
@@ -225,6 +263,17 @@ class TiktokenTokenizer(Tokenizer):
 
     def decode(self, ids) -> str:
         return self._encoding.decode([int(i) for i in ids if int(i) != self.eos_id])
+
+    def token_bytes(self) -> np.ndarray:
+        sizes = np.zeros(self.vocab_size, np.int32)
+        special = set(self._encoding._special_tokens.values())  # noqa: SLF001 - tiktoken has no public list of ids
+        for i in range(self.vocab_size):
+            if i not in special:
+                try:
+                    sizes[i] = len(self._encoding.decode_single_token_bytes(i))
+                except KeyError:  # a hole in the ranks
+                    pass
+        return sizes
 
 
 _TIKTOKEN_NAMES = ("cl100k_base", "o200k_base", "o200k_harmony", "p50k_base", "p50k_edit", "r50k_base")

@@ -239,9 +239,10 @@ def summarize_island(folder: str) -> dict:
     last round record, or of a later `rejoin` record), and
     when the island evaluated, `eval_loss_initial` (round 0), `eval_loss_final` and `eval_bits_per_byte_final`
     (of the text, `data.bits_per_byte`), the loss's standard error
-    `eval_loss_final_stderr`, and `eval_windows` and `eval_windows_sha256` (the held-out set scored).
+    `eval_loss_final_stderr`, and `eval_windows` and `eval_windows_sha256` (the held-out set scored); when it
+    scored data of its own (`islands.NAME.data`), `own_eval_loss_final` and `own_eval_bits_per_byte_final`.
     """
-    rounds, evals, held = {}, {}, None
+    rounds, evals, own, held = {}, {}, {}, None
     for rec in read_jsonl(os.path.join(folder, "metrics.jsonl")):
         if rec.get("kind") in ("round", "rejoin"):  # what it holds: after a round, or the coordinator's state
             held = rec["checksum"]
@@ -249,6 +250,8 @@ def summarize_island(folder: str) -> dict:
             rounds[rec["round"]] = rec
         elif rec.get("kind") == "eval":
             evals[rec["round"]] = rec
+        elif rec.get("kind") == "own_eval":
+            own[rec["round"]] = rec
     summary = {key: sum(rec.get(key, 0) for rec in rounds.values()) for key in SUMMED}
     wall = summary["wall_seconds"]
     summary["compute_utilization"] = summary["ideal_compute_seconds"] / wall if wall else 0.0
@@ -264,6 +267,9 @@ def summarize_island(folder: str) -> dict:
                        eval_bits_per_byte_final=last.get("eval_bits_per_byte"),
                        eval_loss_final_stderr=last.get("eval_loss_stderr"), eval_windows=last.get("eval_windows"),
                        eval_windows_sha256=last.get("eval_windows_sha256"))
+    if own:
+        last = own[max(own)]
+        summary.update(own_eval_loss_final=last["own_eval_loss"], own_eval_bits_per_byte_final=last["own_eval_bits_per_byte"])
     return summary
 
 
@@ -283,7 +289,8 @@ def combine_summaries(config: ml_collections.ConfigDict, workdir: str, wall_seco
       global parameters equal the coordinator's view; without an outer loop,
       True), and `islands.NAME`: the island's `SUMMED` totals,
       `achieved_gbps`, `compute_utilization`, `mfu`, `mean_weight` (its share of a
-      merge, averaged over rounds) and `rounds_merged`.
+      merge, averaged over rounds) and `rounds_merged`, and for an island with data of its own
+      `own_eval_loss_final` and `own_eval_bits_per_byte_final` (its own held-out split).
 
     Raises:
       FileNotFoundError: a role left no summary (it did not finish).
@@ -320,6 +327,7 @@ def combine_summaries(config: ml_collections.ConfigDict, workdir: str, wall_seco
                 # the share of each round's merge, averaged over rounds (0 for a round it missed)
                 mean_weight=sum(r["weights"].get(name, 0.0) for r in merged.values()) / max(len(merged), 1),
                 rounds_merged=sum(name in r["weights"] for r in merged.values()),
+                **{k: s[k] for k in ("own_eval_loss_final", "own_eval_bits_per_byte_final") if k in s},
             )
             for name, s in islands.items()
         },

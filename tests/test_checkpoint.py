@@ -278,7 +278,7 @@ def test_a_role_whose_save_fails_exits_naming_the_folder_and_its_checkpoint_rest
     config.outer.enabled = False
     config.data.files = corpus
     graphdef, params, specs = init_params(config)
-    train = data_lib.load_corpus(corpus, config.data.eval_fraction, ["a"]).train_bytes["a"]
+    train = data_lib.load_corpus(corpus, config.data.eval_fraction, ["a"]).train["a"]
     island = Island("a", config, jax.devices()[:4], graphdef, params, specs, train, 3)
     ckpt = Checkpointer(directory, 1, 2)
     assert ckpt.rounds() == [1]

@@ -18,9 +18,9 @@ def test_split_is_disjoint_deterministic_and_fingerprinted(tmp_path):
     again = data.load_corpus(pattern, 0.1, ["a", "b"])
     assert a.fingerprint == again.fingerprint
     assert a.fingerprint["files"] == 40 and a.fingerprint["bytes"] == sum(300 + i for i in range(40))
-    sizes = len(a.eval_bytes) + len(a.train_bytes["a"]) + len(a.train_bytes["b"])
+    sizes = len(a.eval) + len(a.train["a"]) + len(a.train["b"])
     assert sizes == a.fingerprint["bytes"]  # every byte in exactly one split
-    np.testing.assert_array_equal(a.train_bytes["b"], again.train_bytes["b"])
+    np.testing.assert_array_equal(a.train["b"], again.train["b"])
 
 
 def test_stdlib_is_the_default_corpus():
@@ -72,7 +72,7 @@ def test_baseline_dp_and_two_islands_score_the_same_held_out_windows():
     for name in ("baseline_dp", "two_islands", "hetero_islands"):
         config = load_config(f"experiments/configs/{name}.py")
         corpus = data.load_corpus(config.data.files, config.data.eval_fraction, list(config.islands.keys()))
-        windows = data.eval_windows(corpus.eval_bytes, config.model.seq_len, config.eval.num_windows, config.eval.seed)
+        windows = data.eval_windows(corpus.eval, config.model.seq_len, config.eval.num_windows, config.eval.seed)
         sets[name] = (len(windows), data.windows_sha256(windows), config.eval.batch_size)
     assert sets["baseline_dp"][:2] == sets["two_islands"][:2] == sets["hetero_islands"][:2]
     assert sets["baseline_dp"][0] == 2048 and sets["baseline_dp"][2] != sets["two_islands"][2]  # 48 and 32 per batch

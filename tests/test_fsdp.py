@@ -64,7 +64,7 @@ def test_parameters_gradients_moments_and_anchor_are_sharded_over_fsdp(tmp_path)
     island = Island("a", c, jax.devices()[:4], graphdef, params, specs, corpus, ROUNDS)
     state = island.opt_state
     moments = [optax.tree_utils.tree_get(state, "mu"), optax.tree_utils.tree_get(state, "nu")]
-    inputs, targets = island.shardings.batch_of(island.dataset[0], island.batch_size)
+    inputs, targets, _ = island.shardings.batch_of(island.dataset[0], island.batch_size)
     with jax.set_mesh(island.mesh):
         grads = jax.jit(jax.grad(lambda p: step_lib.loss_fn(graphdef, p, inputs, targets, c.moe)[0]))(island.params)
     for tree in (island.params, island.anchor, grads, *moments):

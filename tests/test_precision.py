@@ -40,7 +40,7 @@ def test_gradients_with_remat_equal_those_without(corpus, remat):
         graphdef, params, shardings = _placed(c, mesh)
         windows = data_lib.train_dataset(corpus, c.model.seq_len, 8, 0)[0]
         with jax.set_mesh(mesh):
-            inputs, targets = shardings.batch_of(windows)
+            inputs, targets, _ = shardings.batch_of(windows)
             loss = lambda p: step_lib.loss_fn(graphdef, p, inputs, targets, c.moe)[0]  # noqa: E731
             grads[policy] = jax.device_get(jax.jit(jax.grad(loss))(params))
             # each block runs under jax.checkpoint (a remat primitive per block), or under none

@@ -42,17 +42,25 @@ def _prepare(folder, out, **kw):
 
 
 def _documents_of(out, split, eos):
-    """The token ids of every document of a split, from its records: cut at each end-of-document token."""
+    """The token ids of every document of a split, from its records: each shard's records joined (consecutive
+    records share one token) and cut at each end-of-document token."""
+    from array_record.python.array_record_module import ArrayRecordReader
+
+    dataset = prepared.PreparedDataset(out)
     docs, current = [], []
-    for tokens, segments in prepared.read_records(out, split):
-        for t, s in zip(tokens.tolist(), segments.tolist()):
-            if s == 0:
-                continue
-            current.append(t)
-            if t == eos:
-                docs.append(current)
-                current = []
-    assert current == []
+    for shard in dataset.manifest["splits"][split]["shards"]:
+        reader = ArrayRecordReader(os.path.join(out, shard["file"]))
+        records = [prepared.decode_record(r, SEQ_LEN, dataset.manifest["token_dtype"]) for r in reader.read_all()]
+        reader.close()
+        for i, (tokens, segments) in enumerate(records):
+            for t, s in list(zip(tokens.tolist(), segments.tolist()))[1 if i else 0 :]:
+                if s == 0:
+                    continue
+                current.append(t)
+                if t == eos:
+                    docs.append(current)
+                    current = []
+        assert current == []
     return docs
 
 
@@ -78,11 +86,18 @@ def test_every_document_is_in_one_split_once_with_the_token_counts_of_the_tokeni
 def test_packed_records_mark_each_documents_tokens_and_pad_the_last_record():
     docs = [np.array([5, 6, 7, 0]), np.array([8, 0]), np.array([9, 9, 9, 9, 9, 0])]
     tokens, segments = prepared.pack(docs, 5, "uint16")
-    assert tokens.tolist() == [[5, 6, 7, 0, 8], [0, 9, 9, 9, 9], [9, 0, 0, 0, 0]]
-    assert segments.tolist() == [[1, 1, 1, 1, 2], [1, 2, 2, 2, 2], [1, 1, 0, 0, 0]]
+    # records of 6 tokens (5 predictions each), the last token of one the first of the next
+    assert tokens.tolist() == [[5, 6, 7, 0, 8, 0], [0, 9, 9, 9, 9, 9], [9, 0, 0, 0, 0, 0]]
+    assert segments.tolist() == [[1, 1, 1, 1, 2, 2], [1, 2, 2, 2, 2, 2], [1, 1, 0, 0, 0, 0]]
     data = prepared.encode_record(tokens[1], segments[1])
     back = prepared.decode_record(data, 5, "uint16")
-    assert [x.tolist() for x in back] == [tokens[1].tolist(), segments[1].tolist()] and len(data) == 20
+    assert [x.tolist() for x in back] == [tokens[1].tolist(), segments[1].tolist()] and len(data) == 24
+    # 11 tokens fill two records exactly: the last token is the last record's last, with no padding
+    tokens, segments = prepared.pack([np.array([1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 0])], 5, "uint16")
+    assert tokens.tolist() == [[1, 2, 3, 4, 5, 6], [6, 7, 8, 9, 10, 0]] and segments.min() == 1
+    # a shard of one empty document: one record, its end-of-document token and padding
+    tokens, segments = prepared.pack([np.array([0])], 5, "uint16")
+    assert tokens.tolist() == [[0] * 6] and segments.tolist() == [[1, 0, 0, 0, 0, 0]]
 
 
 def test_an_interrupted_preparation_resumes_to_the_same_shards_byte_for_byte(inputs, tmp_path):

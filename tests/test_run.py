@@ -186,7 +186,7 @@ def _islands(config):
     for name in names:
         n = config.islands[name].num_devices
         out.append(Island(name, config, devices[start : start + n], graphdef, params, specs,
-                          corpus.train_bytes[name], config.outer.rounds))
+                          corpus.train[name], config.outer.rounds))
         start += n
     return params, out
 
@@ -230,7 +230,7 @@ def test_data_parallel_baseline_runs_through_run_island_with_no_exchange(tmp_pat
         by_hand.train_round()
     rounds = records(tmp_path / "baseline", "islands/a", "round")
     assert rounds[-1]["checksum"] == checksum(jax.device_get(by_hand.params))
-    windows = data_lib.eval_windows(data_lib.load_corpus(config.data.files, config.data.eval_fraction, ["a"]).eval_bytes,
+    windows = data_lib.eval_windows(data_lib.load_corpus(config.data.files, config.data.eval_fraction, ["a"]).eval,
                                     config.model.seq_len, config.eval.num_windows, config.eval.seed)
     losses = by_hand.evaluate(data_lib.eval_batches(windows, config.eval.batch_size))
     assert (summary["eval_loss_final"], summary["eval_loss_final_stderr"]) == data_lib.mean_and_stderr(losses)

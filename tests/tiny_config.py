@@ -31,3 +31,24 @@ def get_config():
     c.data.eval_fraction = 0.2
     c.checkpoint.every_rounds = 1
     return c
+
+
+def write_prepared(folder, seed: int = 0, words=None, documents: int = 120, seq_len: int = 32, tokenizer: str = "",
+                   vocab_size: int = 300) -> str:
+    """A prepared dataset (island_jax/prepared.py) of `documents` JSONL documents of shuffled `words` in
+    `folder` (a pathlib.Path): a BPE of `vocab_size` tokens trained on them, or the tokenizer.json
+    `tokenizer`; records of `seq_len` predictions, small shards. Returns the dataset's folder."""
+    import json
+
+    from island_jax.prepared import prepare
+
+    folder.mkdir(parents=True, exist_ok=True)
+    rng = np.random.default_rng(seed)
+    words = words or ["def", "return", "self", "import", "class", "if", "else", "for", "in", "(", ")", ":", "\n    "]
+    with open(folder / "docs.jsonl", "w", encoding="utf-8") as f:
+        for _ in range(documents):
+            f.write(json.dumps({"text": " ".join(rng.choice(words, size=int(rng.integers(5, 80))))}) + "\n")
+    out = str(folder / "prepared")
+    kw = dict(tokenizer="tokenizer_json", tokenizer_path=tokenizer) if tokenizer else dict(vocab_size=vocab_size)
+    prepare([str(folder / "docs.jsonl")], out, seq_len=seq_len, eval_fraction=0.2, shard_bytes=4000, workers=1, **kw)
+    return out

@@ -124,11 +124,20 @@ class Shardings:
             raise ValueError(f"this process's rows of the batch are not contiguous: {spans}")
         return slice(lo, hi)
 
-    def batch_of(self, windows: np.ndarray, batch_size: int | None = None) -> tuple[jax.Array, jax.Array]:
-        """uint8 [b, S + 1] windows -> int32 (inputs, targets) [B, S] each, on the devices. `windows` are this
-        process's rows (`local_rows`) of a batch of `batch_size` (default: b, one process holds all)."""
-        windows = windows.astype(np.int32)
-        return self.rows_of(windows[:, :-1], batch_size), self.rows_of(windows[:, 1:], batch_size)
+    def batch_of(self, windows: np.ndarray, batch_size: int | None = None) -> tuple[jax.Array, jax.Array, jax.Array | None]:
+        """A batch on the devices: (inputs, targets) int32 [B, S] each, and the segment ids int32 [B, S + 1] of
+        packed records (None for byte windows).
+
+        Args:
+          windows: uint8 [b, S + 1] byte windows, or int32 [b, 2, S + 1] packed records (tokens, then segment
+            ids: `prepared.PreparedDataset`); this process's rows (`local_rows`) of a batch of `batch_size`
+            (default: b, one process holds all).
+        """
+        windows = np.asarray(windows).astype(np.int32)
+        segments = None
+        if windows.ndim == 3:
+            windows, segments = windows[:, 0], self.rows_of(windows[:, 1], batch_size)
+        return self.rows_of(windows[:, :-1], batch_size), self.rows_of(windows[:, 1:], batch_size), segments
 
     def rows_of(self, rows: np.ndarray, batch_size: int | None = None) -> jax.Array:
         """[b, S] rows (this process's, `local_rows`, of a batch of `batch_size`) on the devices, split as a batch."""
@@ -193,7 +202,8 @@ class Island:
       graphdef, params, specs: from `model.init.init_params(config)` or, drawn on the island's own mesh,
         `init_params(config, mesh)` (params are the seeded initial values: NumPy arrays, or `jax.Array`s
         already sharded by `specs`, which the island then holds as its parameters).
-      train_bytes: the island's training shard (uint8 [N]).
+      train: the island's training data: its shard of the byte corpus (uint8 [N]), or its records
+        (`data.Corpus.train`: a `grain.MapDataset` of packed records, or an endless mixture of them).
       total_rounds: rounds in the run, for the learning-rate schedule.
       device_lock: held around the island's device work (a `threading.Lock` shared by the islands of one
         process on XLA:CPU; None: no lock).
@@ -219,7 +229,7 @@ class Island:
         graphdef: nnx.GraphDef,
         params: dict,
         specs: dict,
-        train_bytes: np.ndarray,
+        train,
         total_rounds: int,
         device_lock=None,
     ):
@@ -255,7 +265,7 @@ class Island:
         ])
         self._global_checksum: str | None = None
         self.dataset = data_lib.train_dataset(
-            train_bytes, config.model.seq_len, cfg.batch_size, config.seed, rows=self.shardings.local_rows(cfg.batch_size)
+            train, config.model.seq_len, cfg.batch_size, config.seed, rows=self.shardings.local_rows(cfg.batch_size)
         )
         self.step = 0
         self._graphdef = graphdef
@@ -304,8 +314,8 @@ class Island:
         with self.device_lock, jax.set_mesh(self.mesh):
             params = jax.tree.map(lambda x: x.copy(), self.params)
             opt_state = jax.tree.map(lambda x: x.copy(), self.opt_state)
-            inputs, targets = self.shardings.batch_of(self.dataset[self.step], self.batch_size)
-            jax.block_until_ready(self._train_step(params, opt_state, inputs, targets, self.step))
+            batch = self.shardings.batch_of(self.dataset[self.step], self.batch_size)
+            jax.block_until_ready(self._train_step(params, opt_state, *step_lib.batch_args(batch, self.step)))
             self._compile_pending = False
             for f in range(len(self.partition)):
                 a, p = self.fragments.take(self.anchor, f), self.fragments.take(self.params, f)
@@ -348,10 +358,10 @@ class Island:
                 not history or time.perf_counter() - start < budget
             ):
                 step_start = time.perf_counter()
-                inputs, targets = self.shardings.batch_of(self.dataset[self.step], self.batch_size)
+                batch = self.shardings.batch_of(self.dataset[self.step], self.batch_size)
                 with self.device_lock:
                     self.params, self.opt_state, metrics = self._train_step(
-                        self.params, self.opt_state, inputs, targets, self.step
+                        self.params, self.opt_state, *step_lib.batch_args(batch, self.step)
                     )
                     # One step in flight at a time: XLA:CPU's in-process collectives can
                     # deadlock when consecutive steps' all-to-alls interleave across devices.
@@ -666,14 +676,16 @@ class Island:
         return int(state["round"])
 
     def evaluate(self, batches: Sequence[tuple[np.ndarray, int]], global_params: bool = False) -> np.ndarray:
-        """Cross-entropy per held-out window (nats per byte), of the island's parameters or (with
+        """Cross-entropy per held-out window (nats per token), of the island's parameters or (with
         `global_params`) of the global ones, its anchors (the same once every update is applied without overlap).
 
         Args:
-          batches: `data.eval_batches`: (uint8 [B, S + 1], how many of its first rows are windows) each.
+          batches: `data.eval_batches`: (uint8 [B, S + 1] byte windows or int32 [B, 2, S + 1] packed records,
+            how many of its first rows are windows) each.
 
         Returns:
-          float32 [windows]: each window's mean loss over its S targets, in the batches' order; the padded
+          float32 [windows]: each window's mean loss over its S targets (over its documents' targets for packed
+          records), in the batches' order; the padded
           rows of a batch are left out.
         """
         params = self.anchor if global_params else self.params
@@ -682,9 +694,11 @@ class Island:
             rows = self.shardings.local_rows(len(batches[0][0])) if batches else slice(None)
             losses = []
             for b, real in batches:
-                mask = np.zeros((len(b), b.shape[1] - 1), np.float32)
+                mask = np.zeros((len(b), b.shape[-1] - 1), np.float32)
                 mask[:real] = 1.0  # padded rows take no expert slot
-                inputs, targets = self.shardings.batch_of(b[rows], len(b))
-                loss = self._eval_step(params, inputs, targets, self.shardings.rows_of(mask[rows], len(b)))
+                inputs, targets, segments = self.shardings.batch_of(b[rows], len(b))
+                mask = self.shardings.rows_of(mask[rows], len(b))
+                loss = (self._eval_step(params, inputs, targets, mask) if segments is None
+                        else self._eval_step(params, inputs, targets, mask, segments))
                 losses.append(np.asarray(self.shardings.to_host(loss), np.float32)[:real])
             return np.concatenate(losses) if losses else np.zeros(0, np.float32)

@@ -132,15 +132,16 @@ def run_island(
     role = open_role(config, island_dir(workdir, name), primary=primary, allow_config_change=allow_config_change)
     names, rounds = list(config.islands.keys()), config.outer.rounds
     transport = events = sync = None
+    evaluators: list[_Evaluator] = []
     try:
-        corpus = data_lib.load_corpus(config.data.files, config.data.eval_fraction, names)
+        corpus = data_lib.load(config, names, island=name)
         # On CPU devices each process draws only its own shards of the initial parameters (the same bits).
         mesh = island_mesh(cfg.mesh.data, cfg.mesh.expert, devices, fsdp=cfg.mesh.fsdp) if devices[0].platform == "cpu" else None
         graphdef, params, specs = init_params(config, mesh)
         if multi_process and devices[0].platform == "cpu":  # gloo between the processes: check it first
             leaf_sizes = [int(np.size(x)) for x in jax.tree.leaves(params)]
             distributed.check_collectives(devices, distributed.check_sizes(leaf_sizes, len(devices)))
-        island = Island(name, config, devices, graphdef, params, specs, corpus.train_bytes[name], rounds, device_lock)
+        island = Island(name, config, devices, graphdef, params, specs, corpus.train[name], rounds, device_lock)
         num_params = count(params)
         del params  # the island holds its own shards now; a whole draw (on accelerators) is not kept for the run
         first = 0
@@ -153,14 +154,18 @@ def run_island(
         island.warm_up()  # compiles before the first round's clock starts
         transport = connect(config, exchange, finished=lambda: run_finished(workdir), part=island.part,
                             parts=island.parts, shares=[[c.index for c in o.share] for o in island.ownerships])
-        evaluator = (_Evaluator(config, corpus, island, role, global_params=transport is not None)
-                     if name == config_lib.evaluating_island(config) else None)
+        evaluators = []
+        if name == config_lib.evaluating_island(config):
+            evaluators.append(_Evaluator(config, corpus.eval, corpus.token_bytes, island, role, transport is not None))
+        if name in corpus.own_eval:  # data of its own: its own held-out split too
+            evaluators.append(_Evaluator(config, corpus.own_eval[name], corpus.token_bytes, island, role,
+                                         transport is not None, kind="own_eval"))
         fingerprint = join_fingerprint(config, corpus)
-        first, fragment_rounds = _join(config, island, transport, role, first, evaluator, fingerprint)
+        first, fragment_rounds = _join(config, island, transport, role, first, evaluators, fingerprint)
         events = EventLog(os.path.join(role.path, "events.jsonl") if primary else None, name)
         link = transport.link if transport is not None else None
         sync = StreamingSync(island, transport, config, first, link=link, events=events, fragment_rounds=fragment_rounds)
-        _train_rounds(config, island, sync, role, evaluator, first, stop, fingerprint)
+        _train_rounds(config, island, sync, role, evaluators, first, stop, fingerprint)
     except ExchangeError:
         if not run_finished(workdir):
             raise
@@ -177,41 +182,47 @@ def run_island(
         params=num_params, codec=config.codec.kind, block_size=config.codec.block_size,
         process_seconds=time.perf_counter() - start,  # start-up, compilation and evaluation included
     )
-    if evaluator is not None:
+    if any(e.kind == "eval" for e in evaluators):
         summary["corpus"] = corpus.fingerprint
     write_json(os.path.join(role.path, "summary.json"), summary)
     return summary
 
 
 class _Evaluator:
-    """The first island's evaluations of the held-out set (`data.eval_windows`; nats per byte), written as
-    `eval` records: `eval_loss` (the mean over windows, nats per token), `eval_bits_per_byte` (of the text,
-    `data.bits_per_byte`), `eval_loss_stderr` (its standard error),
-    `eval_loss_halves` (the means of the set's first and second halves), `eval_windows` (how many) and
-    `eval_windows_sha256` (`data.windows_sha256`: equal in every run scored on the same windows)."""
+    """Scores a held-out set (`data.eval_windows`) with the global parameters and writes a `kind` record:
+    `{kind}_loss` (nats per token: the mean over windows, weighted by the targets each scores), `{kind}_bits_per_byte`
+    (of the text, `data.bits_per_byte`), `{kind}_loss_stderr` (the standard error of the windows' mean),
+    `{kind}_loss_halves` (the means of the set's first and second halves), `{kind}_windows` (how many) and
+    `{kind}_windows_sha256` (`data.windows_sha256`: equal in every run scored on the same windows).
 
-    def __init__(self, config, corpus: data_lib.Corpus, island: Island, role: RoleFolder, global_params: bool):
-        self.island, self.role, self.global_params = island, role, global_params
-        windows = data_lib.eval_windows(corpus.eval_bytes, config.model.seq_len, config.eval.num_windows,
-                                        config.eval.seed)
+    `kind` "eval" is the shared held-out set (the first island scores it); "own_eval" an island's own data's
+    eval split (`islands.NAME.data`)."""
+
+    def __init__(self, config, source, token_bytes, island: Island, role: RoleFolder, global_params: bool,
+                 kind: str = "eval"):
+        self.island, self.role, self.global_params, self.kind = island, role, global_params, kind
+        windows = data_lib.eval_windows(source, config.model.seq_len, config.eval.num_windows, config.eval.seed)
         self.count, self.sha256 = len(windows), data_lib.windows_sha256(windows)
-        # the tokens the loss averages over: seq_len predictions per window, each one byte of the text
-        self.tokens = int(windows.shape[0] * (windows.shape[1] - 1))
+        # the targets each window's loss averages over, and the bytes of text they stand for
+        self.targets, self.text_bytes = data_lib.scored(windows, token_bytes)
         self.batches = data_lib.eval_batches(windows, config.eval.batch_size)
 
     def __call__(self, round: int, write: bool = True) -> dict:
         """Scores the held-out set after `round` rounds; returns the record's fields (written when `write`)."""
         losses = self.island.evaluate(self.batches, global_params=self.global_params)
         loss, stderr = data_lib.mean_and_stderr(losses)
+        if np.any(self.targets != self.targets[0]):  # packed records: windows score different numbers of targets
+            loss = float(np.sum(losses * self.targets, dtype=np.float64) / np.sum(self.targets))
         half = len(losses) // 2
-        # byte-level windows: every token is one byte of the text
-        result = dict(eval_loss=loss, eval_loss_stderr=stderr, eval_bits_per_byte=data_lib.bits_per_byte(
-                          loss, self.tokens, self.tokens),
-                      eval_loss_halves=[float(np.mean(losses[:half], dtype=np.float64)),
-                                        float(np.mean(losses[half:], dtype=np.float64))],
-                      eval_windows=self.count, eval_windows_sha256=self.sha256)
+        k = self.kind
+        result = {f"{k}_loss": loss, f"{k}_loss_stderr": stderr,
+                  f"{k}_bits_per_byte": data_lib.bits_per_byte(loss, int(np.sum(self.targets)),
+                                                               int(np.sum(self.text_bytes))),
+                  f"{k}_loss_halves": [float(np.mean(losses[:half], dtype=np.float64)),
+                                       float(np.mean(losses[half:], dtype=np.float64))],
+                  f"{k}_windows": self.count, f"{k}_windows_sha256": self.sha256}
         if write:
-            self.role.metrics.write(dict(kind="eval", round=round, **result))
+            self.role.metrics.write(dict(kind=k, round=round, **result))
         return result
 
 
@@ -223,7 +234,7 @@ def join_fingerprint(config: ml_collections.ConfigDict, corpus: data_lib.Corpus)
     return {**config_lib.fingerprint_fields(config), CORPUS: corpus.fingerprint}
 
 
-def _join(config, island: Island, transport, role: RoleFolder, first: int, evaluator: _Evaluator | None,
+def _join(config, island: Island, transport, role: RoleFolder, first: int, evaluators: list[_Evaluator],
           fingerprint: dict):
     """The handshake (rejoining a running run when the island is behind or ahead of the coordinator), the
     evaluation of the round it starts at, and the start every island makes together. Returns (the round it
@@ -242,17 +253,18 @@ def _join(config, island: Island, transport, role: RoleFolder, first: int, evalu
     if transport is not None:
         resumed = first
         first, fragment_rounds, rejoined = align(config, island, transport, role, first, True, fingerprint)
-        if rejoined and evaluator is not None:
+        if rejoined and evaluators:
             logging.info("island %s evaluates the view it rejoined at (round %d; it resumed at %d)", name, first, resumed)
     logging.info(
         "island %s %s at round %d: %d devices (data=%d x fsdp=%d x expert=%d), batch %d, H=%d", name,
         "joined the coordinator" if transport is not None else "trains alone (no outer loop)", first,
         cfg.num_devices, cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.expert, cfg.batch_size, island.inner_steps,
     )
-    if evaluator is not None:
+    for evaluator in evaluators:
+        k = evaluator.kind
         scored = evaluator(first, write=first == 0)
-        logging.info("round %d: eval loss %.4f +- %.4f nats/byte (%d held-out windows)", first, scored["eval_loss"],
-                     scored["eval_loss_stderr"], scored["eval_windows"])
+        logging.info("round %d: %s loss %.4f +- %.4f nats/token, %.4f bits/byte (%d held-out windows)", first, k,
+                     scored[f"{k}_loss"], scored[f"{k}_loss_stderr"], scored[f"{k}_bits_per_byte"], scored[f"{k}_windows"])
     if transport is not None and not rejoined:  # every island starts its first round together
         checksum_now = island.global_checksum  # a collective over an island's processes: every one computes it
         if island.part == 0:
@@ -321,7 +333,7 @@ def _log_rejoin(island: Island, role: RoleFolder, at: int, round: int, source: s
                             checksum=island.global_checksum))
 
 
-def _train_rounds(config, island: Island, sync: StreamingSync, role: RoleFolder, evaluator, first: int, stop,
+def _train_rounds(config, island: Island, sync: StreamingSync, role: RoleFolder, evaluators, first: int, stop,
                   fingerprint: dict) -> None:
     """The round loop: train, log, evaluate and checkpoint when due; stops before a round once `stop` is set."""
     name, rounds, cfg = island.name, config.outer.rounds, config.islands[island.name]
@@ -356,11 +368,13 @@ def _train_rounds(config, island: Island, sync: StreamingSync, role: RoleFolder,
         record = _round_record(island, result, r)
         if island.multi_process:
             _agree_on_round(island, record, r)
-        if evaluator is not None and due(r + 1, config.eval.every_rounds, rounds):
+        if evaluators and due(r + 1, config.eval.every_rounds, rounds):
             with sync.between_rounds("eval"):
-                scored = evaluator(r + 1)
-                record.update(eval_loss=scored["eval_loss"], eval_loss_stderr=scored["eval_loss_stderr"],
-                              eval_bits_per_byte=scored["eval_bits_per_byte"])
+                for evaluator in evaluators:
+                    scored = evaluator(r + 1)
+                    k = evaluator.kind
+                    record.update({f"{k}_loss": scored[f"{k}_loss"], f"{k}_loss_stderr": scored[f"{k}_loss_stderr"],
+                                   f"{k}_bits_per_byte": scored[f"{k}_bits_per_byte"]})
         role.metrics.write(record)
         if checkpoint_due:
             with sync.between_rounds("checkpoint"):

@@ -169,9 +169,11 @@ def compiled_activation_bytes(island) -> int:
     compiling take as long as the first step's compilation; nothing runs."""
     import jax
 
+    from island_jax.island.step import batch_args
+
     with jax.set_mesh(island.mesh):
-        inputs, targets = island.shardings.batch_of(island.dataset[0], island.batch_size)
-        compiled = island._train_step.lower(island.params, island.opt_state, inputs, targets, 0).compile()
+        batch = island.shardings.batch_of(island.dataset[0], island.batch_size)
+        compiled = island._train_step.lower(island.params, island.opt_state, *batch_args(batch, 0)).compile()
     return int(compiled.memory_analysis().temp_size_in_bytes)
 
 

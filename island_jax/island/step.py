@@ -57,7 +57,7 @@ def inner_optimizer(config: ml_collections.ConfigDict, total_steps: int) -> opta
 
 
 def cross_entropy(logits: jax.Array, targets: jax.Array, mask: jax.Array | None = None) -> jax.Array:
-    """Mean next-byte cross-entropy in nats over real tokens.
+    """Mean next-token cross-entropy in nats over real tokens.
 
     Args:
       logits: float32 [B, S, V].
@@ -73,7 +73,29 @@ def cross_entropy(logits: jax.Array, targets: jax.Array, mask: jax.Array | None 
     return jnp.sum(losses * mask) / jnp.maximum(jnp.sum(mask), 1)
 
 
-def loss_fn(graphdef, params, inputs, targets, moe_config, mask=None, key=None, cross_entropy_coef=1.0):
+def packed_masks(segments: jax.Array | None, mask: jax.Array | None = None):
+    """(the model's mask, the loss's mask), each float32 [B, S] or None, of packed records' segment ids.
+
+    Args:
+      segments: int32 [B, S + 1], the segment ids of inputs and targets together (`prepared.pack`; 0 on
+        padding), or None (byte windows: every token real).
+      mask: optional float32 [B, S], 1 for a real row's input, 0 for a padded row.
+
+    Returns:
+      The model's mask keeps padding out of the experts' slots (an input whose segment is 0); the loss's
+      counts a target whose segment is not 0, so that every token of every document is predicted once,
+      the first of a document from the end-of-document token before it.
+    """
+    if segments is None:
+        return mask, mask
+    inputs, targets = (segments[:, :-1] != 0).astype(jnp.float32), (segments[:, 1:] != 0).astype(jnp.float32)
+    if mask is not None:
+        inputs, targets = inputs * mask, targets * mask
+    return inputs, targets
+
+
+def loss_fn(graphdef, params, inputs, targets, moe_config, mask=None, key=None, cross_entropy_coef=1.0,
+            segments=None):
     """Training loss: cross-entropy + load-balancing and router z-loss terms (means over MoE layers).
 
     Args:
@@ -82,14 +104,17 @@ def loss_fn(graphdef, params, inputs, targets, moe_config, mask=None, key=None, 
       moe_config: `config.moe` (the two loss coefficients).
       key: PRNG key for router jitter (training), or None.
       cross_entropy_coef: weight of the language-model loss (1; 0 isolates the auxiliary losses).
+      segments: int32 [B, S + 1] segment ids of packed records (`packed_masks`), or None.
 
     Returns:
       (loss [], metrics): the STEP_METRICS scalars (but grad_norm) and, per MoE
       layer, `layers`: the LAYER_METRICS arrays.
     """
-    logits, per_layer = nnx.merge(graphdef, nnx.State(params))(inputs, mask, key)
+    model_mask, loss_mask = packed_masks(segments, mask)
+    segment_ids = None if segments is None else segments[:, :-1]
+    logits, per_layer = nnx.merge(graphdef, nnx.State(params))(inputs, model_mask, key, segment_ids)
     stats = aggregate_stats(per_layer)
-    ce = cross_entropy(logits, targets, mask)
+    ce = cross_entropy(logits, targets, loss_mask)
     loss = (
         cross_entropy_coef * ce
         + moe_config.load_balancing_loss_coef * stats["load_balancing_loss"]
@@ -101,9 +126,11 @@ def loss_fn(graphdef, params, inputs, targets, moe_config, mask=None, key=None, 
 def build_train_step(
     config: ml_collections.ConfigDict, graphdef: nnx.GraphDef, tx: optax.GradientTransformation
 ) -> Callable:
-    """The jitted inner step `(params, opt_state, inputs, targets, step) -> (params, opt_state, metrics)`.
+    """The jitted inner step `(params, opt_state, inputs, targets, step, segments=None) -> (params, opt_state,
+    metrics)`.
 
-    `inputs`, `targets` are int32 [B, S]; `step` (an int, the island's inner
+    `inputs`, `targets` are int32 [B, S], `segments` the int32 [B, S + 1] segment ids of packed records
+    (`packed_masks`) or None for byte windows; `step` (an int, the island's inner
     steps so far) seeds the router jitter when `moe.jitter_noise` > 0. The
     parameters and optimizer state are donated. `metrics` holds the
     STEP_METRICS scalars and `layers` (the LAYER_METRICS arrays). With
@@ -112,10 +139,10 @@ def build_train_step(
     """
     moe_config, seed = config.moe, config.seed
 
-    def train_step(params, opt_state, inputs, targets, step):
+    def train_step(params, opt_state, inputs, targets, step, segments=None):
         key = jax.random.fold_in(jax.random.PRNGKey(seed), step) if moe_config.jitter_noise > 0 else None
         grad_fn = jax.value_and_grad(functools.partial(loss_fn, graphdef), has_aux=True)
-        (_, metrics), grads = grad_fn(params, inputs, targets, moe_config, None, key)
+        (_, metrics), grads = grad_fn(params, inputs, targets, moe_config, None, key, 1.0, segments)
         updates, opt_state = tx.update(grads, opt_state, params)
         params = optax.apply_updates(params, updates)
         if moe_config.routing_bias_update_rate > 0:
@@ -128,13 +155,19 @@ def build_train_step(
 
 
 def build_eval_step(graphdef: nnx.GraphDef) -> Callable:
-    """The jitted `(params, inputs, targets, mask) -> cross-entropy per window` (nats per byte, float32 [B]: each
-    row's mean over its S targets), no router jitter. `mask` (float32 [B, S], 1 real, 0 a padded row) keeps
-    padded rows out of the MoE layers' expert slots, so they change no real window's loss."""
+    """The jitted `(params, inputs, targets, mask, segments=None) -> cross-entropy per window` (nats per token,
+    float32 [B]: each row's mean over its S targets, or over the targets of packed records' documents,
+    `packed_masks`; 0 for a row with none), no router jitter. `mask` (float32 [B, S], 1 real, 0 a padded row)
+    keeps padded rows out of the MoE layers' expert slots, so they change no real window's loss."""
 
-    def eval_step(params, inputs, targets, mask):
-        logits, _ = nnx.merge(graphdef, nnx.State(params))(inputs, mask)
-        return jnp.mean(optax.softmax_cross_entropy_with_integer_labels(logits, targets), axis=-1)
+    def eval_step(params, inputs, targets, mask, segments=None):
+        model_mask, loss_mask = packed_masks(segments, mask)
+        segment_ids = None if segments is None else segments[:, :-1]
+        logits, _ = nnx.merge(graphdef, nnx.State(params))(inputs, model_mask, None, segment_ids)
+        losses = optax.softmax_cross_entropy_with_integer_labels(logits, targets)
+        if segments is None:
+            return jnp.mean(losses, axis=-1)
+        return jnp.sum(losses * loss_mask, axis=-1) / jnp.maximum(jnp.sum(loss_mask, axis=-1), 1.0)
 
     return jax.jit(eval_step)
 
@@ -156,6 +189,13 @@ def mix(local: list, global_: list, alpha: jax.Array) -> list:
             for x, g in zip(local, global_)]
 
 
+def batch_args(batch: tuple, step: int) -> tuple:
+    """The train step's arguments after the state, of `Shardings.batch_of`'s (inputs, targets, segments):
+    (inputs, targets, step), and the segments when the batch is of packed records."""
+    inputs, targets, segments = batch
+    return (inputs, targets, step) if segments is None else (inputs, targets, step, segments)
+
+
 def train_losses(config: ml_collections.ConfigDict, mesh: jax.sharding.Mesh, batches, steps: int) -> tuple[list, dict]:
     """Cross-entropy of each of `steps` inner steps of a freshly initialised model on `mesh`, with no outer loop:
     a quick comparison of settings (bfloat16 against float32, say) on the same batches.
@@ -163,7 +203,7 @@ def train_losses(config: ml_collections.ConfigDict, mesh: jax.sharding.Mesh, bat
     Args:
       config: the model, MoE and inner optimizer settings (islands are not read).
       mesh: an `island_mesh` to train on; the batch is split over every axis.
-      batches: `batches[step]`, uint8 [B, seq_len + 1] windows (`data.train_dataset`).
+      batches: `batches[step]`, a batch of `data.train_dataset` (byte windows or packed records).
       steps: inner steps, which also set the learning-rate schedule's length.
 
     Returns:
@@ -181,6 +221,6 @@ def train_losses(config: ml_collections.ConfigDict, mesh: jax.sharding.Mesh, bat
         params = shardings.place(params)
         opt_state = jax.jit(tx.init)(params)
         for step in range(steps):
-            params, opt_state, metrics = train_step(params, opt_state, *shardings.batch_of(batches[step]), step)
+            params, opt_state, metrics = train_step(params, opt_state, *batch_args(shardings.batch_of(batches[step]), step))
             losses.append(float(metrics["cross_entropy"]))
     return losses, params

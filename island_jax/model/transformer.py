@@ -42,7 +42,7 @@ def rotary(x: jax.Array, positions: jax.Array, theta: float) -> jax.Array:
 
     Args:
       x: [B, S, H, Dh] queries or keys (Dh even).
-      positions: int32 [S], each row's position.
+      positions: int32 [S] (every row's) or [B, S] (each row its own, `segment_positions`).
       theta: the frequencies' base.
 
     Returns:
@@ -50,15 +50,34 @@ def rotary(x: jax.Array, positions: jax.Array, theta: float) -> jax.Array:
     """
     half = x.shape[-1] // 2
     freqs = theta ** (-jnp.arange(half, dtype=jnp.float32) / half)
-    angles = positions.astype(jnp.float32)[:, None] * freqs  # [S, half]
-    cos, sin = jnp.cos(angles)[None, :, None, :], jnp.sin(angles)[None, :, None, :]
+    angles = positions.astype(jnp.float32)[..., None] * freqs  # [S, half] or [B, S, half]
+    if angles.ndim == 2:
+        angles = angles[None]
+    cos, sin = jnp.cos(angles)[:, :, None, :], jnp.sin(angles)[:, :, None, :]
     x1, x2 = x[..., :half].astype(jnp.float32), x[..., half:].astype(jnp.float32)
     return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
 
 
+def segment_positions(segment_ids: jax.Array) -> jax.Array:
+    """Each token's position within its document: int32 [B, S] of segment ids [B, S] (`prepared.pack`; a new
+    document starts where the id changes), counting from 0 at each document's first token in the row."""
+    s = segment_ids.shape[1]
+    index = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), segment_ids.shape)
+    starts = jnp.concatenate([jnp.ones_like(segment_ids[:, :1], bool), segment_ids[:, 1:] != segment_ids[:, :-1]], 1)
+    return index - jax.lax.cummax(jnp.where(starts, index, 0), axis=1)
+
+
+def segment_mask(segment_ids: jax.Array) -> jax.Array:
+    """bool [B, 1, S, S]: query i may attend to key j when both belong to one document (packed sequences;
+    the causal part is the attention's own)."""
+    return (segment_ids[:, :, None] == segment_ids[:, None, :])[:, None]
+
+
 class Attention(nnx.Module):
     """Causal multi-head self-attention. x [B, S, D] -> [B, S, D]; with `rope_theta`, queries and keys carry
-    rotary positions (`rotary`)."""
+    rotary positions (`rotary`). With `segment_ids` [B, S] (packed documents, `prepared.pack`), a token attends
+    only to earlier tokens of its own document, on the XLA path and on cuDNN's (which takes the mask as a bias),
+    and rotary positions count from each document's start."""
 
     def __init__(self, d_model: int, num_heads: int, *, param_dtype, compute_dtype, rngs: nnx.Rngs,
                  rope_theta: float | None = None):
@@ -74,11 +93,16 @@ class Attention(nnx.Module):
             return q, k
         return rotary(q, positions, self.rope_theta), rotary(k, positions, self.rope_theta)
 
-    def __call__(self, x: jax.Array) -> jax.Array:
+    def __call__(self, x: jax.Array, segment_ids: jax.Array | None = None) -> jax.Array:
         b, s, d = x.shape
         q, k, v = jnp.split(_linear(self.qkv, x).reshape(b, s, 3 * self.num_heads, d // self.num_heads), 3, axis=2)
-        q, k = self._rotated(q, k, jnp.arange(s, dtype=jnp.int32))
-        y = jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=attention_implementation(q.dtype))
+        if segment_ids is None:
+            positions, mask = jnp.arange(s, dtype=jnp.int32), None
+        else:
+            positions, mask = segment_positions(segment_ids), segment_mask(segment_ids)
+        q, k = self._rotated(q, k, positions)
+        y = jax.nn.dot_product_attention(q, k, v, mask=mask, is_causal=True,
+                                         implementation=attention_implementation(q.dtype))
         return _linear(self.out, y.reshape(b, s, d))
 
     def decode(self, x: jax.Array, cache: tuple[jax.Array, jax.Array], pos: jax.Array):
@@ -123,8 +147,8 @@ REMAT_POLICIES = {
 }
 
 
-def _call_block(block, x, mask, key):
-    return block(x, mask, key)
+def _call_block(block, x, mask, key, segment_ids):
+    return block(x, mask, key, segment_ids)
 
 
 def is_moe_layer(layer: int, every_n_layers: int) -> bool:
@@ -135,8 +159,8 @@ def is_moe_layer(layer: int, every_n_layers: int) -> bool:
 class Block(nnx.Module):
     """Pre-norm transformer block with an MoE (or, between MoE layers, dense SwiGLU) feed-forward layer.
 
-    Call: x [B, S, D], mask [B, S] or None, PRNG key or None -> (x [B, S, D],
-    the MoE layer's stats (see `MoE`), or None for a dense block).
+    Call: x [B, S, D], mask [B, S] or None, PRNG key or None, segment ids [B, S] or None (`Attention`) ->
+    (x [B, S, D], the MoE layer's stats (see `MoE`), or None for a dense block).
     """
 
     def __init__(self, config: ml_collections.ConfigDict, layer: int, *, rngs: nnx.Rngs):
@@ -167,8 +191,9 @@ class Block(nnx.Module):
             self.moe = None
             self.mlp = SharedExperts(m.d_model, m.mlp_hidden_dim, pd, cd, rngs)
 
-    def __call__(self, x: jax.Array, mask: jax.Array | None, key: jax.Array | None) -> tuple[jax.Array, dict | None]:
-        x = x + self.attn(self.attn_norm(x))
+    def __call__(self, x: jax.Array, mask: jax.Array | None, key: jax.Array | None,
+                 segment_ids: jax.Array | None = None) -> tuple[jax.Array, dict | None]:
+        x = x + self.attn(self.attn_norm(x), segment_ids)
         return self._feed_forward(x, mask, key)
 
     def _feed_forward(self, x, mask, key):
@@ -187,8 +212,9 @@ class Block(nnx.Module):
 class Transformer(nnx.Module):
     """Byte-level MoE language model.
 
-    Call: tokens [B, S] int32 (bytes 0..255), optional mask [B, S] (1 real, 0
-    padded), optional PRNG key (router jitter, training only) -> (logits
+    Call: tokens [B, S] int32 (ids below vocab_size), optional mask [B, S] (1 real, 0
+    padded), optional PRNG key (router jitter, training only), optional segment ids [B, S] int32 (packed
+    documents: attention stays within a document and positions count from its start) -> (logits
     [B, S, vocab] float32, stats). With L the number of MoE layers, stats hold
     per layer (`moe.LAYER_METRICS`) `load_balancing_loss`, `router_z_loss`,
     `router_entropy` (nats), `dropped_fraction` [L] float32, `capacity` [L]
@@ -256,13 +282,20 @@ class Transformer(nnx.Module):
             new.append(layer_cache)
         return _linear(self.head, self.final_norm(x)).astype(jnp.float32), new
 
-    def __call__(self, tokens: jax.Array, mask: jax.Array | None = None, key: jax.Array | None = None):
-        x = self._embed(tokens, gathered(self.position[...])[: tokens.shape[1]] if self.learned_positions else None)
+    def __call__(self, tokens: jax.Array, mask: jax.Array | None = None, key: jax.Array | None = None,
+                 segment_ids: jax.Array | None = None):
+        positions = None
+        if self.learned_positions:
+            table = gathered(self.position[...])[: tokens.shape[1]]
+            # packed documents: each one's positions from 0 (a one-hot matmul, as the embedding: no gather)
+            positions = table if segment_ids is None else jax.nn.one_hot(
+                segment_positions(segment_ids), tokens.shape[1], dtype=self.compute_dtype) @ table.astype(self.compute_dtype)
+        x = self._embed(tokens, positions)
         layer_stats = []
         # model.remat: each block's activations recomputed in the backward pass, as its policy says
         call = _call_block if self.remat == "none" else nnx.remat(_call_block, policy=REMAT_POLICIES[self.remat])
         for i, block in enumerate(self.blocks):
-            x, stats = call(block, x, mask, None if key is None else jax.random.fold_in(key, i))
+            x, stats = call(block, x, mask, None if key is None else jax.random.fold_in(key, i), segment_ids)
             if stats is not None:
                 layer_stats.append(stats)
         logits = _linear(self.head, self.final_norm(x)).astype(jnp.float32)
