@@ -13,7 +13,7 @@ Five kinds, one interface (`Tokenizer`):
                    hash tiktoken expects of them; or ranks of one's own in that format.
 
 Nothing is downloaded. Every tokenizer has an end-of-document token (`eos_id`) that packing puts after each
-document, and a `hash` (16 hex digits of a SHA-256 over its kind and the bytes that define it) that a prepared
+document, and a `hash` (16 hex digits of a SHA-256 over the bytes that define it) that a prepared
 dataset records, so that a model is never fed ids of another tokenizer.
 
 Token ids are int32. `decode(encode(text)) == text` for every string with the bytes, BPE and tiktoken kinds;
@@ -56,7 +56,8 @@ class Tokenizer:
       kind: one of `KINDS`.
       vocab_size: ids are in [0, vocab_size), the end-of-document token included.
       eos_id: the end-of-document token's id.
-      hash: 16 hex digits of a SHA-256 over the kind and the bytes that define the tokenizer.
+      hash: 16 hex digits of a SHA-256 over the bytes that define the tokenizer (and its family: bytes,
+        tokenizer.json, SentencePiece, tiktoken): a BPE trained here and its tokenizer.json read back are one.
     """
 
     kind: str
@@ -128,7 +129,7 @@ class HuggingFaceTokenizer(Tokenizer):
             raise TokenizerError(f"the tokenizer has no end-of-document token {eos_token!r}; name the one it has "
                                  "(for example '</s>' or '<eos>') as its eos_token")
         self.eos_id = eos
-        self.hash = _digest(kind.encode(), tokenizer.to_str().encode())
+        self.hash = _digest(b"tokenizer.json", tokenizer.to_str().encode())  # one file, one hash, whichever kind read it
 
     def encode(self, text: str) -> np.ndarray:
         return np.asarray(self._tokenizer.encode(text, add_special_tokens=False).ids, np.int32)

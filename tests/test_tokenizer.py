@@ -25,6 +25,7 @@ def test_bytes_are_the_byte_level_models_symbols_and_256_ends_a_document():
     doc = t.encode_document(TEXT)
     assert doc.tolist() == ids.tolist() + [256] and (t.vocab_size, t.eos_id) == (257, 256)
     assert t.decode(doc) == TEXT
+    assert t.token_bytes().tolist() == [1] * 256 + [0]
 
 
 def test_a_bpe_trained_twice_on_the_same_files_is_the_same_and_gives_documents_back_exactly(tmp_path):
@@ -44,6 +45,11 @@ def test_a_bpe_trained_twice_on_the_same_files_is_the_same_and_gives_documents_b
     first.save(path)
     again = tok.load("bpe", path)
     assert (again.hash, again.vocab_size, again.eos_id) == (first.hash, first.vocab_size, first.eos_id)
+    assert tok.load("tokenizer_json", path).hash == first.hash  # one file, one tokenizer, whichever kind reads it
+    sizes = first.token_bytes()  # bytes of text per token: a document's sum is its UTF-8 length
+    assert sizes[first.eos_id] == 0
+    for text in (TEXT, docs[3], "a document that mentions <|endoftext|> in its text"):
+        assert sizes[first.encode_document(text)].sum() == len(text.encode("utf-8"))
     assert again.encode(docs[5]).tolist() == first.encode(docs[5]).tolist()
 
 
@@ -70,6 +76,10 @@ def test_a_sentencepiece_model_round_trips_its_text(tmp_path):
     assert (t.kind, t.vocab_size, t.eos_id) == ("sentencepiece", 500, 2)
     assert t.decode(t.encode_document("return x + 1")) == "return x + 1"
     assert t.hash == tok.load("sentencepiece", prefix + ".model").hash
+    # each piece's own text: a word's piece counts its leading space, and the model adds one before the first
+    sizes = t.token_bytes()
+    assert sizes[t.eos_id] == 0 and sizes[t.encode("平")].tolist() == [1] * 4  # "▁" (a piece), then 3 byte pieces
+    assert sizes[t.encode_document("return x + 1")].sum() == len(" return x + 1")
 
 
 def _tiktoken_file(path, merges=(b"re", b"ret", b"retu", b"return", b"  ", b"    ")):
@@ -87,6 +97,8 @@ def test_tiktoken_ranks_of_ones_own_round_trip_and_a_named_encoding_checks_its_f
     assert t.encode("return").tolist() == [259]  # a piece that is a token is that token
     assert t.encode("re").tolist() == [256] and t.encode("ret").tolist() == [257]  # the merges apply
     assert t.decode(t.encode_document(TEXT)) == TEXT
+    assert t.token_bytes()[t.encode_document(TEXT)].sum() == len(TEXT.encode("utf-8"))
+    assert t.token_bytes()[[259, 262]].tolist() == [6, 0]  # "return", the end of document
     digest = hashlib.sha256(open(path, "rb").read()).hexdigest()
     with pytest.raises(tok.TokenizerError, match=f"is not the ranks of tiktoken's cl100k_base \\(SHA-256 {digest}"):
         tok.load("tiktoken", path, tiktoken_name="cl100k_base")

@@ -1,0 +1,149 @@
+"""Islands training on prepared records: the shared dataset split between islands, data of an island's own
+(a dataset or a mixture), held-out sets, resume, and the errors of bad data settings."""
+
+import json
+
+import numpy as np
+import pytest
+from tiny_config import get_config, write_prepared
+
+from island_jax import data as data_lib
+from island_jax.config import ConfigError, validate
+from island_jax.data import DataError
+from island_jax.metrics import read_jsonl
+from island_jax.prepared import PreparedDataset
+from island_jax.run import run_in_process
+
+PROSE = ["the", "island", "sends", "its", "update", "over", "a", "slow", "link", "and", "waits", ".", "\n"]
+
+
+@pytest.fixture(scope="module")
+def datasets(tmp_path_factory):
+    """A shared dataset of code-like words, and one of prose made with its tokenizer (b's own data)."""
+    tmp = tmp_path_factory.mktemp("datasets")
+    shared = write_prepared(tmp / "shared")
+    own = write_prepared(tmp / "own", seed=1, words=PROSE, tokenizer=f"{shared}/tokenizer.json")
+    return shared, own
+
+
+def _config(shared, own="", rounds=3):
+    c = get_config()
+    c.data.prepared = shared
+    c.model.update(vocab_size=300, positions="rope")
+    c.islands.b.data = own
+    c.outer.rounds = rounds
+    return c
+
+
+def _rows(dataset):
+    return {tuple(np.asarray(dataset[i]).ravel()) for i in range(len(dataset))}
+
+
+def test_islands_split_the_shared_records_and_an_island_with_its_own_data_reads_only_that(datasets):
+    shared, own = datasets
+    records = _rows(PreparedDataset(shared).records("train"))
+    split = data_lib.load(_config(shared), ["a", "b"])
+    a, b = _rows(split.train["a"]), _rows(split.train["b"])
+    assert a | b == records and not a & b and len(a) == (len(records) + 1) // 2  # record i to island i mod 2
+    assert split.own_eval == {}
+    mine = data_lib.load(_config(shared, own), ["a", "b"])
+    assert _rows(mine.train["a"]) == records  # a reads the whole shared dataset, b none of it
+    assert _rows(mine.train["b"]) == _rows(PreparedDataset(own).records("train"))
+    assert _rows(mine.own_eval["b"]) == _rows(PreparedDataset(own).records("eval"))
+    assert _rows(mine.eval) == _rows(PreparedDataset(shared).records("eval"))  # the shared held-out set
+    # an island opens only its own data: a's host need not hold b's dataset
+    alone = data_lib.load(_config(shared, "/nowhere/else"), ["a", "b"], island="a")
+    assert list(alone.train) == ["a"]
+
+
+def test_a_mixture_draws_from_each_dataset_by_its_weight(datasets):
+    shared, own = datasets
+    c = _config(shared, f"{shared},3;{own},1")
+    train = data_lib.load(c, ["a", "b"], island="b").train["b"]
+    prose, code = _rows(PreparedDataset(own).records("train")), _rows(PreparedDataset(shared).records("train"))
+    drawn = [tuple(np.asarray(train[i]).ravel()) for i in range(400)]
+    assert sum(d in prose for d in drawn) == 100 and sum(d in code for d in drawn) == 300
+    batches = data_lib.train_dataset(train, 32, 4, seed=0)
+    assert np.asarray(batches[7]).shape == (4, 2, 33)
+    np.testing.assert_array_equal(np.reshape(batches[7], (4, -1)), np.stack(drawn[28:32]))  # endless and shuffled already: in order
+
+
+def test_bits_per_byte_of_records_counts_each_targets_text_bytes(datasets):
+    shared, _ = datasets
+    dataset = PreparedDataset(shared)
+    windows = data_lib.eval_windows(dataset.records("eval"), 32, 1000, seed=0)
+    targets, text = data_lib.scored(windows, dataset.token_bytes)
+    manifest = dataset.manifest["splits"]["eval"]
+    # every record scored: each token of a shard but its first is a target once, with its bytes of text
+    records = dataset.records("eval")
+    starts = np.cumsum([0] + [s["records"] for s in manifest["shards"]])[:-1]
+    assert int(targets.sum()) == manifest["tokens"] - len(manifest["shards"])
+    assert int(text.sum()) == manifest["bytes"] - sum(int(dataset.token_bytes[records[int(i)][0, 0]]) for i in starts)
+    assert len(windows) == sum(s["records"] for s in manifest["shards"])
+
+
+@pytest.fixture(scope="module")
+def own_run(datasets, tmp_path_factory):
+    shared, own = datasets
+    workdir = tmp_path_factory.mktemp("own_run") / "workdir"
+    return _config(shared, own), run_in_process(_config(shared, own), str(workdir)), workdir
+
+
+def test_an_island_with_its_own_data_scores_its_own_held_out_split_beside_the_shared_one(own_run, datasets):
+    config, summary, workdir = own_run
+    assert summary["checksums_agree"] is True
+    assert summary["corpus"] == PreparedDataset(datasets[0]).fingerprint()
+    own = [r for r in read_jsonl(workdir / "islands" / "b" / "metrics.jsonl") if r["kind"] == "own_eval"]
+    assert [r["round"] for r in own] == [0, 3]
+    windows = data_lib.eval_windows(PreparedDataset(datasets[1]).records("eval"), 32, 8, 0)
+    assert own[-1]["own_eval_windows_sha256"] == data_lib.windows_sha256(windows)
+    assert summary["islands"]["b"]["own_eval_loss_final"] == own[-1]["own_eval_loss"]
+    assert "own_eval_loss_final" not in summary["islands"]["a"]
+    assert summary["eval_loss_initial"] == pytest.approx(np.log(300), abs=1e-5)  # a zero head: uniform
+
+
+def test_an_island_reading_records_stopped_and_resumed_trains_the_same_batches(own_run, tmp_path):
+    config, _, straight = own_run
+    config = _config(config.data.prepared, config.islands.b.data)
+    config.islands.b.crash_at_round = 2
+    workdir = tmp_path / "stopped"
+    with pytest.raises(RuntimeError, match="island b crashes at round 2 on purpose"):
+        run_in_process(config, str(workdir))
+    config.islands.b.crash_at_round = 0
+    assert run_in_process(config, str(workdir))["checksums_agree"] is True
+    for role in ("coordinator", "islands/a", "islands/b"):
+        def rounds(folder):
+            return {r["round"]: r["checksum"] for r in read_jsonl(folder / role / "metrics.jsonl") if r["kind"] == "round"}
+
+        assert rounds(workdir) == rounds(straight)
+
+
+def test_bad_data_settings_are_refused_naming_the_field_and_the_fix(datasets, tmp_path):
+    shared, own = datasets
+    c = _config(shared)
+    c.model.vocab_size = 256
+    assert PreparedDataset(shared).vocab_size == 299  # the BPE ran out of pairs seen twice before 300
+    with pytest.raises(ConfigError, match="model.vocab_size is 256 but the tokenizer of .* has 299 tokens; set "
+                                          "model.vocab_size to at least 299"):
+        data_lib.load(c, ["a", "b"])
+    c = _config(shared)
+    c.model.seq_len = 64
+    with pytest.raises(ConfigError, match="model.seq_len is 64 but .* holds records of 32 tokens"):
+        data_lib.load(c, ["a", "b"])
+    with pytest.raises(DataError, match="holds no manifest.json: it is not a prepared dataset"):
+        data_lib.load(_config(str(tmp_path / "missing")), ["a", "b"])
+    c = _config("", own)
+    with pytest.raises(ConfigError, match="islands.b.data is .* but data.prepared is empty"):
+        validate(c)
+    with pytest.raises(ConfigError, match="islands.b.data is 'x,0;y,1'; give a prepared dataset's folder, or a "
+                                          "mixture 'PATH,WEIGHT;PATH,WEIGHT' with positive weights"):
+        validate(_config(shared, "x,0;y,1"))
+    other = write_prepared(tmp_path / "other", vocab_size=280)  # a tokenizer of its own
+    with pytest.raises(DataError, match="islands.b.data names .*other/prepared, prepared with tokenizer .* but "
+                                        "data.prepared .* prepare it with the shared dataset's tokenizer"):
+        data_lib.load(_config(shared, other), ["a", "b"], island="b")
+    old = tmp_path / "old"
+    old.mkdir()
+    (old / "manifest.json").write_text(json.dumps({"format_version": 1}))
+    with pytest.raises(DataError, match="was prepared in format 1, .* reads format 2; prepare it again"):
+        PreparedDataset(str(old))
