@@ -1,4 +1,4 @@
-"""Prepares local text for training: tokenized, packed into records of --seq_len tokens, in ArrayRecord shards.
+"""Prepares local text for training: tokenized, packed into records of --seq_len predictions, in ArrayRecord shards.
 
   python experiments/prepare_data.py --input=PATH [--input=PATH ...] --out=DIR [--tokenizer=bpe --vocab_size=8192]
       [--format=auto|text|jsonl|parquet --field=text] [--seq_len=1024 --eval_fraction=0.02] [--workers=0]
@@ -12,7 +12,8 @@ DIR gets the shards (train-NNNNN.array_record, eval-NNNNN.array_record), manifes
 documents, tokens and bytes per split, the text files held out and the split rule) and settings.json. Run the
 same command again to resume an interrupted preparation: finished shards are kept. The last line is
 `prepare_data: documents=D tokens=T megabytes=M seconds=S megabytes_per_second=R`, the text's UTF-8
-megabytes (10^6 bytes) over the wall time. island_jax/prepared.py has the format.
+megabytes (10^6 bytes) over the wall time. island_jax/prepared.py has the format. Train on DIR with
+`--config.data.prepared=DIR` (docs/data.md).
 """
 
 import sys
@@ -33,7 +34,8 @@ _TIKTOKEN = flags.DEFINE_string("tiktoken_name", "cl100k_base", "With --tokenize
 _FORMAT = flags.DEFINE_enum("format", "auto", list(FORMATS), "The inputs' format (auto: by suffix, .jsonl/.json and "
                             ".parquet, else text).")
 _FIELD = flags.DEFINE_string("field", "text", "The JSONL field or Parquet column that holds the text.")
-_SEQ_LEN = flags.DEFINE_integer("seq_len", 1024, "Tokens per record.")
+_SEQ_LEN = flags.DEFINE_integer("seq_len", 1024, "Predictions per record, the model.seq_len that trains on it (a "
+                                "record holds seq_len + 1 tokens).")
 _EVAL = flags.DEFINE_float("eval_fraction", 0.02, "Share of documents held out for evaluation, in [0, 1).")
 _SHARD_MB = flags.DEFINE_float("shard_megabytes", 64.0, "Megabytes of text per shard (about).")
 _WORKERS = flags.DEFINE_integer("workers", 0, "Processes that tokenize (0: one per CPU).")

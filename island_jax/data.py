@@ -370,6 +370,14 @@ def mean_and_stderr(losses: np.ndarray) -> tuple[float, float]:
     return float(np.mean(losses)), stderr
 
 
+def loss_unit(config, bits_per_byte: float | None = None) -> str:
+    """The unit of the run's losses in log lines: "nats/byte" on bytes; "nats/token" on prepared records, with
+    `bits_per_byte` of the text beside it when given."""
+    if not config.data.get("prepared", ""):
+        return "nats/byte"
+    return "nats/token" + ("" if bits_per_byte is None else f" ({bits_per_byte:.4f} bits per byte)")
+
+
 def bits_per_byte(loss: float, tokens: int, text_bytes: int) -> float:
     """Bits per byte of the underlying text: `loss` (nats per token, a mean over `tokens` tokens) x tokens, over
     the text's `text_bytes` UTF-8 bytes and ln 2. Runs of different tokenizers compare by it; on bytes (tokens

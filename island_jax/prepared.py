@@ -11,13 +11,18 @@
    order and saved beside the shards as tokenizer.json; the other kinds are read from their files.
 4. Cuts each split into shards of about `shard_bytes` of text (a shard depends only on its documents), and
    tokenizes the shards in parallel processes. In a shard, every document's tokens and then the
-   end-of-document token follow each other, cut into records of `seq_len` tokens (the last one padded): a
-   record is `tokens` and `segment_ids` (the 1-based index of each token's document in the record, 0 on
-   padding), each [seq_len], stored as one ArrayRecord entry (`decode_record`).
+   end-of-document token follow each other, cut into records of `seq_len` predictions (`pack`): a record
+   holds seq_len + 1 tokens, the last of one the first of the next, and the last record is padded. A record
+   is `tokens` and `segment_ids` (the 1-based index of each token's document in the record, 0 on padding),
+   each [seq_len + 1], stored as one ArrayRecord entry (`decode_record`). Each token's bytes of text go to
+   token_bytes.npy, for bits per byte.
 5. A shard is written under a temporary name and renamed when complete, with a `.done.json` beside it
    (documents, tokens, records, the file's SHA-256). Running again keeps the finished shards (checked by
    their hash) and makes the rest, so an interrupted preparation resumes to the same bytes. The manifest is
    written last.
+
+Training reads a prepared folder through `PreparedDataset` (grain over the ArrayRecord shards; island_jax/data.py
+splits it between islands).
 """
 
 from __future__ import annotations
@@ -301,7 +306,7 @@ def prepare(
       tokenizer, vocab_size, tokenizer_path, eos_token, tiktoken_name: the tokenizer (`island_jax.tokenizer`;
         `vocab_size` for "bpe", trained here; `tokenizer_path` for the kinds read from a file).
       fmt, field: the inputs' format ("auto": by suffix) and the JSONL field or Parquet column of the text.
-      seq_len: tokens per record.
+      seq_len: predictions per record (a record holds seq_len + 1 tokens): the model.seq_len that trains on it.
       eval_fraction: the share of documents held out (`SPLIT_RULE`), in [0, 1).
       shard_bytes: UTF-8 bytes of text per shard (about).
       workers: processes that tokenize (0: one per CPU; 1: this process).

@@ -566,6 +566,7 @@ class Supervisor:
 
 def main(argv):
     del argv
+    from island_jax.data import loss_unit
     from island_jax.progress import Progress
     from island_jax.workdir import combine_summaries
 
@@ -582,7 +583,8 @@ def main(argv):
     summary = combine_summaries(config, workdir, time.perf_counter() - start)
     print(
         f"[launch] done in {summary['wall_seconds']:.1f} s: eval loss {summary['eval_loss_initial']:.4f} -> "
-        f"{summary['eval_loss_final']:.4f} nats/byte; global parameters agree: {summary['checksums_agree']}; "
+        f"{summary['eval_loss_final']:.4f} {loss_unit(config, summary['eval_bits_per_byte_final'])}; global "
+        f"parameters agree: {summary['checksums_agree']}; "
         f"summary in {os.path.join(workdir, 'summary.json')}",
         flush=True,
     )

@@ -7,8 +7,9 @@
   island_jax/model/flops.py; the output head is in N)
 
 Island `a`: 4 devices (data=1, fsdp=2, expert=2); island `b`: 2 devices (data=1, fsdp=2, expert=1); 4
-sequences per inner step each, 25 inner steps per round, 20 rounds, int8 pseudo-gradients. Islands read the
-byte-level corpus (`data.files`) until they read prepared datasets.
+sequences per inner step each, 25 inner steps per round, 20 rounds, int8 pseudo-gradients. Give it a dataset
+prepared with --vocab_size=8192 --seq_len=1024 (`--config.data.prepared=DIR`, docs/data.md); without one the
+islands read the byte-level corpus (`data.files`) and the vocabulary's rows past 256 stay unused.
 
   python experiments/train.py --config=experiments/configs/ladder_125m.py --dry_run
   python launch/local.py --config=experiments/configs/ladder_125m.py --workdir=workdir/ladder_125m

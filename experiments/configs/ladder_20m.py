@@ -10,10 +10,14 @@ tokens (a BPE prepared by experiments/prepare_data.py, docs/data.md) and 512-tok
 
 Island `a`: 4 devices (data=2, expert=2), 8 sequences per inner step; island `b`: 2 devices (data=1,
 expert=2), 4 sequences; 25 inner steps per round, 60 rounds, int8 pseudo-gradients, the outer step of
-two_islands. Islands read the byte-level corpus (`data.files`) until they read prepared datasets, so the
-vocabulary's rows past 256 stay unused.
+two_islands. Give it a dataset prepared with --vocab_size=8192 --seq_len=512 (docs/data.md); without one the
+islands read the byte-level corpus (`data.files`) and the vocabulary's rows past 256 stay unused.
 
-  python launch/local.py --config=experiments/configs/ladder_20m.py --workdir=workdir/ladder_20m
+  python experiments/prepare_data.py --input=DIR --out=PREPARED --vocab_size=8192 --seq_len=512
+  python launch/local.py --config=experiments/configs/ladder_20m.py --workdir=workdir/ladder_20m \
+      --config.data.prepared=PREPARED
+
+Against a byte-level model of the same shape at equal training FLOPs: docs/results.md.
 """
 
 from island_jax.config import default_config, island

@@ -42,7 +42,8 @@ def check_island(island: str, islands: Sequence[str], ours: dict, theirs: dict) 
 
 def check_corpus(island: str, theirs: dict | None, joined: dict[str, dict]) -> None:
     """Checks the corpus an island trains on (its fingerprint's `CORPUS`: file count, bytes and the hashes of
-    the relative paths and contents, `data.load_corpus`) against those of the other islands that joined, and
+    the relative paths and contents, `data.load_corpus`; or the shared prepared dataset's
+    `PreparedDataset.fingerprint`) against those of the other islands that joined, and
     notes it in `joined` ({island: corpus fingerprint}, the coordinator's, kept while it runs).
 
     Islands shard one corpus by index, so an island that reads another file list or other bytes (another
@@ -68,7 +69,8 @@ def check_corpus(island: str, theirs: dict | None, joined: dict[str, dict]) -> N
         if differences:
             raise HandshakeError(
                 f"island {island!r} trains on another corpus than island {other!r}: {', '.join(differences)}; give "
-                "every island the same files (data.files), with the same relative paths and bytes"
+                "every island the same files (data.files), with the same relative paths and bytes, or the same "
+                "prepared dataset (data.prepared, a copy of the whole folder)"
             )
     joined[island] = dict(theirs)
 

@@ -1,7 +1,8 @@
-"""Decoder-only byte-level transformer with MoE feed-forward layers.
+"""Decoder-only transformer language model (bytes or a tokenizer's ids) with MoE feed-forward layers.
 
 Pre-norm blocks (RMSNorm -> causal self-attention -> residual, RMSNorm -> MoE
-or dense SwiGLU -> residual), learned positions, untied output head. Every
+or dense SwiGLU -> residual), learned or rotary positions, untied output head. Packed documents (segment
+ids) attend only within themselves, their positions counted from each one's start. Every
 `moe.every_n_layers`-th block has an MoE layer (blocks n-1, 2n-1, ...; n = 1:
 all), the others a dense SwiGLU of width `model.mlp_hidden_dim`. The model
 knows nothing of rounds or islands: it only expects to run under a mesh with
