@@ -4,10 +4,11 @@ Two kinds of data, one pipeline (`load`):
 
 - **Bytes** (the default, `data.prepared = ""`): the text files below, byte by byte.
 - **Prepared records** (`data.prepared = PATH`, island_jax/prepared.py): token records packed with segment
-  ids. The islands split the training records of that dataset (record i to the i mod n-th of the n islands
-  that read it), or read their own (`islands.NAME.data`: a dataset, or a mixture "PATH,WEIGHT;PATH,WEIGHT"
-  sampled by weight); its eval split is the shared held-out set, and an island with data of its own also
-  scores that data's eval split.
+  ids. An island reads that dataset, or data of its own (`islands.NAME.data`: a dataset, or a mixture
+  "PATH,WEIGHT;PATH,WEIGHT" sampled by weight). Every dataset's training records are split between the
+  islands that read it: record i to the (i mod n)-th of those n islands, in config order. The shared
+  dataset's eval split is the shared held-out set, and an island with data of its own also scores that
+  data's eval split.
 
 The default corpus is real text found on every machine that runs island_jax:
 the `.py` files of the running interpreter's standard library (located through
@@ -26,6 +27,7 @@ same for every config that scores the same corpus.
 
 from __future__ import annotations
 
+import dataclasses
 import glob
 import hashlib
 import math
@@ -33,7 +35,6 @@ import os
 import sys
 import sysconfig
 import zlib
-import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
@@ -207,31 +208,41 @@ def load(config, island_names: Sequence[str], island: str | None = None) -> Corp
         raise ConfigError(f"model.seq_len is {config.model.seq_len} but {shared.path} holds records of "
                           f"{shared.seq_len} tokens; set model.seq_len={shared.seq_len}, or prepare the data with "
                           f"--seq_len={config.model.seq_len}")
-    own = {n: config.islands[n].get("data", "") for n in island_names}
-    readers = [n for n in island_names if not own[n]]  # they split the shared dataset's training records
+    def key(path: str) -> str:
+        return os.path.realpath(os.path.expanduser(path))
+
+    specs = {n: config.islands[n].get("data", "") for n in island_names}
+    mixtures = {n: parse_mixture(specs[n]) if specs[n] else [(shared.path, 1.0)] for n in island_names}
+    readers: dict[str, list[str]] = {}  # every dataset's training records are split between the islands reading it
+    for n in island_names:
+        for path, _ in mixtures[n]:
+            if n not in readers.setdefault(key(path), []):
+                readers[key(path)].append(n)
     train, own_eval = {}, {}
-    for k, name in enumerate(island_names):
+    for name in island_names:
         if island is not None and name != island:
             continue
-        if not own[name]:
-            train[name] = shared.records("train")[readers.index(name) :: len(readers)]
-            continue
         parts = []
-        for path, weight in parse_mixture(own[name]):
-            dataset = prepared_lib.PreparedDataset(path)
+        for path, weight in mixtures[name]:
+            dataset = shared if key(path) == key(shared.path) else prepared_lib.PreparedDataset(path)
             if (dataset.tokenizer_hash, dataset.seq_len) != (shared.tokenizer_hash, shared.seq_len):
                 raise DataError(
                     f"islands.{name}.data names {path}, prepared with tokenizer {dataset.tokenizer_hash} and records "
                     f"of {dataset.seq_len} tokens, but data.prepared ({shared.path}) has tokenizer "
                     f"{shared.tokenizer_hash} and {shared.seq_len}; prepare it with the shared dataset's tokenizer "
                     f"(--tokenizer=tokenizer_json --tokenizer_path={shared.path}/tokenizer.json) and --seq_len")
-            parts.append((dataset, weight))
+            who, records = readers[key(path)], dataset.records("train")
+            if len(records) < len(who):
+                raise DataError(f"the {len(records)} training records of {dataset.path} cannot be split between the "
+                                f"{len(who)} islands that read it ({', '.join(who)}); prepare more text")
+            parts.append((records[who.index(name) :: len(who)], dataset, weight))
         if len(parts) == 1:
-            train[name] = parts[0][0].records("train")
+            train[name] = parts[0][0]
         else:  # each part shuffled and repeated on its own, then drawn from by weight: an endless mixture
-            endless = [d.records("train").shuffle(seed=config.seed + i).repeat() for i, (d, _) in enumerate(parts)]
-            train[name] = grain.MapDataset.mix(endless, [w for _, w in parts])
-        own_eval[name] = _concatenated([d.records("eval") for d, _ in parts])
+            endless = [share.shuffle(seed=config.seed + i).repeat() for i, (share, _, _) in enumerate(parts)]
+            train[name] = grain.MapDataset.mix(endless, [w for _, _, w in parts])
+        if specs[name]:
+            own_eval[name] = _concatenated([d.records("eval") for _, d, _ in parts])
     return Corpus(shared.records("eval"), train, shared.fingerprint(), own_eval, shared.token_bytes)
 
 

@@ -51,6 +51,12 @@ def test_islands_split_the_shared_records_and_an_island_with_its_own_data_reads_
     assert _rows(mine.train["b"]) == _rows(PreparedDataset(own).records("train"))
     assert _rows(mine.own_eval["b"]) == _rows(PreparedDataset(own).records("eval"))
     assert _rows(mine.eval) == _rows(PreparedDataset(shared).records("eval"))  # the shared held-out set
+    both = _config(shared, own)
+    both.islands.a.data = own  # two islands naming one dataset split its records, as they split the shared one
+    both = data_lib.load(both, ["a", "b"])
+    a, b = _rows(both.train["a"]), _rows(both.train["b"])
+    assert a | b == _rows(PreparedDataset(own).records("train")) and not a & b
+    assert _rows(both.own_eval["a"]) == _rows(both.own_eval["b"]) == _rows(PreparedDataset(own).records("eval"))
     # an island opens only its own data: a's host need not hold b's dataset
     alone = data_lib.load(_config(shared, "/nowhere/else"), ["a", "b"], island="a")
     assert list(alone.train) == ["a"]
