@@ -42,18 +42,20 @@ def main(argv):
     first = started.islands[evaluating_island(started)]
     use_cpu_devices(first.num_devices)  # before JAX starts its backend
     config, params, round = load.from_workdir(_WORKDIR.value, _ROUND.value)
-    corpus = data_lib.load_corpus(config.data.files, config.data.eval_fraction, list(config.islands.keys()))
+    corpus = data_lib.load(config, list(config.islands.keys()), island=evaluating_island(config))
     windows = data_lib.eval_windows(corpus.eval, config.model.seq_len, sys.maxsize, config.eval.get("seed", 0))
     graphdef, _, _ = init_params(config)
     step = build_eval_step(graphdef)
     with jax.set_mesh(island_mesh(first.mesh.data, first.mesh.expert, jax.devices()[: first.num_devices], fsdp=first.mesh.fsdp)):
         losses = []
         for b, real in data_lib.eval_batches(windows, config.eval.batch_size):
-            mask = (np.arange(len(b)) < real)[:, None].repeat(b.shape[1] - 1, axis=1).astype(np.float32)
-            losses.append(np.asarray(step(params, b[:, :-1].astype(np.int32), b[:, 1:].astype(np.int32), mask))[:real])
+            mask = (np.arange(len(b)) < real)[:, None].repeat(b.shape[-1] - 1, axis=1).astype(np.float32)
+            tokens, segments = (b, ()) if b.ndim == 2 else (b[:, 0], (b[:, 1],))  # byte windows, or packed records
+            tokens = tokens.astype(np.int32)
+            losses.append(np.asarray(step(params, tokens[:, :-1], tokens[:, 1:], mask, *segments))[:real])
         losses = np.concatenate(losses).astype(np.float64)
     print(f"{_WORKDIR.value}, round {round}: {len(losses)} held-out windows, mean {losses.mean():.4f}, per-window "
-          f"std {losses.std(ddof=1):.4f} nats/byte")
+          f"std {losses.std(ddof=1):.4f} {data_lib.loss_unit(config)}")
     rng = np.random.default_rng(1)
     for n in [int(s) for s in _SIZES.value if int(s) < len(losses)] + [len(losses)]:
         half = n // 2

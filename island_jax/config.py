@@ -735,6 +735,10 @@ def fingerprint_fields(config: ml_collections.ConfigDict) -> dict:
     fields["comm.chunk_bytes"] = config.comm.chunk_bytes  # the payload's piece layout depends on it
     fields["outer.fragments"] = config.outer.fragments  # the payloads are per fragment
     fields["data.eval_fraction"] = config.data.eval_fraction  # the split of the corpus (an island sends its corpus)
+    if config.data.get("prepared", ""):  # who reads which prepared records: islands that spread them otherwise
+        from island_jax.data import sharing  # would train on overlapping records
+
+        fields["data.sharing"] = sharing(config, list(config.islands.keys()))
     fields["seed"] = config.seed
     return fields
 

@@ -181,18 +181,46 @@ def _concatenated(datasets: Sequence[grain.MapDataset]) -> grain.MapDataset:
     return grain.MapDataset.range(int(ends[-1])).map(item)
 
 
+def sharing(config, island_names: Sequence[str]) -> dict:
+    """Who reads which dataset, from the config alone: {island: [[dataset, reader index, readers, weight], ...]},
+    a dataset named by its first reader's island and the index in that island's mixture. Every dataset's
+    training records are split between the islands that read it (record i to the (i mod n)-th of those n
+    islands, in config order); islands join with this plan (`config.fingerprint_fields`), so that roles whose
+    configs spread the data otherwise are refused before they train on overlapping records. Datasets are the
+    same when their paths are, after `~` and `..` are resolved ({} without `data.prepared`).
+    """
+    if not config.data.get("prepared", ""):
+        return {}
+    specs = {n: config.islands[n].get("data", "") for n in island_names}
+    mixtures = {n: parse_mixture(specs[n]) if specs[n] else [(config.data.prepared, 1.0)] for n in island_names}
+    names: dict[str, str] = {}  # path -> the dataset's name in the plan
+    readers: dict[str, list[str]] = {}
+    for n in island_names:
+        for k, (path, _) in enumerate(mixtures[n]):
+            key = os.path.normpath(os.path.expanduser(path))
+            names.setdefault(key, f"{n}:{k}")
+            if n not in readers.setdefault(key, []):
+                readers[key].append(n)
+    return {n: [[names[key], readers[key].index(n), len(readers[key]), w]
+                for key, w in ((os.path.normpath(os.path.expanduser(p)), w) for p, w in mixtures[n])]
+            for n in island_names}
+
+
 def load(config, island_names: Sequence[str], island: str | None = None) -> Corpus:
     """The run's data for `island` (every island when None): the byte corpus (`load_corpus`) or, with
-    `data.prepared`, prepared records (module docstring). Only `island`'s own datasets are opened, so an island
-    needs only its own data and the shared dataset on its host.
+    `data.prepared`, prepared records (module docstring; `sharing` says which island reads which records).
+    Only `island`'s own datasets are opened, so an island needs only its own data and the shared dataset on
+    its host.
 
     Returns:
       A Corpus; with prepared data its fingerprint is the shared dataset's (`PreparedDataset.fingerprint`), the
       one every island must read the same, and `train` holds `island`'s data (every island's when None).
 
     Raises:
-      DataError: a missing or unfinished prepared folder, a split without records, datasets of other
-        tokenizers or record lengths than the shared one.
+      DataError: naming the field (`data.prepared`, `islands.NAME.data`): a missing or unfinished prepared
+        folder, a split without records (an own dataset's eval split, which `own_eval` scores, included), fewer
+        training records than the islands that split them, a dataset of another tokenizer or record length
+        than the shared one.
       ConfigError: `model.vocab_size` below the tokenizer's vocabulary, or `model.seq_len` not the records'.
     """
     from island_jax import prepared as prepared_lib
@@ -200,50 +228,61 @@ def load(config, island_names: Sequence[str], island: str | None = None) -> Corp
 
     if not config.data.get("prepared", ""):
         return load_corpus(config.data.files, config.data.eval_fraction, island_names)
-    shared = prepared_lib.PreparedDataset(config.data.prepared)
+
+    def opened(path: str, field: str):
+        try:
+            return prepared_lib.PreparedDataset(path)
+        except DataError as e:
+            raise DataError(f"{field}: {e}") from None
+
+    def split(dataset, which: str, field: str):
+        try:
+            return dataset.records(which)
+        except DataError as e:
+            own = " (an island with data of its own scores its eval split: own_eval)" if which == "eval" and \
+                field != "data.prepared" else ""
+            raise DataError(f"{field}: {e}{own}") from None
+
+    shared = opened(config.data.prepared, "data.prepared")
     if config.model.vocab_size < shared.vocab_size:
         raise ConfigError(f"model.vocab_size is {config.model.vocab_size} but the tokenizer of {shared.path} has "
                           f"{shared.vocab_size} tokens; set model.vocab_size to at least {shared.vocab_size}")
     if config.model.seq_len != shared.seq_len:
         raise ConfigError(f"model.seq_len is {config.model.seq_len} but {shared.path} holds records of "
-                          f"{shared.seq_len} tokens; set model.seq_len={shared.seq_len}, or prepare the data with "
-                          f"--seq_len={config.model.seq_len}")
-    def key(path: str) -> str:
-        return os.path.realpath(os.path.expanduser(path))
-
-    specs = {n: config.islands[n].get("data", "") for n in island_names}
-    mixtures = {n: parse_mixture(specs[n]) if specs[n] else [(shared.path, 1.0)] for n in island_names}
-    readers: dict[str, list[str]] = {}  # every dataset's training records are split between the islands reading it
-    for n in island_names:
-        for path, _ in mixtures[n]:
-            if n not in readers.setdefault(key(path), []):
-                readers[key(path)].append(n)
+                          f"{shared.seq_len} predictions ({shared.seq_len + 1} tokens); set "
+                          f"model.seq_len={shared.seq_len}, or prepare the data with --seq_len={config.model.seq_len}")
+    plan = sharing(config, island_names)
     train, own_eval = {}, {}
     for name in island_names:
         if island is not None and name != island:
             continue
+        spec = config.islands[name].get("data", "")
+        field = f"islands.{name}.data" if spec else "data.prepared"
         parts = []
-        for path, weight in mixtures[name]:
-            dataset = shared if key(path) == key(shared.path) else prepared_lib.PreparedDataset(path)
-            if (dataset.tokenizer_hash, dataset.seq_len) != (shared.tokenizer_hash, shared.seq_len):
-                raise DataError(
-                    f"islands.{name}.data names {path}, prepared with tokenizer {dataset.tokenizer_hash} and records "
-                    f"of {dataset.seq_len} tokens, but data.prepared ({shared.path}) has tokenizer "
-                    f"{shared.tokenizer_hash} and {shared.seq_len}; prepare it with the shared dataset's tokenizer "
-                    f"(--tokenizer=tokenizer_json --tokenizer_path={shared.path}/tokenizer.json) and --seq_len")
-            who, records = readers[key(path)], dataset.records("train")
-            if len(records) < len(who):
-                raise DataError(f"the {len(records)} training records of {dataset.path} cannot be split between the "
-                                f"{len(who)} islands that read it ({', '.join(who)}); prepare more text")
-            parts.append((records[who.index(name) :: len(who)], dataset, weight))
+        for (path, weight), (_, index, readers, _) in zip(parse_mixture(spec) if spec else
+                                                          [(config.data.prepared, 1.0)], plan[name]):
+            same = os.path.normpath(os.path.expanduser(path)) == os.path.normpath(os.path.expanduser(config.data.prepared))
+            dataset = shared if same else opened(path, field)
+            if dataset.tokenizer_hash != shared.tokenizer_hash:
+                raise DataError(f"{field} names {path}, prepared with tokenizer {dataset.tokenizer_hash}, but "
+                                f"data.prepared ({shared.path}) has tokenizer {shared.tokenizer_hash}; prepare it with "
+                                f"the shared dataset's tokenizer ({prepared_lib.tokenizer_flags(shared)})")
+            if dataset.seq_len != shared.seq_len:
+                raise DataError(f"{field} names {path}, whose records hold {dataset.seq_len} predictions, but "
+                                f"data.prepared's hold {shared.seq_len}; prepare it with --seq_len={shared.seq_len}")
+            records = split(dataset, "train", field)
+            if len(records) < readers:
+                raise DataError(f"{field}: the {len(records)} training records of {dataset.path} cannot be split "
+                                f"between the {readers} islands that read it; prepare more text")
+            parts.append((records[index::readers], dataset, weight))
         if len(parts) == 1:
             train[name] = parts[0][0]
         else:  # each part shuffled and repeated on its own, then drawn from by weight: an endless mixture
             endless = [share.shuffle(seed=config.seed + i).repeat() for i, (share, _, _) in enumerate(parts)]
             train[name] = grain.MapDataset.mix(endless, [w for _, _, w in parts])
-        if specs[name]:
-            own_eval[name] = _concatenated([d.records("eval") for _, d, _ in parts])
-    return Corpus(shared.records("eval"), train, shared.fingerprint(), own_eval, shared.token_bytes)
+        if spec and not (len(parts) == 1 and parts[0][1] is shared):  # the shared set is scored already
+            own_eval[name] = _concatenated([split(d, "eval", field) for _, d, _ in parts])
+    return Corpus(split(shared, "eval", "data.prepared"), train, shared.fingerprint(), own_eval, shared.token_bytes)
 
 
 def scored(windows: np.ndarray, token_bytes: np.ndarray | None) -> tuple[np.ndarray, np.ndarray]:
@@ -302,7 +341,8 @@ def train_dataset(
       batch_size: sequences per batch.
       seed: shuffle seed (`config.seed`).
       rows: only these rows of every batch (a process of a multi-process island reads the rows its own
-        devices hold, `island.Shardings.local_rows`): `ds[step]` is then [rows, seq_len + 1], and the
+        devices hold, `island.Shardings.local_rows`): `ds[step]` is then [rows, seq_len + 1] (records:
+        [rows, 2, seq_len + 1]), and the
         processes' rows together are the whole batch, the same one a single process reads.
 
     Raises:

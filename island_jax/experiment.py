@@ -69,7 +69,8 @@ class Result:
     Attributes:
       workdir: the run's folder.
       summary: one row, `WORKDIR/summary.json` with nested dicts flattened with dots
-        (e.g. `islands.a.bytes_sent`); losses in nats per byte, times in seconds, bytes in bytes.
+        (e.g. `islands.a.bytes_sent`); losses in nats per byte (per token on prepared records), times in seconds,
+        bytes in bytes.
       rounds: one row per round record (kind "round") of the coordinator and every island,
         `role` ("coordinator" or "island"), `island` (the island's name; None for the
         coordinator), then the record's fields flattened with dots (e.g. `weights.a`).
@@ -506,7 +507,7 @@ def sweep(
 
     Returns:
       A pandas DataFrame, one row per variant in `variants` order: the grid keys (`grid_keys`),
-      `seed`, `eval_loss_final` (nats per byte), `wall_seconds` (the run's, seconds;
+      `seed`, `eval_loss_final` (nats per byte; per token on prepared records), `wall_seconds` (the run's, seconds;
       of its last part when it was resumed), `bytes_per_round` (mean bytes an
       island sent per round), `error` (None, or why the run failed; then the
       others are NaN), and `workdir` (the variant's folder).

@@ -410,11 +410,31 @@ def _check_settings(out: str, settings: dict) -> None:
             earlier = settings
         keys = (set(earlier) | set(settings)) - ({"tokenizer_hash"} - set(settings))
         changed = sorted(k for k in keys if earlier.get(k) != settings.get(k))
+        if "format_version" in changed:
+            raise DataError(f"{out} was prepared by another version of island_jax (format "
+                            f"{earlier.get('format_version', 1)}, this one writes {settings['format_version']}); "
+                            "give a new output folder")
         if changed:
             raise DataError(f"{out} was prepared with other settings ({', '.join(changed)} differ); give a new output "
                             "folder, or the settings it was made with")
         return
     write_json(path, settings)
+
+
+def tokenizer_flags(dataset: "PreparedDataset") -> str:
+    """The experiments/prepare_data.py flags that prepare another dataset with `dataset`'s tokenizer."""
+    settings = dataset.manifest["settings"]
+    kind = settings["tokenizer"]
+    if kind == "bytes":
+        return "--tokenizer=bytes"
+    if kind == "bpe":  # trained there, saved beside the shards
+        return f"--tokenizer=tokenizer_json --tokenizer_path={os.path.join(dataset.path, TOKENIZER_FILE)}"
+    flags = f"--tokenizer={kind} --tokenizer_path={settings['tokenizer_path']}"
+    if kind == "tokenizer_json":
+        flags += f" --eos_token={settings['eos_token']}"
+    if kind == "tiktoken":
+        flags += f" --tiktoken_name={settings['tiktoken_name']}"
+    return flags
 
 
 class PreparedDataset:
@@ -440,6 +460,9 @@ class PreparedDataset:
     def __init__(self, path: str):
         self.path = os.path.abspath(os.path.expanduser(path))
         manifest = os.path.join(self.path, MANIFEST)
+        if not os.path.isdir(self.path):
+            raise DataError(f"the prepared dataset {path} does not exist; prepare it with experiments/prepare_data.py "
+                            f"--out={path}, or give the folder it was prepared into")
         if not os.path.isfile(manifest):
             raise DataError(f"{path} holds no {MANIFEST}: it is not a prepared dataset, or its preparation did not "
                             "finish; run experiments/prepare_data.py --out=" + path)
@@ -452,7 +475,11 @@ class PreparedDataset:
         self.seq_len = int(self.manifest["settings"]["seq_len"])
         tok = self.manifest["tokenizer"]
         self.vocab_size, self.eos_id, self.tokenizer_hash = int(tok["vocab_size"]), int(tok["eos_id"]), tok["hash"]
-        self.token_bytes = np.load(os.path.join(self.path, self.manifest["token_bytes"])).astype(np.int32)
+        try:
+            self.token_bytes = np.load(os.path.join(self.path, self.manifest["token_bytes"])).astype(np.int32)
+        except (OSError, ValueError) as e:
+            raise DataError(f"{path}: its {self.manifest['token_bytes']} cannot be read ({e}); copy the whole folder, "
+                            "or prepare it again") from e
         self._dtype = self.manifest["token_dtype"]
 
     def records(self, split: str = "train"):
@@ -486,11 +513,3 @@ class PreparedDataset:
                     shards_sha256=hashlib.sha256("\n".join(shards).encode()).hexdigest()[:16],
                     **{f"{split}_records": sum(s["records"] for s in self.manifest["splits"][split]["shards"])
                        for split in SPLITS})
-
-
-def read_records(out: str, split: str = "train") -> Iterator[tuple[np.ndarray, np.ndarray]]:
-    """Every record of a prepared split, in shard order: (tokens [seq_len + 1], segment_ids [seq_len + 1])."""
-    records = PreparedDataset(out).records(split)
-    for i in range(len(records)):
-        item = records[i]
-        yield item[0], item[1]

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import re
 import threading
 from collections.abc import Iterable, Sequence
 
@@ -80,9 +81,10 @@ class Tokenizer:
     def token_bytes(self) -> np.ndarray:
         """int32 [vocab_size]: the UTF-8 bytes of text each token stands for (0 for the end of document and other
         special tokens), so that the bytes of a text are the sum over its tokens: bits per byte
-        (`data.bits_per_byte`) of a tokenized evaluation set. Exact for the bytes, BPE and tiktoken kinds; for
-        SentencePiece and other tokenizer.json files, each piece's own text (a normalizer's changes are not
-        undone)."""
+        (`data.bits_per_byte`) of a tokenized evaluation set. Exact for the bytes, BPE and tiktoken kinds. For
+        SentencePiece and other tokenizer.json files it is each piece's own text, its word-boundary mark a
+        space and a byte-fallback piece one byte: a normalizer's changes are not undone, and the space such a
+        tokenizer adds before a document's first word counts one byte more per document than the text has."""
         raise NotImplementedError
 
     def __repr__(self) -> str:
@@ -147,12 +149,16 @@ class HuggingFaceTokenizer(Tokenizer):
         sizes = np.zeros(self.vocab_size, np.int32)
         for i in range(self.vocab_size):
             token = self._tokenizer.id_to_token(i)
-            if token is None or token in special or i == self.eos_id:
+            if token is None or i == self.eos_id:
                 continue
-            if byte_level and all(c in alphabet for c in token):
+            if re.fullmatch(r"<0x[0-9A-Fa-f]{2}>", token):  # a byte-fallback piece
+                sizes[i] = 1
+            elif token in special:
+                continue
+            elif byte_level and all(c in alphabet for c in token):
                 sizes[i] = len(token)
-            else:
-                sizes[i] = len(self._tokenizer.decode([i], skip_special_tokens=False).encode("utf-8"))
+            else:  # a piece's own text, its word boundary "\u2581" a space (Metaspace, as SentencePiece's)
+                sizes[i] = len(token.replace("\u2581", " ").encode("utf-8"))
         return sizes
 
     def save(self, path: str) -> None:

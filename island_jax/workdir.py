@@ -283,7 +283,8 @@ def combine_summaries(config: ml_collections.ConfigDict, workdir: str, wall_seco
 
     Returns:
       `rounds`, `params`, `codec`, `block_size`, `corpus`, `eval_loss_initial`,
-      `eval_loss_final` (nats per byte, from the evaluating island), `eval_loss_final_stderr`
+      `eval_loss_final` (nats per byte on bytes, per token on prepared records, from the evaluating island),
+      `eval_bits_per_byte_final`, `eval_loss_final_stderr`
       (its standard error over the held-out windows), `eval_windows`, `eval_windows_sha256`,
       `wall_seconds` (the caller's, seconds), `checksums_agree` (every island's final
       global parameters equal the coordinator's view; without an outer loop,

@@ -2,13 +2,14 @@
 (a dataset or a mixture), held-out sets, resume, and the errors of bad data settings."""
 
 import json
+import os
 
 import numpy as np
 import pytest
 from tiny_config import get_config, write_prepared
 
 from island_jax import data as data_lib
-from island_jax.config import ConfigError, validate
+from island_jax.config import ConfigError, fingerprint_fields, validate
 from island_jax.data import DataError
 from island_jax.metrics import read_jsonl
 from island_jax.prepared import PreparedDataset
@@ -134,22 +135,69 @@ def test_bad_data_settings_are_refused_naming_the_field_and_the_fix(datasets, tm
         data_lib.load(c, ["a", "b"])
     c = _config(shared)
     c.model.seq_len = 64
-    with pytest.raises(ConfigError, match="model.seq_len is 64 but .* holds records of 32 tokens"):
+    with pytest.raises(ConfigError, match="model.seq_len is 64 but .* holds records of 32 predictions \\(33 tokens\\); "
+                                          "set model.seq_len=32, or prepare the data with --seq_len=64"):
         data_lib.load(c, ["a", "b"])
-    with pytest.raises(DataError, match="holds no manifest.json: it is not a prepared dataset"):
+    with pytest.raises(DataError, match="data.prepared: the prepared dataset .*missing does not exist; prepare it"):
         data_lib.load(_config(str(tmp_path / "missing")), ["a", "b"])
-    c = _config("", own)
+    (tmp_path / "unfinished").mkdir()
+    with pytest.raises(DataError, match="islands.b.data: .*unfinished holds no manifest.json: it is not a prepared "
+                                        "dataset, or its preparation did not finish"):
+        data_lib.load(_config(shared, str(tmp_path / "unfinished")), ["a", "b"], island="b")
     with pytest.raises(ConfigError, match="islands.b.data is .* but data.prepared is empty"):
-        validate(c)
+        validate(_config("", own))
     with pytest.raises(ConfigError, match="islands.b.data is 'x,0;y,1'; give a prepared dataset's folder, or a "
                                           "mixture 'PATH,WEIGHT;PATH,WEIGHT' with positive weights"):
         validate(_config(shared, "x,0;y,1"))
     other = write_prepared(tmp_path / "other", vocab_size=280)  # a tokenizer of its own
     with pytest.raises(DataError, match="islands.b.data names .*other/prepared, prepared with tokenizer .* but "
-                                        "data.prepared .* prepare it with the shared dataset's tokenizer"):
+                                        "data.prepared .* prepare it with the shared dataset's tokenizer "
+                                        "\\(--tokenizer=tokenizer_json --tokenizer_path=.*shared/prepared/tokenizer.json\\)"):
         data_lib.load(_config(shared, other), ["a", "b"], island="b")
+    longer = write_prepared(tmp_path / "longer", seq_len=48, tokenizer=f"{shared}/tokenizer.json")
+    with pytest.raises(DataError, match="islands.b.data names .*longer/prepared, whose records hold 48 predictions, "
+                                        "but data.prepared's hold 32; prepare it with --seq_len=32"):
+        data_lib.load(_config(shared, longer), ["a", "b"], island="b")
+    few = write_prepared(tmp_path / "few", documents=2, tokenizer=f"{shared}/tokenizer.json")
+    n = len(PreparedDataset(few).records("train")) + 1  # one island more than records
+    c = _config(shared)
+    for k in range(n):
+        c.islands[f"i{k}"] = c.islands.b.copy_and_resolve_references()
+        c.islands[f"i{k}"].data = few
+    with pytest.raises(DataError, match=f"islands.i0.data: the {n - 1} training records of .*few/prepared cannot be "
+                                        f"split between the {n} islands that read it; prepare more text"):
+        data_lib.load(c, [f"i{k}" for k in range(n)], island="i0")
+    noeval = write_prepared(tmp_path / "noeval", documents=3, tokenizer=f"{shared}/tokenizer.json")
+    assert PreparedDataset(noeval).manifest["splits"]["eval"]["documents"] == 0
+    with pytest.raises(DataError, match="islands.b.data: the eval split of .*noeval/prepared has no record; prepare "
+                                        "it with more documents or a larger --eval_fraction \\(an island with data of "
+                                        "its own scores its eval split: own_eval\\)"):
+        data_lib.load(_config(shared, noeval), ["a", "b"], island="b")
+    os.remove(os.path.join(noeval, "token_bytes.npy"))
+    with pytest.raises(DataError, match="token_bytes.npy cannot be read .*; copy the whole folder, or prepare it"):
+        PreparedDataset(noeval)
+    os.remove(os.path.join(few, PreparedDataset(few).manifest["splits"]["train"]["shards"][0]["file"]))
+    with pytest.raises(DataError, match="islands.b.data: .*few/prepared lacks its shard .*train-00000.array_record; "
+                                        "copy the whole folder, or prepare it again"):
+        data_lib.load(_config(shared, few), ["a", "b"], island="b")
     old = tmp_path / "old"
     old.mkdir()
     (old / "manifest.json").write_text(json.dumps({"format_version": 1}))
     with pytest.raises(DataError, match="was prepared in format 1, .* reads format 2; prepare it again"):
         PreparedDataset(str(old))
+
+
+def test_islands_join_with_who_reads_which_records():
+    c = _config("/data/shared", "/data/prose")
+    c.islands.c = c.islands.b.copy_and_resolve_references()
+    c.islands.c.data = "/data/prose,1;~/../root/../root/x,2"
+    assert data_lib.sharing(c, ["a", "b", "c"]) == {
+        "a": [["a:0", 0, 1, 1.0]],
+        "b": [["b:0", 0, 2, 1.0]],
+        "c": [["b:0", 1, 2, 1.0], ["c:1", 0, 1, 2.0]],
+    }
+    moved = _config("/data/shared", "/data/prose")
+    moved.islands.c = c.islands.c
+    moved.islands.a.data = "/data/prose"  # a now splits b's dataset with it: the plan, and the fingerprint, differ
+    assert fingerprint_fields(moved)["data.sharing"] != fingerprint_fields(c)["data.sharing"]
+    assert data_lib.sharing(get_config(), ["a", "b"]) == {} and "data.sharing" not in fingerprint_fields(get_config())

@@ -61,11 +61,12 @@ def test_an_earlier_documents_tokens_leave_a_later_documents_logits_bitwise_equa
 
 def test_the_loss_scores_every_documents_tokens_and_no_padding():
     segments = jnp.asarray([[1, 1, 2, 2, 2, 0, 0]], jnp.int32)  # [B, S + 1]: inputs are the first 6, targets the last
-    model_mask, loss_mask = step_lib.packed_masks(segments)
+    model_mask, loss_mask, segment_ids = step_lib.packed_masks(segments)
+    assert segment_ids.tolist() == [[1, 1, 2, 2, 2, 0]]
     assert model_mask.tolist() == [[1, 1, 1, 1, 1, 0]]  # the last real token is an input, padding is not
     # the end of document 1 predicts document 2's first token; nothing predicts padding
     assert loss_mask.tolist() == [[1, 1, 1, 1, 0, 0]]
-    assert step_lib.packed_masks(None) == (None, None)  # bytes: every token real
+    assert step_lib.packed_masks(None) == (None, None, None)  # bytes: every token real
     ones = jnp.ones((1, 6))  # and a padded rows' mask as given
     assert step_lib.packed_masks(None, ones)[0] is ones and step_lib.packed_masks(None, ones)[1] is ones
 
@@ -87,3 +88,15 @@ def test_the_segment_mask_reaches_cudnns_attention(monkeypatch):
     attn(jnp.ones((1, 4, 32), jnp.bfloat16), segments)
     assert seen["implementation"] == "cudnn" and seen["is_causal"] is True
     np.testing.assert_array_equal(seen["mask"], np.asarray(segment_mask(segments)))
+
+
+@pytest.mark.parametrize("positions", ["rope", "learned"])
+def test_one_document_per_row_is_the_unpacked_model(positions):
+    c = _config(positions)
+    tokens = jnp.asarray(np.random.default_rng(1).integers(0, 300, (2, S)), jnp.int32)
+    with jax.set_mesh(island_mesh(1, 1, jax.devices()[:1])):
+        model = _model(c)
+        call = nnx.jit(lambda m, t, s: m(t, None, None, s)[0])
+        packed = np.asarray(call(model, tokens, jnp.ones((2, S), jnp.int32)))
+        plain = np.asarray(call(model, tokens, None))
+    np.testing.assert_allclose(packed, plain, atol=1e-6)

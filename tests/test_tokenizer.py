@@ -76,7 +76,8 @@ def test_a_sentencepiece_model_round_trips_its_text(tmp_path):
     assert (t.kind, t.vocab_size, t.eos_id) == ("sentencepiece", 500, 2)
     assert t.decode(t.encode_document("return x + 1")) == "return x + 1"
     assert t.hash == tok.load("sentencepiece", prefix + ".model").hash
-    # each piece's own text: a word's piece counts its leading space, and the model adds one before the first
+    # each piece's own text: a word's piece counts its leading space, so the space the model adds before a
+    # document's first word counts one byte more than the text has (token_bytes' documented bias)
     sizes = t.token_bytes()
     assert sizes[t.eos_id] == 0 and sizes[t.encode("平")].tolist() == [1] * 4  # "▁" (a piece), then 3 byte pieces
     assert sizes[t.encode_document("return x + 1")].sum() == len(" return x + 1")
@@ -129,3 +130,24 @@ def test_bad_tokenizer_input_is_refused_naming_the_file_and_the_fix(tmp_path):
     with pytest.raises(tok.TokenizerError, match="no text to train the BPE on"):
         tok.train_bpe(iter([]), 300)
     assert issubclass(tok.TokenizerError, DataError)
+
+
+def test_the_text_bytes_of_a_metaspace_tokenizer_json_count_its_byte_pieces_and_the_added_space():
+    """A tokenizer.json in the style of SentencePiece's (Metaspace word boundaries, byte fallback): each piece
+    counts its text with the boundary as a space, a byte piece one byte, the end of document none; the space
+    the pre-tokenizer adds before a document's first word counts one byte more than the text has."""
+    from tokenizers import Tokenizer as HFTokenizer
+    from tokenizers import decoders, models, pre_tokenizers, trainers
+
+    raw = HFTokenizer(models.BPE(byte_fallback=True))
+    raw.pre_tokenizer = pre_tokenizers.Metaspace()
+    raw.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse(),
+                                     decoders.Strip(" ", 1, 0)])
+    bytes_pieces = [f"<0x{b:02X}>" for b in range(256)]
+    raw.train_from_iterator(["the cat sat on the mat"] * 20, trainers.BpeTrainer(
+        vocab_size=300, special_tokens=[tok.EOS_TEXT, *bytes_pieces], show_progress=False))
+    t = tok.HuggingFaceTokenizer(raw, "tokenizer_json")
+    sizes = t.token_bytes()
+    assert [raw.id_to_token(int(i)) for i in t.encode("the é")] == ["\u2581the", "\u2581", "<0xC3>", "<0xA9>"]
+    for text in ("the the", "é", "the cat é"):
+        assert sizes[t.encode_document(text)].sum() == len(text.encode("utf-8")) + 1

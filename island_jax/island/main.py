@@ -191,8 +191,9 @@ def run_island(
 class _Evaluator:
     """Scores a held-out set (`data.eval_windows`) with the global parameters and writes a `kind` record:
     `{kind}_loss` (nats per token: the mean over windows, weighted by the targets each scores), `{kind}_bits_per_byte`
-    (of the text, `data.bits_per_byte`), `{kind}_loss_stderr` (the standard error of the windows' mean),
-    `{kind}_loss_halves` (the means of the set's first and second halves), `{kind}_windows` (how many) and
+    (of the text, `data.bits_per_byte`), `{kind}_loss_stderr` (the standard error of the windows' unweighted mean),
+    `{kind}_loss_halves` (the means of the set's first and second halves, weighted as the loss), `{kind}_windows`
+    (how many) and
     `{kind}_windows_sha256` (`data.windows_sha256`: equal in every run scored on the same windows).
 
     `kind` "eval" is the shared held-out set (the first island scores it); "own_eval" an island's own data's
@@ -211,15 +212,19 @@ class _Evaluator:
         """Scores the held-out set after `round` rounds; returns the record's fields (written when `write`)."""
         losses = self.island.evaluate(self.batches, global_params=self.global_params)
         loss, stderr = data_lib.mean_and_stderr(losses)
-        if np.any(self.targets != self.targets[0]):  # packed records: windows score different numbers of targets
-            loss = float(np.sum(losses * self.targets, dtype=np.float64) / np.sum(self.targets))
         half = len(losses) // 2
+        halves = [float(np.mean(losses[:half], dtype=np.float64)), float(np.mean(losses[half:], dtype=np.float64))]
+        if np.any(self.targets != self.targets[0]):  # packed records: windows score different numbers of targets
+
+            def weighted(part: slice) -> float:
+                return float(np.sum(losses[part] * self.targets[part], dtype=np.float64) / np.sum(self.targets[part]))
+
+            loss, halves = weighted(slice(None)), [weighted(slice(None, half)), weighted(slice(half, None))]
         k = self.kind
         result = {f"{k}_loss": loss, f"{k}_loss_stderr": stderr,
                   f"{k}_bits_per_byte": data_lib.bits_per_byte(loss, int(np.sum(self.targets)),
                                                                int(np.sum(self.text_bytes))),
-                  f"{k}_loss_halves": [float(np.mean(losses[:half], dtype=np.float64)),
-                                       float(np.mean(losses[half:], dtype=np.float64))],
+                  f"{k}_loss_halves": halves,
                   f"{k}_windows": self.count, f"{k}_windows_sha256": self.sha256}
         if write:
             self.role.metrics.write(dict(kind=k, round=round, **result))
@@ -263,8 +268,9 @@ def _join(config, island: Island, transport, role: RoleFolder, first: int, evalu
     for evaluator in evaluators:
         k = evaluator.kind
         scored = evaluator(first, write=first == 0)
-        logging.info("round %d: %s loss %.4f +- %.4f nats/token, %.4f bits/byte (%d held-out windows)", first, k,
-                     scored[f"{k}_loss"], scored[f"{k}_loss_stderr"], scored[f"{k}_bits_per_byte"], scored[f"{k}_windows"])
+        logging.info("round %d: %s loss %.4f +- %.4f %s (%d held-out windows)", first, k.replace("_", " "),
+                     scored[f"{k}_loss"], scored[f"{k}_loss_stderr"],
+                     data_lib.loss_unit(config, scored[f"{k}_bits_per_byte"]), scored[f"{k}_windows"])
     if transport is not None and not rejoined:  # every island starts its first round together
         checksum_now = island.global_checksum  # a collective over an island's processes: every one computes it
         if island.part == 0:

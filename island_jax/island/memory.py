@@ -216,6 +216,11 @@ def dry_run(config: ml_collections.ConfigDict, names, devices) -> dict[str, tupl
         isl = config.islands[name]
         mine, offset = devices[offset : offset + isl.num_devices], offset + isl.num_devices
         corpus = np.zeros(config.model.seq_len * isl.batch_size + config.model.seq_len + 1, np.uint8)
+        if config.data.get("prepared", ""):  # records of one document each: the step with segment ids compiles
+            import grain
+
+            record = np.stack([np.zeros(config.model.seq_len + 1, np.int32), np.ones(config.model.seq_len + 1, np.int32)])
+            corpus = grain.MapDataset.source([record] * isl.batch_size)
         island = Island(name, config, mine, graphdef, params, specs, corpus, config.outer.rounds)
         out[name] = (budget(config, name), measured(island))
         del island

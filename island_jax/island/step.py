@@ -74,7 +74,8 @@ def cross_entropy(logits: jax.Array, targets: jax.Array, mask: jax.Array | None 
 
 
 def packed_masks(segments: jax.Array | None, mask: jax.Array | None = None):
-    """(the model's mask, the loss's mask), each float32 [B, S] or None, of packed records' segment ids.
+    """(the model's mask, the loss's mask, the inputs' segment ids), each [B, S] or None, of packed records'
+    segment ids: the masks float32, the segment ids int32 (None for byte windows).
 
     Args:
       segments: int32 [B, S + 1], the segment ids of inputs and targets together (`prepared.pack`; 0 on
@@ -83,15 +84,16 @@ def packed_masks(segments: jax.Array | None, mask: jax.Array | None = None):
 
     Returns:
       The model's mask keeps padding out of the experts' slots (an input whose segment is 0); the loss's
-      counts a target whose segment is not 0, so that every token of every document is predicted once,
-      the first of a document from the end-of-document token before it.
+      counts a target whose segment is not 0, so that every token of a record's documents but its first is
+      predicted once (the first of a document from the end-of-document token before it; a shard's very first
+      token is no record's target).
     """
     if segments is None:
-        return mask, mask
+        return mask, mask, None
     inputs, targets = (segments[:, :-1] != 0).astype(jnp.float32), (segments[:, 1:] != 0).astype(jnp.float32)
     if mask is not None:
         inputs, targets = inputs * mask, targets * mask
-    return inputs, targets
+    return inputs, targets, segments[:, :-1]
 
 
 def loss_fn(graphdef, params, inputs, targets, moe_config, mask=None, key=None, cross_entropy_coef=1.0,
@@ -110,8 +112,7 @@ def loss_fn(graphdef, params, inputs, targets, moe_config, mask=None, key=None, 
       (loss [], metrics): the STEP_METRICS scalars (but grad_norm) and, per MoE
       layer, `layers`: the LAYER_METRICS arrays.
     """
-    model_mask, loss_mask = packed_masks(segments, mask)
-    segment_ids = None if segments is None else segments[:, :-1]
+    model_mask, loss_mask, segment_ids = packed_masks(segments, mask)
     logits, per_layer = nnx.merge(graphdef, nnx.State(params))(inputs, model_mask, key, segment_ids)
     stats = aggregate_stats(per_layer)
     ce = cross_entropy(logits, targets, loss_mask)
@@ -161,8 +162,7 @@ def build_eval_step(graphdef: nnx.GraphDef) -> Callable:
     keeps padded rows out of the MoE layers' expert slots, so they change no real window's loss."""
 
     def eval_step(params, inputs, targets, mask, segments=None):
-        model_mask, loss_mask = packed_masks(segments, mask)
-        segment_ids = None if segments is None else segments[:, :-1]
+        model_mask, loss_mask, segment_ids = packed_masks(segments, mask)
         logits, _ = nnx.merge(graphdef, nnx.State(params))(inputs, model_mask, None, segment_ids)
         losses = optax.softmax_cross_entropy_with_integer_labels(logits, targets)
         if segments is None:

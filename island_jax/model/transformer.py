@@ -211,7 +211,7 @@ class Block(nnx.Module):
 
 
 class Transformer(nnx.Module):
-    """Byte-level MoE language model.
+    """MoE language model over bytes or a tokenizer's ids.
 
     Call: tokens [B, S] int32 (ids below vocab_size), optional mask [B, S] (1 real, 0
     padded), optional PRNG key (router jitter, training only), optional segment ids [B, S] int32 (packed
