@@ -13,9 +13,12 @@ Runs, on the machine's accelerators (JAX's default backend):
                 over fsdp, without remat;
   step_remat    the same with `model.remat=full`;
   mixed         a 2-round run of the test model's two islands, island a on the accelerators and island b on
-                CPU devices, in one process: every island's checksum equal to the coordinator's.
+                CPU devices, in one process: every island's checksum equal to the coordinator's;
+  packed        on a GPU, attention over packed documents (`transformer.segment_mask` with the causal mask)
+                by cuDNN's fused kernel against XLA's, in bfloat16: outputs and the gradients of q, k and v
+                within PACKED_RTOL of the largest value.
 On a machine without an accelerator it runs the first four on virtual CPU devices (and `step` at the test
-model's size under --smoke) and reports `mixed` as not run. Each check prints one line, `check NAME: ok ...`,
+model's size under --smoke) and reports `mixed` and `packed` as not run. Each check prints one line, `check NAME: ok ...`,
 `FAILED ...` or `not run (why)`. Last line: `accelerator_check: ran=R not_run=N failed=F`; the exit status is
 1 when a check failed.
 
@@ -41,6 +44,7 @@ _STEPS = flags.DEFINE_integer("steps", 10, "Inner steps timed per `step` check, 
 flags.adopt_module_key_flags(_smoke)  # --smoke, in --help
 
 BF16_RTOL = 5e-3  # docs/island.md, "Remat and precision"
+PACKED_RTOL = 2e-2  # two bfloat16 attention kernels: a few bfloat16 ulps (2^-8) apart
 CPU_DEVICES = 8
 
 
@@ -191,6 +195,38 @@ def check_mixed(accelerators, cpus) -> str:
             f"after 2 rounds, eval loss {summary['eval_loss_final']:.4f}")
 
 
+def check_packed() -> str:
+    import functools
+
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from island_jax.model.transformer import segment_mask
+
+    b, s, h, d = 2, 256, 4, 64
+    rng = np.random.default_rng(0)
+    q, k, v, ct = (jnp.asarray(rng.normal(size=(b, s, h, d)), jnp.bfloat16) for _ in range(4))
+    segments = np.stack([np.repeat(np.arange(1, 5), s // 4), np.repeat([1, 2], s // 2)])
+    mask = segment_mask(jnp.asarray(segments, jnp.int32))
+
+    def objective(q, k, v, implementation):
+        y = jax.nn.dot_product_attention(q, k, v, mask=mask, is_causal=True, implementation=implementation)
+        return jnp.sum(y.astype(jnp.float32) * ct.astype(jnp.float32)), y
+
+    out = {}
+    for implementation in ("cudnn", "xla"):
+        grad = jax.value_and_grad(functools.partial(objective, implementation=implementation), (0, 1, 2), has_aux=True)
+        (_, y), grads = jax.jit(grad)(q, k, v)
+        out[implementation] = [np.asarray(x, np.float32) for x in (y, *grads)]
+    worst = 0.0
+    for name, a, ref in zip(("out", "dq", "dk", "dv"), out["cudnn"], out["xla"]):
+        worst = max(worst, float(np.abs(a - ref).max() / np.abs(ref).max()))
+        if not worst <= PACKED_RTOL:
+            raise AssertionError(f"{name}: cuDNN and XLA differ by {worst:.3g} of the largest value (> {PACKED_RTOL})")
+    return f"cuDNN against XLA with 4 and 2 documents per row: largest difference {worst:.3g} of the largest value"
+
+
 def main(argv):
     del argv
     smoke = _smoke.sizes(steps=2)
@@ -206,6 +242,7 @@ def main(argv):
         ("step", lambda: check_step(devices, "none", smoke or not accelerators)),
         ("step_remat", lambda: check_step(devices, "full", smoke or not accelerators)),
         ("mixed", (lambda: check_mixed(accelerators, cpus)) if accelerators else "needs an accelerator beside the CPU"),
+        ("packed", check_packed if accelerators and accelerators[0].platform == "gpu" else "needs a GPU (cuDNN)"),
     ]
     ran = not_run = failed = 0
     for name, check in checks:

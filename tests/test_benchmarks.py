@@ -30,7 +30,8 @@ F = r"-?\d+\.\d"  # bytes per parameter, one decimal (less a baseline: negative 
 LAST_LINES = {
     # on CPU: every check but the one that needs an accelerator beside the CPU (docs/benchmarks.md has a GPU's run)
     "accelerator_check": ([r"check mixed: not run \(needs an accelerator beside the CPU\)",
-                           r"accelerator_check: ran=4 not_run=1 failed=0"], 240),
+                           r"check packed: not run \(needs a GPU \(cuDNN\)\)",
+                           r"accelerator_check: ran=4 not_run=2 failed=0"], 240),
     "memory": ([rf"memory: fsdp_bytes_per_param={F} two_process_ratio=-?{R} replicated_bytes_per_param={F} "
                 rf"coordinator_bytes_per_param={F} planner_coordinator_bytes_per_param={F}"], 240),
     "merge": ([rf"merge: ratio={R2} \(K=2 / K=1 CPU\)"], 120),
