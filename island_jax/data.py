@@ -181,6 +181,11 @@ def _concatenated(datasets: Sequence[grain.MapDataset]) -> grain.MapDataset:
     return grain.MapDataset.range(int(ends[-1])).map(item)
 
 
+def _dataset_key(path: str) -> str:
+    """A prepared dataset's identity in a config: its path with `~` and `..` resolved."""
+    return os.path.normpath(os.path.expanduser(path))
+
+
 def sharing(config, island_names: Sequence[str]) -> dict:
     """Who reads which dataset, from the config alone: {island: [[dataset, reader index, readers, weight], ...]},
     a dataset named by its first reader's island and the index in that island's mixture. Every dataset's
@@ -197,12 +202,12 @@ def sharing(config, island_names: Sequence[str]) -> dict:
     readers: dict[str, list[str]] = {}
     for n in island_names:
         for k, (path, _) in enumerate(mixtures[n]):
-            key = os.path.normpath(os.path.expanduser(path))
+            key = _dataset_key(path)
             names.setdefault(key, f"{n}:{k}")
             if n not in readers.setdefault(key, []):
                 readers[key].append(n)
     return {n: [[names[key], readers[key].index(n), len(readers[key]), w]
-                for key, w in ((os.path.normpath(os.path.expanduser(p)), w) for p, w in mixtures[n])]
+                for key, w in ((_dataset_key(p), w) for p, w in mixtures[n])]
             for n in island_names}
 
 
@@ -261,8 +266,7 @@ def load(config, island_names: Sequence[str], island: str | None = None) -> Corp
         parts = []
         for (path, weight), (_, index, readers, _) in zip(parse_mixture(spec) if spec else
                                                           [(config.data.prepared, 1.0)], plan[name]):
-            same = os.path.normpath(os.path.expanduser(path)) == os.path.normpath(os.path.expanduser(config.data.prepared))
-            dataset = shared if same else opened(path, field)
+            dataset = shared if _dataset_key(path) == _dataset_key(config.data.prepared) else opened(path, field)
             if dataset.tokenizer_hash != shared.tokenizer_hash:
                 raise DataError(f"{field} names {path}, prepared with tokenizer {dataset.tokenizer_hash}, but "
                                 f"data.prepared ({shared.path}) has tokenizer {shared.tokenizer_hash}; prepare it with "
