@@ -47,7 +47,8 @@ def initialize(num_processes: int, process_id: int | None, coordinator_address: 
     Args:
       num_processes: `islands.NAME.num_processes` (more than 1).
       process_id: this process's index in the island (0 hosts the island's JAX coordinator), or None: from
-        the cluster environment (SLURM, TPU VM).
+        the cluster environment (SLURM, TPU VM). With both it and `coordinator_address`, cluster detection is
+        off ("deactivate"), so every process uses all of its host's devices.
       coordinator_address: the island's JAX coordinator, "HOST:PORT" of its process 0, or None: from the
         cluster environment.
       timeouts: `config.distributed` (`initialization_timeout_seconds`, `heartbeat_timeout_seconds`,
@@ -58,10 +59,15 @@ def initialize(num_processes: int, process_id: int | None, coordinator_address: 
     """
     # On CPU, collectives between processes run over gloo (TCP); other backends bring their own.
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    # Given the flags, nothing is detected: under SLURM, detection would also pick local_device_ids, binding each
+    # process to the one GPU of its SLURM_LOCALID (jax/_src/clusters/slurm_cluster.py), so a process per node
+    # with several GPUs would see only GPU 0. Without them, the cluster environment supplies everything.
+    explicit = process_id is not None and coordinator_address is not None
     jax.distributed.initialize(
         coordinator_address=coordinator_address,
         num_processes=num_processes,
         process_id=process_id,
+        cluster_detection_method="deactivate" if explicit else None,
         initialization_timeout=int(timeouts.initialization_timeout_seconds),
         heartbeat_timeout_seconds=int(timeouts.heartbeat_timeout_seconds),
         shutdown_timeout_seconds=int(timeouts.shutdown_timeout_seconds),

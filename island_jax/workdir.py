@@ -339,3 +339,13 @@ def combine_summaries(config: ml_collections.ConfigDict, workdir: str, wall_seco
     if events:
         plot_timeline(events, os.path.join(workdir, "timeline.png"))
     return summary
+
+
+def done_line(config: ml_collections.ConfigDict, workdir: str, summary: dict) -> str:
+    """The line a launcher prints when a run has finished: wall time, eval loss first and last (in
+    `data.loss_unit`), whether the global parameters agree, and where `combine_summaries` wrote."""
+    from island_jax.data import loss_unit
+
+    return (f"done in {summary['wall_seconds']:.1f} s: eval loss {summary['eval_loss_initial']:.4f} -> "
+            f"{summary['eval_loss_final']:.4f} {loss_unit(config, summary['eval_bits_per_byte_final'])}; global "
+            f"parameters agree: {summary['checksums_agree']}; summary in {os.path.join(workdir, 'summary.json')}")

@@ -566,9 +566,8 @@ class Supervisor:
 
 def main(argv):
     del argv
-    from island_jax.data import loss_unit
     from island_jax.progress import Progress
-    from island_jax.workdir import combine_summaries
+    from island_jax.workdir import combine_summaries, done_line
 
     config, workdir = _CONFIG.value, _WORKDIR.value
     names = list(config.islands.keys())
@@ -581,13 +580,7 @@ def main(argv):
     if failed is not None:
         sys.exit(failed[1] if failed[1] > 0 else 1)
     summary = combine_summaries(config, workdir, time.perf_counter() - start)
-    print(
-        f"[launch] done in {summary['wall_seconds']:.1f} s: eval loss {summary['eval_loss_initial']:.4f} -> "
-        f"{summary['eval_loss_final']:.4f} {loss_unit(config, summary['eval_bits_per_byte_final'])}; global "
-        f"parameters agree: {summary['checksums_agree']}; "
-        f"summary in {os.path.join(workdir, 'summary.json')}",
-        flush=True,
-    )
+    print(f"[launch] {done_line(config, workdir, summary)}", flush=True)
 
 
 if __name__ == "__main__":

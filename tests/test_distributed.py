@@ -16,6 +16,35 @@ from island_jax.coordinator import ContributionHeader, FragmentedCoordinator
 from island_jax.outer import codec
 
 
+# A task of a SLURM job step of two nodes, one task each, as srun sets it up on the second node.
+SLURM_TASK = {"SLURM_JOB_ID": "4242", "SLURM_STEP_NODELIST": "gpu[001-002]", "SLURM_NTASKS": "2", "SLURM_PROCID": "1",
+              "SLURM_LOCALID": "0", "SLURM_STEP_NUM_NODES": "2"}
+
+
+@pytest.mark.parametrize("explicit", [True, False])
+def test_under_slurm_explicit_flags_turn_cluster_detection_off(monkeypatch, explicit):
+    """With --process_id and --island_coordinator, JAX must not detect SLURM: its detection would also set
+    local_device_ids to [SLURM_LOCALID], so one process per node would use only that node's GPU 0."""
+    from jax._src import clusters
+
+    for key, value in SLURM_TASK.items():
+        monkeypatch.setenv(key, value)
+    calls = []
+    monkeypatch.setattr(jax.distributed, "initialize", lambda **kwargs: calls.append(kwargs))
+    monkeypatch.setattr(jax, "process_count", lambda: 2)
+    monkeypatch.setattr(jax.config, "update", lambda *args: None)  # the backend's collectives are left alone
+    timeouts = default_config().distributed
+    distributed.initialize(2, 1 if explicit else None, "gpu001:8476" if explicit else None, timeouts)
+    (kwargs,) = calls
+    assert (kwargs["coordinator_address"], kwargs["process_id"], kwargs["num_processes"]) == (
+        ("gpu001:8476", 1, 2) if explicit else (None, None, 2))
+    assert kwargs["cluster_detection_method"] == ("deactivate" if explicit else None)
+    assert "local_device_ids" not in kwargs  # every device of the host: JAX's default without detection
+    # what JAX's own detection makes of this environment (what the explicit flags avoid): GPU 0 only
+    detected = clusters.ClusterEnv.auto_detect_unset_distributed_params(None, None, None, None, None, 10)
+    assert detected == ("gpu001:" + str(4242 % 2**12 + 65535 - 2**12 + 1), 2, 1, [0])
+
+
 def test_the_self_check_passes_on_exact_collectives():
     sizes = distributed.check_sizes([5, 1000, 70_000, 1000], 4)
     assert sizes == [8, 1000, 70_000]

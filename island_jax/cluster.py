@@ -1,0 +1,360 @@
+"""Where each role of a run goes: a cluster description (a YAML file, `--cluster=FILE`), checked against the config.
+
+The launchers in `launch/` (slurm.py, tpu_vm.py, k8s.py) render the job scripts, command lines or manifests of
+a run from three things: the experiment config (with its `--config.a.b=v` overrides), the run's workdir, and
+this description. It says, per role, which scheduler starts it and on what:
+
+    coordinator:
+      scheduler: slurm              # slurm | tpu_vm | k8s | local
+      addresses: ["login1:50051"]   # HOST:PORT where islands reach it (a list: one address per process)
+      partition: cpu                # and the other fields of its scheduler (below)
+    islands:
+      a: {scheduler: slurm, nodes: 2, devices_per_node: 4, partition: gpu, account: proj}
+      b: {scheduler: tpu_vm, tpu: my-v5e, zone: us-west4-a, accelerator_type: v5litepod-16}
+    tls: {ca_file: ..., client_cert_file: ..., client_key_file: ...}   # paths on the nodes, never contents
+    python: python3                 # the interpreter on the nodes (with island_jax installed)
+    repo: /shared/island_jax        # the checkout on the nodes (commands run there)
+
+One process runs per node (host), as `jax.distributed` expects: an island's `nodes` must equal its
+`num_processes`, and `nodes x devices_per_node` its `num_devices`. A TPU slice's `accelerator_type` gives both:
+its suffix counts TensorCores on v4 and v5p (two per chip, one JAX device per chip) and chips on v5e and v6e,
+and a host holds 4 chips, except single-host v5e/v6e slices of up to 8 (Cloud TPU system architecture
+documentation). A mismatch is a `ClusterError` naming the field, before anything renders.
+
+Credentials go by path only (`tls`, `coordinator.cert_file`/`key_file`/`tokens_file`, `islands.NAME.token_file`):
+the rendered scripts pass the paths as config overrides, and no secret value appears in them (docs/security.md).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+import shlex
+from typing import Any, Mapping, Sequence
+
+SCHEDULERS = ("slurm", "tpu_vm", "k8s", "local")
+
+# Fields every role may have, then those of each scheduler; anything else is refused (a typo costs a queue wait).
+_COMMON = {"scheduler", "nodes", "devices_per_node", "env", "token_file"}
+_COORDINATOR = {"addresses", "cert_file", "key_file", "tokens_file"}
+_FIELDS = {
+    "slurm": {"partition", "account", "time", "cluster", "gres", "cpus_per_task", "qos", "extra_sbatch"},
+    "tpu_vm": {"tpu", "zone", "project", "accelerator_type", "vm"},
+    "k8s": {"namespace", "image", "service_type", "storage", "storage_class", "resource", "node_selector"},
+    "local": set(),
+}
+_TOP = {"coordinator", "islands", "tls", "python", "repo", "island_port"}
+_TLS = ("ca_file", "client_cert_file", "client_key_file")
+
+
+class ClusterError(ValueError):
+    """A cluster description that cannot launch the config: the message names the field and what to do."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Placement:
+    """Where one role runs.
+
+    Attributes:
+      role: "coordinator" or the island's name.
+      scheduler: one of `SCHEDULERS`.
+      nodes: hosts (one process each); an island's `num_processes`.
+      devices_per_node: accelerator (or virtual CPU) devices each process uses; 0 for the coordinator.
+      fields: the scheduler's own fields as given (partition, zone, image, ...).
+      env: environment variables set for the role's processes.
+      token_file: an island's bearer-token file on its nodes ("" for none).
+    """
+
+    role: str
+    scheduler: str
+    nodes: int
+    devices_per_node: int
+    fields: Mapping[str, Any]
+    env: Mapping[str, str]
+    token_file: str = ""
+
+    def get(self, key: str, default: Any = "") -> Any:
+        return self.fields.get(key, default)
+
+
+@dataclasses.dataclass(frozen=True)
+class Cluster:
+    """A checked cluster description (`load`).
+
+    Attributes:
+      coordinator: its placement; `addresses` (HOST:PORT, one per coordinator process) in `coordinator.fields`.
+      islands: {name: placement}, in the config's island order.
+      tls: {ca_file, client_cert_file, client_key_file}: paths on the nodes, or {} for none.
+      python: the interpreter on the nodes.
+      repo: the checkout on the nodes, where commands run.
+      island_port: the port of each multi-process island's `jax.distributed` coordinator, on its process 0's host.
+    """
+
+    coordinator: Placement
+    islands: dict[str, Placement]
+    tls: Mapping[str, str]
+    python: str = "python3"
+    repo: str = "."
+    island_port: int = 8476
+
+    @property
+    def addresses(self) -> list[str]:
+        """Where islands reach the coordinator: HOST:PORT, one per coordinator process (one today)."""
+        return list(self.coordinator.get("addresses", []))
+
+    def placements(self) -> list[Placement]:
+        return [self.coordinator, *self.islands.values()]
+
+
+def tpu_topology(accelerator_type: str) -> tuple[int, int]:
+    """(JAX devices, hosts) of a Cloud TPU slice type: "v4-16" -> (8, 2); "v5p-8" -> (4, 1);
+    "v5litepod-16" -> (16, 4); "v6e-8" -> (8, 1).
+
+    v4 and v5p count TensorCores (two per chip; a chip is one JAX device, megacore); v5e ("v5litepod-N",
+    "v5e-N") and v6e count chips. Hosts hold 4 chips, except single-host v5e/v6e slices of up to 8 chips.
+
+    Raises:
+      ClusterError: a type not of these generations, or a size that is not a whole number of chips.
+    """
+    m = re.fullmatch(r"(v4|v5p|v5litepod|v5e|v6e)-(\d+)", accelerator_type.strip())
+    if not m:
+        raise ClusterError(f"accelerator_type is {accelerator_type!r}; give a Cloud TPU type such as v4-16, v5p-8, "
+                           "v5litepod-16 or v6e-8")
+    generation, size = m.group(1), int(m.group(2))
+    if generation in ("v4", "v5p"):
+        if size < 2 or size % 2:
+            raise ClusterError(f"accelerator_type {accelerator_type!r}: {generation} counts TensorCores, two per "
+                               "chip; use an even size such as 8 or 16")
+        chips = size // 2
+        return chips, max(1, -(-chips // 4))
+    if size < 1:
+        raise ClusterError(f"accelerator_type {accelerator_type!r} has no chips")
+    return size, 1 if size <= 8 else -(-size // 4)
+
+
+def _require(ok: bool, message: str) -> None:
+    if not ok:
+        raise ClusterError(message)
+
+
+def _positive_int(value: Any, field: str) -> int:
+    _require(isinstance(value, int) and not isinstance(value, bool) and value >= 1,
+             f"{field} is {value!r}; give a whole number of at least 1")
+    return value
+
+
+def _placement(role: str, raw: Any, field: str, defaults: Mapping[str, Any]) -> Placement:
+    _require(isinstance(raw, dict), f"{field} is {raw!r}; give a mapping with at least `scheduler`")
+    scheduler = raw.get("scheduler", defaults.get("scheduler"))
+    _require(scheduler in SCHEDULERS, f"{field}.scheduler is {scheduler!r}; use one of {', '.join(SCHEDULERS)}")
+    allowed = _COMMON | _FIELDS[scheduler] | (_COORDINATOR if role == "coordinator" else set())
+    unknown = sorted(set(raw) - allowed)
+    _require(not unknown, f"{field} has {', '.join(unknown)}, which scheduler {scheduler} does not take; its fields "
+                          f"are {', '.join(sorted(allowed))}")
+    env = raw.get("env", {}) or {}
+    _require(isinstance(env, dict) and all(isinstance(k, str) for k in env),
+             f"{field}.env is {env!r}; give a mapping of variable names to values")
+    for key in ("token_file", "cert_file", "key_file", "tokens_file"):
+        _require(isinstance(raw.get(key, ""), str), f"{field}.{key} is {raw.get(key)!r}; give a path on the nodes")
+    fields = {k: v for k, v in raw.items() if k not in _COMMON}
+    return Placement(role, scheduler, _positive_int(raw.get("nodes", 1), f"{field}.nodes"),
+                     int(raw.get("devices_per_node", 0) or 0), fields, {k: str(v) for k, v in env.items()},
+                     raw.get("token_file", ""))
+
+
+def _check_island(config, name: str, p: Placement) -> Placement:
+    """The island's hosts and devices against `islands.NAME` of the config; fills devices_per_node."""
+    isl = config.islands[name]
+    field = f"islands.{name}"
+    if p.scheduler == "tpu_vm":
+        _require(p.get("accelerator_type"), f"{field}.accelerator_type is missing; give the TPU slice's type "
+                                            "(e.g. v5litepod-16), from which its hosts and chips follow")
+        devices, hosts = tpu_topology(p.get("accelerator_type"))
+        _require("nodes" not in p.fields, f"{field}.nodes is not taken on a TPU VM; accelerator_type sets the hosts")
+        _require(isl.num_devices == devices,
+                 f"islands.{name}.num_devices is {isl.num_devices} but {field}.accelerator_type "
+                 f"{p.get('accelerator_type')} has {devices} devices (chips); set --config.islands.{name}.num_devices="
+                 f"{devices} with a mesh of that size, or choose a slice of {isl.num_devices} chips")
+        _require(isl.num_processes == hosts,
+                 f"islands.{name}.num_processes is {isl.num_processes} but {field}.accelerator_type "
+                 f"{p.get('accelerator_type')} has {hosts} host(s), one process each; set "
+                 f"--config.islands.{name}.num_processes={hosts}")
+        for key in ("tpu", "zone"):
+            _require(p.get(key), f"{field}.{key} is missing; give the TPU VM's {'name' if key == 'tpu' else key}")
+        return dataclasses.replace(p, nodes=hosts, devices_per_node=devices // hosts)
+    per_node = p.devices_per_node or isl.num_devices // max(1, p.nodes)
+    _require(p.nodes == isl.num_processes,
+             f"{field}.nodes is {p.nodes} but islands.{name}.num_processes is {isl.num_processes}; one process runs "
+             f"per node, so set --config.islands.{name}.num_processes={p.nodes} or nodes: {isl.num_processes}")
+    _require(per_node * p.nodes == isl.num_devices,
+             f"{field}: {p.nodes} node(s) x devices_per_node {per_node} = {per_node * p.nodes} devices, but "
+             f"islands.{name}.num_devices is {isl.num_devices}; set --config.islands.{name}.num_devices="
+             f"{per_node * p.nodes} (and its mesh) or devices_per_node: {isl.num_devices // p.nodes}")
+    dpp = isl.get("devices_per_process", 0)
+    _require(not dpp or dpp == per_node,
+             f"islands.{name}.devices_per_process is {dpp} but {field}.devices_per_node is {per_node}; make them equal")
+    if p.scheduler == "k8s":
+        _require(p.get("image"), f"{field}.image is missing; give the container image with island_jax installed")
+    return dataclasses.replace(p, devices_per_node=per_node)
+
+
+def check(config, raw: Mapping[str, Any]) -> Cluster:
+    """A parsed description (`raw`, e.g. from YAML) checked against the run's `config`.
+
+    Raises:
+      ClusterError: naming the first wrong field: an unknown key or scheduler, an island missing from one side,
+        hosts or devices that do not match the island's `num_processes`/`num_devices`, a TPU type whose chips or
+        hosts do not, a missing coordinator address, or a field its scheduler needs.
+    """
+    from island_jax import config as config_lib
+
+    _require(isinstance(raw, dict), "the cluster description is not a mapping; see island_jax/cluster.py's docstring")
+    unknown = sorted(set(raw) - _TOP)
+    _require(not unknown, f"the cluster description has {', '.join(unknown)}; its sections are {', '.join(sorted(_TOP))}")
+    try:
+        config_lib.validate(config)
+    except config_lib.ConfigError as e:
+        raise ClusterError(str(e)) from None
+    coordinator = _placement("coordinator", raw.get("coordinator"), "coordinator", {})
+    addresses = coordinator.get("addresses", [])
+    if isinstance(addresses, str):
+        addresses = [addresses]
+    _require(isinstance(addresses, list) and len(addresses) >= 1,
+             "coordinator.addresses is missing; give [HOST:PORT] where islands reach the coordinator (HOST may be "
+             "'auto' under slurm when the coordinator runs in the islands' job)")
+    _require(len(addresses) == 1, f"coordinator.addresses lists {len(addresses)}; the coordinator is one process "
+                                  "today, so give one HOST:PORT")
+    for a in addresses:
+        host, _, port = str(a).rpartition(":")
+        _require(bool(host) and port.isdigit() and 0 < int(port) < 65536,
+                 f"coordinator.addresses has {a!r}; give HOST:PORT with a port from 1 to 65535")
+    _require(coordinator.nodes == 1, f"coordinator.nodes is {coordinator.nodes}; the coordinator is one process")
+    coordinator = dataclasses.replace(coordinator, fields={**coordinator.fields, "addresses": [str(a) for a in addresses]})
+    raw_islands = raw.get("islands") or {}
+    _require(isinstance(raw_islands, dict), "islands is not a mapping of island names to placements")
+    names = list(config.islands)
+    missing = [n for n in names if n not in raw_islands]
+    _require(not missing, f"islands.{missing[0] if missing else ''} is missing from the cluster description; place "
+                          f"every island of the config ({', '.join(names)})")
+    extra = [n for n in raw_islands if n not in config.islands]
+    _require(not extra, f"islands.{extra[0] if extra else ''} is not an island of the config ({', '.join(names)})")
+    islands = {n: _check_island(config, n, _placement(n, raw_islands[n], f"islands.{n}", {})) for n in names}
+    tls = raw.get("tls") or {}
+    _require(isinstance(tls, dict) and set(tls) <= set(_TLS),
+             f"tls is {tls!r}; give paths for {', '.join(_TLS)}")
+    for key in ("python", "repo"):
+        _require(isinstance(raw.get(key, "x"), str) and raw.get(key, "x"), f"{key} is {raw.get(key)!r}; give a path")
+    port = raw.get("island_port", 8476)
+    _require(isinstance(port, int) and 0 < port < 65536, f"island_port is {port!r}; give a port from 1 to 65535")
+    if coordinator.scheduler != "slurm" or any(i.scheduler != "slurm" for i in islands.values()):
+        _require(not any(a.startswith("auto:") for a in addresses),
+                 "coordinator.addresses uses 'auto', which only a coordinator in the islands' own SLURM job can "
+                 "resolve; give the coordinator's reachable HOST:PORT")
+    return Cluster(coordinator, islands, dict(tls), raw.get("python", "python3"), raw.get("repo", "."), port)
+
+
+def load(path: str, config) -> Cluster:
+    """The cluster description in the YAML file `path`, checked against `config` (`check`).
+
+    Raises:
+      ClusterError: a missing or unreadable file, YAML that does not parse, or any error of `check`.
+    """
+    import yaml
+
+    try:
+        with open(path, encoding="utf-8") as f:
+            raw = yaml.safe_load(f)
+    except FileNotFoundError:
+        raise ClusterError(f"--cluster={path}: no such file; write the cluster description there "
+                           "(docs/launch.md shows one)") from None
+    except yaml.YAMLError as e:
+        raise ClusterError(f"--cluster={path} is not valid YAML: {e}") from None
+    try:
+        return check(config, raw)
+    except ClusterError as e:
+        raise ClusterError(f"--cluster={path}: {e}") from None
+
+
+@dataclasses.dataclass(frozen=True)
+class Command:
+    """One process's command line, with the parts only its node knows left as shell expressions.
+
+    `args` are literal; `expansions` are (flag, shell expression) pairs, e.g. ("--process_id", "$SLURM_PROCID"),
+    which `shell` renders inside double quotes so that the node's shell expands them.
+    """
+
+    args: tuple[str, ...]
+    expansions: tuple[tuple[str, str], ...] = ()
+
+    def shell(self) -> str:
+        """The command as one line of POSIX shell."""
+        return " ".join([*(shlex.quote(a) for a in self.args),
+                         *(f'{flag}="{expr}"' for flag, expr in self.expansions)])
+
+    def argv(self, substitute: Mapping[str, str] | None = None) -> list[str]:
+        """The command as an argument list, each expansion written `FLAG=EXPR` (Kubernetes expands `$(VAR)`
+        in container args itself), or `substitute[EXPR]` where given."""
+        return [*self.args, *(f"{flag}={(substitute or {}).get(expr, expr)}" for flag, expr in self.expansions)]
+
+
+def config_args(config_file: str, overrides: Sequence[str]) -> list[str]:
+    """`--config=FILE` and the run's `--config.a.b=v` overrides, as every role gets them (the same on all)."""
+    return [f"--config={config_file}", *overrides]
+
+
+def role_command(cluster: Cluster, role: str, config_args_: Sequence[str], workdir: str, coordinator: str, *,
+                 process_id: str | None = None, island_coordinator: str | None = None,
+                 credentials: Mapping[str, str] | None = None) -> Command:
+    """The `experiments/train.py` command of one process of `role` ("coordinator" or an island's name).
+
+    Args:
+      cluster: the description (interpreter, TLS paths, token files).
+      role: "coordinator" or an island's name.
+      config_args_: `config_args(...)`, the same for every role.
+      workdir: the run's folder as the nodes see it.
+      coordinator: HOST:PORT where the coordinator listens (its own command) or where islands reach it; may hold
+        a shell expression such as `$IJ_COORDINATOR`.
+      process_id, island_coordinator: for a process of an island of several: shell expressions (or literals)
+        of its index and of its process 0's HOST:PORT.
+      credentials: paths to use instead of the description's (k8s mounts them elsewhere): keys of `tls` and
+        `cert_file`, `key_file`, `tokens_file`, `token_file`.
+
+    Returns:
+      A `Command`; literal parts in `args`, node-side expressions in `expansions`.
+    """
+    paths = {**cluster.tls, "cert_file": cluster.coordinator.get("cert_file"),
+             "key_file": cluster.coordinator.get("key_file"), "tokens_file": cluster.coordinator.get("tokens_file"),
+             "token_file": cluster.islands[role].token_file if role in cluster.islands else ""}
+    paths.update(credentials or {})
+    args = [cluster.python, "-u", "experiments/train.py", *config_args_, f"--workdir={workdir}"]
+    tls = [f"--config.comm.tls.{k}={paths[k]}" for k in _TLS if paths.get(k)]
+    expansions = []
+    address = [("--coordinator", coordinator)] if "$" in coordinator else []
+    if not address:
+        args.append(f"--coordinator={coordinator}")
+    if role == "coordinator":
+        args += ["--role=coordinator", *tls]
+        if paths.get("cert_file"):
+            args += [f"--config.comm.tls.cert_file={paths['cert_file']}", f"--config.comm.tls.key_file={paths['key_file']}",
+                     *(["--config.comm.tls.require_client_cert=True"] if paths.get("client_cert_file") else [])]
+        if paths.get("tokens_file"):
+            args.append(f"--config.comm.auth.tokens_file={paths['tokens_file']}")
+    else:
+        args += ["--role=island", f"--island={role}", *tls]
+        if paths.get("token_file"):
+            args.append(f"--config.comm.auth.token_file={paths['token_file']}")
+    expansions += address
+    for flag, value in (("--process_id", process_id), ("--island_coordinator", island_coordinator)):
+        if value is None:
+            continue
+        if "$" in str(value):
+            expansions.append((flag, str(value)))
+        else:
+            args.append(f"{flag}={value}")
+    return Command(tuple(args), tuple(expansions))
+
+
+def shared_path(path: str, repo: str) -> str:
+    """`path` as the nodes see it: absolute paths as given, relative ones under the checkout `repo`."""
+    return path if os.path.isabs(path) else os.path.join(repo, path)

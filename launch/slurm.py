@@ -1,0 +1,203 @@
+"""Renders (and submits) the SLURM batch scripts of a run from its config and a cluster description.
+
+  python launch/slurm.py --config=experiments/configs/two_islands.py --cluster=cluster.yaml \
+      --workdir=/shared/runs/two_islands --dry_run
+
+prints the scripts; without `--dry_run` it writes them to WORKDIR/launch/ and submits them with `sbatch`.
+Every role placed on SLURM (`scheduler: slurm` in the description, island_jax/cluster.py) becomes one component
+of a heterogeneous job when the roles share a cluster (the same `cluster` field, or none), and a job of its own
+otherwise (islands on different clusters: one job per cluster). Roles placed elsewhere (a TPU VM, Kubernetes)
+are left to their own launcher, and the script says so.
+
+In each job every task runs `experiments/train.py --role=...` with the same config and overrides, and every
+process of an island of several gets `--process_id=$SLURM_PROCID` and `--island_coordinator` (its process 0's
+host and `island_port`) explicitly, so that `jax.distributed` does not detect SLURM itself (which would bind
+each process to the one GPU of its `SLURM_LOCALID`; island_jax/distributed.py). The coordinator listens on
+every address of its node at the port of `coordinator.addresses`; islands in its job reach it by the node's
+name (`auto:PORT`, resolved from the job's environment), others by the address given. TLS files and tokens go by
+path; no secret is written into a script. The job ends when every role has; the first role to fail stops the
+others and fails the job. A job that holds every role then writes the run's summary.json.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+from absl import app, flags
+from ml_collections import config_flags
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+from island_jax import cluster as cluster_lib  # noqa: E402
+
+_CONFIG = config_flags.DEFINE_config_file("config", None, "Path to an experiment config (a get_config() file).", lock_config=True)
+_CLUSTER = flags.DEFINE_string("cluster", None, "The cluster description, a YAML file (island_jax/cluster.py).")
+_WORKDIR = flags.DEFINE_string("workdir", None, "The run's folder, as the nodes see it (a shared filesystem).")
+_DRY_RUN = flags.DEFINE_bool("dry_run", False, "Print the scripts; write and submit nothing.")
+_SBATCH = flags.DEFINE_string("sbatch", "sbatch", "The sbatch command (its path, or a wrapper).")
+flags.mark_flags_as_required(["config", "cluster", "workdir"])
+
+GPUS = ("a100", "h100", "h200", "b200")  # hardware kinds (island_jax/hardware.py) asked for as `--gres=gpu:N`
+
+
+def _directives(p: cluster_lib.Placement, hardware: str) -> list[str]:
+    """The #SBATCH lines of one component: nodes, one task per node, and the scheduler fields given."""
+    lines = [f"--nodes={p.nodes}", f"--ntasks={p.nodes}", "--ntasks-per-node=1"]
+    for key, flag in (("partition", "partition"), ("account", "account"), ("time", "time"), ("qos", "qos"),
+                      ("cpus_per_task", "cpus-per-task")):
+        if p.get(key):
+            lines.append(f"--{flag}={p.get(key)}")
+    gres = p.get("gres") or (f"gpu:{p.devices_per_node}" if hardware in GPUS else "")
+    if gres:
+        lines.append(f"--gres={gres}")
+    return lines + [str(x) for x in (p.get("extra_sbatch") or [])]
+
+
+def _env_name(role: str) -> str:
+    return "IJ_ISLAND_" + re.sub(r"[^A-Za-z0-9]", "_", role).upper()
+
+
+def _groups(cluster: cluster_lib.Cluster) -> dict[str, list[cluster_lib.Placement]]:
+    """SLURM placements by cluster name ("" for the default one), the coordinator's group first."""
+    groups: dict[str, list[cluster_lib.Placement]] = {}
+    for p in cluster.placements():
+        if p.scheduler == "slurm":
+            groups.setdefault(str(p.get("cluster", "")), []).append(p)
+    return groups
+
+
+def render(config, cluster: cluster_lib.Cluster, config_args: list[str], workdir: str) -> dict[str, str]:
+    """{script name: sbatch script} for every SLURM job of the run.
+
+    Args:
+      config: the run's config (checked with `cluster`).
+      cluster: the description (`cluster_lib.load`).
+      config_args: `--config=FILE` and the overrides, the same for every role (`cluster_lib.config_args`).
+      workdir: the run's folder as the nodes see it.
+
+    Raises:
+      cluster_lib.ClusterError: `coordinator.addresses` is `auto:PORT` but an island is not in the
+        coordinator's SLURM job, or no role is placed on SLURM.
+    """
+    groups = _groups(cluster)
+    if not groups:
+        raise cluster_lib.ClusterError("no role of the cluster description has scheduler: slurm; nothing to render")
+    address = cluster.addresses[0]
+    host, port = address.rsplit(":", 1)
+    coordinator_group = next((g for g, ps in groups.items() if cluster.coordinator in ps), None)
+    if host == "auto":
+        away = [n for n, p in cluster.islands.items()
+                if coordinator_group is None or p not in groups.get(coordinator_group, [])]
+        if away:
+            raise cluster_lib.ClusterError(
+                f"coordinator.addresses is {address}, resolved inside the coordinator's SLURM job, but island "
+                f"{away[0]} runs elsewhere; give the coordinator's reachable HOST:PORT")
+    scripts = {}
+    for group, placements in groups.items():
+        name = f"slurm-{group or 'job'}.sbatch"
+        scripts[name] = _script(config, cluster, config_args, workdir, placements, host, port, group)
+    return scripts
+
+
+def _script(config, cluster, config_args, workdir, placements, host, port, group) -> str:
+    others = [p.role for p in cluster.placements() if p not in placements]
+    lines = ["#!/bin/bash", f"# island_jax: {', '.join(p.role for p in placements)}"
+             + (f" on cluster {group}" if group else "") + ", rendered by launch/slurm.py"]
+    if others:
+        lines.append(f"# Not in this job (started by their own launcher or job): {', '.join(others)}")
+    lines.append(f"#SBATCH --job-name=island_jax-{os.path.basename(os.path.normpath(workdir))}")
+    lines.append(f"#SBATCH --output={cluster_lib.shared_path(os.path.join(workdir, 'launch', 'slurm-%j.out'), cluster.repo)}")
+    if group:
+        lines.append(f"#SBATCH --clusters={group}")
+    for k, p in enumerate(placements):
+        if k:
+            lines.append("#SBATCH hetjob")
+        hardware = "cpu" if p.role == "coordinator" else config.islands[p.role].hardware
+        lines += [f"#SBATCH {d}" for d in _directives(p, hardware)]
+    het = len(placements) > 1
+    nodelist = (lambda k: f"$SLURM_JOB_NODELIST_HET_GROUP_{k}") if het else (lambda k: "$SLURM_JOB_NODELIST")
+    first_host = lambda k: f'$(scontrol show hostnames "{nodelist(k)}" | head -n 1)'  # noqa: E731
+    lines += ["", "set -uo pipefail", f"cd {shlex.quote(cluster.repo)}", "export PYTHONUNBUFFERED=1", "start=$SECONDS"]
+    index = {p.role: k for k, p in enumerate(placements)}
+    if host == "auto":
+        lines.append(f'export IJ_COORDINATOR="{first_host(index["coordinator"])}:{port}"')
+        dial = "$IJ_COORDINATOR"
+    else:
+        dial = f"{host}:{port}"
+    for p in placements:
+        if p.role != "coordinator" and p.nodes > 1:
+            lines.append(f'export {_env_name(p.role)}="{first_host(index[p.role])}:{cluster.island_port}"')
+    lines += ["", "pids=()"]
+    for k, p in enumerate(placements):
+        if p.role == "coordinator":
+            command = cluster_lib.role_command(cluster, "coordinator", config_args, workdir, f"0.0.0.0:{port}")
+        else:
+            several = p.nodes > 1
+            command = cluster_lib.role_command(
+                cluster, p.role, config_args, workdir, dial,
+                process_id="$SLURM_PROCID" if several else None,
+                island_coordinator=f"${_env_name(p.role)}" if several else None)
+        env = " ".join(f"{k_}={shlex.quote(v)}" for k_, v in p.env.items())
+        inner = (f"env {env} " if env else "") + command.shell()
+        srun = ["srun", *([f"--het-group={k}"] if het else []), f"--nodes={p.nodes}", f"--ntasks={p.nodes}",
+                "--ntasks-per-node=1", f"--label", "bash", "-c", shlex.quote(inner)]
+        lines += [f"# {p.role}", " ".join(srun) + " &", "pids+=($!)"]
+    lines += [
+        "",
+        "# The job ends when every role has; the first role to fail stops the others.",
+        "status=0",
+        'while [ "${#pids[@]}" -gt 0 ]; do',
+        "  wait -n \"${pids[@]}\"",
+        "  rc=$?",
+        "  alive=()",
+        '  for pid in "${pids[@]}"; do kill -0 "$pid" 2>/dev/null && alive+=("$pid"); done',
+        '  pids=("${alive[@]}")',
+        '  if [ "$rc" -ne 0 ]; then',
+        '    echo "island_jax: a role exited with status $rc; stopping the others" >&2',
+        '    for pid in "${pids[@]}"; do kill "$pid" 2>/dev/null; done',
+        '    wait',
+        "    exit $rc",
+        "  fi",
+        "done",
+    ]
+    if len(placements) == len(cluster.placements()):  # every role ran here: the run's summary
+        summarize = [cluster.python, "-u", "launch/summarize.py", *config_args, f"--workdir={workdir}"]
+        lines.append(" ".join(shlex.quote(a) for a in summarize) + ' --wall_seconds="$((SECONDS - start))"')
+    return "\n".join(lines) + "\n"
+
+
+def main(argv):
+    del argv
+    config, workdir = _CONFIG.value, _WORKDIR.value
+    try:
+        cluster = cluster_lib.load(_CLUSTER.value, config)
+        config_args = [a for a in sys.argv[1:] if a.startswith("--config")]
+        scripts = render(config, cluster, config_args, workdir)
+    except cluster_lib.ClusterError as e:
+        sys.exit(str(e))
+    if _DRY_RUN.value:
+        for name, text in scripts.items():
+            print(f"# ---- {name}\n{text}")
+        return
+    folder = os.path.join(workdir, "launch")
+    os.makedirs(folder, exist_ok=True)
+    for name, text in scripts.items():
+        path = os.path.join(folder, name)
+        with open(path, "w", encoding="utf-8") as f:
+            f.write(text)
+        done = subprocess.run([*shlex.split(_SBATCH.value), "--parsable", path], capture_output=True, text=True)
+        if done.returncode:
+            sys.exit(f"{_SBATCH.value} {path} failed ({done.returncode}): {done.stderr.strip()}")
+        print(f"[slurm] submitted {path}: job {done.stdout.strip()}", flush=True)
+
+
+if __name__ == "__main__":
+    from island_jax.cli import parse_flags
+
+    app.run(main, flags_parser=parse_flags)
