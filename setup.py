@@ -53,6 +53,8 @@ setup(
         "pyarrow>=17,<27",
         "array-record>=0.8,<0.9",
         "tqdm>=4.66,<5",
+        # island_jax/cluster.py reads the cluster description (--cluster=FILE); launch/k8s.py writes manifests
+        "PyYAML>=6,<7",
     ],
     extras_require={
         # tensorboard: its own event reader checks the event files the runs write;
@@ -60,11 +62,12 @@ setup(
         # filelock: the tests' shared JAX compilation cache is written under a file lock (tests/conftest.py);
         # pytest-xdist: the suite runs on one worker per CPU (pyproject.toml's addopts);
         # ruff: tests/test_lint.py runs the checks configured in pyproject.toml;
+        # kubernetes-validate: tests/test_k8s.py checks launch/k8s.py's manifests against the Kubernetes API schemas;
         # and everything of `notebook` (tests/test_experiment.py and tests/test_notebook.py) and of `wandb`
         # (tests/test_metrics.py writes an offline W&B run).
         "test": [
             "pytest>=8,<10", "pytest-xdist>=3.6,<4", "tensorboard>=2.20,<3", "grpcio-tools==1.85.1", "filelock>=3.12,<5",
-            "ruff>=0.17.6,<0.18", *NOTEBOOK, *WANDB,
+            "ruff>=0.17.6,<0.18", "kubernetes-validate==1.37.0", *NOTEBOOK, *WANDB,
         ],
         "wandb": WANDB,
         "notebook": NOTEBOOK,

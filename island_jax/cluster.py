@@ -40,10 +40,11 @@ _COMMON = {"scheduler", "nodes", "devices_per_node", "env", "token_file"}
 _COORDINATOR = {"addresses", "cert_file", "key_file", "tokens_file"}
 _FIELDS = {
     "slurm": {"partition", "account", "time", "cluster", "gres", "cpus_per_task", "qos", "extra_sbatch"},
-    "tpu_vm": {"tpu", "zone", "project", "accelerator_type", "vm"},
+    "tpu_vm": {"zone", "project", "ssh_flags"},  # and, by role, those of _TPU_VM
     "k8s": {"namespace", "image", "service_type", "storage", "storage_class", "resource", "node_selector"},
     "local": set(),
 }
+_TPU_VM = {"coordinator": {"vm"}, "island": {"tpu", "accelerator_type"}}  # a CPU VM; a TPU slice
 _TOP = {"coordinator", "islands", "tls", "python", "repo", "island_port"}
 _TLS = ("ca_file", "client_cert_file", "client_key_file")
 
@@ -148,13 +149,24 @@ def _placement(role: str, raw: Any, field: str, defaults: Mapping[str, Any]) -> 
     _require(isinstance(raw, dict), f"{field} is {raw!r}; give a mapping with at least `scheduler`")
     scheduler = raw.get("scheduler", defaults.get("scheduler"))
     _require(scheduler in SCHEDULERS, f"{field}.scheduler is {scheduler!r}; use one of {', '.join(SCHEDULERS)}")
-    allowed = _COMMON | _FIELDS[scheduler] | (_COORDINATOR if role == "coordinator" else set())
+    kind = "coordinator" if role == "coordinator" else "island"
+    allowed = _COMMON | _FIELDS[scheduler] | (_COORDINATOR if kind == "coordinator" else set())
+    if scheduler == "tpu_vm":  # the slice's type sets an island's hosts and devices
+        allowed = (allowed - {"nodes", "devices_per_node"}) | _TPU_VM[kind]
     unknown = sorted(set(raw) - allowed)
-    _require(not unknown, f"{field} has {', '.join(unknown)}, which scheduler {scheduler} does not take; its fields "
-                          f"are {', '.join(sorted(allowed))}")
+    _require(not unknown, f"{field} has {', '.join(unknown)}, which scheduler {scheduler} does not take here; its "
+                          f"fields are {', '.join(sorted(allowed))}")
     env = raw.get("env", {}) or {}
-    _require(isinstance(env, dict) and all(isinstance(k, str) for k in env),
-             f"{field}.env is {env!r}; give a mapping of variable names to values")
+    _require(isinstance(env, dict) and all(isinstance(k, str) and re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", k)
+                                           for k in env),
+             f"{field}.env is {env!r}; give a mapping of environment variable names ([A-Za-z_][A-Za-z0-9_]*) to values")
+    flags_ = raw.get("ssh_flags", [])
+    _require(isinstance(flags_, list) and all(isinstance(f, str) for f in flags_),
+             f"{field}.ssh_flags is {flags_!r}; give a list of gcloud flags, e.g. [--internal-ip]")
+    if scheduler == "tpu_vm" and kind == "coordinator":
+        for key in ("vm", "zone"):
+            _require(raw.get(key), f"{field}.{key} is missing; give the coordinator's CPU VM "
+                                   f"{'name' if key == 'vm' else key}")
     for key in ("token_file", "cert_file", "key_file", "tokens_file"):
         _require(isinstance(raw.get(key, ""), str), f"{field}.{key} is {raw.get(key)!r}; give a path on the nodes")
     fields = {k: v for k, v in raw.items() if k not in _COMMON}
@@ -171,7 +183,6 @@ def _check_island(config, name: str, p: Placement) -> Placement:
         _require(p.get("accelerator_type"), f"{field}.accelerator_type is missing; give the TPU slice's type "
                                             "(e.g. v5litepod-16), from which its hosts and chips follow")
         devices, hosts = tpu_topology(p.get("accelerator_type"))
-        _require("nodes" not in p.fields, f"{field}.nodes is not taken on a TPU VM; accelerator_type sets the hosts")
         _require(isl.num_devices == devices,
                  f"islands.{name}.num_devices is {isl.num_devices} but {field}.accelerator_type "
                  f"{p.get('accelerator_type')} has {devices} devices (chips); set --config.islands.{name}.num_devices="
@@ -287,10 +298,13 @@ class Command:
     args: tuple[str, ...]
     expansions: tuple[tuple[str, str], ...] = ()
 
-    def shell(self) -> str:
-        """The command as one line of POSIX shell."""
+    def shell(self, substitute: Mapping[str, str] | None = None) -> str:
+        """The command as one line of POSIX shell, each expansion `FLAG="EXPR"` for the node's shell, or
+        `substitute[EXPR]` (quoted as a literal) where given."""
+        substitute = substitute or {}
         return " ".join([*(shlex.quote(a) for a in self.args),
-                         *(f'{flag}="{expr}"' for flag, expr in self.expansions)])
+                         *(shlex.quote(f"{flag}={substitute[expr]}") if expr in substitute else f'{flag}="{expr}"'
+                           for flag, expr in self.expansions)])
 
     def argv(self, substitute: Mapping[str, str] | None = None) -> list[str]:
         """The command as an argument list, each expansion written `FLAG=EXPR` (Kubernetes expands `$(VAR)`
@@ -298,9 +312,20 @@ class Command:
         return [*self.args, *(f"{flag}={(substitute or {}).get(expr, expr)}" for flag, expr in self.expansions)]
 
 
-def config_args(config_file: str, overrides: Sequence[str]) -> list[str]:
-    """`--config=FILE` and the run's `--config.a.b=v` overrides, as every role gets them (the same on all)."""
-    return [f"--config={config_file}", *overrides]
+def config_args(argv: Sequence[str]) -> list[str]:
+    """The `--config` and `--config.a.b=v` items of a launcher's command line, which every role gets the same:
+    each as one `--flag=value` item (`--config FILE` and `--config.a.b VALUE` joined), in their order."""
+    found, k = [], 0
+    while k < len(argv):
+        arg = argv[k]
+        k += 1
+        if arg != "--config" and not arg.startswith(("--config=", "--config.")):
+            continue
+        if "=" not in arg and k < len(argv) and (arg == "--config" or not argv[k].startswith("-")):
+            arg = f"{arg}={argv[k]}"
+            k += 1
+        found.append(arg)
+    return found
 
 
 def role_command(cluster: Cluster, role: str, config_args_: Sequence[str], workdir: str, coordinator: str, *,
@@ -358,3 +383,22 @@ def role_command(cluster: Cluster, role: str, config_args_: Sequence[str], workd
 def shared_path(path: str, repo: str) -> str:
     """`path` as the nodes see it: absolute paths as given, relative ones under the checkout `repo`."""
     return path if os.path.isabs(path) else os.path.join(repo, path)
+
+
+def define_flags(tool: str, tool_help: str, workdir_help: str, dry_run_help: str) -> dict:
+    """Defines the flags of a cluster launcher (launch/slurm.py, tpu_vm.py, k8s.py) and returns their holders:
+    {"config", "cluster", "workdir", "dry_run", tool}. Launchers call it only when run as a script, so that tests
+    can import several launchers, which share these flag names, into one process."""
+    from absl import flags
+    from ml_collections import config_flags
+
+    held = dict(
+        config=config_flags.DEFINE_config_file("config", None, "Path to an experiment config (a get_config() file).",
+                                               lock_config=True),
+        cluster=flags.DEFINE_string("cluster", None, "The cluster description, a YAML file (island_jax/cluster.py)."),
+        workdir=flags.DEFINE_string("workdir", None, workdir_help),
+        dry_run=flags.DEFINE_bool("dry_run", False, dry_run_help),
+    )
+    held[tool] = flags.DEFINE_string(tool, tool, tool_help)
+    flags.mark_flags_as_required(["config", "cluster", "workdir"])
+    return held

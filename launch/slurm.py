@@ -28,20 +28,14 @@ import subprocess
 import sys
 from pathlib import Path
 
-from absl import app, flags
-from ml_collections import config_flags
+from absl import app
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from island_jax import cluster as cluster_lib  # noqa: E402
 
-_CONFIG = config_flags.DEFINE_config_file("config", None, "Path to an experiment config (a get_config() file).", lock_config=True)
-_CLUSTER = flags.DEFINE_string("cluster", None, "The cluster description, a YAML file (island_jax/cluster.py).")
-_WORKDIR = flags.DEFINE_string("workdir", None, "The run's folder, as the nodes see it (a shared filesystem).")
-_DRY_RUN = flags.DEFINE_bool("dry_run", False, "Print the scripts; write and submit nothing.")
-_SBATCH = flags.DEFINE_string("sbatch", "sbatch", "The sbatch command (its path, or a wrapper).")
-flags.mark_flags_as_required(["config", "cluster", "workdir"])
+_FLAGS: dict = {}  # the command line's flags (`cluster_lib.define_flags`), defined only when run as a script
 
 GPUS = ("a100", "h100", "h200", "b200")  # hardware kinds (island_jax/hardware.py) asked for as `--gres=gpu:N`
 
@@ -122,8 +116,15 @@ def _script(config, cluster, config_args, workdir, placements, host, port, group
         lines += [f"#SBATCH {d}" for d in _directives(p, hardware)]
     het = len(placements) > 1
     nodelist = (lambda k: f"$SLURM_JOB_NODELIST_HET_GROUP_{k}") if het else (lambda k: "$SLURM_JOB_NODELIST")
-    first_host = lambda k: f'$(scontrol show hostnames "{nodelist(k)}" | head -n 1)'  # noqa: E731
-    lines += ["", "set -uo pipefail", f"cd {shlex.quote(cluster.repo)}", "export PYTHONUNBUFFERED=1", "start=$SECONDS"]
+    first_host = lambda k: f'$(ij_first_address "{nodelist(k)}")'  # noqa: E731
+    lines += [
+        "", "set -uo pipefail",
+        "# The address of a node list's first node: its NodeAddr (on most clusters, its name).",
+        "ij_first_address() {",
+        '  local node; node="$(scontrol show hostnames "$1" | head -n 1)"',
+        '  scontrol show node "$node" -o | tr " " "\\n" | sed -n "s/^NodeAddr=//p"',
+        "}",
+        f"cd {shlex.quote(cluster.repo)}", "export PYTHONUNBUFFERED=1", "start=$SECONDS"]
     index = {p.role: k for k, p in enumerate(placements)}
     if host == "auto":
         lines.append(f'export IJ_COORDINATOR="{first_host(index["coordinator"])}:{port}"')
@@ -146,7 +147,7 @@ def _script(config, cluster, config_args, workdir, placements, host, port, group
         env = " ".join(f"{k_}={shlex.quote(v)}" for k_, v in p.env.items())
         inner = (f"env {env} " if env else "") + command.shell()
         srun = ["srun", *([f"--het-group={k}"] if het else []), f"--nodes={p.nodes}", f"--ntasks={p.nodes}",
-                "--ntasks-per-node=1", f"--label", "bash", "-c", shlex.quote(inner)]
+                "--ntasks-per-node=1", "--label", "bash", "-c", shlex.quote(inner)]
         lines += [f"# {p.role}", " ".join(srun) + " &", "pids+=($!)"]
     lines += [
         "",
@@ -174,14 +175,14 @@ def _script(config, cluster, config_args, workdir, placements, host, port, group
 
 def main(argv):
     del argv
-    config, workdir = _CONFIG.value, _WORKDIR.value
+    config, workdir = _FLAGS["config"].value, _FLAGS["workdir"].value
     try:
-        cluster = cluster_lib.load(_CLUSTER.value, config)
-        config_args = [a for a in sys.argv[1:] if a.startswith("--config")]
+        cluster = cluster_lib.load(_FLAGS["cluster"].value, config)
+        config_args = cluster_lib.config_args(sys.argv[1:])
         scripts = render(config, cluster, config_args, workdir)
     except cluster_lib.ClusterError as e:
         sys.exit(str(e))
-    if _DRY_RUN.value:
+    if _FLAGS["dry_run"].value:
         for name, text in scripts.items():
             print(f"# ---- {name}\n{text}")
         return
@@ -191,13 +192,17 @@ def main(argv):
         path = os.path.join(folder, name)
         with open(path, "w", encoding="utf-8") as f:
             f.write(text)
-        done = subprocess.run([*shlex.split(_SBATCH.value), "--parsable", path], capture_output=True, text=True)
+        sbatch = _FLAGS["sbatch"].value
+        done = subprocess.run([*shlex.split(sbatch), "--parsable", path], capture_output=True, text=True)
         if done.returncode:
-            sys.exit(f"{_SBATCH.value} {path} failed ({done.returncode}): {done.stderr.strip()}")
+            sys.exit(f"{sbatch} {path} failed ({done.returncode}): {done.stderr.strip()}")
         print(f"[slurm] submitted {path}: job {done.stdout.strip()}", flush=True)
 
 
 if __name__ == "__main__":
     from island_jax.cli import parse_flags
 
+    _FLAGS.update(cluster_lib.define_flags(
+        "sbatch", "The sbatch command (its path, or a wrapper with its arguments, e.g. 'sbatch --wait').",
+        "The run's folder, as the nodes see it (a shared filesystem).", "Print the scripts; write and submit nothing."))
     app.run(main, flags_parser=parse_flags)

@@ -15,7 +15,6 @@ from island_jax.config import default_config, fingerprint_fields, island
 from island_jax.coordinator import ContributionHeader, FragmentedCoordinator
 from island_jax.outer import codec
 
-
 # A task of a SLURM job step of two nodes, one task each, as srun sets it up on the second node.
 SLURM_TASK = {"SLURM_JOB_ID": "4242", "SLURM_STEP_NODELIST": "gpu[001-002]", "SLURM_NTASKS": "2", "SLURM_PROCID": "1",
               "SLURM_LOCALID": "0", "SLURM_STEP_NUM_NODES": "2"}

@@ -1,0 +1,201 @@
+"""launch/slurm.py: the cluster description's checks, and the sbatch scripts rendered from it (no SLURM needed)."""
+
+import importlib.util
+import os
+import re
+import shlex
+import subprocess
+
+import pytest
+import yaml
+
+from island_jax import cluster as cluster_lib
+from island_jax.experiment import apply_override, load_config
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+_spec = importlib.util.spec_from_file_location("slurm_launcher", os.path.join(ROOT, "launch", "slurm.py"))
+slurm = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(slurm)
+
+# two_islands on GPUs: island a on 2 nodes x 4 GPUs, island b on 1 node x 8 GPUs
+OVERRIDES = {
+    "islands.a.num_processes": 2, "islands.a.num_devices": 8, "islands.a.mesh.data": 4, "islands.a.hardware": "h100",
+    "islands.b.num_devices": 8, "islands.b.mesh.data": 4, "islands.b.hardware": "h100", "islands.b.batch_size": 8,
+}
+CONFIG_ARGS = ["--config=experiments/configs/two_islands.py", *(f"--config.{k}={v}" for k, v in OVERRIDES.items())]
+
+
+def gpu_config():
+    config = load_config("experiments/configs/two_islands.py")
+    for key, value in OVERRIDES.items():
+        apply_override(config, key, value)
+    return config
+
+
+def description(**changes):
+    raw = {
+        "coordinator": {"scheduler": "slurm", "addresses": ["auto:50051"], "partition": "cpu",
+                        "cert_file": "/secrets/server.pem", "key_file": "/secrets/server.key",
+                        "tokens_file": "/secrets/tokens.json"},
+        "islands": {
+            "a": {"scheduler": "slurm", "nodes": 2, "devices_per_node": 4, "partition": "gpu", "account": "proj",
+                  "token_file": "/secrets/token_a"},
+            "b": {"scheduler": "slurm", "nodes": 1, "devices_per_node": 8, "partition": "gpu",
+                  "token_file": "/secrets/token_b"},
+        },
+        "tls": {"ca_file": "/secrets/ca.pem", "client_cert_file": "/secrets/client.pem",
+                "client_key_file": "/secrets/client.key"},
+        "repo": "/shared/island_jax",
+    }
+    for path, value in changes.items():
+        *parents, last = path.split(".")
+        node = raw
+        for p in parents:
+            node = node[p]
+        if value is None:
+            del node[last]
+        else:
+            node[last] = value
+    return raw
+
+
+def components(script: str) -> list[list[str]]:
+    """The #SBATCH lines of each heterogeneous-job component."""
+    parts = [[]]
+    for line in script.splitlines():
+        if line == "#SBATCH hetjob":
+            parts.append([])
+        elif line.startswith("#SBATCH --") and not line.startswith(("#SBATCH --job-name", "#SBATCH --output")):
+            parts[-1].append(line[len("#SBATCH "):])
+    return parts
+
+
+def srun_commands(script: str) -> dict[str, list[str]]:
+    """{role: the argv of `experiments/train.py` its srun starts}."""
+    found = {}
+    for role, line in re.findall(r"^# (\S+)\n(srun .*) &$", script, flags=re.M):
+        inner = shlex.split(line)[-1]  # bash -c '...'
+        found[role] = shlex.split(inner)
+    return found
+
+
+def test_one_component_per_role_with_nodes_tasks_and_gpus():
+    config = gpu_config()
+    cluster = cluster_lib.check(config, description())
+    (name, script), = slurm.render(config, cluster, CONFIG_ARGS, "/shared/runs/gpu").items()
+    assert name == "slurm-job.sbatch"
+    assert components(script) == [
+        ["--nodes=1", "--ntasks=1", "--ntasks-per-node=1", "--partition=cpu"],
+        ["--nodes=2", "--ntasks=2", "--ntasks-per-node=1", "--partition=gpu", "--account=proj", "--gres=gpu:4"],
+        ["--nodes=1", "--ntasks=1", "--ntasks-per-node=1", "--partition=gpu", "--gres=gpu:8"],
+    ]
+    assert re.findall(r"^srun (--het-group=\d) --nodes=(\d) --ntasks=(\d)", script, flags=re.M) == [
+        ("--het-group=0", "1", "1"), ("--het-group=1", "2", "2"), ("--het-group=2", "1", "1")]
+    subprocess.run(["bash", "-n"], input=script, text=True, check=True)
+
+
+def test_every_task_runs_train_py_with_the_same_config_and_overrides():
+    config = gpu_config()
+    script = slurm.render(config, cluster_lib.check(config, description()), CONFIG_ARGS, "/shared/runs/gpu")[
+        "slurm-job.sbatch"]
+    commands = srun_commands(script)
+    assert list(commands) == ["coordinator", "a", "b"]
+    for argv in commands.values():
+        assert argv[:3] == ["python3", "-u", "experiments/train.py"]
+        assert [a for a in argv if a.startswith("--config=") or re.match(r"--config\.islands\.", a)] == CONFIG_ARGS
+        assert "--workdir=/shared/runs/gpu" in argv
+    coordinator, a, b = commands["coordinator"], commands["a"], commands["b"]
+    assert "--coordinator=0.0.0.0:50051" in coordinator and "--role=coordinator" in coordinator
+    assert "--config.comm.auth.tokens_file=/secrets/tokens.json" in coordinator
+    assert "--config.comm.tls.cert_file=/secrets/server.pem" in coordinator
+    # island a, of two processes: index and island coordinator from the job, the run's coordinator by name
+    assert a[a.index("--role=island"):] == [
+        "--role=island", "--island=a", "--config.comm.tls.ca_file=/secrets/ca.pem",
+        "--config.comm.tls.client_cert_file=/secrets/client.pem",
+        "--config.comm.tls.client_key_file=/secrets/client.key", "--config.comm.auth.token_file=/secrets/token_a",
+        "--coordinator=$IJ_COORDINATOR", "--process_id=$SLURM_PROCID", "--island_coordinator=$IJ_ISLAND_A"]
+    assert b[b.index("--role=island"):][-2:] == ["--config.comm.auth.token_file=/secrets/token_b",
+                                                 "--coordinator=$IJ_COORDINATOR"]
+    assert 'export IJ_COORDINATOR="$(ij_first_address "$SLURM_JOB_NODELIST_HET_GROUP_0"):50051"' in script.splitlines()
+    assert 'export IJ_ISLAND_A="$(ij_first_address "$SLURM_JOB_NODELIST_HET_GROUP_1"):8476"' in script.splitlines()
+    assert script.splitlines()[-1].startswith("python3 -u launch/summarize.py --config=experiments/configs/two_islands.py")
+
+
+def test_islands_on_other_clusters_get_a_job_each_and_dial_the_given_address():
+    config = gpu_config()
+    raw = description(**{"coordinator.addresses": ["coord.example.org:50051"], "islands.b.cluster": "asia"})
+    scripts = slurm.render(config, cluster_lib.check(config, raw), CONFIG_ARGS, "/shared/runs/gpu")
+    assert list(scripts) == ["slurm-job.sbatch", "slurm-asia.sbatch"]
+    home, asia = scripts["slurm-job.sbatch"], scripts["slurm-asia.sbatch"]
+    assert [c[0] for c in components(home)] == ["--nodes=1", "--nodes=2"]
+    assert components(asia) == [["--clusters=asia", "--nodes=1", "--ntasks=1", "--ntasks-per-node=1",
+                                 "--partition=gpu", "--gres=gpu:8"]]
+    assert "srun --nodes=1 --ntasks=1" in asia and "--het-group" not in asia
+    assert "--coordinator=coord.example.org:50051" in srun_commands(asia)["b"]
+    assert "--coordinator=coord.example.org:50051" in srun_commands(home)["a"]
+    assert "summarize.py" not in home and "summarize.py" not in asia  # no job holds every role's folder
+    for script in scripts.values():
+        subprocess.run(["bash", "-n"], input=script, text=True, check=True)
+
+
+def test_auto_address_needs_every_island_in_the_coordinators_job():
+    config = gpu_config()
+    cluster = cluster_lib.check(config, description(**{"islands.b.cluster": "asia"}))
+    with pytest.raises(cluster_lib.ClusterError, match=r"island b runs elsewhere; give the coordinator's reachable"):
+        slurm.render(config, cluster, CONFIG_ARGS, "/w")
+
+
+@pytest.mark.parametrize("changes, message", [
+    ({"islands.a.devices_per_node": 8},
+     r"islands\.a: 2 node\(s\) x devices_per_node 8 = 16 devices, but islands\.a\.num_devices is 8"),
+    ({"islands.a.nodes": 1}, r"islands\.a\.nodes is 1 but islands\.a\.num_processes is 2"),
+    ({"islands.b": {"scheduler": "tpu_vm", "tpu": "t", "zone": "z", "accelerator_type": "v5litepod-16"}},
+     r"islands\.b\.num_devices is 8 but islands\.b\.accelerator_type v5litepod-16 has 16 devices"),
+    ({"islands.b": {"scheduler": "tpu_vm", "tpu": "t", "zone": "z", "accelerator_type": "v4-16"}},
+     r"islands\.b\.num_processes is 1 but islands\.b\.accelerator_type v4-16 has 2 host\(s\)"),
+    ({"islands.b": {"scheduler": "tpu_vm", "tpu": "t", "zone": "z", "accelerator_type": "v5e-8x"}},
+     r"accelerator_type is 'v5e-8x'; give a Cloud TPU type"),
+    ({"islands.b.partiton": "gpu"}, r"islands\.b has partiton, which scheduler slurm does not take"),
+    ({"islands.b": None}, r"islands\.b is missing from the cluster description"),
+    ({"islands.c": {"scheduler": "slurm"}}, r"islands\.c is not an island of the config \(a, b\)"),
+    ({"coordinator.scheduler": "pbs"}, r"coordinator\.scheduler is 'pbs'; use one of slurm, tpu_vm, k8s, local"),
+    ({"coordinator.addresses": ["coordinator"]}, r"coordinator\.addresses has 'coordinator'; give HOST:PORT"),
+    ({"coordinator.addresses": None}, r"coordinator\.addresses is missing"),
+    ({"islands.b.scheduler": "k8s"}, r"islands\.b has partition, which scheduler k8s does not take"),
+])
+def test_a_description_that_cannot_launch_the_config_fails_naming_the_field(changes, message):
+    with pytest.raises(cluster_lib.ClusterError, match=message):
+        cluster_lib.check(gpu_config(), description(**changes))
+
+
+def test_tpu_slice_types_count_tensorcores_on_v4_and_v5p_and_chips_on_v5e_and_v6e():
+    assert [cluster_lib.tpu_topology(t) for t in ("v4-8", "v4-16", "v5p-32", "v5litepod-8", "v5litepod-16",
+                                                   "v6e-4", "v6e-256")] == [
+        (4, 1), (8, 2), (16, 4), (8, 1), (16, 4), (4, 1), (256, 64)]
+
+
+def test_load_reads_yaml_and_names_the_file_in_errors(tmp_path):
+    path = tmp_path / "cluster.yaml"
+    path.write_text(yaml.safe_dump(description()))
+    cluster = cluster_lib.load(str(path), gpu_config())
+    assert (cluster.addresses, cluster.islands["a"].nodes, cluster.islands["b"].devices_per_node) == (
+        ["auto:50051"], 2, 8)
+    path.write_text("coordinator: [unclosed")
+    with pytest.raises(cluster_lib.ClusterError, match=rf"--cluster={re.escape(str(path))} is not valid YAML"):
+        cluster_lib.load(str(path), gpu_config())
+    with pytest.raises(cluster_lib.ClusterError, match=r"no such file; write the cluster description there"):
+        cluster_lib.load(str(tmp_path / "absent.yaml"), gpu_config())
+
+
+@pytest.mark.slow  # starts the launcher
+def test_the_dry_run_prints_the_script_and_a_bad_description_exits_with_its_error(tmp_path):
+    path = tmp_path / "cluster.yaml"
+    path.write_text(yaml.safe_dump(description()))
+    base = ["python", "launch/slurm.py", f"--cluster={path}", "--workdir=/shared/runs/gpu", *CONFIG_ARGS]
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    done = subprocess.run([*base, "--dry_run"], cwd=ROOT, capture_output=True, text=True, env=env)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.startswith("# ---- slurm-job.sbatch\n#!/bin/bash\n")
+    path.write_text(yaml.safe_dump(description(**{"islands.a.nodes": 3})))
+    done = subprocess.run([*base, "--dry_run"], cwd=ROOT, capture_output=True, text=True, env=env)
+    assert done.returncode == 1 and "islands.a.nodes is 3 but islands.a.num_processes is 2" in done.stderr

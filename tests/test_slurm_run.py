@@ -1,0 +1,79 @@
+"""A real SLURM run: launch/slurm.py submits the tiny two-island run to this machine's SLURM and it finishes.
+
+Needs a SLURM that accepts jobs (`sudo launch/slurm_single_node.sh` sets up a single node; `.ci/run` does so
+before the suite). Without one the test is skipped, and the skip says why.
+"""
+
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+
+import pytest
+import yaml
+from processes import CONFIG, ROOT, role_env
+
+from island_jax.comm import security
+
+pytestmark = pytest.mark.slow  # submits a job that starts processes
+
+NODES = 4  # the coordinator, island a's two processes, island b
+
+
+def _why_not() -> str | None:
+    """None when SLURM accepts jobs here, else why not."""
+    if shutil.which("sbatch") is None or shutil.which("sinfo") is None:
+        return "SLURM is not installed here (sbatch, sinfo); run: sudo launch/slurm_single_node.sh"
+    states = subprocess.run(["sinfo", "-h", "-N", "-o", "%T"], capture_output=True, text=True, timeout=60)
+    ready = [s for s in states.stdout.split() if s in ("idle", "mixed")]
+    if states.returncode or len(ready) < NODES:
+        return (f"SLURM has {len(ready)} node(s) that accept jobs, and the run needs {NODES} (sinfo: "
+                f"{' '.join(states.stdout.split()) or states.stderr.strip()}); run: sudo launch/slurm_single_node.sh")
+    return None
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("", 0))
+        return s.getsockname()[1]
+
+
+def test_the_tiny_run_submitted_to_slurm_finishes_with_checksums_agreeing(tmp_path, corpus):
+    reason = _why_not()
+    if reason:
+        pytest.skip(reason)
+    host = socket.gethostname()
+    secrets = security.make_run_credentials(str(tmp_path / "secrets"), ["a", "b"], [host, socket.getfqdn()])
+    description = {
+        "coordinator": {"scheduler": "slurm", "addresses": [f"auto:{_free_port()}"],
+                        "cert_file": secrets["cert_file"], "key_file": secrets["key_file"],
+                        "tokens_file": secrets["tokens_file"]},
+        # island a as 2 processes on 2 nodes (2 CPU devices each): --process_id and --island_coordinator from the job
+        "islands": {name: {"scheduler": "slurm", "nodes": nodes, "token_file": secrets["token_files"][name]}
+                    for name, nodes in (("a", 2), ("b", 1))},
+        "tls": {k: secrets[k] for k in ("ca_file", "client_cert_file", "client_key_file")},
+        "python": sys.executable,
+        "repo": ROOT,
+    }
+    (tmp_path / "cluster.yaml").write_text(yaml.safe_dump(description))
+    workdir = tmp_path / "run"
+    done = subprocess.run(
+        [sys.executable, os.path.join(ROOT, "launch", "slurm.py"), f"--config={CONFIG}",
+         f"--config.data.files={corpus}", "--config.islands.a.num_processes=2", f"--cluster={tmp_path / 'cluster.yaml'}", f"--workdir={workdir}",
+         "--sbatch=sbatch --wait"],
+        capture_output=True, text=True, env=role_env(), timeout=900,
+    )
+    logs = sorted((workdir / "launch").glob("slurm-*.out"))
+    log = logs[0].read_text() if logs else "(no job log)"
+    assert done.returncode == 0, f"{done.stdout}\n{done.stderr}\n{log[-4000:]}"
+    assert done.stdout.startswith("[slurm] submitted ") and len(logs) == 1
+    summary = json.loads((workdir / "summary.json").read_text())
+    assert (summary["rounds"], summary["checksums_agree"]) == (3, True)
+    assert [line for line in log.splitlines() if "[summarize] done in" in line][0].endswith(
+        f"global parameters agree: True; summary in {workdir / 'summary.json'}")
+    # each role wrote its own folder, and all three hold the same final global parameters
+    checksums = {role: json.loads((workdir / role / "summary.json").read_text())["checksum"]
+                 for role in ("coordinator", "islands/a", "islands/b")}
+    assert len(set(checksums.values())) == 1, checksums
