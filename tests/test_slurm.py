@@ -199,3 +199,37 @@ def test_the_dry_run_prints_the_script_and_a_bad_description_exits_with_its_erro
     path.write_text(yaml.safe_dump(description(**{"islands.a.nodes": 3})))
     done = subprocess.run([*base, "--dry_run"], cwd=ROOT, capture_output=True, text=True, env=env)
     assert done.returncode == 1 and "islands.a.nodes is 3 but islands.a.num_processes is 2" in done.stderr
+
+
+def test_two_clusters_island_a_under_slurm_and_island_b_on_a_tpu_vm_dial_one_coordinator():
+    """docs/launch.md's mixed case: each launcher renders only its own roles, with the same config and overrides."""
+    spec = importlib.util.spec_from_file_location("tpu_vm_launcher", os.path.join(ROOT, "launch", "tpu_vm.py"))
+    tpu_vm = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tpu_vm)
+    overrides = {**OVERRIDES, "islands.b.num_processes": 2, "islands.b.hardware": "tpu-v4"}
+    config_args = ["--config=experiments/configs/two_islands.py", *(f"--config.{k}={v}" for k, v in overrides.items())]
+    config = load_config("experiments/configs/two_islands.py")
+    for key, value in overrides.items():
+        apply_override(config, key, value)
+    raw = description(**{
+        "coordinator": {"scheduler": "tpu_vm", "vm": "coord-vm", "zone": "us-central1-a",
+                        "addresses": ["coord.example.org:50051"], "cert_file": "/secrets/server.pem",
+                        "key_file": "/secrets/server.key", "tokens_file": "/secrets/tokens.json"},
+        "islands.b": {"scheduler": "tpu_vm", "tpu": "island-b", "zone": "europe-west4-a", "accelerator_type": "v4-16",
+                      "token_file": "/secrets/token_b"}})
+    cluster = cluster_lib.check(config, raw)
+    (name, script), = slurm.render(config, cluster, config_args, "/shared/runs/x").items()
+    assert name == "slurm-job.sbatch" and "hetjob" not in script
+    assert "# Not in this job (started by their own launcher or job): coordinator, b" in script.splitlines()
+    assert components(script) == [["--nodes=2", "--ntasks=2", "--ntasks-per-node=1", "--partition=gpu",
+                                   "--account=proj", "--gres=gpu:4"]]
+    (a,) = srun_commands(script).values()
+    assert "--coordinator=coord.example.org:50051" in a and a[-2:] == [
+        "--process_id=$SLURM_PROCID", "--island_coordinator=$IJ_ISLAND_A"]
+    lines = tpu_vm.render(config, cluster, config_args, "/srv/runs/x")
+    starts = [line for line in lines if "experiments/train.py" in line]
+    assert len(starts) == 3  # the coordinator's VM and island b's two workers, nothing for island a
+    for line in starts:
+        assert all(f" {arg} " in line for arg in config_args), line
+    assert sum("--coordinator=coord.example.org:50051" in line for line in starts) == 2
+    subprocess.run(["bash", "-n"], input=script, text=True, check=True)
