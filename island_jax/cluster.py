@@ -37,9 +37,10 @@ SCHEDULERS = ("slurm", "tpu_vm", "k8s", "local")
 
 # Fields every role may have, then those of each scheduler; anything else is refused (a typo costs a queue wait).
 _COMMON = {"scheduler", "nodes", "devices_per_node", "env", "token_file"}
-_COORDINATOR = {"addresses", "cert_file", "key_file", "tokens_file"}
+_COORDINATOR = {"addresses", "cert_file", "key_file", "tokens_file", "server_name", "insecure"}
 _FIELDS = {
-    "slurm": {"partition", "account", "time", "cluster", "gres", "cpus_per_task", "qos", "extra_sbatch"},
+    "slurm": {"partition", "account", "time", "cluster", "gres", "cpus_per_task", "qos", "exclusive", "mem",
+              "extra_sbatch"},
     "tpu_vm": {"zone", "project", "ssh_flags"},  # and, by role, those of _TPU_VM
     "k8s": {"namespace", "image", "service_type", "storage", "storage_class", "resource", "node_selector"},
     "local": set(),
@@ -103,6 +104,22 @@ class Cluster:
     def addresses(self) -> list[str]:
         """Where islands reach the coordinator: HOST:PORT, one per coordinator process (one today)."""
         return list(self.coordinator.get("addresses", []))
+
+    @property
+    def host(self) -> str:
+        """The host of `addresses[0]` ("auto" when the coordinator's SLURM job resolves it; IPv6 unbracketed)."""
+        return self.addresses[0].rsplit(":", 1)[0].strip("[]")
+
+    @property
+    def port(self) -> int:
+        """The coordinator's port: where it listens (on every address of its node) and islands dial."""
+        return int(self.addresses[0].rsplit(":", 1)[1])
+
+    @property
+    def server_name(self) -> str:
+        """The name islands check the coordinator's certificate for: `coordinator.server_name`, or "" for the
+        host they dial."""
+        return str(self.coordinator.get("server_name", ""))
 
     def placements(self) -> list[Placement]:
         return [self.coordinator, *self.islands.values()]
@@ -169,10 +186,25 @@ def _placement(role: str, raw: Any, field: str, defaults: Mapping[str, Any]) -> 
                                    f"{'name' if key == 'vm' else key}")
     for key in ("token_file", "cert_file", "key_file", "tokens_file"):
         _require(isinstance(raw.get(key, ""), str), f"{field}.{key} is {raw.get(key)!r}; give a path on the nodes")
+    _require(all(isinstance(v, (str, int, float)) and not isinstance(v, bool) for v in env.values()),
+             f"{field}.env is {env!r}; give each variable a string or number")
+    for key in ("partition", "account", "time", "qos", "gres", "mem", "cluster", "zone", "project", "tpu", "vm",
+                "accelerator_type", "namespace", "image", "server_name"):
+        _require(isinstance(raw.get(key, ""), str),
+                 f"{field}.{key} is {raw.get(key)!r} ({type(raw.get(key)).__name__}); give a string"
+                 + ("; quote a time such as \"24:00:00\" (YAML reads it as a number of seconds)" if key == "time"
+                    else ""))
+    extra = raw.get("extra_sbatch", [])
+    _require(isinstance(extra, list) and all(isinstance(x, str) for x in extra),
+             f"{field}.extra_sbatch is {extra!r}; give a list of sbatch options, e.g. [--constraint=h100]")
+    for key in ("exclusive", "insecure"):
+        _require(isinstance(raw.get(key, False), bool), f"{field}.{key} is {raw.get(key)!r}; give true or false")
     fields = {k: v for k, v in raw.items() if k not in _COMMON}
-    return Placement(role, scheduler, _positive_int(raw.get("nodes", 1), f"{field}.nodes"),
-                     int(raw.get("devices_per_node", 0) or 0), fields, {k: str(v) for k, v in env.items()},
-                     raw.get("token_file", ""))
+    per_node = raw.get("devices_per_node", 0)
+    if per_node != 0:
+        _positive_int(per_node, f"{field}.devices_per_node")
+    return Placement(role, scheduler, _positive_int(raw.get("nodes", 1), f"{field}.nodes"), per_node, fields,
+                     {k: str(v) for k, v in env.items()}, raw.get("token_file", ""))
 
 
 def _check_island(config, name: str, p: Placement) -> Placement:
@@ -191,9 +223,18 @@ def _check_island(config, name: str, p: Placement) -> Placement:
                  f"islands.{name}.num_processes is {isl.num_processes} but {field}.accelerator_type "
                  f"{p.get('accelerator_type')} has {hosts} host(s), one process each; set "
                  f"--config.islands.{name}.num_processes={hosts}")
+        generation = "tpu-" + re.match(r"v\d+[a-z]*", p.get("accelerator_type")).group().replace("litepod", "e")
+        _require(isl.hardware == generation,
+                 f"islands.{name}.hardware is {isl.hardware!r} but {field}.accelerator_type {p.get('accelerator_type')} "
+                 f"is a {generation} slice; set --config.islands.{name}.hardware={generation}")
         for key in ("tpu", "zone"):
             _require(p.get(key), f"{field}.{key} is missing; give the TPU VM's {'name' if key == 'tpu' else key}")
         return dataclasses.replace(p, nodes=hosts, devices_per_node=devices // hosts)
+    from island_jax import hardware as hardware_lib
+
+    _require(p.scheduler == "k8s" or hardware_lib.kind(isl.hardware) != "tpu",
+             f"islands.{name}.hardware is {isl.hardware} but {field}.scheduler is {p.scheduler}; TPU slices are "
+             "started with scheduler: tpu_vm (or k8s)")
     per_node = p.devices_per_node or isl.num_devices // max(1, p.nodes)
     _require(p.nodes == isl.num_processes,
              f"{field}.nodes is {p.nodes} but islands.{name}.num_processes is {isl.num_processes}; one process runs "
@@ -205,8 +246,6 @@ def _check_island(config, name: str, p: Placement) -> Placement:
     dpp = isl.get("devices_per_process", 0)
     _require(not dpp or dpp == per_node,
              f"islands.{name}.devices_per_process is {dpp} but {field}.devices_per_node is {per_node}; make them equal")
-    if p.scheduler == "k8s":
-        _require(p.get("image"), f"{field}.image is missing; give the container image with island_jax installed")
     return dataclasses.replace(p, devices_per_node=per_node)
 
 
@@ -241,6 +280,7 @@ def check(config, raw: Mapping[str, Any]) -> Cluster:
         _require(bool(host) and port.isdigit() and 0 < int(port) < 65536,
                  f"coordinator.addresses has {a!r}; give HOST:PORT with a port from 1 to 65535")
     _require(coordinator.nodes == 1, f"coordinator.nodes is {coordinator.nodes}; the coordinator is one process")
+
     coordinator = dataclasses.replace(coordinator, fields={**coordinator.fields, "addresses": [str(a) for a in addresses]})
     raw_islands = raw.get("islands") or {}
     _require(isinstance(raw_islands, dict), "islands is not a mapping of island names to placements")
@@ -251,18 +291,52 @@ def check(config, raw: Mapping[str, Any]) -> Cluster:
     extra = [n for n in raw_islands if n not in config.islands]
     _require(not extra, f"islands.{extra[0] if extra else ''} is not an island of the config ({', '.join(names)})")
     islands = {n: _check_island(config, n, _placement(n, raw_islands[n], f"islands.{n}", {})) for n in names}
+    for field, p in [("coordinator", coordinator), *((f"islands.{n}", q) for n, q in islands.items())]:
+        _require(p.scheduler != "k8s" or p.get("image"),
+                 f"{field}.image is missing; give the container image with island_jax installed")
     tls = raw.get("tls") or {}
-    _require(isinstance(tls, dict) and set(tls) <= set(_TLS),
+    _require(isinstance(tls, dict) and set(tls) <= set(_TLS) and all(isinstance(v, str) for v in tls.values()),
              f"tls is {tls!r}; give paths for {', '.join(_TLS)}")
     for key in ("python", "repo"):
         _require(isinstance(raw.get(key, "x"), str) and raw.get(key, "x"), f"{key} is {raw.get(key)!r}; give a path")
     port = raw.get("island_port", 8476)
-    _require(isinstance(port, int) and 0 < port < 65536, f"island_port is {port!r}; give a port from 1 to 65535")
+    _require(isinstance(port, int) and not isinstance(port, bool) and 0 < port < 65536,
+             f"island_port is {port!r}; give a port from 1 to 65535")
     if coordinator.scheduler != "slurm" or any(i.scheduler != "slurm" for i in islands.values()):
         _require(not any(a.startswith("auto:") for a in addresses),
                  "coordinator.addresses uses 'auto', which only a coordinator in the islands' own SLURM job can "
                  "resolve; give the coordinator's reachable HOST:PORT")
+    _check_credentials(coordinator, islands, tls, str(addresses[0]))
     return Cluster(coordinator, islands, dict(tls), raw.get("python", "python3"), raw.get("repo", "."), port)
+
+
+def _check_credentials(coordinator: Placement, islands: Mapping[str, Placement], tls: Mapping[str, str],
+                       address: str) -> None:
+    """A coordinator started by a cluster launcher listens on every address of its node, so it needs TLS and
+    per-island tokens (`security.check_exposure`), or `insecure: true`; the files must come in usable sets."""
+    pairs = [("coordinator.cert_file", coordinator.get("cert_file"), "coordinator.key_file", coordinator.get("key_file")),
+             ("tls.client_cert_file", tls.get("client_cert_file"), "tls.client_key_file", tls.get("client_key_file"))]
+    for a, a_set, b, b_set in pairs:
+        _require(bool(a_set) == bool(b_set), f"{a if not a_set else b} is missing: {a} and {b} go together")
+    if coordinator.get("cert_file"):
+        _require(tls.get("ca_file"), "tls.ca_file is missing: the coordinator serves TLS, and the islands need the CA "
+                                     "that signed its certificate")
+    if tls.get("client_cert_file"):
+        _require(tls.get("ca_file"), "tls.ca_file is missing: mutual TLS (tls.client_cert_file) needs the CA")
+    if coordinator.get("tokens_file"):
+        for name, p in islands.items():
+            _require(p.token_file, f"islands.{name}.token_file is missing: the coordinator checks tokens "
+                                   "(coordinator.tokens_file); give the island's token file")
+    secured = bool(coordinator.get("cert_file")) and bool(coordinator.get("tokens_file"))
+    if coordinator.scheduler != "local" and not secured:
+        _require(coordinator.get("insecure", False),
+                 "coordinator.cert_file, key_file and tokens_file are missing: a coordinator on a cluster listens on "
+                 "every address of its node, which needs TLS and per-island tokens (docs/security.md; "
+                 "security.make_run_credentials makes them); or set coordinator.insecure: true to listen in the clear")
+    if address.startswith("auto:") and tls.get("ca_file"):
+        _require(coordinator.get("server_name"),
+                 "coordinator.server_name is missing: with addresses auto:PORT the islands dial whichever node the "
+                 "coordinator gets, so give the name its certificate holds (islands check it for that name)")
 
 
 def load(path: str, config) -> Cluster:
@@ -330,7 +404,7 @@ def config_args(argv: Sequence[str]) -> list[str]:
 
 def role_command(cluster: Cluster, role: str, config_args_: Sequence[str], workdir: str, coordinator: str, *,
                  process_id: str | None = None, island_coordinator: str | None = None,
-                 credentials: Mapping[str, str] | None = None) -> Command:
+                 credentials: Mapping[str, str] | None = None, server_name: str | None = None) -> Command:
     """The `experiments/train.py` command of one process of `role` ("coordinator" or an island's name).
 
     Args:
@@ -344,6 +418,8 @@ def role_command(cluster: Cluster, role: str, config_args_: Sequence[str], workd
         of its index and of its process 0's HOST:PORT.
       credentials: paths to use instead of the description's (k8s mounts them elsewhere): keys of `tls` and
         `cert_file`, `key_file`, `tokens_file`, `token_file`.
+      server_name: for an island, the name to check the coordinator's certificate for, instead of
+        `cluster.server_name` ("" and no `server_name` field: the host dialled).
 
     Returns:
       A `Command`; literal parts in `args`, node-side expressions in `expansions`.
@@ -353,13 +429,16 @@ def role_command(cluster: Cluster, role: str, config_args_: Sequence[str], workd
              "token_file": cluster.islands[role].token_file if role in cluster.islands else ""}
     paths.update(credentials or {})
     args = [cluster.python, "-u", "experiments/train.py", *config_args_, f"--workdir={workdir}"]
-    tls = [f"--config.comm.tls.{k}={paths[k]}" for k in _TLS if paths.get(k)]
+    tls = [f"--config.comm.tls.{k}={paths[k]}" for k in _TLS if paths.get(k)
+           and (role != "coordinator" or k == "ca_file")]  # the client certificate is the islands'
+    if role != "coordinator" and (server_name or cluster.server_name) and paths.get("ca_file"):
+        tls.append(f"--config.comm.tls.server_name={server_name or cluster.server_name}")
     expansions = []
     address = [("--coordinator", coordinator)] if "$" in coordinator else []
     if not address:
         args.append(f"--coordinator={coordinator}")
     if role == "coordinator":
-        args += ["--role=coordinator", *tls]
+        args += ["--role=coordinator", *tls, *(["--insecure"] if cluster.coordinator.get("insecure") else [])]
         if paths.get("cert_file"):
             args += [f"--config.comm.tls.cert_file={paths['cert_file']}", f"--config.comm.tls.key_file={paths['key_file']}",
                      *(["--config.comm.tls.require_client_cert=True"] if paths.get("client_cert_file") else [])]
@@ -402,3 +481,19 @@ def define_flags(tool: str, tool_help: str, workdir_help: str, dry_run_help: str
     held[tool] = flags.DEFINE_string(tool, tool, tool_help)
     flags.mark_flags_as_required(["config", "cluster", "workdir"])
     return held
+
+
+def check_workdir(workdir: str) -> None:
+    """A cluster launch's workdir is the same path on every node (a shared filesystem), so it must be absolute.
+
+    Raises:
+      ClusterError: a relative `workdir`.
+    """
+    if not os.path.isabs(workdir):
+        raise ClusterError(f"--workdir={workdir}: give an absolute path, the same on every node (a shared "
+                           "filesystem), e.g. /shared/runs/NAME")
+
+
+def summarize_command(cluster: Cluster, config_args_: Sequence[str], workdir: str) -> Command:
+    """`launch/summarize.py`, which writes the run's summary.json once every role's folder is in `workdir`."""
+    return Command((cluster.python, "-u", "launch/summarize.py", *config_args_, f"--workdir={workdir}"))

@@ -41,12 +41,19 @@ CATALOG = {
         Hardware("b200", 2250.0, 180.0),
         # Google Cloud TPU v4 documentation: 275 TFLOPS bf16 per chip, 32 GiB HBM.
         Hardware("tpu-v4", 275.0, 32.0),
+        # Google Cloud TPU v5e documentation: 197 TFLOPS bf16 per chip, 16 GB HBM2.
+        Hardware("tpu-v5e", 197.0, 16.0),
         # Google Cloud TPU v5p documentation: 459 TFLOPS bf16 per chip, 95 GB HBM.
         Hardware("tpu-v5p", 459.0, 95.0),
         # Google Cloud TPU v6e (Trillium) documentation: 918 TFLOPS bf16 per chip, 32 GB HBM.
         Hardware("tpu-v6e", 918.0, 32.0),
     )
 }
+
+
+def kind(name: str) -> str:
+    """"cpu", "gpu" or "tpu": how a launcher asks a scheduler for devices of the catalog's `name`."""
+    return "cpu" if name == "cpu" else "tpu" if name.startswith("tpu-") else "gpu"
 
 
 def lookup(name: str) -> Hardware:

@@ -67,6 +67,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from island_jax import cluster as cluster_lib  # noqa: E402
+from island_jax import hardware as hardware_lib  # noqa: E402
 
 APP = "island-jax"
 SERVICE_TYPES = ("ClusterIP", "NodePort", "LoadBalancer")
@@ -204,9 +205,6 @@ def _check_placement(config, cluster: cluster_lib.Cluster, p: cluster_lib.Placem
     """The k8s fields of one role, and the credentials a role on Kubernetes needs."""
     field = _field(p)
     _namespace(p, field)
-    if not p.get("image"):
-        raise cluster_lib.ClusterError(f"{field}.image is missing; give the container image with island_jax "
-                                       "installed")
     storage = str(p.get("storage", DEFAULT_STORAGE))
     if not _QUANTITY.fullmatch(storage):
         raise cluster_lib.ClusterError(f"{field}.storage is {storage!r}; give a size such as 10Gi or 500Gi")
@@ -222,12 +220,6 @@ def _check_placement(config, cluster: cluster_lib.Cluster, p: cluster_lib.Placem
         if kind not in SERVICE_TYPES:
             raise cluster_lib.ClusterError(f"coordinator.service_type is {kind!r}; use one of "
                                            f"{', '.join(SERVICE_TYPES)}")
-        missing = [f"coordinator.{k}" for k in COORDINATOR_FILES if not p.get(k)]
-        missing += [] if cluster.tls.get("ca_file") else ["tls.ca_file"]
-        if missing:
-            raise cluster_lib.ClusterError(
-                f"{', '.join(missing)} missing: a coordinator on Kubernetes listens beyond loopback, which needs TLS "
-                "and per-island tokens; give the files (docs/security.md; make_run_credentials makes them)")
         return
     if p.get("service_type"):
         raise cluster_lib.ClusterError(f"{field}.service_type is set, but only the coordinator has a Service "
@@ -235,12 +227,6 @@ def _check_placement(config, cluster: cluster_lib.Cluster, p: cluster_lib.Placem
     if config.islands[p.role].hardware == "cpu" and p.get("resource"):
         raise cluster_lib.ClusterError(f"{field}.resource is set, but islands.{p.role}.hardware is cpu; remove it "
                                        "(CPU islands request no devices)")
-    if cluster.coordinator.get("cert_file") and not cluster.tls.get("ca_file"):
-        raise cluster_lib.ClusterError(f"tls.ca_file is missing: the coordinator serves TLS, and island {p.role} "
-                                       "needs the CA that signed its certificate")
-    if cluster.coordinator.get("tokens_file") and not p.token_file:
-        raise cluster_lib.ClusterError(f"{field}.token_file is missing: the coordinator checks tokens "
-                                       f"(coordinator.tokens_file); give island {p.role}'s token file")
 
 
 def _device_resource(config, p: cluster_lib.Placement) -> str:
@@ -248,7 +234,7 @@ def _device_resource(config, p: cluster_lib.Placement) -> str:
     hardware = config.islands[p.role].hardware
     if hardware == "cpu":
         return ""
-    return str(p.get("resource") or ("google.com/tpu" if hardware.startswith("tpu") else "nvidia.com/gpu"))
+    return str(p.get("resource") or ("google.com/tpu" if hardware_lib.kind(hardware) == "tpu" else "nvidia.com/gpu"))
 
 
 def _credentials(cluster: cluster_lib.Cluster, role: str) -> dict[str, str]:
@@ -303,24 +289,18 @@ def _claim_spec(p: cluster_lib.Placement, access_mode: str) -> dict[str, Any]:
     return spec
 
 
-def _host_port(address: str) -> tuple[str, int]:
-    host, _, port = address.rpartition(":")
-    return host.strip("[]"), int(port)
-
-
 def health_command(cluster: cluster_lib.Cluster) -> list[str]:
     """The coordinator's probe: `python -m island_jax.health` against 127.0.0.1:PORT with the mounted CA and
     client certificate, checking the certificate for the host of `coordinator.addresses`."""
-    host, port = _host_port(cluster.addresses[0])
-    command = [cluster.python, "-m", "island_jax.health", f"--address=127.0.0.1:{port}"]
+    command = [cluster.python, "-m", "island_jax.health", f"--address=127.0.0.1:{cluster.port}"]
     command += [f"--{k}={TLS_DIR}/{f}" for k, f in TLS_FILES.items() if cluster.tls.get(k)]
-    return command + [f"--server_name={host}", f"--timeout_seconds={HEALTH_TIMEOUT_SECONDS}"]
+    return command + [f"--server_name={cluster.server_name or cluster.host}", f"--timeout_seconds={HEALTH_TIMEOUT_SECONDS}"]
 
 
 def _coordinator(cluster: cluster_lib.Cluster, config_args: list[str], workdir: str, n: Names) -> list[dict]:
     p = cluster.coordinator
     ns, labels = _namespace(p, "coordinator"), _labels(n, "coordinator")
-    _, port = _host_port(cluster.addresses[0])
+    port = cluster.port
     command = cluster_lib.role_command(cluster, "coordinator", config_args, workdir, f"0.0.0.0:{port}",
                                        credentials=_credentials(cluster, "coordinator"))
     mounts = [{"name": "workdir", "mountPath": workdir}]
@@ -358,12 +338,11 @@ def _coordinator(cluster: cluster_lib.Cluster, config_args: list[str], workdir: 
 def coordinator_dial(cluster: cluster_lib.Cluster, n: Names) -> tuple[str, str]:
     """(HOST:PORT that islands on Kubernetes dial, the name they check its certificate for: "" for the host
     dialled). The Service's cluster DNS name when the coordinator is on Kubernetes too, else the address."""
-    address = cluster.addresses[0]
     if cluster.coordinator.scheduler != "k8s":
-        return address, ""
-    host, port = _host_port(address)
+        return cluster.addresses[0], cluster.server_name
     ns = _namespace(cluster.coordinator, "coordinator")
-    return f"{n.coordinator}.{ns}.svc.cluster.local:{port}", host if cluster.tls.get("ca_file") else ""
+    return (f"{n.coordinator}.{ns}.svc.cluster.local:{cluster.port}",
+            (cluster.server_name or cluster.host) if cluster.tls.get("ca_file") else "")
 
 
 def _island(config, cluster: cluster_lib.Cluster, name: str, config_args: list[str], workdir: str,
@@ -376,10 +355,8 @@ def _island(config, cluster: cluster_lib.Cluster, name: str, config_args: list[s
         cluster, name, config_args, workdir, dial,
         process_id="$(JOB_COMPLETION_INDEX)" if several else None,
         island_coordinator=f"{job}-0.{job}.{ns}.svc.cluster.local:{cluster.island_port}" if several else None,
-        credentials=_credentials(cluster, name))
+        credentials=_credentials(cluster, name), server_name=server_name)
     argv = _k8s_argv(command)
-    if server_name:  # before the expansions, with the other literal overrides
-        argv.insert(len(command.args), f"--config.comm.tls.server_name={server_name}")
     mounts = [{"name": "workdir", "mountPath": workdir}, {"name": "dshm", "mountPath": "/dev/shm"}]
     volumes: list[dict[str, Any]] = [
         {"name": "workdir", "persistentVolumeClaim": {"claimName": n.island_claim(name)}},

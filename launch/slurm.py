@@ -34,20 +34,24 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from island_jax import cluster as cluster_lib  # noqa: E402
+from island_jax import hardware as hardware_lib  # noqa: E402
 
 _FLAGS: dict = {}  # the command line's flags (`cluster_lib.define_flags`), defined only when run as a script
 
-GPUS = ("a100", "h100", "h200", "b200")  # hardware kinds (island_jax/hardware.py) asked for as `--gres=gpu:N`
-
-
 def _directives(p: cluster_lib.Placement, hardware: str) -> list[str]:
-    """The #SBATCH lines of one component: nodes, one task per node, and the scheduler fields given."""
+    """The #SBATCH lines of one component: nodes, one task per node, and the scheduler fields given. An island's
+    nodes are its own (`--exclusive`, all their memory: `--mem=0`) unless `exclusive: false`; GPUs are asked for
+    as `--gres=gpu:devices_per_node` unless `gres` says otherwise."""
     lines = [f"--nodes={p.nodes}", f"--ntasks={p.nodes}", "--ntasks-per-node=1"]
+    if p.role != "coordinator" and p.get("exclusive", True):
+        lines += ["--exclusive", f"--mem={p.get('mem') or 0}"]
+    elif p.get("mem"):
+        lines.append(f"--mem={p.get('mem')}")
     for key, flag in (("partition", "partition"), ("account", "account"), ("time", "time"), ("qos", "qos"),
                       ("cpus_per_task", "cpus-per-task")):
         if p.get(key):
             lines.append(f"--{flag}={p.get(key)}")
-    gres = p.get("gres") or (f"gpu:{p.devices_per_node}" if hardware in GPUS else "")
+    gres = p.get("gres") or (f"gpu:{p.devices_per_node}" if hardware_lib.kind(hardware) == "gpu" else "")
     if gres:
         lines.append(f"--gres={gres}")
     return lines + [str(x) for x in (p.get("extra_sbatch") or [])]
@@ -126,14 +130,20 @@ def _script(config, cluster, config_args, workdir, placements, host, port, group
         "}",
         f"cd {shlex.quote(cluster.repo)}", "export PYTHONUNBUFFERED=1", "start=$SECONDS"]
     index = {p.role: k for k, p in enumerate(placements)}
+    # Where the islands reach the coordinator, and where each island of several processes finds its process 0:
+    # in the job's environment; a node list without an address stops the job before any role starts.
+    found = []
     if host == "auto":
-        lines.append(f'export IJ_COORDINATOR="{first_host(index["coordinator"])}:{port}"')
-        dial = "$IJ_COORDINATOR"
+        found.append(("IJ_COORDINATOR", first_host(index["coordinator"]), port))
     else:
-        dial = f"{host}:{port}"
-    for p in placements:
-        if p.role != "coordinator" and p.nodes > 1:
-            lines.append(f'export {_env_name(p.role)}="{first_host(index[p.role])}:{cluster.island_port}"')
+        lines.append(f"export IJ_COORDINATOR={shlex.quote(f'{host}:{port}')}")
+    found += [(_env_name(p.role), first_host(index[p.role]), cluster.island_port)
+              for p in placements if p.role != "coordinator" and p.nodes > 1]
+    for name, expression, at in found:
+        lines += [f'{name}_HOST="{expression}"',
+                  f'[ -n "${name}_HOST" ] || {{ echo "island_jax: no address for {name} in the node list" >&2; exit 1; }}',
+                  f'export {name}="${name}_HOST:{at}"']
+    dial = "$IJ_COORDINATOR"
     lines += ["", "pids=()"]
     for k, p in enumerate(placements):
         if p.role == "coordinator":
@@ -151,25 +161,27 @@ def _script(config, cluster, config_args, workdir, placements, host, port, group
         lines += [f"# {p.role}", " ".join(srun) + " &", "pids+=($!)"]
     lines += [
         "",
-        "# The job ends when every role has; the first role to fail stops the others.",
-        "status=0",
+        "# The job ends when every role has; the first role to fail stops the others. `wait -n` returns when any",
+        "# role ends; then every role that has ended is waited for by its pid, which gives its own status.",
         'while [ "${#pids[@]}" -gt 0 ]; do',
-        "  wait -n \"${pids[@]}\"",
-        "  rc=$?",
+        "  wait -n",
         "  alive=()",
-        '  for pid in "${pids[@]}"; do kill -0 "$pid" 2>/dev/null && alive+=("$pid"); done',
+        '  for pid in "${pids[@]}"; do',
+        '    if kill -0 "$pid" 2>/dev/null; then alive+=("$pid"); continue; fi',
+        '    wait "$pid"; rc=$?',
+        '    if [ "$rc" -ne 0 ]; then',
+        '      echo "island_jax: a role exited with status $rc; stopping the others" >&2',
+        '      for other in "${pids[@]}"; do kill "$other" 2>/dev/null; done',
+        "      wait",
+        "      exit $rc",
+        "    fi",
+        "  done",
         '  pids=("${alive[@]}")',
-        '  if [ "$rc" -ne 0 ]; then',
-        '    echo "island_jax: a role exited with status $rc; stopping the others" >&2',
-        '    for pid in "${pids[@]}"; do kill "$pid" 2>/dev/null; done',
-        '    wait',
-        "    exit $rc",
-        "  fi",
         "done",
     ]
     if len(placements) == len(cluster.placements()):  # every role ran here: the run's summary
-        summarize = [cluster.python, "-u", "launch/summarize.py", *config_args, f"--workdir={workdir}"]
-        lines.append(" ".join(shlex.quote(a) for a in summarize) + ' --wall_seconds="$((SECONDS - start))"')
+        lines.append(cluster_lib.summarize_command(cluster, config_args, workdir).shell()
+                     + ' --wall_seconds="$((SECONDS - start))"')
     return "\n".join(lines) + "\n"
 
 
@@ -177,6 +189,7 @@ def main(argv):
     del argv
     config, workdir = _FLAGS["config"].value, _FLAGS["workdir"].value
     try:
+        cluster_lib.check_workdir(workdir)
         cluster = cluster_lib.load(_FLAGS["cluster"].value, config)
         config_args = cluster_lib.config_args(sys.argv[1:])
         scripts = render(config, cluster, config_args, workdir)

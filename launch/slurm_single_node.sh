@@ -1,13 +1,15 @@
 #!/usr/bin/env bash
-# A single-node SLURM on this machine, for trying launch/slurm.py for real (and for its test,
-# tests/test_slurm_run.py). Debian or Ubuntu, as root; no systemd needed (the daemons are started directly).
+# SLURM on this one machine, for trying launch/slurm.py for real (and for its test, tests/test_slurm_run.py):
+# SLURM_NODES nodes (default 4), each a slurmd of its own on this host. Debian or Ubuntu, as root; no systemd
+# needed (the daemons are started directly).
 #
 #   sudo launch/slurm_single_node.sh          # install (apt) and configure if absent, then start; idempotent
-#   launch/slurm_single_node.sh status        # exit 0 when the node accepts jobs
+#   launch/slurm_single_node.sh status        # exit 0 when every node accepts jobs
 #
-# The node declares SLURM_NODE_CPUS CPUs (default 16, whatever the machine has: SlurmdParameters=config_overrides)
-# and its partition oversubscribes them, so that the roles of a run (a coordinator and islands, each a
-# heterogeneous-job component) share this one node. In a container slurmd cannot use cgroups, so processes are
+# Why several nodes on one host: SLURM's backfill scheduler, the only one that starts heterogeneous jobs, places
+# each component on a node of its own, so a run's roles (a coordinator and islands, each a component) need as
+# many nodes. Each node declares SLURM_NODE_CPUS CPUs (default 16, whatever the machine has:
+# SlurmdParameters=config_overrides) and the partition oversubscribes them. In a container slurmd cannot use cgroups, so processes are
 # tracked by /proc (ProctrackType=proctrack/linuxproc) and no task plugin binds them (TaskPlugin=task/none).
 # It writes /etc/slurm/slurm.conf and /etc/munge/munge.key only when they are absent, so a machine's own
 # configuration is never overwritten.
@@ -15,13 +17,15 @@ set -euo pipefail
 
 CPUS="${SLURM_NODE_CPUS:-16}"
 
-accepting() {
-  command -v sinfo >/dev/null 2>&1 && [ -n "$(sinfo -h -o '%T' 2>/dev/null | grep -E '^(idle|mixed|allocated)' || true)" ]
+NODES="${SLURM_NODES:-4}"
+accepting() {  # every node of this machine's SLURM is up
+  command -v sinfo >/dev/null 2>&1 &&
+    [ "$(sinfo -h -N -o '%T' 2>/dev/null | grep -cE '^(idle|mixed|allocated)')" -ge "$NODES" ]
 }
 
 if [ "${1:-}" = "status" ]; then
   if accepting; then sinfo; exit 0; fi
-  echo "slurm: no node accepts jobs here (run: sudo launch/slurm_single_node.sh)" >&2
+  echo "slurm: fewer than ${NODES} nodes accept jobs here (run: sudo launch/slurm_single_node.sh)" >&2
   exit 1
 fi
 
@@ -42,7 +46,6 @@ if ! command -v slurmctld >/dev/null 2>&1 || ! command -v slurmd >/dev/null 2>&1
 fi
 
 host="$(hostname -s)"
-NODES="${SLURM_NODES:-4}"
 names=()
 nodes_conf=""
 for i in $(seq 0 $((NODES - 1))); do
@@ -52,7 +55,7 @@ done
 mkdir -p /etc/slurm /var/spool/slurmctld /var/log/slurm /run/munge /var/lib/munge /var/log/munge
 if [ ! -f /etc/slurm/slurm.conf ]; then
   cat >/etc/slurm/slurm.conf <<EOF
-# Written by island_jax's launch/slurm_single_node.sh: one node, every role of a run on it.
+# Written by island_jax's launch/slurm_single_node.sh: ${NODES} nodes on this one host (slurmd -N NAME each).
 ClusterName=island-jax-local
 SlurmctldHost=${host}
 AuthType=auth/munge
@@ -101,5 +104,5 @@ for _ in $(seq 1 120); do
   for name in "${names[@]}"; do scontrol update nodename="${name}" state=resume >/dev/null 2>&1 || true; done
   sleep 0.5
 done
-echo "slurm: the node did not come up within 60 s; see /var/log/slurm/slurmctld.log and slurmd.log" >&2
+echo "slurm: ${NODES} nodes did not come up within 60 s; see /var/log/slurm/slurmctld.log and slurmd-*.log" >&2
 exit 1

@@ -111,9 +111,10 @@ def _ssh(gcloud: list[str], p: cluster_lib.Placement, worker: str | None) -> lis
     """The words of `gcloud ... ssh` to the coordinator's VM (`worker` None) or to a worker of a TPU VM."""
     q = shlex.quote
     if p.role == "coordinator":
-        return [*gcloud, "compute", "ssh", q(p.get("vm")), *(q(w) for w in _where(p))]
+        return [*gcloud, "compute", "ssh", q(p.get("vm")), *(q(w) for w in _where(p)),
+                *(q(f) for f in p.get("ssh_flags", []))]
     return [*gcloud, "compute", "tpus", "tpu-vm", "ssh", q(p.get("tpu")), *(q(w) for w in _where(p)),
-            f"--worker={worker}"]
+            *(q(f) for f in p.get("ssh_flags", [])), f"--worker={worker}"]
 
 
 def render(config, cluster: cluster_lib.Cluster, config_args: list[str], workdir: str, *,
@@ -140,11 +141,7 @@ def render(config, cluster: cluster_lib.Cluster, config_args: list[str], workdir
     if not here:
         raise cluster_lib.ClusterError("no role of the cluster description has scheduler: tpu_vm; nothing to render "
                                        "(launch/slurm.py and launch/k8s.py start the others)")
-    address = cluster.addresses[0]
-    host, port = address.rsplit(":", 1)
-    if host == "auto":
-        raise cluster_lib.ClusterError(f"coordinator.addresses is {address}, which only a SLURM job resolves; give "
-                                       "the coordinator's HOST:PORT as the TPU VMs reach it")
+    port, address = cluster.port, cluster.addresses[0]
     variables = {p.role: _ip_variable(p.role) for p in here if p.role != "coordinator" and p.nodes > 1}
     if len(set(variables.values())) < len(variables):
         raise cluster_lib.ClusterError(f"islands {', '.join(variables)} make the same shell variable names; name "
@@ -223,7 +220,6 @@ def render(config, cluster: cluster_lib.Cluster, config_args: list[str], workdir
             lines += [" ".join([*_ssh(gcloud_words, p, str(worker)), "--command=" + _single_quoted(remote, splice)])
                       + f" || failed {p.role}/{worker} $? {q(log)} &", "pids+=($!)"]
 
-    summarize = [cluster.python, "-u", "launch/summarize.py", *config_args, f"--workdir={workdir}"]
     lines += [
         "",
         "# Each session ends with its process; the script's status is the first failed one's (in this order).",
@@ -235,7 +231,7 @@ def render(config, cluster: cluster_lib.Cluster, config_args: list[str], workdir
         "fi",
         'echo "island_jax: every role started here has finished"',
         "# With every role's folder on one filesystem, the run's summary.json:",
-        "#   " + " ".join(q(a) for a in summarize),
+        "#   " + cluster_lib.summarize_command(cluster, config_args, workdir).shell(),
     ]
     return lines
 
@@ -244,6 +240,7 @@ def main(argv):
     del argv
     config, workdir = _FLAGS["config"].value, _FLAGS["workdir"].value
     try:
+        cluster_lib.check_workdir(workdir)
         cluster = cluster_lib.load(_FLAGS["cluster"].value, config)
         lines = render(config, cluster, cluster_lib.config_args(sys.argv[1:]), workdir, gcloud=_FLAGS["gcloud"].value)
     except cluster_lib.ClusterError as e:

@@ -173,8 +173,6 @@ def test_the_coordinator_is_a_statefulset_with_its_services_claim_and_exec_probe
     assert args[args.index(f"--workdir={WORKDIR}"):] == [
         f"--workdir={WORKDIR}", "--coordinator=0.0.0.0:50051", "--role=coordinator",
         "--config.comm.tls.ca_file=/etc/island-jax/tls/ca.pem",
-        "--config.comm.tls.client_cert_file=/etc/island-jax/tls/client.pem",
-        "--config.comm.tls.client_key_file=/etc/island-jax/tls/client.key",
         "--config.comm.tls.cert_file=/etc/island-jax/coordinator/server.pem",
         "--config.comm.tls.key_file=/etc/island-jax/coordinator/server.key",
         "--config.comm.tls.require_client_cert=True",
@@ -223,9 +221,9 @@ def test_each_island_is_an_indexed_job_whose_pods_find_process_0_through_a_headl
         "--role=island", "--island=a", "--config.comm.tls.ca_file=/etc/island-jax/tls/ca.pem",
         "--config.comm.tls.client_cert_file=/etc/island-jax/tls/client.pem",
         "--config.comm.tls.client_key_file=/etc/island-jax/tls/client.key",
+        "--config.comm.tls.server_name=coord.example.org",
         "--config.comm.auth.token_file=/etc/island-jax/token/token",
         "--island_coordinator=ij-two-islands-island-a-0.ij-two-islands-island-a.training.svc.cluster.local:8476",
-        "--config.comm.tls.server_name=coord.example.org",
         "--process_id=$(JOB_COMPLETION_INDEX)"]
     assert by_kind(docs, "PersistentVolumeClaim", "ij-two-islands-island-a-workdir")["spec"] == {
         "accessModes": ["ReadWriteMany"], "resources": {"requests": {"storage": "10Gi"}}, "storageClassName": "shared"}
@@ -338,9 +336,10 @@ def test_a_cpu_island_requests_no_devices(tmp_path, made):
     ({"islands.b.image": None}, r"islands\.b\.image is missing; give the container image"),
     ({"coordinator.image": None}, r"coordinator\.image is missing; give the container image"),
     ({"coordinator.tokens_file": None},
-     r"coordinator\.tokens_file missing: a coordinator on Kubernetes listens beyond loopback"),
+     r"coordinator\.cert_file, key_file and tokens_file are missing: a coordinator on a cluster listens on every "
+     r"address of its node"),
     ({"tls.ca_file": None, "tls.client_cert_file": None, "tls.client_key_file": None},
-     r"tls\.ca_file missing: a coordinator on Kubernetes"),
+     r"tls\.ca_file is missing: the coordinator serves TLS, and the islands need the CA that signed its certificate"),
     ({"coordinator.service_type": "External"},
      r"coordinator\.service_type is 'External'; use one of ClusterIP, NodePort, LoadBalancer"),
     ({"islands.a.service_type": "LoadBalancer"}, r"islands\.a\.service_type is set, but only the coordinator"),
@@ -394,7 +393,8 @@ def test_the_command_prints_with_dry_run_and_otherwise_writes_and_applies(tmp_pa
     failed = subprocess.run([*common[:2], f"--cluster={bad}", *CONFIG_ARGS, f"--workdir={WORKDIR}", "--dry_run"],
                             capture_output=True, text=True, cwd=ROOT, timeout=120)
     assert failed.returncode == 1 and failed.stdout == ""
-    assert failed.stderr.strip() == "coordinator.image is missing; give the container image with island_jax installed"
+    assert failed.stderr.strip() == (f"--cluster={bad}: coordinator.image is missing; give the container image with "
+                                     "island_jax installed")
 
 
 # -- island_jax/health.py: the coordinator's probe ------------------------------------------------------------------

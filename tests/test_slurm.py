@@ -35,6 +35,7 @@ def gpu_config():
 def description(**changes):
     raw = {
         "coordinator": {"scheduler": "slurm", "addresses": ["auto:50051"], "partition": "cpu",
+                        "server_name": "coordinator.island-jax",
                         "cert_file": "/secrets/server.pem", "key_file": "/secrets/server.key",
                         "tokens_file": "/secrets/tokens.json"},
         "islands": {
@@ -86,8 +87,10 @@ def test_one_component_per_role_with_nodes_tasks_and_gpus():
     assert name == "slurm-job.sbatch"
     assert components(script) == [
         ["--nodes=1", "--ntasks=1", "--ntasks-per-node=1", "--partition=cpu"],
-        ["--nodes=2", "--ntasks=2", "--ntasks-per-node=1", "--partition=gpu", "--account=proj", "--gres=gpu:4"],
-        ["--nodes=1", "--ntasks=1", "--ntasks-per-node=1", "--partition=gpu", "--gres=gpu:8"],
+        ["--nodes=2", "--ntasks=2", "--ntasks-per-node=1", "--exclusive", "--mem=0", "--partition=gpu", "--account=proj",
+         "--gres=gpu:4"],
+        ["--nodes=1", "--ntasks=1", "--ntasks-per-node=1", "--exclusive", "--mem=0", "--partition=gpu",
+         "--gres=gpu:8"],
     ]
     assert re.findall(r"^srun (--het-group=\d) --nodes=(\d) --ntasks=(\d)", script, flags=re.M) == [
         ("--het-group=0", "1", "1"), ("--het-group=1", "2", "2"), ("--het-group=2", "1", "1")]
@@ -112,12 +115,20 @@ def test_every_task_runs_train_py_with_the_same_config_and_overrides():
     assert a[a.index("--role=island"):] == [
         "--role=island", "--island=a", "--config.comm.tls.ca_file=/secrets/ca.pem",
         "--config.comm.tls.client_cert_file=/secrets/client.pem",
-        "--config.comm.tls.client_key_file=/secrets/client.key", "--config.comm.auth.token_file=/secrets/token_a",
+        "--config.comm.tls.client_key_file=/secrets/client.key",
+        "--config.comm.tls.server_name=coordinator.island-jax", "--config.comm.auth.token_file=/secrets/token_a",
         "--coordinator=$IJ_COORDINATOR", "--process_id=$SLURM_PROCID", "--island_coordinator=$IJ_ISLAND_A"]
     assert b[b.index("--role=island"):][-2:] == ["--config.comm.auth.token_file=/secrets/token_b",
                                                  "--coordinator=$IJ_COORDINATOR"]
-    assert 'export IJ_COORDINATOR="$(ij_first_address "$SLURM_JOB_NODELIST_HET_GROUP_0"):50051"' in script.splitlines()
-    assert 'export IJ_ISLAND_A="$(ij_first_address "$SLURM_JOB_NODELIST_HET_GROUP_1"):8476"' in script.splitlines()
+    lines = script.splitlines()
+    found = lines.index('IJ_COORDINATOR_HOST="$(ij_first_address "$SLURM_JOB_NODELIST_HET_GROUP_0")"')
+    assert lines[found + 1:found + 6] == [
+        '[ -n "$IJ_COORDINATOR_HOST" ] || { echo "island_jax: no address for IJ_COORDINATOR in the node list" >&2; '
+        'exit 1; }',
+        'export IJ_COORDINATOR="$IJ_COORDINATOR_HOST:50051"',
+        'IJ_ISLAND_A_HOST="$(ij_first_address "$SLURM_JOB_NODELIST_HET_GROUP_1")"',
+        '[ -n "$IJ_ISLAND_A_HOST" ] || { echo "island_jax: no address for IJ_ISLAND_A in the node list" >&2; exit 1; }',
+        'export IJ_ISLAND_A="$IJ_ISLAND_A_HOST:8476"']
     assert script.splitlines()[-1].startswith("python3 -u launch/summarize.py --config=experiments/configs/two_islands.py")
 
 
@@ -128,11 +139,12 @@ def test_islands_on_other_clusters_get_a_job_each_and_dial_the_given_address():
     assert list(scripts) == ["slurm-job.sbatch", "slurm-asia.sbatch"]
     home, asia = scripts["slurm-job.sbatch"], scripts["slurm-asia.sbatch"]
     assert [c[0] for c in components(home)] == ["--nodes=1", "--nodes=2"]
-    assert components(asia) == [["--clusters=asia", "--nodes=1", "--ntasks=1", "--ntasks-per-node=1",
-                                 "--partition=gpu", "--gres=gpu:8"]]
+    assert components(asia) == [["--clusters=asia", "--nodes=1", "--ntasks=1", "--ntasks-per-node=1", "--exclusive",
+                                 "--mem=0", "--partition=gpu", "--gres=gpu:8"]]
     assert "srun --nodes=1 --ntasks=1" in asia and "--het-group" not in asia
-    assert "--coordinator=coord.example.org:50051" in srun_commands(asia)["b"]
-    assert "--coordinator=coord.example.org:50051" in srun_commands(home)["a"]
+    for script, role in ((asia, "b"), (home, "a")):  # the address given reaches the islands through the job's env
+        assert "export IJ_COORDINATOR=coord.example.org:50051" in script.splitlines()
+        assert "--coordinator=$IJ_COORDINATOR" in srun_commands(script)[role]
     assert "summarize.py" not in home and "summarize.py" not in asia  # no job holds every role's folder
     for script in scripts.values():
         subprocess.run(["bash", "-n"], input=script, text=True, check=True)
@@ -162,6 +174,23 @@ def test_auto_address_needs_every_island_in_the_coordinators_job():
     ({"coordinator.addresses": ["coordinator"]}, r"coordinator\.addresses has 'coordinator'; give HOST:PORT"),
     ({"coordinator.addresses": None}, r"coordinator\.addresses is missing"),
     ({"islands.b.scheduler": "k8s"}, r"islands\.b has partition, which scheduler k8s does not take"),
+    ({"islands.a.time": 86400}, r"islands\.a\.time is 86400 \(int\); give a string; quote a time such as "
+                                r"\"24:00:00\""),
+    ({"islands.a.extra_sbatch": "--exclusive"}, r"islands\.a\.extra_sbatch is '--exclusive'; give a list"),
+    ({"islands.a.devices_per_node": "four"}, r"islands\.a\.devices_per_node is 'four'; give a whole number"),
+    ({"islands.a.exclusive": "no"}, r"islands\.a\.exclusive is 'no'; give true or false"),
+    ({"coordinator.key_file": None}, r"coordinator\.key_file is missing: coordinator\.cert_file and "
+                                     r"coordinator\.key_file go together"),
+    ({"islands.b.token_file": None}, r"islands\.b\.token_file is missing: the coordinator checks tokens"),
+    ({"coordinator.cert_file": None, "coordinator.key_file": None, "coordinator.tokens_file": None},
+     r"coordinator\.cert_file, key_file and tokens_file are missing: a coordinator on a cluster listens on every "
+     r"address of its node.*or set coordinator\.insecure: true"),
+    ({"coordinator.server_name": None}, r"coordinator\.server_name is missing: with addresses auto:PORT the islands "
+                                        r"dial whichever node the coordinator gets"),
+    ({"islands.b": {"scheduler": "tpu_vm", "tpu": "t", "zone": "z", "accelerator_type": "v5e-8",
+                    "token_file": "/secrets/token_b"}},
+     r"islands\.b\.hardware is 'h100' but islands\.b\.accelerator_type v5e-8 is a tpu-v5e slice; set "
+     r"--config\.islands\.b\.hardware=tpu-v5e"),
 ])
 def test_a_description_that_cannot_launch_the_config_fails_naming_the_field(changes, message):
     with pytest.raises(cluster_lib.ClusterError, match=message):
@@ -221,10 +250,10 @@ def test_two_clusters_island_a_under_slurm_and_island_b_on_a_tpu_vm_dial_one_coo
     (name, script), = slurm.render(config, cluster, config_args, "/shared/runs/x").items()
     assert name == "slurm-job.sbatch" and "hetjob" not in script
     assert "# Not in this job (started by their own launcher or job): coordinator, b" in script.splitlines()
-    assert components(script) == [["--nodes=2", "--ntasks=2", "--ntasks-per-node=1", "--partition=gpu",
-                                   "--account=proj", "--gres=gpu:4"]]
+    assert components(script) == [["--nodes=2", "--ntasks=2", "--ntasks-per-node=1", "--exclusive", "--mem=0",
+                                   "--partition=gpu", "--account=proj", "--gres=gpu:4"]]
     (a,) = srun_commands(script).values()
-    assert "--coordinator=coord.example.org:50051" in a and a[-2:] == [
+    assert "--coordinator=$IJ_COORDINATOR" in a and a[-2:] == [
         "--process_id=$SLURM_PROCID", "--island_coordinator=$IJ_ISLAND_A"]
     lines = tpu_vm.render(config, cluster, config_args, "/srv/runs/x")
     starts = [line for line in lines if "experiments/train.py" in line]
@@ -233,3 +262,45 @@ def test_two_clusters_island_a_under_slurm_and_island_b_on_a_tpu_vm_dial_one_coo
         assert all(f" {arg} " in line for arg in config_args), line
     assert sum("--coordinator=coord.example.org:50051" in line for line in starts) == 2
     subprocess.run(["bash", "-n"], input=script, text=True, check=True)
+
+
+@pytest.mark.parametrize("failing, status", [(None, 0), (2, 3)])
+def test_the_job_ends_with_the_first_failed_roles_status_and_stops_the_others(tmp_path, failing, status):
+    """The rendered script run with stand-ins for srun and scontrol: every role exits 0 (the job too, then
+    summarize), or island b's exits 3 while the others would run on, which ends the job with 3 at once."""
+    bin_ = tmp_path / "bin"
+    bin_.mkdir()
+    (bin_ / "scontrol").write_text('#!/bin/bash\nif [ "$2" = hostnames ]; then echo n0; else '
+                                   'echo "NodeName=n0 Arch=x86_64 NodeAddr=10.0.0.7 NodeHostName=n0"; fi\n')
+    # srun --het-group=K ...: component K's role; the failing one exits 3, the others run 0.2 s (or 60 s)
+    long = 60 if failing is not None else 0.2
+    (bin_ / "srun").write_text(
+        f'#!/bin/bash\ngroup="${{1#--het-group=}}"\necho "started $group" >> {tmp_path}/started\n'
+        f'if [ "$group" = "{failing}" ]; then sleep 0.2; exit 3; fi\nexec sleep {long}\n')
+    (bin_ / "python3").write_text(f"#!/bin/bash\necho summarize >> {tmp_path}/started\n")
+    for f in bin_.iterdir():
+        f.chmod(0o755)
+    config = gpu_config()
+    script = slurm.render(config, cluster_lib.check(config, description(repo=str(tmp_path))), CONFIG_ARGS,
+                          "/shared/runs/gpu")["slurm-job.sbatch"]
+    env = dict(os.environ, PATH=f"{bin_}:{os.environ['PATH']}", SLURM_JOB_NODELIST_HET_GROUP_0="n0",
+               SLURM_JOB_NODELIST_HET_GROUP_1="n[0-1]")
+    done = subprocess.run(["bash", "-c", script], capture_output=True, text=True, env=env, timeout=50)
+    assert done.returncode == status, done.stderr
+    started = (tmp_path / "started").read_text().split("\n")
+    assert sorted(started[:3]) == ["started 0", "started 1", "started 2"]
+    if failing is None:
+        assert started[3:] == ["summarize", ""] and done.stderr == ""
+    else:
+        assert started[3:] == [""] and done.stderr == "island_jax: a role exited with status 3; stopping the others\n"
+
+
+def test_an_insecure_coordinator_is_said_so_and_listens_without_credentials():
+    config = gpu_config()
+    raw = description(**{"coordinator.cert_file": None, "coordinator.key_file": None, "coordinator.tokens_file": None,
+                         "coordinator.server_name": None, "coordinator.insecure": True, "tls": None,
+                         "islands.a.token_file": None, "islands.b.token_file": None})
+    script = slurm.render(config, cluster_lib.check(config, raw), CONFIG_ARGS, "/w")["slurm-job.sbatch"]
+    commands = srun_commands(script)
+    assert commands["coordinator"][-3:] == ["--coordinator=0.0.0.0:50051", "--role=coordinator", "--insecure"]
+    assert commands["b"][-3:] == ["--role=island", "--island=b", "--coordinator=$IJ_COORDINATOR"]

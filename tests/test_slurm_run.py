@@ -23,7 +23,17 @@ NODES = 4  # the coordinator, island a's two processes, island b
 
 
 def _why_not() -> str | None:
-    """None when SLURM accepts jobs here, else why not."""
+    """None when SLURM accepts jobs here, else why not (with the last line of the setup's log when `.ci/run` ran
+    launch/slurm_single_node.sh: ISLAND_JAX_SLURM_SETUP_LOG)."""
+    reason = _reason()
+    log = os.environ.get("ISLAND_JAX_SLURM_SETUP_LOG", "")
+    if reason and log and os.path.exists(log):
+        lines = [line for line in open(log, encoding="utf-8", errors="replace").read().splitlines() if line.strip()]
+        reason += f"; the setup said: {lines[-1] if lines else '(nothing)'}"
+    return reason
+
+
+def _reason() -> str | None:
     if shutil.which("sbatch") is None or shutil.which("sinfo") is None:
         return "SLURM is not installed here (sbatch, sinfo); run: sudo launch/slurm_single_node.sh"
     states = subprocess.run(["sinfo", "-h", "-N", "-o", "%T"], capture_output=True, text=True, timeout=60)
@@ -47,13 +57,15 @@ def test_the_tiny_run_submitted_to_slurm_finishes_with_checksums_agreeing(tmp_pa
     host = socket.gethostname()
     secrets = security.make_run_credentials(str(tmp_path / "secrets"), ["a", "b"], [host, socket.getfqdn()])
     description = {
-        "coordinator": {"scheduler": "slurm", "addresses": [f"auto:{_free_port()}"],
+        # islands check the certificate for "localhost", which it names, whichever node the coordinator gets
+        "coordinator": {"scheduler": "slurm", "addresses": [f"auto:{_free_port()}"], "server_name": "localhost",
                         "cert_file": secrets["cert_file"], "key_file": secrets["key_file"],
                         "tokens_file": secrets["tokens_file"]},
         # island a as 2 processes on 2 nodes (2 CPU devices each): --process_id and --island_coordinator from the job
         "islands": {name: {"scheduler": "slurm", "nodes": nodes, "token_file": secrets["token_files"][name]}
                     for name, nodes in (("a", 2), ("b", 1))},
         "tls": {k: secrets[k] for k in ("ca_file", "client_cert_file", "client_key_file")},
+        "island_port": _free_port(),
         "python": sys.executable,
         "repo": ROOT,
     }

@@ -46,7 +46,8 @@ def description(**changes):
                         "addresses": ["10.128.0.5:50051"], "cert_file": "/secrets/server.pem",
                         "key_file": "/secrets/server.key", "tokens_file": "/secrets/tokens.json"},
         "islands": {
-            "a": {"scheduler": "slurm", "nodes": 1, "devices_per_node": 4, "partition": "gpu"},
+            "a": {"scheduler": "slurm", "nodes": 1, "devices_per_node": 4, "partition": "gpu",
+                  "token_file": "/secrets/token_a"},
             "b": {"scheduler": "tpu_vm", "tpu": "island-b", "zone": "europe-west4-a", "project": "proj",
                   "accelerator_type": "v4-16", "token_file": "/secrets/token_b",
                   "env": {"NOTE": "it's \"quoted\" $HOME"}},
@@ -100,7 +101,7 @@ def python_argv(remote):
 
 def expected_coordinator(workdir):
     return ["-u", "experiments/train.py", *CONFIG_ARGS, f"--workdir={workdir}", "--coordinator=0.0.0.0:50051",
-            "--role=coordinator", *TLS, "--config.comm.tls.cert_file=/secrets/server.pem",
+            "--role=coordinator", TLS[0], "--config.comm.tls.cert_file=/secrets/server.pem",
             "--config.comm.tls.key_file=/secrets/server.key", "--config.comm.tls.require_client_cert=True",
             "--config.comm.auth.tokens_file=/secrets/tokens.json"]
 
@@ -152,7 +153,7 @@ def test_every_role_gets_the_same_config_and_overrides(tmp_path):
 def test_single_host_islands_get_no_process_flags_and_no_lookup(tmp_path):
     config = tpu_config(**{"islands.a.hardware": "tpu-v6e"})
     raw = description(**{
-        "coordinator": {"scheduler": "slurm", "addresses": ["coord.example.org:50051"]},
+        "coordinator": {"scheduler": "slurm", "addresses": ["coord.example.org:50051"], "insecure": True},
         "islands.a": {"scheduler": "tpu_vm", "tpu": "island-a", "zone": "us-east5-b", "accelerator_type": "v6e-4"}})
     lines = tpu_vm.render(config, load(tmp_path, raw, config), CONFIG_ARGS, "runs/tpu", gcloud="/opt/gc --quiet")
     assert lines[2] == "# Not started here (their own launcher or job): coordinator (slurm)"
@@ -196,8 +197,9 @@ def test_a_description_that_cannot_launch_fails_before_rendering_naming_the_fiel
     ({"coordinator.zone": None}, r"coordinator\.zone is missing"),
     ({"islands.b.env": {"TWO WORDS": "x"}}, r"islands\.b\.env is \{'TWO WORDS': 'x'\}; give a mapping of environment variable names"),
     ({"coordinator.scheduler": "slurm", "coordinator.vm": None, "coordinator.zone": None, "coordinator.project": None,
-      "islands.b": {"scheduler": "slurm", "nodes": 2, "devices_per_node": 4}},
-     r"no role of the cluster description has scheduler: tpu_vm"),
+      "islands.b": {"scheduler": "slurm", "nodes": 2, "devices_per_node": 4, "token_file": "/secrets/token_b"}},
+     r"islands\.b\.hardware is tpu-v4 but islands\.b\.scheduler is slurm; TPU slices are started with scheduler: "
+     r"tpu_vm"),
 ])
 def test_what_only_the_tpu_vm_launcher_needs_fails_naming_the_field(changes, message):
     config = tpu_config()
@@ -358,3 +360,13 @@ def test_the_launcher_prints_the_script_or_runs_it_with_the_gcloud_given(tmp_pat
     done = subprocess.run([*base, "--dry_run"], cwd=ROOT, capture_output=True, text=True, env=env)
     assert done.returncode == 1 and "islands.b.num_devices is 8 but islands.b.accelerator_type v5litepod-16" \
         in done.stderr
+
+
+def test_ssh_flags_reach_every_ssh_line_of_their_role(tmp_path):
+    config = tpu_config()
+    raw = description(**{"islands.b.ssh_flags": ["--internal-ip"], "coordinator.ssh_flags": ["--tunnel-through-iap"]})
+    calls = ssh_calls(tpu_vm.render(config, load(tmp_path, raw, config), CONFIG_ARGS, "/srv/runs/tpu"))
+    assert [words[5] if words[2] == "tpus" else words[3] for words, _ in calls] == ["coord-vm", "island-b", "island-b"]
+    for words, _ in calls:
+        assert ("--internal-ip" in words) == (words[2] == "tpus")
+        assert ("--tunnel-through-iap" in words) == (words[2] != "tpus")
