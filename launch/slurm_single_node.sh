@@ -75,6 +75,8 @@ SlurmdPidFile=/run/slurmd-%n.pid
 SlurmctldLogFile=/var/log/slurm/slurmctld.log
 SlurmdLogFile=/var/log/slurm/slurmd-%n.log
 SchedulerType=sched/backfill
+# Heterogeneous jobs start only on a backfill pass (every 30 s by default); a pass every second starts them at once.
+SchedulerParameters=bf_interval=1
 JobCompType=jobcomp/none
 ${nodes_conf}
 PartitionName=local Nodes=ALL Default=YES MaxTime=INFINITE State=UP OverSubscribe=FORCE:${CPUS}

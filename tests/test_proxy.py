@@ -345,7 +345,17 @@ def test_grpc_health_through_proxy_survives_reset():
                 next(watch)
             assert failed.value.code() == grpc.StatusCode.UNAVAILABLE
             # A call started after the reset waits for the channel to reconnect through the proxy, and succeeds.
-            assert stub.Check(request, timeout=TIMEOUT, wait_for_ready=True).status == serving
+            # Until the channel has seen its transport break (the watch's failure can come first), a call may
+            # still go out on the broken one and fail with UNAVAILABLE: such calls are made again, to a deadline.
+            deadline = time.monotonic() + TIMEOUT
+            while True:
+                try:
+                    reply = stub.Check(request, timeout=TIMEOUT, wait_for_ready=True)
+                    break
+                except grpc.RpcError as e:
+                    if e.code() != grpc.StatusCode.UNAVAILABLE or time.monotonic() > deadline:
+                        raise
+            assert reply.status == serving
             assert proxy.connections == 1 and proxy.accepted == 2 and proxy.resets == 1
             assert proxy.bytes_up > 0 and proxy.bytes_down > 0
     finally:

@@ -6,10 +6,12 @@ before the suite). Without one the test is skipped, and the skip says why.
 
 import json
 import os
+import re
 import shutil
 import socket
 import subprocess
 import sys
+import time
 
 import pytest
 import yaml
@@ -44,6 +46,18 @@ def _reason() -> str | None:
     return None
 
 
+def _finished(job: str, timeout: float) -> str:
+    """The state `job` ended in, once it has (polled every 0.2 s, up to `timeout` seconds)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        shown = subprocess.run(["scontrol", "show", "job", job, "-o"], capture_output=True, text=True, timeout=60)
+        states = re.findall(r"JobState=(\S+)", shown.stdout)  # one per heterogeneous-job component
+        if states and all(s not in ("PENDING", "RUNNING", "CONFIGURING", "COMPLETING") for s in states):
+            return next((s for s in states if s != "COMPLETED"), "COMPLETED")
+        time.sleep(0.2)
+    raise TimeoutError(f"SLURM job {job} did not end within {timeout} s")
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("", 0))
@@ -72,15 +86,17 @@ def test_the_tiny_run_submitted_to_slurm_finishes_with_checksums_agreeing(tmp_pa
     (tmp_path / "cluster.yaml").write_text(yaml.safe_dump(description))
     workdir = tmp_path / "run"
     done = subprocess.run(
-        [sys.executable, os.path.join(ROOT, "launch", "slurm.py"), f"--config={CONFIG}",
-         f"--config.data.files={corpus}", "--config.islands.a.num_processes=2", f"--cluster={tmp_path / 'cluster.yaml'}", f"--workdir={workdir}",
-         "--sbatch=sbatch --wait"],
-        capture_output=True, text=True, env=role_env(), timeout=900,
+        [sys.executable, os.path.join(ROOT, "launch", "slurm.py"), f"--config={CONFIG}", f"--config.data.files={corpus}",
+         "--config.islands.a.num_processes=2", f"--cluster={tmp_path / 'cluster.yaml'}", f"--workdir={workdir}"],
+        capture_output=True, text=True, env=role_env(), timeout=300,
     )
+    assert done.returncode == 0, f"{done.stdout}\n{done.stderr}"
+    submitted = re.fullmatch(r"\[slurm\] submitted (\S+): job (\d+)\n", done.stdout)
+    assert submitted and submitted.group(1) == str(workdir / "launch" / "slurm-job.sbatch"), done.stdout
+    state = _finished(submitted.group(2), timeout=600)
     logs = sorted((workdir / "launch").glob("slurm-*.out"))
     log = logs[0].read_text() if logs else "(no job log)"
-    assert done.returncode == 0, f"{done.stdout}\n{done.stderr}\n{log[-4000:]}"
-    assert done.stdout.startswith("[slurm] submitted ") and len(logs) == 1
+    assert state == "COMPLETED" and len(logs) == 1, f"job state {state}\n{log[-4000:]}"
     summary = json.loads((workdir / "summary.json").read_text())
     assert (summary["rounds"], summary["checksums_agree"]) == (3, True)
     assert [line for line in log.splitlines() if "[summarize] done in" in line][0].endswith(
