@@ -497,3 +497,25 @@ def check_workdir(workdir: str) -> None:
 def summarize_command(cluster: Cluster, config_args_: Sequence[str], workdir: str) -> Command:
     """`launch/summarize.py`, which writes the run's summary.json once every role's folder is in `workdir`."""
     return Command((cluster.python, "-u", "launch/summarize.py", *config_args_, f"--workdir={workdir}"))
+
+
+def from_flags(held: Mapping[str, Any], argv: Sequence[str]) -> tuple[Any, Cluster, list[str], str]:
+    """A launcher's inputs from its flags (`define_flags`) and command line: (config, the checked description, the
+    `--config` items every role gets, workdir).
+
+    Raises:
+      ClusterError: a relative workdir, or a description that cannot launch the config (`load`).
+    """
+    config, workdir = held["config"].value, held["workdir"].value
+    check_workdir(workdir)
+    return config, load(held["cluster"].value, config), config_args(argv), workdir
+
+
+def write_launch_file(workdir: str, name: str, text: str) -> str:
+    """Writes `text` to WORKDIR/launch/NAME (the folder made if needed) and returns its path: what a launcher
+    renders is kept beside the run it started."""
+    path = os.path.join(workdir, "launch", name)
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path, "w", encoding="utf-8") as f:
+        f.write(text)
+    return path

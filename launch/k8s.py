@@ -539,9 +539,7 @@ def main(argv):
         return
     path = os.path.join(workdir, "launch", "k8s.yaml")
     try:
-        os.makedirs(os.path.dirname(path), exist_ok=True)
-        with open(path, "w", encoding="utf-8") as f:
-            f.write(text)
+        cluster_lib.write_launch_file(workdir, "k8s.yaml", text)
     except OSError as e:
         sys.exit(f"cannot write {path} ({e}); run with --dry_run > FILE and `{kubectl} apply -f FILE` instead")
     done = subprocess.run([*shlex.split(kubectl), "apply", "-f", path])

@@ -187,11 +187,8 @@ def _script(config, cluster, config_args, workdir, placements, host, port, group
 
 def main(argv):
     del argv
-    config, workdir = _FLAGS["config"].value, _FLAGS["workdir"].value
     try:
-        cluster_lib.check_workdir(workdir)
-        cluster = cluster_lib.load(_FLAGS["cluster"].value, config)
-        config_args = cluster_lib.config_args(sys.argv[1:])
+        config, cluster, config_args, workdir = cluster_lib.from_flags(_FLAGS, sys.argv[1:])
         scripts = render(config, cluster, config_args, workdir)
     except cluster_lib.ClusterError as e:
         sys.exit(str(e))
@@ -199,12 +196,8 @@ def main(argv):
         for name, text in scripts.items():
             print(f"# ---- {name}\n{text}")
         return
-    folder = os.path.join(workdir, "launch")
-    os.makedirs(folder, exist_ok=True)
     for name, text in scripts.items():
-        path = os.path.join(folder, name)
-        with open(path, "w", encoding="utf-8") as f:
-            f.write(text)
+        path = cluster_lib.write_launch_file(workdir, name, text)
         sbatch = _FLAGS["sbatch"].value
         done = subprocess.run([*shlex.split(sbatch), "--parsable", path], capture_output=True, text=True)
         if done.returncode:

@@ -238,11 +238,9 @@ def render(config, cluster: cluster_lib.Cluster, config_args: list[str], workdir
 
 def main(argv):
     del argv
-    config, workdir = _FLAGS["config"].value, _FLAGS["workdir"].value
     try:
-        cluster_lib.check_workdir(workdir)
-        cluster = cluster_lib.load(_FLAGS["cluster"].value, config)
-        lines = render(config, cluster, cluster_lib.config_args(sys.argv[1:]), workdir, gcloud=_FLAGS["gcloud"].value)
+        config, cluster, config_args, workdir = cluster_lib.from_flags(_FLAGS, sys.argv[1:])
+        lines = render(config, cluster, config_args, workdir, gcloud=_FLAGS["gcloud"].value)
     except cluster_lib.ClusterError as e:
         sys.exit(str(e))
     script = "\n".join(lines) + "\n"

@@ -1,7 +1,6 @@
 """launch/k8s.py: the manifests rendered from a cluster description (no Kubernetes needed), checked against the
 Kubernetes 1.30 API schemas; and island_jax/health.py, the coordinator's probe, against the real gRPC server."""
 
-import importlib.util
 import os
 import re
 import socket
@@ -12,6 +11,7 @@ import kubernetes_validate
 import numpy as np
 import pytest
 import yaml
+from launchers import changed, launcher
 
 from island_jax import cluster as cluster_lib
 from island_jax import health
@@ -22,11 +22,7 @@ from island_jax.coordinator import FragmentedCoordinator
 from island_jax.experiment import apply_override, load_config
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if "k8s_launcher" not in sys.modules:  # registered first: its dataclasses look their module up there
-    _spec = importlib.util.spec_from_file_location("k8s_launcher", os.path.join(ROOT, "launch", "k8s.py"))
-    sys.modules["k8s_launcher"] = importlib.util.module_from_spec(_spec)
-    _spec.loader.exec_module(sys.modules["k8s_launcher"])  # defines no absl flags (only when run as a script)
-k8s = sys.modules["k8s_launcher"]
+k8s = launcher("k8s")
 
 KUBERNETES = "1.30.0"  # the API version the manifests are validated against (kubernetes-validate's schemas)
 WORKDIR = "/runs/two_islands"
@@ -72,15 +68,7 @@ def description(tmp_path, made, **changes):
         "tls": {k: made[k] for k in ("ca_file", "client_cert_file", "client_key_file")},
         "repo": "/opt/island_jax",
     }
-    for path, value in changes.items():
-        *parents, last = path.split(".")
-        node = raw
-        for p in parents:
-            node = node[p]
-        if value is None:
-            del node[last]
-        else:
-            node[last] = value
+    changed(raw, changes)
     path = tmp_path / "cluster.yaml"
     path.write_text(yaml.safe_dump(raw))
     return str(path)

@@ -1,6 +1,5 @@
 """launch/slurm.py: the cluster description's checks, and the sbatch scripts rendered from it (no SLURM needed)."""
 
-import importlib.util
 import os
 import re
 import shlex
@@ -8,14 +7,13 @@ import subprocess
 
 import pytest
 import yaml
+from launchers import changed, launcher
 
 from island_jax import cluster as cluster_lib
 from island_jax.experiment import apply_override, load_config
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-_spec = importlib.util.spec_from_file_location("slurm_launcher", os.path.join(ROOT, "launch", "slurm.py"))
-slurm = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(slurm)
+slurm = launcher("slurm")
 
 # two_islands on GPUs: island a on 2 nodes x 4 GPUs, island b on 1 node x 8 GPUs
 OVERRIDES = {
@@ -48,16 +46,7 @@ def description(**changes):
                 "client_key_file": "/secrets/client.key"},
         "repo": "/shared/island_jax",
     }
-    for path, value in changes.items():
-        *parents, last = path.split(".")
-        node = raw
-        for p in parents:
-            node = node[p]
-        if value is None:
-            del node[last]
-        else:
-            node[last] = value
-    return raw
+    return changed(raw, changes)
 
 
 def components(script: str) -> list[list[str]]:
@@ -232,9 +221,7 @@ def test_the_dry_run_prints_the_script_and_a_bad_description_exits_with_its_erro
 
 def test_two_clusters_island_a_under_slurm_and_island_b_on_a_tpu_vm_dial_one_coordinator():
     """docs/launch.md's mixed case: each launcher renders only its own roles, with the same config and overrides."""
-    spec = importlib.util.spec_from_file_location("tpu_vm_launcher", os.path.join(ROOT, "launch", "tpu_vm.py"))
-    tpu_vm = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(tpu_vm)
+    tpu_vm = launcher("tpu_vm")
     overrides = {**OVERRIDES, "islands.b.num_processes": 2, "islands.b.hardware": "tpu-v4"}
     config_args = ["--config=experiments/configs/two_islands.py", *(f"--config.{k}={v}" for k, v in overrides.items())]
     config = load_config("experiments/configs/two_islands.py")

@@ -1,6 +1,5 @@
 """launch/tpu_vm.py: the gcloud script of a run's TPU VM islands, read and run against a fake gcloud (no cloud)."""
 
-import importlib.util
 import json
 import os
 import re
@@ -11,14 +10,13 @@ import sys
 
 import pytest
 import yaml
+from launchers import changed, launcher
 
 from island_jax import cluster as cluster_lib
 from island_jax.experiment import apply_override, load_config
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-_spec = importlib.util.spec_from_file_location("tpu_vm_launcher", os.path.join(ROOT, "launch", "tpu_vm.py"))
-tpu_vm = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(tpu_vm)
+tpu_vm = launcher("tpu_vm")
 
 # two_islands with island b on a v4-16 slice: 8 chips on 2 hosts, one process each
 OVERRIDES = {
@@ -57,16 +55,7 @@ def description(**changes):
         "repo": "/srv/island_jax",
         "island_port": 8477,
     }
-    for path, value in changes.items():
-        *parents, last = path.split(".")
-        node = raw
-        for p in parents:
-            node = node[p]
-        if value is None:
-            del node[last]
-        else:
-            node[last] = value
-    return raw
+    return changed(raw, changes)
 
 
 def load(tmp_path, raw, config):
