@@ -87,9 +87,8 @@ def render(config, cluster: cluster_lib.Cluster, config_args: list[str], workdir
     if not groups:
         raise cluster_lib.ClusterError("no role of the cluster description has scheduler: slurm; nothing to render")
     address = cluster.addresses[0]
-    host, port = address.rsplit(":", 1)
     coordinator_group = next((g for g, ps in groups.items() if cluster.coordinator in ps), None)
-    if host == "auto":
+    if cluster.host == "auto":
         away = [n for n, p in cluster.islands.items()
                 if coordinator_group is None or p not in groups.get(coordinator_group, [])]
         if away:
@@ -99,11 +98,12 @@ def render(config, cluster: cluster_lib.Cluster, config_args: list[str], workdir
     scripts = {}
     for group, placements in groups.items():
         name = f"slurm-{group or 'job'}.sbatch"
-        scripts[name] = _script(config, cluster, config_args, workdir, placements, host, port, group)
+        scripts[name] = _script(config, cluster, config_args, workdir, placements, group)
     return scripts
 
 
-def _script(config, cluster, config_args, workdir, placements, host, port, group) -> str:
+def _script(config, cluster, config_args, workdir, placements, group) -> str:
+    port = cluster.port
     others = [p.role for p in cluster.placements() if p not in placements]
     lines = ["#!/bin/bash", f"# island_jax: {', '.join(p.role for p in placements)}"
              + (f" on cluster {group}" if group else "") + ", rendered by launch/slurm.py"]
@@ -133,10 +133,10 @@ def _script(config, cluster, config_args, workdir, placements, host, port, group
     # Where the islands reach the coordinator, and where each island of several processes finds its process 0:
     # in the job's environment; a node list without an address stops the job before any role starts.
     found = []
-    if host == "auto":
+    if cluster.host == "auto":
         found.append(("IJ_COORDINATOR", first_host(index["coordinator"]), port))
     else:
-        lines.append(f"export IJ_COORDINATOR={shlex.quote(f'{host}:{port}')}")
+        lines.append(f"export IJ_COORDINATOR={shlex.quote(cluster.addresses[0])}")
     found += [(_env_name(p.role), first_host(index[p.role]), cluster.island_port)
               for p in placements if p.role != "coordinator" and p.nodes > 1]
     for name, expression, at in found:
