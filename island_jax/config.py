@@ -43,7 +43,7 @@ from island_jax.hardware import CATALOG
 # and island_jax/outer/codec.py import them from here), so that reading and checking a config imports no JAX
 # (the launcher does only that).
 DISPATCH = ("capacity", "dropless")  # `moe.dispatch` (island_jax/model/moe.py)
-CODEC_KINDS = ("none", "bf16", "int8", "int4")  # `codec.kind`, every codec (island_jax/outer/codec.py)
+CODEC_KINDS = ("none", "bf16", "int8", "int4", "topk")  # `codec.kind`, every codec (island_jax/outer/codec.py)
 
 SYNC = ("steps", "auto", "time")  # values of outer.sync (island_jax/planning.py)
 AUTO_FROM = ("catalog", "measured")  # values of outer.auto_from
@@ -253,9 +253,14 @@ def _outer() -> dict:
 def _codec() -> dict:
     """`codec`: how pseudo-gradients and updates are encoded for the wire."""
     return dict(
-        kind="int8",  # int8 | int4 (blockwise absmax) | bf16 | none (float32)
+        kind="int8",  # int8 | int4 (blockwise absmax) | bf16 | none (float32) | topk (SparseLoCo)
         block_size=256,  # elements per float32 scale of int8 / int4
-        error_feedback=False,  # islands add what the codec lost last round before encoding
+        error_feedback=False,  # islands add what the codec lost last round before encoding (always on for topk)
+        # the codec of the update the coordinator sends back: any kind; "" = codec.kind. Whatever it loses stays in
+        # the coordinator's master - view drift and is sent in a later round.
+        update_kind="",
+        topk_group=4096,  # topk: elements per group, each with one float32 scale
+        topk_k=64,  # topk: values kept per group (those of largest magnitude)
     )
 
 
@@ -416,9 +421,30 @@ def _check_moe(moe: ml_collections.ConfigDict, m: ml_collections.ConfigDict) -> 
 def _check_codec(codec: ml_collections.ConfigDict) -> None:
     _require(codec.kind in CODEC_KINDS, f"codec.kind is {codec.kind!r}, an unknown codec; choose one of {CODEC_KINDS}")
     _require(
+        codec.update_kind in ("", *CODEC_KINDS),
+        f"codec.update_kind is {codec.update_kind!r}, an unknown codec; choose one of {CODEC_KINDS} "
+        "(or \"\" for codec.kind's)",
+    )
+    _require(
         codec.block_size > 0,
         f"codec.block_size is {codec.block_size}; it must be a positive number of elements (e.g. 256)",
     )
+    _require(
+        1 <= codec.topk_k <= codec.topk_group,
+        f"codec.topk_group is {codec.topk_group} and codec.topk_k {codec.topk_k}; keep 1 <= topk_k <= topk_group "
+        "(SparseLoCo keeps 64 of every 4096)",
+    )
+
+
+def update_kind(codec: ml_collections.ConfigDict) -> str:
+    """The update's codec kind of a config's `codec` section: `codec.update_kind`, or `codec.kind` when it is ""."""
+    return codec.get("update_kind", "") or codec.kind
+
+
+def error_feedback(codec: ml_collections.ConfigDict) -> bool:
+    """Whether islands carry what the codec lost into the next round: `codec.error_feedback`, always for topk
+    (SparseLoCo, arXiv 2508.15706, sends a top-k of the accumulated error, never of the pseudo-gradient alone)."""
+    return bool(codec.error_feedback) or codec.kind == "topk"
 
 
 def _check_outer(outer: ml_collections.ConfigDict, islands: ml_collections.ConfigDict) -> None:
@@ -720,7 +746,7 @@ def total_devices(config: ml_collections.ConfigDict) -> int:
 def fingerprint_fields(config: ml_collections.ConfigDict) -> dict:
     """What islands and coordinator must share, as {dotted field name: value}.
 
-    Covers the model and MoE shapes, the codec kind and block size, the held-out
+    Covers the model and MoE shapes, the codecs both ways and their sizes, the held-out
     share of the corpus and the seed; not island sizes, batch sizes or learning
     rates or `model.remat`, which may differ per island, nor `data.files`, whose path may differ
     per host (an island's join carries its corpus's fingerprint, checked
@@ -732,6 +758,7 @@ def fingerprint_fields(config: ml_collections.ConfigDict) -> dict:
     fields.update({f"moe.{k}": config.moe[k] for k in shapes})
     fields["moe.routing_bias"] = config.moe.routing_bias_update_rate > 0
     fields.update({f"codec.{k}": v for k, v in config.codec.items()})
+    fields["codec.update_kind"] = update_kind(config.codec)  # "" and codec.kind's name are the same codec
     fields["comm.chunk_bytes"] = config.comm.chunk_bytes  # the payload's piece layout depends on it
     fields["outer.fragments"] = config.outer.fragments  # the payloads are per fragment
     fields["data.eval_fraction"] = config.data.eval_fraction  # the split of the corpus (an island sends its corpus)

@@ -69,7 +69,7 @@ def test_an_update_applied_shard_by_shard_has_the_bits_of_the_whole_update():
     payload = codec.encode(update, "int8", 64)
     plan = codec.chunk_plan(tree, "int8", 64, 4096)
     ownership = Ownership(plan, layouts, 1)
-    new = ownership.apply(host, ownership.update_sources(payload), "int8", 64)
+    new = ownership.apply(host, ownership.update_sources(payload), codec.Codec("int8", 64))
     expected = jax.tree.leaves(codec.decode_and_apply(tree, payload, "int8", 64))
     for h, x, layout in zip(new, expected, layouts):
         for k, shard in h.shards.items():

@@ -45,14 +45,18 @@ class JoinReply(_message.Message):
     def __init__(self, round: _Optional[int] = ..., params_checksum: _Optional[str] = ..., payload_bytes: _Optional[int] = ..., layout: _Optional[str] = ..., view_bytes: _Optional[int] = ..., view_chunk_offsets: _Optional[_Iterable[int]] = ..., fragments: _Optional[_Iterable[_Union[FragmentPlan, _Mapping]]] = ..., incarnation: _Optional[str] = ..., rejoin: _Optional[bool] = ...) -> None: ...
 
 class FragmentPlan(_message.Message):
-    __slots__ = ("payload_bytes", "layout", "chunk_offsets")
+    __slots__ = ("payload_bytes", "layout", "chunk_offsets", "update_payload_bytes", "update_chunk_offsets")
     PAYLOAD_BYTES_FIELD_NUMBER: _ClassVar[int]
     LAYOUT_FIELD_NUMBER: _ClassVar[int]
     CHUNK_OFFSETS_FIELD_NUMBER: _ClassVar[int]
+    UPDATE_PAYLOAD_BYTES_FIELD_NUMBER: _ClassVar[int]
+    UPDATE_CHUNK_OFFSETS_FIELD_NUMBER: _ClassVar[int]
     payload_bytes: int
     layout: str
     chunk_offsets: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, payload_bytes: _Optional[int] = ..., layout: _Optional[str] = ..., chunk_offsets: _Optional[_Iterable[int]] = ...) -> None: ...
+    update_payload_bytes: int
+    update_chunk_offsets: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, payload_bytes: _Optional[int] = ..., layout: _Optional[str] = ..., chunk_offsets: _Optional[_Iterable[int]] = ..., update_payload_bytes: _Optional[int] = ..., update_chunk_offsets: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class PayloadHeader(_message.Message):
     __slots__ = ("round", "island", "tokens", "total_bytes", "crc32", "layout", "params_checksum", "step_seconds", "inner_steps", "streams", "fragment", "attempt", "fragment_rounds", "incarnation", "part", "parts", "share")

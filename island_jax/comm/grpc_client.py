@@ -327,6 +327,7 @@ class GrpcTransport:
         self.view_bytes: int | None = None
         self.layouts: list[str] = []  # per fragment
         self.plans: list[list[codec.Chunk]] = []  # per fragment
+        self.update_plans: list[list[codec.Chunk]] = []  # per fragment: the same chunks in the update's bytes
         self.shares: list[list[codec.Chunk]] = []  # per fragment: this process's chunks (all of them with one)
         self.share_bitmaps: list[bytes] = []  # per fragment: `shares` as `wire.share_bitmap` (several processes)
         self.view_plan: list[codec.Chunk] = []
@@ -376,6 +377,10 @@ class GrpcTransport:
         self.payload_bytes, self.view_bytes = reply.payload_bytes, reply.view_bytes
         self.layouts = [f.layout for f in reply.fragments]
         self.plans = [_plan(list(f.chunk_offsets), f.payload_bytes) for f in reply.fragments]
+        self.update_plans = [
+            _plan(list(f.update_chunk_offsets), f.update_payload_bytes) if f.update_chunk_offsets else plan
+            for f, plan in zip(reply.fragments, self.plans)
+        ]
         self.shares, self.share_bitmaps = self._shares_of(self.plans)
         self.view_plan = _plan(list(reply.view_chunk_offsets), reply.view_bytes)
         return dict(round=reply.round, checksum=reply.params_checksum, rejoin=reply.rejoin)
@@ -570,9 +575,10 @@ class GrpcTransport:
 
     def _open_fetch(self, round: int, island: str, fragment: int = 0, incarnation: str | None = None) -> _Fetch:
         methods = self._fetch_update[: self._streams(fragment)]
-        return _Fetch(self, round, island, "fetch_update", self.plans[fragment], methods, fragment,
+        update_plan = self.update_plans[fragment]
+        return _Fetch(self, round, island, "fetch_update", update_plan, methods, fragment,
                       incarnation=self.incarnation if incarnation is None else incarnation,
-                      share=self.shares[fragment], part=self.part, parts=self.parts,
+                      share=[update_plan[c.index] for c in self.shares[fragment]], part=self.part, parts=self.parts,
                       bitmap=self.share_bitmaps[fragment])
 
     def fetch_update(self, round: int, island: str, fragment: int = 0) -> bytes:

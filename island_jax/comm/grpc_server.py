@@ -393,13 +393,14 @@ class ExchangeService:
     def __init__(self, coordinator: FragmentedCoordinator, chunk_bytes: int, authenticated: bool = False):
         self.coordinator = c = coordinator
         self.authenticated = authenticated  # calls carry a token for the island they name (`security.AuthInterceptor`)
-        self.layouts = [codec.layout(f.shapes, f.kind, f.block_size) for f in c.fragments]
+        self.layouts = [codec.layout(f.shapes, f.codec) for f in c.fragments]
         self.payload_bytes = sum(f.payload_bytes for f in c.fragments)  # one round of every fragment
+        self.update_bytes = sum(f.update_bytes for f in c.fragments)  # one round's update, every fragment
         first = c.fragments[0]
         shapes = c.shapes
-        self.view_plan = codec.chunk_plan(shapes, "none", first.block_size, chunk_bytes)
-        self.view_bytes = codec.payload_bytes(shapes, "none", first.block_size)
-        self.view_layout = codec.layout(shapes, first.kind, first.block_size)  # what Join replies with
+        self.view_plan = codec.chunk_plan(shapes, "none", None, chunk_bytes)
+        self.view_bytes = codec.payload_bytes(shapes, "none")
+        self.view_layout = codec.layout(shapes, first.codec)  # what Join replies with
         self.lock = threading.Condition()
         self.fetched: dict[tuple[int, int], set[str]] = {}  # (fragment, round) -> islands that received its update
         self.wire_bytes = {name: dict(received=0, sent=0) for name in c.islands}
@@ -527,7 +528,9 @@ class ExchangeService:
             layout=self.view_layout, view_bytes=self.view_bytes,
             view_chunk_offsets=[k.offset for k in self.view_plan],
             fragments=[
-                pb.FragmentPlan(payload_bytes=f.payload_bytes, layout=layout, chunk_offsets=[k.offset for k in f.plan])
+                pb.FragmentPlan(payload_bytes=f.payload_bytes, layout=layout, chunk_offsets=[k.offset for k in f.plan],
+                                update_payload_bytes=f.update_bytes,
+                                update_chunk_offsets=[k.offset for k in f.update_plan] if f.update_plan != f.plan else [])
                 for f, layout in zip(c.fragments, self.layouts)
             ],
         )
@@ -591,7 +594,7 @@ class ExchangeService:
             generation = now_generation
             for k in sorted(chunks):
                 if k in mine and k not in sent_chunks:
-                    frame = wire.chunk_frame(k, c.plan[k].offset, chunks[k])
+                    frame = wire.chunk_frame(k, c.update_plan[k].offset, chunks[k])
                     sent += len(frame)
                     yield frame
                     sent_chunks.add(k)

@@ -44,7 +44,8 @@ class InProcessExchange:
     Attributes:
       lock: a threading.Condition guarding the coordinator, notified after every change.
       coordinator: the served `FragmentedCoordinator` (None until `serve`).
-      payload_bytes: bytes of one round of every fragment's update.
+      payload_bytes: bytes of one round of every fragment's contribution (one island's).
+      update_bytes: bytes of one round of every fragment's update.
       wire_bytes: {island: {"received", "sent"}}, frame bytes the gRPC service would count.
       fetched: {(fragment, round): islands that received its update}.
       ready: islands that said they are ready to train (`start_together`).
@@ -58,6 +59,7 @@ class InProcessExchange:
         self.lock = threading.Condition()
         self.coordinator: FragmentedCoordinator | None = None
         self.payload_bytes = 0
+        self.update_bytes = 0
         self.wire_bytes: dict[str, dict[str, int]] = {}
         self.fetched: dict[tuple[int, int], set[str]] = {}
         self.ready: set[str] = set()
@@ -71,7 +73,8 @@ class InProcessExchange:
         with self.lock:
             self.coordinator = coordinator
             self.payload_bytes = sum(f.payload_bytes for f in coordinator.fragments)
-            self.layouts = [codec.layout(f.shapes, f.kind, f.block_size) for f in coordinator.fragments]
+            self.update_bytes = sum(f.update_bytes for f in coordinator.fragments)
+            self.layouts = [codec.layout(f.shapes, f.codec) for f in coordinator.fragments]
             self.wire_bytes = {name: dict(received=0, sent=0) for name in coordinator.islands}
             self.lock.notify_all()
         return self
@@ -264,7 +267,7 @@ class InProcessTransport:
                         ex.notify()
                     else:
                         ex.lock.wait(timeout=0.5)
-            plan = c.fragments[fragment].plan
+            plan = c.fragments[fragment].update_plan
             trailer = pb.PayloadHeader(
                 round=round, island=island, layout=ex.layouts[fragment],
                 inner_steps=c.planned_inner_steps(island) or 0, total_bytes=len(update),

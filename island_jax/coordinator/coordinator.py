@@ -234,7 +234,7 @@ class FragmentedCoordinator:
             for f in self.fragments:
                 f.took_view(island)
         with jax.default_device(jax.devices("cpu")[0]):
-            return [f.round for f in self.fragments], codec.encode(self.view, "none", self.fragments[0].block_size)
+            return [f.round for f in self.fragments], codec.encode(self.view, "none")
 
     def state(self) -> dict:
         """What a checkpoint holds: `fragments`, one `Coordinator.state()` per fragment."""

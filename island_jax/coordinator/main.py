@@ -36,7 +36,8 @@ class _GrpcEndpoint:
             coordinator, address, c.chunk_bytes, tls=c.tls, tokens_file=c.auth.tokens_file, insecure=insecure,
             keepalive_seconds=c.keepalive_seconds,
         )
-        self.lock, self.payload_bytes, self.wire_bytes = self.service.lock, self.service.payload_bytes, self.service.wire_bytes
+        self.lock, self.wire_bytes = self.service.lock, self.service.wire_bytes
+        self.payload_bytes, self.update_bytes = self.service.payload_bytes, self.service.update_bytes
         self.where = f"{address.rsplit(':', 1)[0]}:{self.port}"
 
     def notify(self) -> None:
@@ -87,7 +88,8 @@ def run_coordinator(
 
     Returns:
       The role's summary (also `coordinator/summary.json`): `rounds`, `params`,
-      `codec`, `block_size`, `update_bytes` (payload bytes per round),
+      `codec`, `block_size`, `update_codec` (`codec.update_kind`), `contribution_bytes` (one island's payload
+      bytes per round), `update_bytes` (the update's payload bytes per round),
       `wire_bytes.NAME.{sent, received}` (frame bytes, handshake excluded),
       `checksum` (of the view), `wall_seconds`. Empty if the run was complete.
 
@@ -119,8 +121,9 @@ def run_coordinator(
             role.checkpoints.save(0, coordinator.state(), force=True, frozen_numpy=True)
         endpoint = _serve(coordinator, exchange, config, insecure)
         logging.info(
-            "coordinator serving on %s for islands %s (%d parameters, %s payloads of %d bytes)",
-            endpoint.where, names, num_params, config.codec.kind, endpoint.payload_bytes,
+            "coordinator serving on %s for islands %s (%d parameters; per island and round, %s contributions of "
+            "%d bytes and %s updates of %d bytes)", endpoint.where, names, num_params, coordinator.fragments[0].codec,
+            endpoint.payload_bytes, coordinator.fragments[0].update_codec, endpoint.update_bytes,
         )
         try:
             if finished:  # it died after its last checkpoint: islands still waiting take the final view
@@ -133,7 +136,8 @@ def run_coordinator(
         role.close()
     summary = dict(
         rounds=rounds, params=num_params, codec=config.codec.kind, block_size=config.codec.block_size,
-        update_bytes=endpoint.payload_bytes, wire_bytes=endpoint.wire_bytes, checksum=coordinator.checksum,
+        update_codec=config_lib.update_kind(config.codec), contribution_bytes=endpoint.payload_bytes,
+        update_bytes=endpoint.update_bytes, wire_bytes=endpoint.wire_bytes, checksum=coordinator.checksum,
         wall_seconds=time.perf_counter() - start,
     )
     write_json(os.path.join(role.path, "summary.json"), summary)

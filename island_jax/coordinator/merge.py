@@ -43,7 +43,7 @@ class Contribution:
     """One island's contribution to the current round, as its chunks arrive.
 
     `chunks` maps a chunk index to its rows (`chunk_step.wire_to_rows`): values
-    (codes) [R * block_size] and scales [R] float32.
+    (codes) [R * W] and scales float32, or for topk its kept values and their positions (`FragmentState.decode`).
     """
 
     island: str
@@ -318,8 +318,10 @@ class Coordinator:
         self.pipeline = bool(config.comm.pipeline)
         self.weighting = config.outer.weighting
         self._state = FragmentState(config, params)
-        self.kind, self.block_size = self._state.kind, self._state.block_size
+        self.codec, self.update_codec = self._state.codec, self._state.update_codec
+        # one plan both ways, each in its own codec's bytes (`codec.chunk_plan`'s `other`)
         self.plan, self.payload_bytes = self._state.plan, self._state.payload_bytes
+        self.update_plan, self.update_bytes = self._state.update_plan, self._state.update_bytes
         self.quorum = Quorum(config.outer.min_islands or len(self.islands), config.outer.grace_seconds, clock)
         self.joined: set[str] = set()
         self.round = 0
@@ -435,9 +437,9 @@ class Coordinator:
         round, island = header.round, header.island
         if len(payload) != self.payload_bytes and round >= self.round:
             raise ContributionError(
-                f"island {island!r}, round {round}: payload is {len(payload)} bytes but a {self.kind} payload for "
-                f"these parameters is {self.payload_bytes} bytes; the island uses a different model shape, codec "
-                "or block_size"
+                f"island {island!r}, round {round}: payload is {len(payload)} bytes but a {self.codec} payload for "
+                f"these parameters is {self.payload_bytes} bytes; the island uses a different model shape or codec "
+                "(codec.kind, block_size, topk_group, topk_k)"
             )
         status = self.begin_contribution(header)
         if status != "accepted":
@@ -511,8 +513,7 @@ class Coordinator:
             raise ContributionError(f"island {island!r} sent a chunk of round {round} without an open contribution")
         contribution.check_chunk(round, index, len(data), self.plan)
         values, scales = self._state.decode(index, data)
-        finite = np.isfinite(scales).all() and (self.kind in codec.QUANTIZED_KINDS or np.isfinite(values).all())
-        if not finite:
+        if not self._state.finite(values, scales):
             self._refuse(island, f"round {round}'s pseudo-gradient holds NaN or Inf")
             raise ContributionError(
                 f"island {island!r}, round {round}: the pseudo-gradient holds NaN or Inf; the island diverged "

@@ -17,16 +17,17 @@ from island_jax.outer.optimizer import outer_optimizer
 class FragmentState:
     """A fragment's float32 master parameters, outer optimizer state and island view, held chunk by chunk.
 
-    The payload's chunks (`codec.chunk_plan` of `comm.chunk_bytes`) are each a
-    float32 row matrix [R * block_size] (`outer/chunk_step.py`, padded to the
+    The payload's chunks (`codec.chunk_plan` of `comm.chunk_bytes`, one plan for the
+    contributions and the update) are each a
+    float32 row matrix [R * W] (`outer/chunk_step.py`, padded to the
     same R): the master's rows, one optax state over them, and the island
     view's rows (rounded to bfloat16 on the rows of bfloat16 leaves, as the
     islands' `codec.decode_and_apply` rounds them). The merge program reads and
     writes rows on the CPU device; pytrees are laid out only when asked for.
 
     Args:
-      config: the run's config (`codec.kind`, `codec.block_size`,
-        `comm.chunk_bytes`, and `outer` for the outer optimizer).
+      config: the run's config (`codec`: both directions' codecs, `comm.chunk_bytes`, and `outer` for the outer
+        optimizer).
       params: the fragment's initial parameters, a pytree of float32 or
         bfloat16 NumPy arrays (the view keeps their dtypes).
 
@@ -35,15 +36,22 @@ class FragmentState:
     """
 
     def __init__(self, config: ml_collections.ConfigDict, params: Any):
-        self.kind, self.block_size = config.codec.kind, config.codec.block_size
+        self.codec = codec.Codec.of(config.codec)
+        self.update_codec = codec.Codec.of(config.codec, update=True)
         self._treedef = jax.tree.structure(params)
         self._leaf_specs = [(tuple(np.shape(x)), np.asarray(x).dtype) for x in jax.tree.leaves(params)]
         self._checksum: str | None = None
-        self.plan = codec.chunk_plan(params, self.kind, self.block_size, config.comm.chunk_bytes)
-        self.payload_bytes = codec.payload_bytes(params, self.kind, self.block_size)
-        self.layouts, self.num_rows = chunk_step.row_layouts(self.plan, self.block_size)
+        chunk_bytes = config.comm.chunk_bytes
+        self.plan = codec.chunk_plan(params, self.codec, None, chunk_bytes, self.update_codec)
+        self.update_plan = codec.chunk_plan(params, self.update_codec, None, chunk_bytes, self.codec)
+        self.payload_bytes = codec.payload_bytes(params, self.codec)
+        self.update_bytes = codec.payload_bytes(params, self.update_codec)
+        self.width = codec.row_elements(self.codec, self.update_codec)  # elements per row
+        self.layouts, self.num_rows = chunk_step.row_layouts(self.plan, self.width)
+        self.kept = chunk_step.most_kept(self.layouts, self.codec)
         self._pieces_of_leaf = self._leaf_pieces()
-        self._step = chunk_step.ChunkStep(outer_optimizer(config), self.kind, self.block_size, self.num_rows)
+        self._step = chunk_step.ChunkStep(outer_optimizer(config), self.codec, self.update_codec, self.width,
+                                          self.num_rows)
         self._bf16_rows = [self._bf16_mask(lay) for lay in self.layouts]
         self.master_rows = self._rows_of(params)
         self.opt = [self._step.place(self._step.init(m)) for m in self.master_rows]
@@ -57,7 +65,7 @@ class FragmentState:
         for piece, row in zip(layout.chunk.pieces, layout.row_offsets):
             dtype = self._leaf_specs[piece.leaf][1]
             if dtype == ml_dtypes.bfloat16:
-                mask[row : row + -(-(piece.stop - piece.start) // self.block_size)] = True
+                mask[row : row + -(-(piece.stop - piece.start) // self.width)] = True
             elif dtype != np.float32:
                 raise ValueError(f"parameters of dtype {dtype} are not supported; use float32 or bfloat16")
         return mask
@@ -65,7 +73,7 @@ class FragmentState:
     def _rows_of(self, tree: Any) -> list:
         leaves = [np.asarray(x, np.float32) for x in jax.tree.leaves(tree)]
         return [
-            self._step.place(chunk_step.gather_rows(leaves, lay, self.block_size, self.num_rows)) for lay in self.layouts
+            self._step.place(chunk_step.gather_rows(leaves, lay, self.width, self.num_rows)) for lay in self.layouts
         ]
 
     def _leaf_pieces(self) -> list[list[tuple[int, codec.Piece, int]]]:
@@ -79,7 +87,7 @@ class FragmentState:
     def _row_leaves(self, rows: list) -> list["RowsLeaf"]:
         """The leaves held in per-chunk `rows`, each read in place (`RowsLeaf`), in pytree-flatten order."""
         return [
-            RowsLeaf(shape, dtype, rows, pieces, self.block_size)
+            RowsLeaf(shape, dtype, rows, pieces, self.width)
             for (shape, dtype), pieces in zip(self._leaf_specs, self._pieces_of_leaf)
         ]
 
@@ -87,26 +95,26 @@ class FragmentState:
         """A pytree of NumPy arrays from per-chunk rows, in the leaves' dtypes (or float32)."""
         leaves = [np.empty(shape, dtype if dtypes else np.float32) for shape, dtype in self._leaf_specs]
         for chunk_rows, lay in zip(rows, self.layouts):
-            chunk_step.scatter_rows(np.asarray(chunk_rows), lay, leaves, self.block_size)
+            chunk_step.scatter_rows(np.asarray(chunk_rows), lay, leaves, self.width)
         return jax.tree.unflatten(self._treedef, leaves)
 
     # -- the merge ---------------------------------------------------------------------------------------
 
     def decode(self, index: int, data) -> tuple[np.ndarray, np.ndarray]:
-        """Chunk `index` of a contribution (bytes or memoryview) in rows, not yet dequantized.
+        """Chunk `index` of a contribution (bytes or memoryview) in rows, not yet dequantized: (values, scales), or
+        for topk (values, positions), as `chunk_step.wire_to_rows`."""
+        return chunk_step.wire_to_rows(data, self.layouts[index], self.codec, self.width, self.num_rows, self.kept)
 
-        Returns:
-          (values [R * block_size]: int8 codes, bfloat16 or float32 values by
-          codec; scales [R] float32), as `chunk_step.wire_to_rows`.
-        """
-        return chunk_step.wire_to_rows(data, self.layouts[index], self.kind, self.block_size, self.num_rows)
+    def finite(self, values, scales) -> bool:
+        """Whether a decoded chunk (`decode`) holds only finite numbers."""
+        return chunk_step.finite(self.codec, values, scales)
 
     def step(self, index: int, values, scales, weights, master, opt, view) -> tuple:
         """Chunk `index`'s merge, outer step and update encoding (DiLoCo, arXiv 2311.08105, Algorithm 1,
         lines 12-14, on one chunk; `chunk_step.ChunkStep`).
 
         Args:
-          values, scales: K contributions' rows, [K, R * block_size] and [K, R].
+          values, scales: K contributions' chunks (`decode`), stacked.
           weights: float32 [K], the token weights (summing to 1).
           master, opt, view: the chunk's rows and optimizer state to start from.
 
@@ -114,22 +122,16 @@ class FragmentState:
           (master rows, optimizer state, view rows, the chunk's update bytes in
           the payload layout, stats with `dots` [K, K], `intended_sq`, `lost_sq`).
         """
-        master, opt, view, codes, update_scales, stats = self._step(
-            values, scales, weights, master, opt, view, self._bf16_rows[index]
-        )
-        payload = chunk_step.rows_to_wire(codes, update_scales, self.layouts[index], self.kind, self.block_size)
-        return master, opt, view, payload, stats
+        return self._step(values, scales, weights, master, opt, view, self._bf16_rows[index], self.layouts[index])
 
     def warm_up(self, contributors: int) -> None:
         """Compiles the chunk program for `contributors` islands now, so the first merge does not wait for XLA."""
         layout, k = self.layouts[0], contributors
-        values, scales = chunk_step.wire_to_rows(
-            bytes(layout.chunk.nbytes), layout, self.kind, self.block_size, self.num_rows
-        )
+        values, scales = self.decode(0, bytes(layout.chunk.nbytes))
         weights = np.full(k, np.float32(1.0 / k), np.float32)
         self._step(
             np.stack([values] * k), np.stack([scales] * k), weights, self.master_rows[0], self.opt[0],
-            self.view_rows[0], self._bf16_rows[0],
+            self.view_rows[0], self._bf16_rows[0], layout,
         )
 
     def commit(self, master_rows: list, opt: list, view_rows: list) -> None:
@@ -193,19 +195,19 @@ class RowsLeaf:
 
     Args:
       shape, dtype: the leaf's (float32 or bfloat16).
-      rows: the per-chunk rows [R * block_size] float32 (NumPy or single-device CPU `jax.Array`s).
+      rows: the per-chunk rows [R * width] float32 (NumPy or single-device CPU `jax.Array`s).
       pieces: (chunk index, piece, first row) of each of the leaf's pieces, in element order.
-      block_size: elements per row.
+      width: elements per row (W).
     """
 
-    def __init__(self, shape: tuple, dtype, rows: list, pieces: list, block_size: int):
+    def __init__(self, shape: tuple, dtype, rows: list, pieces: list, width: int):
         self.shape, self.dtype = shape, np.dtype(dtype)
-        self._rows, self._pieces, self._block_size = rows, pieces, block_size
+        self._rows, self._pieces, self._width = rows, pieces, width
 
     def checksum_runs(self):
         """(first flat element, uint8 bytes in the leaf's dtype) of each piece, in element order; a bfloat16
         piece is rounded from its float32 row values one piece at a time."""
         for index, piece, row in self._pieces:
-            start = row * self._block_size
+            start = row * self._width
             values = np.asarray(self._rows[index])[start : start + piece.stop - piece.start]
             yield piece.start, np.ascontiguousarray(values.astype(self.dtype, copy=False)).view(np.uint8)

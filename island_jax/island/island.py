@@ -31,7 +31,7 @@ from jax.sharding import PartitionSpec as P
 from island_jax import data as data_lib
 from island_jax import distributed
 from island_jax.checkpoint import CheckpointError
-from island_jax.config import ConfigError
+from island_jax.config import ConfigError, error_feedback
 from island_jax.hardware import CATALOG, kind_of, peak_flops
 from island_jax.island import shards as shards_lib
 from island_jax.island import step as step_lib
@@ -278,17 +278,24 @@ class Island:
         # Error feedback's memory of what the codec lost, of the pieces this process owns: {(fragment, leaf, first
         # element): float32 [piece elements]}, made as the pieces are first encoded.
         self.residual: dict[tuple[int, int, int], np.ndarray] = {}
-        c = config.codec
+        self.codec = codec.Codec.of(config.codec)  # the contributions'
+        self.update_codec = codec.Codec.of(config.codec, update=True)  # the coordinator's updates'
         self.partition = fragments_lib.partition(fragments_lib.leaf_bytes(params), config.outer.fragments)
         self.fragments = FragmentLeaves(jax.tree.structure(params), self.partition)
+        chunk_bytes = config.comm.chunk_bytes
+        # per fragment: the contribution's chunk plan, and the update's (the same elements, in its codec's bytes)
         self.fragment_plans = [
-            codec.chunk_plan(self.fragments.take(params, f), c.kind, c.block_size, config.comm.chunk_bytes)
+            codec.chunk_plan(self.fragments.take(params, f), self.codec, None, chunk_bytes, self.update_codec)
+            for f in range(len(self.partition))
+        ]
+        self.update_plans = [
+            codec.chunk_plan(self.fragments.take(params, f), self.update_codec, None, chunk_bytes, self.codec)
             for f in range(len(self.partition))
         ]
         # per fragment: which process owns each chunk, and what travels over the island's interconnect
         self.ownerships = [
-            shards_lib.Ownership(plan, [self.layouts[i] for i in self.partition[f]], self.parts)
-            for f, plan in enumerate(self.fragment_plans)
+            shards_lib.Ownership(plan, [self.layouts[i] for i in self.partition[f]], self.parts, update)
+            for f, (plan, update) in enumerate(zip(self.fragment_plans, self.update_plans))
         ]
 
     def _build_train_step(self, total_steps: int) -> None:
@@ -453,16 +460,15 @@ class Island:
 
     def encode_fragment(self, fragment: int, pseudo_gradient: shards_lib.OwnedValues) -> codec.ChunkEncoder:
         """This process's chunks of the fragment's pseudo-gradient for the wire (`codec.ChunkEncoder` over its share
-        of `fragment_plans[fragment]`, `config.codec` kind and block size; its `nbytes` is the share's bytes).
+        of `fragment_plans[fragment]`, in `self.codec`; its `nbytes` is the share's bytes).
 
-        Safe on a background thread. With `codec.error_feedback`, what the codec
+        Safe on a background thread. With error feedback (`codec.error_feedback`, always for topk), what the codec
         lost last time is added first, and the residual of each piece is
         overwritten as it is encoded. Once the payload is sent, the encoder's
         `relative_error` is ||sent - intended|| / ||intended||.
         """
-        c = self.config.codec
         residual_of = None
-        if c.error_feedback:
+        if error_feedback(self.config.codec):
             kept = self.residual  # an encoder left running past a rejoin writes to the replaced dict, not the new one
 
             def residual_of(piece: codec.Piece) -> np.ndarray:
@@ -471,7 +477,7 @@ class Island:
                 return found if found is not None else kept.setdefault(key, np.zeros(piece.stop - piece.start, np.float32))
 
         share = self.ownerships[fragment].share
-        return codec.ChunkEncoder(None, c.kind, c.block_size, share, measure=True, read=pseudo_gradient.read,
+        return codec.ChunkEncoder(None, self.codec, None, share, measure=True, read=pseudo_gradient.read,
                                   residual_of=residual_of)
 
     def fragment_checksum(self, fragment: int) -> str:
@@ -501,16 +507,15 @@ class Island:
         Raises:
           CodecError: if the update does not fit the fragment.
         """
-        c = self.config.codec
         ownership = self.ownerships[fragment]
         if not isinstance(update, dict):
-            if len(update) != sum(chunk.nbytes for chunk in self.fragment_plans[fragment]):
+            expected = sum(chunk.nbytes for chunk in self.update_plans[fragment])
+            if len(update) != expected:
                 raise codec.CodecError(
-                    f"the update of fragment {fragment} is {len(update)} bytes but its plan holds "
-                    f"{sum(chunk.nbytes for chunk in self.fragment_plans[fragment])}; the coordinator uses another "
-                    "model shape, codec or block_size")
+                    f"the update of fragment {fragment} is {len(update)} bytes but its {self.update_codec} plan holds "
+                    f"{expected}; the coordinator uses another model shape or codec (codec.update_kind)")
             update = ownership.update_sources(update)
-        return ownership.apply(self.fragments.take(self.global_params, fragment), update, c.kind, c.block_size)
+        return ownership.apply(self.fragments.take(self.global_params, fragment), update, self.update_codec)
 
     def place_fragment(self, fragment: int, global_leaves: list[shards_lib.HostLeaf], copies: int) -> list[list[jax.Array]]:
         """`copies` placements of a fragment's new global leaves on the island's devices, for
@@ -562,7 +567,7 @@ class Island:
                                    f"{expected} bytes; the coordinator uses a different model shape")
         whole = codec.Chunk(0, 0, expected, tuple(codec.pieces(like, "none", 1)))
         ownership = shards_lib.Ownership([whole], self.layouts, self.parts)
-        self.global_params = jax.tree.unflatten(treedef, ownership.apply(leaves, {0: (memoryview(payload), 0)}, "none", 1, add=False))
+        self.global_params = jax.tree.unflatten(treedef, ownership.apply(leaves, {0: (memoryview(payload), 0)}, codec.Codec("none"), add=False))
         self._global_checksum = None
         # what the codec lost of pseudo-gradients from the replaced anchors is no debt of the new ones
         self.residual = {}
@@ -621,7 +626,7 @@ class Island:
     def state(self, round: int, template: bool = False) -> dict:
         """What a checkpoint holds after `round` completed rounds: `params`, `anchor`,
         `opt_state` (AdamW), `step` (inner steps taken, also the data position; int64 []) and `round` (int64
-        []); with `codec.error_feedback` also `residual` (`_residual_rows`: each process's own pieces, one row
+        []); with error feedback (`config.error_feedback`) also `residual` (`_residual_rows`: each process's own pieces, one row
         per process, so a resume needs the same processes and layout). A `template` is only a state to
         restore into (its residual is zeros)."""
         out = dict(
@@ -631,7 +636,7 @@ class Island:
             step=np.asarray(self.step, np.int64),
             round=np.asarray(round, np.int64),
         )
-        if self.config.codec.error_feedback:
+        if error_feedback(self.config.codec):
             out["residual"] = self._residual_rows(template)
             out["residual_layout"] = self._residual_layout()
         return out

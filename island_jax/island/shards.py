@@ -211,6 +211,8 @@ class Ownership:
       plan: the fragment's `codec.Chunk`s (its pieces' `leaf` index `layouts`).
       layouts: the fragment's leaves' `LeafLayout`s, in the plan's leaf order.
       processes: the island's process count.
+      update_plan: the update's plan (`codec.chunk_plan` in the update's codec, the same chunks element for element);
+        default `plan`.
 
     Attributes:
       owners: per chunk of the plan, its owner.
@@ -223,8 +225,10 @@ class Ownership:
         exchange, over the interconnect.
     """
 
-    def __init__(self, plan: list[codec.Chunk], layouts: Sequence[LeafLayout], processes: int):
+    def __init__(self, plan: list[codec.Chunk], layouts: Sequence[LeafLayout], processes: int,
+                 update_plan: list[codec.Chunk] | None = None):
         self.plan, self.layouts, self.processes = plan, list(layouts), processes
+        self.update_plan = plan if update_plan is None else update_plan
         self.process = self.layouts[0].process if processes > 1 and self.layouts else 0
         self.segments: list[list[_Segment]] = []
         self.owners: list[int] = []
@@ -258,7 +262,7 @@ class Ownership:
         self.values_sent = [sum(s.hi - s.lo for s in sent) for sent in self._sent_values]
         # Update chunks that other processes need, in plan order, by owner.
         self._sent_updates: list[list[codec.Chunk]] = [
-            [c for c in self.shares[p] if self.holders[c.index] - {p}] for p in range(processes)
+            [self.update_plan[c.index] for c in self.shares[p] if self.holders[c.index] - {p}] for p in range(processes)
         ]
         self.update_bytes_sent = [sum(c.nbytes for c in sent) for sent in self._sent_updates]
 
@@ -306,8 +310,8 @@ class Ownership:
                 at += c.nbytes
         return out
 
-    def apply(self, old: Sequence[HostLeaf], sources: dict[int, tuple[memoryview, int]], kind: str,
-              block_size: int, add: bool = True) -> list[HostLeaf]:
+    def apply(self, old: Sequence[HostLeaf], sources: dict[int, tuple[memoryview, int]], update_codec: codec.Codec,
+              add: bool = True) -> list[HostLeaf]:
         """The fragment's new host leaves: `old` (this process's shards) plus the decoded update, in float32 and cast
         back (the arithmetic of `codec.decode_and_apply`), or replaced by the decoded values (`add=False`, a view).
         Reads only `sources`' chunks (`update_sources`); `old` is unchanged.
@@ -316,7 +320,7 @@ class Ownership:
           CodecError: a chunk this process holds elements of is missing from `sources`.
         """
         new = [leaf.copy() for leaf in old]
-        for chunk in self.plan:
+        for chunk in self.update_plan:
             segments = [s for s in self.segments[chunk.index] if s.shard in old[s.piece.leaf].shards]
             if not segments:
                 continue
@@ -324,11 +328,12 @@ class Ownership:
                 raise codec.CodecError(f"the update's chunk {chunk.index} did not reach process {self.process}")
             buf, shift = sources[chunk.index]
             piece, decoded = None, None
+            twins = {(p.leaf, p.start): p for p in chunk.pieces}  # the update's piece of each piece
             for s in segments:  # in piece order: each piece decoded once, and only it held at a time
                 if s.piece is not piece:
-                    piece = s.piece
-                    decoded = codec.decode_piece(buf, dataclasses.replace(piece, offset=piece.offset - shift), kind,
-                                                 block_size)
+                    piece, twin = s.piece, twins[(s.piece.leaf, s.piece.start)]
+                    decoded = codec.decode_piece(buf, dataclasses.replace(twin, offset=twin.offset - shift),
+                                                 update_codec)
                 values = decoded[s.lo - piece.start : s.hi - piece.start]
                 target = new[s.piece.leaf].flat(s.shard)[s.offset : s.offset + s.hi - s.lo]
                 if add:

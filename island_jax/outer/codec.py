@@ -16,6 +16,16 @@ the shapes and dtypes are not sent, since both ends know the model. Kinds:
   int4  the same blockwise scheme with codes in [-7, 7] (scale = absmax / 7),
         two codes a byte (code + 8 in the low nibble for even positions, the
         high nibble for odd ones): ceil(n / 2) + 4 * ceil(n / block_size) bytes.
+  topk  SparseLoCo's top-k (arXiv 2508.15706, `topk.py`): per group of `topk_group`
+        elements, the `topk_k` largest in magnitude, each as a 12-bit index (for
+        4096), a sign and one of two magnitudes {s/3, s}, with s one float32 per
+        group: 116 bytes per full group of 4096 with k = 64 (0.227 bits a
+        parameter). Always with error feedback on an island.
+
+A `Codec` names one direction's kind and its parameters (`Codec.of(config.codec)`
+for contributions, `Codec.of(config.codec, update=True)` for the coordinator's
+update, `codec.update_kind`); every function here takes one, or a dense kind's
+name with its block size.
 
 Pieces and chunks. A leaf longer than a piece (`PIECE_ELEMENTS`: about 64 KiB
 of codes or values, so 65,536 int8 elements) is encoded as consecutive pieces,
@@ -27,7 +37,14 @@ into the chunks that travel on the wire (at most `comm.chunk_bytes` each, or
 one piece if that alone is larger); the coordinator merges, steps and encodes
 the update chunk by chunk (Streaming DiLoCo's observation that the outer step
 is elementwise, arXiv 2501.18512), with the same bytes as a whole-payload merge.
-The sizes above do not change: pieces start on block boundaries.
+The sizes above do not change: pieces start on block (and top-k group) boundaries.
+
+Two codecs, one plan. A contribution and its update share one chunk plan element
+for element (the coordinator merges chunk k and sends update chunk k). When the two
+directions use different codecs (`other`), pieces start on the boundaries of both,
+and chunks are cut by whichever codec costs more bytes, so that no chunk of either
+payload exceeds `comm.chunk_bytes`: with top-k up and int8 down, a 1 MiB top-k chunk
+would otherwise hold about 37M values and its int8 update chunk about 37 MB.
 
 Error feedback (as in MuLoCo and SparseLoCo; `ChunkEncoder`'s `residual`): what
 the codec lost last round is added to this round's tree before encoding, and
@@ -55,6 +72,8 @@ import ml_dtypes
 import numpy as np
 
 from island_jax.config import CODEC_KINDS as KINDS  # every codec kind (`codec.kind` in the config)
+from island_jax.config import update_kind
+from island_jax.outer import topk
 
 MAX_CODE = {"int8": 127, "int4": 7}  # the blockwise kinds: largest code magnitude (scale = absmax / MAX_CODE)
 QUANTIZED_KINDS = tuple(MAX_CODE)  # kinds sent as codes and float32 scales
@@ -71,27 +90,105 @@ def _check_kind(kind: str) -> None:
         raise CodecError(f"unknown codec kind {kind!r}; choose one of {KINDS}")
 
 
-def leaf_bytes(size: int, kind: str, block_size: int) -> int:
+@dataclasses.dataclass(frozen=True)
+class Codec:
+    """One direction's wire format: a kind and its parameters.
+
+    Attributes:
+      kind: one of `KINDS`.
+      block_size: elements per float32 scale of int8 / int4 (and the coordinator's row width for none / bf16).
+      topk_group, topk_k: topk's group length and values kept per group (elements).
+
+    Raises:
+      CodecError: an unknown kind, or a size below 1.
+    """
+
+    kind: str
+    block_size: int = 256
+    topk_group: int = 4096
+    topk_k: int = 64
+
+    def __post_init__(self):
+        _check_kind(self.kind)
+        _check_block_size(self.block_size)
+        if self.topk_group < 1 or self.topk_k < 1:
+            raise CodecError(f"topk group {self.topk_group} and k {self.topk_k}: both must be at least 1")
+
+    @classmethod
+    def of(cls, config: Any, update: bool = False) -> "Codec":
+        """The contribution's codec of a config's `codec` section, or with `update` the update's
+        (`codec.update_kind`, "" for the contribution's kind)."""
+        kind = update_kind(config) if update else config.kind
+        return cls(kind, config.block_size, config.get("topk_group", 4096), config.get("topk_k", 64))
+
+    @property
+    def unit(self) -> int:
+        """Elements a piece holds a whole number of: a block (an even count for int4), a top-k group, or 1."""
+        if self.kind == "topk":
+            return self.topk_group
+        if self.kind in MAX_CODE:
+            return self.block_size * 2 if self.kind == "int4" and self.block_size % 2 else self.block_size
+        return 1
+
+    @property
+    def row_unit(self) -> int:
+        """Elements the coordinator's rows (`chunk_step`) hold a whole number of: a top-k group, or a block."""
+        return self.topk_group if self.kind == "topk" else self.block_size
+
+    def __str__(self) -> str:
+        if self.kind == "topk":
+            return f"topk (group {self.topk_group}, k {self.topk_k})"
+        return f"{self.kind} (block {self.block_size})" if self.kind in MAX_CODE else self.kind
+
+
+def as_codec(kind: "str | Codec", block_size: int | None = None) -> Codec:
+    """`kind` itself when it is a `Codec`; else the `Codec` of that kind's name and `block_size` (topk with its
+    default group and k).
+
+    Raises:
+      CodecError: an unknown kind or a block_size <= 0.
+    """
+    if isinstance(kind, Codec):
+        return kind
+    _check_kind(kind)
+    return Codec(kind, 256 if block_size is None else block_size)
+
+
+def leaf_bytes(size: int, kind: "str | Codec", block_size: int | None = None) -> int:
     """Bytes on the wire for one leaf (or piece) of `size` elements.
 
     Raises:
       CodecError: an unknown kind.
     """
-    _check_kind(kind)
+    fmt = as_codec(kind, block_size)
+    kind, block_size = fmt.kind, fmt.block_size
     if kind == "none":
         return 4 * size
     if kind == "bf16":
         return 2 * size
+    if kind == "topk":
+        return topk.leaf_bytes(size, fmt.topk_group, fmt.topk_k)
     code_bytes = size if kind == "int8" else (size + 1) // 2
     return code_bytes + 4 * math.ceil(size / block_size)
 
 
-def piece_elements(kind: str, block_size: int) -> int:
-    """Elements of a full piece: about 64 KiB of codes or values, in whole (and for int4 even) blocks."""
-    if kind not in MAX_CODE:
-        return PIECE_ELEMENTS[kind]
-    n = max(1, PIECE_ELEMENTS[kind] // block_size) * block_size
-    return 2 * n if kind == "int4" and n % 2 else n
+def piece_elements(kind: "str | Codec", block_size: int | None = None, other: "Codec | None" = None) -> int:
+    """Elements of a full piece: about 64 KiB of codes or values, in whole units (`Codec.unit`). With the other
+    direction's codec `other`, the smaller of the two pieces in whole units of both."""
+    fmt = as_codec(kind, block_size)
+    if other is not None and other != fmt:
+        unit = math.lcm(fmt.unit, other.unit)
+        return max(1, min(piece_elements(fmt), piece_elements(other)) // unit) * unit
+    if fmt.kind == "topk":
+        groups = PIECE_BYTES // topk.group_bytes(fmt.topk_group, fmt.topk_group, fmt.topk_k)
+        return max(1, groups) * fmt.topk_group
+    return max(1, PIECE_ELEMENTS[fmt.kind] // fmt.unit) * fmt.unit
+
+
+def row_elements(fmt: Codec, other: "Codec | None" = None) -> int:
+    """Elements of one of the coordinator's rows (`chunk_step`) for a contribution codec `fmt` and update codec
+    `other`: a whole number of both's `row_unit`s."""
+    return fmt.row_unit if other is None else math.lcm(fmt.row_unit, other.row_unit)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -115,37 +212,51 @@ class Chunk:
     pieces: tuple[Piece, ...]
 
 
-def pieces(like: Any, kind: str, block_size: int) -> list[Piece]:
+def pieces(like: Any, kind: "str | Codec", block_size: int | None = None, other: Codec | None = None) -> list[Piece]:
     """Every piece of a payload for a pytree shaped like `like` (arrays or ShapeDtypeStructs), in payload order.
+    With `other` (the other direction's codec), pieces start on the boundaries of both (`piece_elements`).
 
     Raises:
       CodecError: an unknown kind or a block_size <= 0.
     """
-    _check_kind(kind)
-    _check_block_size(block_size)
-    step = piece_elements(kind, block_size)
+    fmt = as_codec(kind, block_size)
+    step = piece_elements(fmt, other=other)
     out, offset = [], 0
     for i, x in enumerate(jax.tree.leaves(like)):
         n = int(np.prod(x.shape))
         for start in range(0, max(n, 1), step):
             stop = min(n, start + step)
-            size = leaf_bytes(stop - start, kind, block_size)
+            size = leaf_bytes(stop - start, fmt)
             out.append(Piece(i, start, stop, offset, size))
             offset += size
     return out
 
 
-def chunk_plan(like: Any, kind: str, block_size: int, chunk_bytes: int) -> list[Chunk]:
+def chunk_plan(like: Any, kind: "str | Codec", block_size: int | None, chunk_bytes: int,
+               other: Codec | None = None) -> list[Chunk]:
     """Groups the payload's pieces into chunks of at most `chunk_bytes` bytes (one larger piece stays whole).
 
     Both ends derive the same plan from the model, codec and `comm.chunk_bytes`,
     so a chunk is named by its index and byte offset alone.
 
+    Args:
+      like: the parameters' pytree (arrays or ShapeDtypeStructs).
+      kind, block_size: this payload's codec (a `Codec`, or a dense kind's name and block size).
+      chunk_bytes: the largest chunk, bytes (`comm.chunk_bytes`).
+      other: the codec of the other direction (the update's for a contribution, and back), when it differs: the
+        plan is cut where the costlier of the two reaches `chunk_bytes`, so `chunk_plan(like, a, None, n, b)` and
+        `chunk_plan(like, b, None, n, a)` hold the same elements chunk for chunk, each in its own bytes.
+
     Raises:
       CodecError: an unknown kind or a block_size <= 0.
     """
+    fmt = as_codec(kind, block_size)
+    other = None if other == fmt else other
+    mine = pieces(like, fmt, other=other)
+    theirs = mine if other is None else pieces(like, other, other=fmt)
     plan: list[Chunk] = []
     group: list[Piece] = []
+    start_theirs = 0
 
     def close():
         if group:
@@ -153,9 +264,11 @@ def chunk_plan(like: Any, kind: str, block_size: int, chunk_bytes: int) -> list[
             plan.append(Chunk(len(plan), start, group[-1].offset + group[-1].nbytes - start, tuple(group)))
             group.clear()
 
-    for piece in pieces(like, kind, block_size):
-        if group and piece.offset + piece.nbytes - group[0].offset > chunk_bytes:
+    for piece, twin in zip(mine, theirs):
+        if group and max(piece.offset + piece.nbytes - group[0].offset, twin.offset + twin.nbytes - start_theirs) > chunk_bytes:
             close()
+        if not group:
+            start_theirs = twin.offset
         group.append(piece)
     close()
     return plan
@@ -180,25 +293,30 @@ def deal(plan: list[Chunk], parts: int) -> list[list[Chunk]]:
     return shares
 
 
-def payload_bytes(like: Any, kind: str, block_size: int) -> int:
+def payload_bytes(like: Any, kind: "str | Codec", block_size: int | None = None) -> int:
     """Bytes of a whole payload for a pytree shaped like `like` (arrays or ShapeDtypeStructs).
 
     Raises:
       CodecError: an unknown kind.
     """
-    return sum(leaf_bytes(int(np.prod(x.shape)), kind, block_size) for x in jax.tree.leaves(like))
+    fmt = as_codec(kind, block_size)
+    return sum(leaf_bytes(int(np.prod(x.shape)), fmt) for x in jax.tree.leaves(like))
 
 
-def layout(like: Any, kind: str, block_size: int) -> str:
-    """SHA-256 prefix (16 hex digits) of a payload's layout: leaf paths, shapes, kind, block size.
+def layout(like: Any, kind: "str | Codec", block_size: int | None = None) -> str:
+    """SHA-256 prefix (16 hex digits) of a payload's layout: leaf paths, shapes, kind, block size (top-k's group
+    and k).
 
     Two ends whose layouts agree read each other's payloads element for element;
     the gRPC exchange refuses a payload whose layout differs from the round's.
     """
     import hashlib
 
+    fmt = as_codec(kind, block_size)
     leaves = jax.tree_util.tree_flatten_with_path(like)[0]
-    text = repr([(jax.tree_util.keystr(path), tuple(x.shape)) for path, x in leaves]) + f"|{kind}|{block_size}"
+    text = repr([(jax.tree_util.keystr(path), tuple(x.shape)) for path, x in leaves]) + f"|{fmt.kind}|{fmt.block_size}"
+    if fmt.kind == "topk":
+        text += f"|{fmt.topk_group}|{fmt.topk_k}"
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
@@ -313,8 +431,8 @@ class ChunkEncoder:
     releases the GIL in its loops), and no chunk is copied after it is built
     but into its frame.
 
-    Where it encodes: arrays on an accelerator are encoded there, by one
-    program over the whole tree (sharded arrays stay sharded), and only the
+    Where it encodes: arrays on an accelerator are encoded there (topk: on the
+    host), by one program over the whole tree (sharded arrays stay sharded), and only the
     codes come to the host (1 byte per int8 parameter over PCIe rather than
     4); the chunks are then cut from them. Arrays on the CPU are encoded on the
     host, chunk by chunk, so the encoding overlaps the transfer. Both lay out
@@ -323,7 +441,7 @@ class ChunkEncoder:
 
     Args:
       tree: pytree of float arrays (the pseudo-gradient).
-      kind, block_size: the codec.
+      kind, block_size: the codec (a `Codec`, or a dense kind's name and block size).
       plan: the chunks (`chunk_plan` of `tree`); default: one chunk.
       residual: None, or a pytree like `tree` of float32 NumPy arrays (error
         feedback): added before encoding, and overwritten, chunk by chunk, with
@@ -351,7 +469,7 @@ class ChunkEncoder:
         self,
         tree: Any,
         kind: str,
-        block_size: int,
+        block_size: int | None = None,
         plan: list["Chunk"] | None = None,
         residual: Any = None,
         measure: bool = False,
@@ -359,9 +477,8 @@ class ChunkEncoder:
         read: Callable[[Piece], np.ndarray] | None = None,
         residual_of: Callable[[Piece], np.ndarray] | None = None,
     ):
-        _check_kind(kind)
-        _check_block_size(block_size)
-        self.kind, self.block_size = kind, block_size
+        self.codec = fmt = as_codec(kind, block_size)
+        self.kind, self.block_size = fmt.kind, fmt.block_size
         self.measure = measure or residual is not None or residual_of is not None
         leaves = [] if read is not None else jax.tree.leaves(tree)
         self.residuals = None if residual is None else [r.reshape(-1) for r in jax.tree.leaves(residual)]
@@ -372,10 +489,10 @@ class ChunkEncoder:
             if plan is None:
                 raise ValueError("a ChunkEncoder that reads its pieces (`read`) needs their `plan`")
             self.leaves = None
-        elif _on_accelerator(leaves) if on_device is None else on_device:
+        elif self.kind != "topk" and (_on_accelerator(leaves) if on_device is None else on_device):
             residuals = None if residual is None else jax.tree.leaves(residual)
             wire, new_residuals, intended_sq, lost_sq = jax.device_get(
-                _encode_on_device(leaves, residuals, kind, block_size)
+                _encode_on_device(leaves, residuals, self.kind, self.block_size)
             )
             self._encoded = [tuple(np.asarray(a).reshape(-1) for a in parts) for parts in wire]
             self._sums = [float(intended_sq), float(lost_sq)]
@@ -386,7 +503,7 @@ class ChunkEncoder:
             host = jax.device_get(leaves)
             self.leaves = [np.ascontiguousarray(x, np.float32).reshape(-1) for x in host]
         if plan is None:
-            plan = [Chunk(0, 0, payload_bytes(tree, kind, block_size), tuple(pieces(tree, kind, block_size)))]
+            plan = [Chunk(0, 0, payload_bytes(tree, fmt), tuple(pieces(tree, fmt)))]
         self.plan = plan
         self._chunks = {c.index: c for c in plan}  # a share of a payload's plan is a plan too
         self.nbytes = sum(c.nbytes for c in plan)
@@ -462,6 +579,11 @@ class ChunkEncoder:
                 sent = b.astype(np.float32) if self.measure else None
             elif x.size == 0:
                 sent = x
+            elif self.kind == "topk":
+                fmt = self.codec
+                encoded = topk.encode(x, fmt.topk_group, fmt.topk_k)
+                parts.append(encoded)
+                sent = topk.decode(encoded, x.size, fmt.topk_group, fmt.topk_k) if self.measure else None
             else:
                 codes, scale = quantize_blocks(x, self.block_size, MAX_CODE[self.kind], scratch)
                 parts.append(codes if self.kind == "int8" else _pack_int4(codes))
@@ -500,14 +622,14 @@ class ChunkEncoder:
         return b"".join(part for chunk in self.plan for part in self.chunk(chunk.index))
 
 
-def encode(tree: Any, kind: str, block_size: int) -> bytes:
+def encode(tree: Any, kind: "str | Codec", block_size: int | None = None) -> bytes:
     """Encodes a pytree of floating arrays into one payload (see `ChunkEncoder`).
 
     Args:
       tree: pytree of float arrays of any rank and size (scalars, bfloat16
         included); values must be finite.
-      kind: one of `KINDS`.
-      block_size: elements per float32 scale of int8 / int4 (ignored by the other kinds).
+      kind: a `Codec`, or the name of one of `KINDS`.
+      block_size: with a name, elements per float32 scale of int8 / int4 (ignored by the other kinds).
 
     Returns:
       The payload: `payload_bytes(tree, kind, block_size)` bytes.
@@ -518,17 +640,16 @@ def encode(tree: Any, kind: str, block_size: int) -> bytes:
     return ChunkEncoder(tree, kind, block_size).tobytes()
 
 
-def _check_payload(payload, like: Any, kind: str, block_size: int) -> None:
-    _check_kind(kind)
+def _check_payload(payload, like: Any, kind: "str | Codec", block_size: int | None) -> None:
     expected = payload_bytes(like, kind, block_size)
     if len(payload) != expected:
         raise CodecError(
-            f"payload is {len(payload)} bytes but a {kind} payload for these parameters is {expected} bytes; "
+            f"payload is {len(payload)} bytes but a {as_codec(kind, block_size)} payload for these parameters is {expected} bytes; "
             "the sender uses a different model shape, codec or block_size"
         )
 
 
-def decode(payload: bytes, like: Any, kind: str, block_size: int) -> Any:
+def decode(payload: bytes, like: Any, kind: "str | Codec", block_size: int | None = None) -> Any:
     """Decodes a payload into float32 NumPy arrays shaped like `like`.
 
     Args:
@@ -552,9 +673,16 @@ def decode(payload: bytes, like: Any, kind: str, block_size: int) -> Any:
     return jax.tree.unflatten(treedef, out)
 
 
-def decode_piece(buf, piece: Piece, kind: str, block_size: int) -> np.ndarray:
+def decode_piece(buf, piece: Piece, kind: "str | Codec", block_size: int | None = None) -> np.ndarray:
     """The float32 values [piece.stop - piece.start] of one piece, read from `buf` at `piece.offset`."""
+    fmt = as_codec(kind, block_size)
+    kind, block_size = fmt.kind, fmt.block_size
     n, offset = piece.stop - piece.start, piece.offset
+    if kind == "topk":
+        out = np.zeros(n, np.float32)
+        positions, values = topk.decode_sparse(buf, n, fmt.topk_group, fmt.topk_k, offset)
+        out[positions] = values
+        return out
     if kind == "none":
         return np.frombuffer(buf, "<f4", n, offset).astype(np.float32)
     if kind == "bf16":
@@ -569,7 +697,7 @@ def decode_piece(buf, piece: Piece, kind: str, block_size: int) -> np.ndarray:
     return dequantize_blocks(codes, scale, block_size)
 
 
-def decode_and_apply(params: Any, payload: bytes, kind: str, block_size: int) -> Any:
+def decode_and_apply(params: Any, payload: bytes, kind: "str | Codec", block_size: int | None = None) -> Any:
     """The one host-side update rule: `params + decode(payload)` in float32, cast back.
 
     The coordinator (for its island view) and every island call this with the
