@@ -168,20 +168,20 @@ def seed_islands(h: int, rtt_ms: float, gbps: float = 25.0, window_bytes: int = 
 
 
 def seed_table() -> str:
-    """Utilization at 25 Gbit/s and the rate for 95%, by codec, F, H and RTT."""
+    """Utilization at 25 Gbit/s and the rate for 95%, by codec (both ways), F, H and RTT."""
     rows = ["| codec | F, tau | H | compute s/round | RTT 100 ms: exposed s, utilization | RTT 200 ms: exposed s, "
             "utilization | RTT 200 ms, 16 MiB windows: utilization | Gbit/s for 95% (RTT 200 ms) |",
             "|---|---|---|---|---|---|---|---|"]
-    for kind in ("int8", "int4"):
+    for kind, update in (("int8", ""), ("int4", ""), ("topk", "int8"), ("topk", "topk")):
         for f, tau in ((1, 0), (4, "auto")):
             for h in (30, 100, 300):
-                outer = Outer(codec=kind, fragments=f, overlap_steps=tau)
+                outer = Outer(codec=kind, update_codec=update, fragments=f, overlap_steps=tau)
                 near = plan(SEED_MODEL, seed_islands(h, 100.0), outer, SEED_COORDINATOR)
                 far = plan(SEED_MODEL, seed_islands(h, 200.0), outer, SEED_COORDINATOR)
                 windowed = plan(SEED_MODEL, seed_islands(h, 200.0, window_bytes=WINDOW), outer, SEED_COORDINATOR)
                 need = far.required_gbps[0.95]
                 rows.append(
-                    f"| {kind} | F={f}, tau={tau} | {h} | {near.islands[0].compute_seconds:.0f} | "
+                    f"| {outer.codecs} | F={f}, tau={tau} | {h} | {near.islands[0].compute_seconds:.0f} | "
                     f"{near.islands[0].exposed_seconds:.1f}, {near.compute_utilization:.3f} | "
                     f"{far.islands[0].exposed_seconds:.1f}, {far.compute_utilization:.3f} | "
                     f"{windowed.compute_utilization:.3f} | {'unreachable' if need is None else f'{need:.3g}'} |"

@@ -256,6 +256,7 @@ def _codec() -> dict:
         kind="int8",  # int8 | int4 (blockwise absmax) | bf16 | none (float32) | topk (SparseLoCo)
         block_size=256,  # elements per float32 scale of int8 / int4
         error_feedback=False,  # islands add what the codec lost last round before encoding (always on for topk)
+        error_feedback_decay=1.0,  # beta: islands add beta x what was lost (SparseLoCo, arXiv 2508.15706: 0.95)
         # the codec of the update the coordinator sends back: any kind; "" = codec.kind. Whatever it loses stays in
         # the coordinator's master - view drift and is sent in a later round.
         update_kind="",
@@ -428,6 +429,10 @@ def _check_codec(codec: ml_collections.ConfigDict) -> None:
     _require(
         codec.block_size > 0,
         f"codec.block_size is {codec.block_size}; it must be a positive number of elements (e.g. 256)",
+    )
+    _require(
+        0.0 < codec.error_feedback_decay <= 1.0,
+        f"codec.error_feedback_decay is {codec.error_feedback_decay}; give beta in (0, 1] (1: carry all that was lost)",
     )
     _require(
         1 <= codec.topk_k <= codec.topk_group,

@@ -15,7 +15,7 @@ seconds and bytes per day; and a data-parallel baseline beside it.
 plan of its recorded step times and link settings. docs/planner.md gives the
 equations and sets them beside published runs.
 
-The model (seconds per round, P the payload bytes each way, F fragments, K islands):
+The model (seconds per round, P the contribution's payload bytes, F fragments, K islands):
   step       t_i = 6 x active params x tokens per step / (devices x peak x MFU),
              or a measured step time (Kaplan et al. 2020, C = 6ND).
   compute    C_i = H_i x t_i (sync "steps"; "auto": H_i = H_ref x t_ref / t_i; "time": a round
@@ -23,7 +23,8 @@ The model (seconds per round, P the payload bytes each way, F fragments, K islan
   rate       r_i = min(link Gbit/s, connections x one window per RTT) (`comm.link.steady_gbps`),
              divided among the K islands when they share one link, and at most the
              coordinator's Gbit/s / K.
-  transfer   U_i = D_i = (P / F) x 8 / r_i, each fragment, each way.
+  transfer   U_i = (P / F) x 8 / r_i up and D_i = (P' / F) x 8 / r_i down, each fragment (P' the
+             update's bytes: `codec.update_kind`, P' = P when it is the contributions' codec).
   merge      m = params x (fixed + per_island x K) ns / coordinator cores, m / F per fragment.
   exchange   S = (max_j U_j, m / F, D_i), the three stages of a fragment's exchange;
              E_i = sum(S) + L + L_i                              (not pipelined)
@@ -54,6 +55,7 @@ from collections.abc import Sequence
 import ml_collections
 
 from island_jax.comm.link import steady_gbps
+from island_jax.config import update_kind
 from island_jax.hardware import lookup
 from island_jax.outer import codec as codec_lib
 from island_jax.outer.fragments import auto_overlap_steps
@@ -169,9 +171,12 @@ class Outer:
     """The outer loop and the exchange.
 
     Attributes:
-      codec: `codec.kind` (none, bf16, int8, int4); block_size: elements per scale.
-      bytes_per_param: bytes on the wire per parameter (0: from the codec: int8 1 + 4 / block). The
-        coordinator's merge constants were measured for int8; other codecs use them as they are.
+      codec: `codec.kind` (none, bf16, int8, int4, topk); block_size: elements per scale.
+      update_codec: `codec.update_kind`, the update's codec ("": `codec`'s).
+      topk_group, topk_k: topk's group and values kept per group (`codec.topk_group`, `codec.topk_k`).
+      bytes_per_param: bytes on the wire per parameter up (0: from the codec: int8 1 + 4 / block);
+        update_bytes_per_param: down (0: from the update's codec, or `bytes_per_param` when it is the same).
+        The coordinator's merge constants were measured for int8; other codecs use them as they are.
       sync: "steps" (each island's H), "auto" (H scaled by step time from the reference island's), "time".
       reference_island: under "auto", the island whose H is kept ("": the first).
       round_seconds: with sync "time", the wall-clock seconds of every round (the exchange's exposed
@@ -194,6 +199,10 @@ class Outer:
     codec: str = "int8"
     block_size: int = 256
     bytes_per_param: float = 0.0
+    update_codec: str = ""
+    topk_group: int = 4096
+    topk_k: int = 64
+    update_bytes_per_param: float = 0.0
     sync: str = "steps"
     reference_island: str = ""
     round_seconds: float = 0.0
@@ -206,12 +215,29 @@ class Outer:
     backward_overlap: float = 0.0
     topology: str = "coordinator"
 
+    def _codec(self, kind: str) -> "codec_lib.Codec":
+        return codec_lib.Codec(kind, self.block_size, self.topk_group, self.topk_k)
+
     def wire_bytes_per_param(self) -> float:
-        """Bytes per parameter on the wire (`bytes_per_param`, else the codec's for a long leaf)."""
+        """Bytes per parameter of a contribution (`bytes_per_param`, else the codec's for a long leaf)."""
         if self.bytes_per_param > 0:
             return self.bytes_per_param
-        n = 2 * self.block_size * 1024  # whole blocks and an even count: the codec's rate exactly
-        return codec_lib.leaf_bytes(n, self.codec, self.block_size) / n
+        return codec_lib.bytes_per_element(self._codec(self.codec))
+
+    def update_wire_bytes_per_param(self) -> float:
+        """Bytes per parameter of an update (`update_bytes_per_param`, else the update codec's for a long leaf, or
+        the contribution's when the two codecs are one)."""
+        if self.update_bytes_per_param > 0:
+            return self.update_bytes_per_param
+        if self.update_codec in ("", self.codec):
+            return self.wire_bytes_per_param()
+        return codec_lib.bytes_per_element(self._codec(self.update_codec))
+
+    @property
+    def codecs(self) -> str:
+        """The codecs both ways, e.g. "topk" or "topk up, int8 down"."""
+        down = self.update_codec or self.codec
+        return self.codec if down == self.codec else f"{self.codec} up, {down} down"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -269,7 +295,8 @@ class Plan:
     model: Model
     outer: Outer
     coordinator: Coordinator
-    payload_bytes: float  # each way, per island per round
+    payload_bytes: float  # a contribution, per island per round
+    update_bytes: float  # an update, per island per round
     islands: list[IslandRound]
     wall_seconds: float  # one round
     required_gbps: dict[float, float | None]  # target -> Gbit/s of every island's link (0.0: any; None: none)
@@ -319,6 +346,12 @@ def _check(model: Model, islands: Sequence[Island], outer: Outer, coordinator: C
     need(not outer.reference_island or outer.reference_island in names,
          f"reference_island is {outer.reference_island!r}, not one of {names}")
     need(outer.codec in codec_lib.KINDS, f"codec is {outer.codec!r}; choose one of {codec_lib.KINDS}")
+    need(outer.update_codec in ("", *codec_lib.KINDS),
+         f"update_codec is {outer.update_codec!r}; choose one of {codec_lib.KINDS} (or '' for codec's)")
+    need(isinstance(outer.topk_group, int) and isinstance(outer.topk_k, int) and 1 <= outer.topk_k <= outer.topk_group,
+         f"topk_group {outer.topk_group} and topk_k {outer.topk_k}: give 1 <= topk_k <= topk_group")
+    need(_finite(outer.update_bytes_per_param) and outer.update_bytes_per_param >= 0,
+         f"update_bytes_per_param is {outer.update_bytes_per_param}; give 0 (from the codec) or bytes > 0")
     need(outer.bytes_per_param > 0 or (isinstance(outer.block_size, int) and outer.block_size >= 1),
          f"block_size is {outer.block_size}; give elements per scale >= 1 (or bytes_per_param)")
     need(_finite(outer.bytes_per_param) and outer.bytes_per_param >= 0,
@@ -394,11 +427,13 @@ def _coordinator_cpu(model: Model, k: int, coordinator: Coordinator) -> float:
     return model.total_params * (coordinator.fixed_ns_per_param + coordinator.per_island_ns_per_param * k) * 1e-9
 
 
-def _rounds(model, islands, outer, coordinator, payload, gbps=None):
-    """The islands' rounds and the round's wall seconds W, every island's link at `gbps` when given."""
+def _rounds(model, islands, outer, coordinator, payload, update, gbps=None):
+    """The islands' rounds and the round's wall seconds W, every island's link at `gbps` when given
+    (`payload`, `update`: bytes of a contribution and of an update)."""
     k, f = len(islands), outer.fragments
     ring, timed = outer.topology == "ring", outer.sync == "time"
-    moved = payload * (2 * (k - 1) / k if ring else 1.0)  # each way, per island per round
+    moved = payload * (2 * (k - 1) / k if ring else 1.0)  # up, per island per round
+    back = moved if ring else update  # down
     steps = [i.seconds_per_step(model) for i in islands]
     busy = [i.busy_step_seconds or t for i, t in zip(islands, steps)]
     planned = _planned_steps(islands, steps, outer)
@@ -408,11 +443,12 @@ def _rounds(model, islands, outer, coordinator, payload, gbps=None):
         rate = link.rate_gbps() / (k if outer.shared_link else 1)
         rates.append(rate if ring else min(rate, coordinator.gbps / k))
     seconds = [_seconds(moved / f, r) for r in rates]
+    down = [_seconds(back / f, r) for r in rates]
     one_way = [link.rtt_ms / 2e3 for link in links]
     merge = 0.0 if ring else _coordinator_cpu(model, k, coordinator) / coordinator.cores / f
-    chunks = max(1, math.ceil(payload / f / outer.chunk_bytes))
+    chunks = max(1, math.ceil(max(payload, update) / f / outer.chunk_bytes))  # one plan, cut by the costlier codec
     exchanges, taus, exposed = [], [], []
-    for t, h, s, lat in zip(steps, planned, seconds, one_way):
+    for t, h, s, lat in zip(steps, planned, down, one_way):
         if ring:  # a ring moves at its slowest link and waits 2 (K - 1) hops
             exchange = max(seconds) + 2 * (k - 1) * max(one_way)
         else:  # a chunk's merge waits for every island's copy of it; pipelined, the update flows back
@@ -422,7 +458,7 @@ def _rounds(model, islands, outer, coordinator, payload, gbps=None):
         exchanges.append(exchange)
         taus.append(tau)
         exposed.append(f * (max(0.0, exchange - (tau + outer.backward_overlap) * t) + outer.fragment_overhead_seconds))
-    bound = f * max(max(seconds), merge)  # the busiest link direction, or the merge, every fragment
+    bound = f * max(max(seconds), max(down), merge)  # the busiest link direction, or the merge, every fragment
     if timed:  # a round lasts round_seconds of wall clock; what is exposed comes out of its steps
         wall = max(outer.round_seconds, *(x + b for x, b in zip(exposed, busy)), bound)
         inner = [(wall - x) / b for x, b in zip(exposed, busy)]
@@ -432,11 +468,12 @@ def _rounds(model, islands, outer, coordinator, payload, gbps=None):
     return [
         IslandRound(
             name=isl.name, step_seconds=t, inner_steps=h, tokens_per_round=h * isl.tokens_per_step,
-            compute_seconds=h * t, bytes_up=moved, bytes_down=moved, rate_gbps=rate, transfer_up_seconds=f * s,
-            transfer_down_seconds=f * s, fragment_exchange_seconds=e, overlap_steps=tau, exposed_seconds=x,
-            compute_utilization=h * t / wall, bytes_per_day=2 * moved * SECONDS_PER_DAY / wall,
+            compute_seconds=h * t, bytes_up=moved, bytes_down=back, rate_gbps=rate, transfer_up_seconds=f * s,
+            transfer_down_seconds=f * d, fragment_exchange_seconds=e, overlap_steps=tau, exposed_seconds=x,
+            compute_utilization=h * t / wall, bytes_per_day=(moved + back) * SECONDS_PER_DAY / wall,
         )
-        for isl, t, h, rate, s, e, tau, x in zip(islands, steps, inner, rates, seconds, exchanges, taus, exposed)
+        for isl, t, h, rate, s, d, e, tau, x in zip(islands, steps, inner, rates, seconds, down, exchanges, taus,
+                                                     exposed)
     ], wall
 
 
@@ -512,10 +549,11 @@ def plan(
     if dp_dtype not in DP_BYTES:
         raise PlanError(f"dp_dtype is {dp_dtype!r}; choose one of {sorted(DP_BYTES)}")
     payload = model.total_params * outer.wire_bytes_per_param()
-    rounds, wall = _rounds(model, islands, outer, coordinator, payload)
+    update = model.total_params * outer.update_wire_bytes_per_param()
+    rounds, wall = _rounds(model, islands, outer, coordinator, payload, update)
 
     def utilization(gbps):
-        return min(r.compute_utilization for r in _rounds(model, islands, outer, coordinator, payload, gbps)[0])
+        return min(r.compute_utilization for r in _rounds(model, islands, outer, coordinator, payload, update, gbps)[0])
 
     k, ring = len(islands), outer.topology == "ring"
     state = dict(
@@ -525,7 +563,7 @@ def plan(
     )
     # The merge writes the round's new master, momentum and view beside the old ones, which stay until the round
     # commits: a merge restarted without an island (a new generation) starts again from them.
-    memory = dict(**state, merged_state=sum(state.values()), buffered_contributions=k * payload, kept_update=payload)
+    memory = dict(**state, merged_state=sum(state.values()), buffered_contributions=k * payload, kept_update=update)
     memory = {key: 0.0 if ring else v for key, v in memory.items()}
     memory["total"] = sum(memory.values())
     cpu = 0.0 if ring else _coordinator_cpu(model, k, coordinator)
@@ -549,10 +587,11 @@ def plan(
             "islands of unequal rounds, steps slowed by the exchange beside them)"
         )
     return Plan(
-        model=model, outer=outer, coordinator=coordinator, payload_bytes=payload, islands=rounds, wall_seconds=wall,
+        model=model, outer=outer, coordinator=coordinator, payload_bytes=payload, update_bytes=update, islands=rounds,
+        wall_seconds=wall,
         required_gbps=required, coordinator_memory=memory, coordinator_cpu_seconds=cpu,
         coordinator_bytes_per_day=0.0 if ring else
-        2 * k * payload * SECONDS_PER_DAY / wall,
+        k * (payload + update) * SECONDS_PER_DAY / wall,
         dp=_data_parallel(model, islands, outer, DP_BYTES[dp_dtype], targets), notes=notes,
     )
 
@@ -573,8 +612,11 @@ def format_plan(p: Plan) -> str:
     islands' rounds, then the required link rates, the coordinator and the data-parallel baseline."""
     o = p.outer
     head = (
-        f"model: {_si(p.model.total_params, '')}parameters ({_si(p.model.active, '')}active); {o.codec} at "
-        f"{o.wire_bytes_per_param():.6g} bytes/parameter: {_si(p.payload_bytes, 'B')} each way per island per round; "
+        f"model: {_si(p.model.total_params, '')}parameters ({_si(p.model.active, '')}active); {o.codecs} at "
+        + (f"{o.wire_bytes_per_param():.6g} bytes/parameter: {_si(p.payload_bytes, 'B')} each way per island per round; "
+           if p.update_bytes == p.payload_bytes else
+           f"{o.wire_bytes_per_param():.6g} and {o.update_wire_bytes_per_param():.6g} bytes/parameter: "
+           f"{_si(p.payload_bytes, 'B')} up and {_si(p.update_bytes, 'B')} down per island per round; ") +
         f"F={o.fragments}, tau={o.overlap_steps}, pipeline={'on' if o.pipeline else 'off'}, sync={o.sync}, "
         f"topology={o.topology}" + (", one shared link" if o.shared_link else "")
     )
@@ -661,7 +703,8 @@ def from_config(
             raise PlanError(f"step seconds for {unknown}, which the config has no island of; its islands are {names}")
     o = config.outer
     outer = Outer(
-        codec=config.codec.kind, block_size=config.codec.block_size, sync=o.sync,
+        codec=config.codec.kind, block_size=config.codec.block_size, update_codec=update_kind(config.codec),
+        topk_group=config.codec.topk_group, topk_k=config.codec.topk_k, sync=o.sync,
         reference_island=o.reference_island, round_seconds=o.round_seconds if o.sync == "time" else 0.0,
         fragments=o.fragments, overlap_steps=o.overlap_steps, pipeline=bool(config.comm.pipeline),
         chunk_bytes=config.comm.chunk_bytes,
@@ -754,6 +797,9 @@ def predict(workdir: str, fragment_overhead_seconds: float = 0.0) -> Prediction:
     per_round = sum(r["payload_bytes"] for r in recs) / exchanges * outer.fragments  # the whole payload
     outer = dataclasses.replace(  # the steps each round took are recorded: no plan of them is needed
         outer, sync="time" if config.outer.sync == "time" else "steps", bytes_per_param=per_round / model.total_params,
+        # the update in the measured contribution's proportion to the codecs' rates
+        update_bytes_per_param=per_round / model.total_params * outer.update_wire_bytes_per_param()
+        / outer.wire_bytes_per_param(),
         fragment_overhead_seconds=fragment_overhead_seconds, pipeline=all(pipelined) if pipelined else outer.pipeline,
     )
     p = plan(model, islands, outer, coordinator)
@@ -774,7 +820,7 @@ _ISLAND_KEYS = {  # --island=KEY=VALUE,... : Island fields, and the Link fields 
 }
 _RENAMED = {"devices": "num_devices", "batch": "batch_size"}
 _LINK_KEYS = ("gbps", "rtt_ms", "connections", "window_bytes")
-_OUTER_FLAGS = ("codec", "block_size", "bytes_per_param", "sync", "reference_island", "round_seconds", "fragments",
+_OUTER_FLAGS = ("codec", "block_size", "update_codec", "topk_group", "topk_k", "bytes_per_param", "sync", "reference_island", "round_seconds", "fragments",
                 "overlap_steps", "pipeline", "chunk_bytes", "shared_link", "fragment_overhead_seconds", "backward_overlap",
                 "topology")  # flags named as Outer's fields
 _PLAN_FLAGS = (*_OUTER_FLAGS, *_LINK_KEYS, "total_params", "active_params", "layers", "island", "step_seconds",
@@ -930,7 +976,10 @@ def _define_flags() -> None:
     flags.DEFINE_enum("sync", "steps", ["steps", "auto", "time"], "Round planning (outer.sync).")
     flags.DEFINE_string("reference_island", "", "With --sync=auto: the island whose H is kept ('': the first).")
     flags.DEFINE_float("round_seconds", 0.0, "With --sync=time: compute seconds per round.")
-    flags.DEFINE_enum("codec", "int8", list(codec_lib.KINDS), "Codec of the pseudo-gradients and updates.")
+    flags.DEFINE_enum("codec", "int8", list(codec_lib.KINDS), "Codec of the pseudo-gradients (and the updates).")
+    flags.DEFINE_enum("update_codec", "", ["", *codec_lib.KINDS], "Codec of the updates ('': --codec's).")
+    flags.DEFINE_integer("topk_group", 4096, "topk: elements per group.")
+    flags.DEFINE_integer("topk_k", 64, "topk: values kept per group.")
     flags.DEFINE_integer("block_size", 256, "Elements per scale of int8 / int4.")
     flags.DEFINE_float("bytes_per_param", 0.0, "Bytes on the wire per parameter (0: from --codec).")
     flags.DEFINE_integer("fragments", 1, "F, Streaming DiLoCo fragments.")

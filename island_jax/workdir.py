@@ -278,17 +278,31 @@ def _read_json(path: str) -> dict:
         return json.load(f)
 
 
+def _agree_every_round(config: ml_collections.ConfigDict, workdir: str, merged: dict) -> bool | None:
+    """Whether, after every merged round, each island logged the coordinator's view checksum for that round
+    (their `round` records); None where an island's round record does not hold the view of the same round
+    (fragments, or an update applied `outer.overlap_steps` later)."""
+    if config.outer.fragments != 1 or config.outer.overlap_steps != 0:
+        return None
+    held = {name: {rec["round"]: rec.get("checksum") for rec in read_jsonl(os.path.join(island_dir(workdir, name),
+                                                                                       "metrics.jsonl"))
+                   if rec.get("kind") == "round"} for name in config.islands.keys()}
+    return bool(merged) and all(rounds.get(r) == rec["checksum"] for r, rec in merged.items()
+                                for rounds in held.values())
+
+
 def combine_summaries(config: ml_collections.ConfigDict, workdir: str, wall_seconds: float) -> dict:
     """Writes `WORKDIR/summary.json` from every role's folder, and `WORKDIR/timeline.png`.
 
     Returns:
-      `rounds`, `params`, `codec`, `block_size`, `corpus`, `eval_loss_initial`,
+      `rounds`, `params`, `codec`, `block_size`, `update_codec`, `contribution_bytes` and `update_bytes` (one
+      island's payload bytes each way per round), `corpus`, `eval_loss_initial`,
       `eval_loss_final` (nats per byte on bytes, per token on prepared records, from the evaluating island),
       `eval_bits_per_byte_final`, `eval_loss_final_stderr`
       (its standard error over the held-out windows), `eval_windows`, `eval_windows_sha256`,
       `wall_seconds` (the caller's, seconds), `checksums_agree` (every island's final
       global parameters equal the coordinator's view; without an outer loop,
-      True), and `islands.NAME`: the island's `SUMMED` totals,
+      True), `checksums_agree_every_round` (after every round, too: `_agree_every_round`), and `islands.NAME`: the island's `SUMMED` totals,
       `achieved_gbps`, `compute_utilization`, `mfu`, `mean_weight` (its share of a
       merge, averaged over rounds) and `rounds_merged`, and for an island with data of its own
       `own_eval_loss_final` and `own_eval_bits_per_byte_final` (its own held-out split).
@@ -306,13 +320,17 @@ def combine_summaries(config: ml_collections.ConfigDict, workdir: str, wall_seco
             if rec.get("kind") == "round":
                 merged[rec["round"]] = rec
         agree = all(s["checksum"] == coordinator["checksum"] for s in islands.values())
+        every_round = _agree_every_round(config, workdir, merged)
     else:  # one island, no exchange: it describes the run itself
-        coordinator, agree = evaluator, True
+        coordinator, agree, every_round = evaluator, True, True
     summary = dict(
         rounds=coordinator["rounds"],
         params=coordinator["params"],
         codec=coordinator["codec"],
         block_size=coordinator["block_size"],
+        update_codec=coordinator.get("update_codec", coordinator["codec"]),
+        contribution_bytes=coordinator.get("contribution_bytes"),
+        update_bytes=coordinator.get("update_bytes"),
         corpus=evaluator.get("corpus"),
         eval_loss_initial=evaluator.get("eval_loss_initial"),
         eval_loss_final=evaluator.get("eval_loss_final"),
@@ -322,6 +340,7 @@ def combine_summaries(config: ml_collections.ConfigDict, workdir: str, wall_seco
         eval_windows_sha256=evaluator.get("eval_windows_sha256"),
         wall_seconds=wall_seconds,
         checksums_agree=agree,
+        checksums_agree_every_round=every_round,
         islands={
             name: dict(
                 {k: s[k] for k in (*SUMMED, "achieved_gbps", "compute_utilization", "mfu")},
@@ -346,6 +365,13 @@ def done_line(config: ml_collections.ConfigDict, workdir: str, summary: dict) ->
     `data.loss_unit`), whether the global parameters agree, and where `combine_summaries` wrote."""
     from island_jax.data import loss_unit
 
-    return (f"done in {summary['wall_seconds']:.1f} s: eval loss {summary['eval_loss_initial']:.4f} -> "
+    line = (f"done in {summary['wall_seconds']:.1f} s: eval loss {summary['eval_loss_initial']:.4f} -> "
             f"{summary['eval_loss_final']:.4f} {loss_unit(config, summary['eval_bits_per_byte_final'])}; global "
-            f"parameters agree: {summary['checksums_agree']}; summary in {os.path.join(workdir, 'summary.json')}")
+            f"parameters agree: {summary['checksums_agree']}")
+    if summary.get("update_bytes"):
+        params = summary["params"]
+        up, down = summary["contribution_bytes"], summary["update_bytes"]
+        line += (f" (every round: {summary['checksums_agree_every_round']}); per island and round "
+                 f"{up:,} bytes up ({summary['codec']}, {8 * up / params:.3f} bits a parameter) and "
+                 f"{down:,} down ({summary['update_codec']}, {8 * down / params:.3f})")
+    return line + f"; summary in {os.path.join(workdir, 'summary.json')}"

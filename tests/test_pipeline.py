@@ -15,11 +15,11 @@ from island_jax.model.init import checksum
 from island_jax.outer import codec
 
 
-def _config(pipeline: bool, connections: int):
+def _config(pipeline: bool, connections: int, kind: str = "int8", update_kind: str = ""):
     c = default_config()
     c.islands.a = island(1, 1, 1, 1, 1)
     c.islands.b = island(1, 1, 1, 1, 1)
-    c.codec.kind = "int8"
+    c.codec.update(kind=kind, update_kind=update_kind)
     c.comm.update(chunk_bytes=64 * 1024, pipeline=pipeline, connections=connections)
     c.outer.update(learning_rate=0.7, momentum=0.9, nesterov=True)
     return c
@@ -30,9 +30,10 @@ def _params():
     return {"w": np.zeros((400, 500), np.float32), "b": np.zeros(77, np.float32), "s": np.zeros((), np.float32)}
 
 
-def _run(pipeline: bool, connections: int, link_gbps: float = 0.0):
+def _run(pipeline: bool, connections: int, link_gbps: float = 0.0, kind: str = "int8", update_kind: str = ""):
     """Three rounds of two islands; returns (update bytes per round, master, island parameters, stats)."""
-    c = _config(pipeline, connections)
+    c = _config(pipeline, connections, kind, update_kind)
+    up, down = codec.Codec.of(c.codec), codec.Codec.of(c.codec, update=True)
     params = _params()
     coordinator = FragmentedCoordinator(c, params, ["a", "b"])
     server, _, port = serve(coordinator, "localhost:0", c.comm.chunk_bytes)
@@ -55,13 +56,13 @@ def _run(pipeline: bool, connections: int, link_gbps: float = 0.0):
             def sync(name):
                 isl = islands[name]
                 if pipeline:  # encoded chunk by chunk as the connections send it
-                    plan = codec.chunk_plan(params, "int8", 256, c.comm.chunk_bytes)
-                    payload = codec.ChunkEncoder(pseudo_gradients[name], "int8", 256, plan)
+                    plan = codec.chunk_plan(params, up, None, c.comm.chunk_bytes, down)
+                    payload = codec.ChunkEncoder(pseudo_gradients[name], up, None, plan)
                 else:
-                    payload = codec.encode(pseudo_gradients[name], "int8", 256)
+                    payload = codec.encode(pseudo_gradients[name], up)
                 isl["transport"].contribute(ContributionHeader(r, name, 300 if name == "a" else 100, checksum(isl["params"])), payload)
                 got[name] = isl["transport"].fetch_update(r, name)
-                isl["params"] = codec.decode_and_apply(isl["params"], got[name], "int8", 256)
+                isl["params"] = codec.decode_and_apply(isl["params"], got[name], down)
                 isl["stats"].append(isl["transport"].last_stats)
 
             threads = [threading.Thread(target=sync, args=(n,)) for n in islands]
@@ -89,6 +90,20 @@ def test_pipelined_and_whole_payload_sync_give_identical_bytes():
     for key in ("w", "b", "s"):
         np.testing.assert_array_equal(pipelined[1][key], whole[1][key])
         np.testing.assert_array_equal(pipelined[2][key], whole[2][key])
+    assert checksum(pipelined[2]) == checksum(whole[2])
+
+
+@pytest.mark.parametrize("kind,update_kind", [("topk", "int8"), ("int8", "topk")])
+def test_one_plan_both_ways_over_grpc_with_two_codecs_gives_identical_bytes_pipelined_or_not(kind, update_kind):
+    # The coordinator sends the update's own chunk offsets at the join; 4 pieces of "w" travel in int8 chunks of
+    # up to 64 KiB and in top-k chunks cut by the same plan.
+    pipelined = _run(pipeline=True, connections=4, kind=kind, update_kind=update_kind)
+    whole = _run(pipeline=False, connections=1, kind=kind, update_kind=update_kind)
+    down = codec.Codec(update_kind or kind)
+    assert [len(u) for u in pipelined[0]] == [codec.payload_bytes(_params(), down)] * 3
+    assert pipelined[0] == whole[0]
+    for key in ("w", "b", "s"):
+        np.testing.assert_array_equal(pipelined[1][key], whole[1][key])
     assert checksum(pipelined[2]) == checksum(whole[2])
 
 

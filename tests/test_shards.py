@@ -76,6 +76,14 @@ def test_an_update_applied_shard_by_shard_has_the_bits_of_the_whole_update():
             box = layout.box(k)
             assert shard.dtype == x.dtype and np.array_equal(shard.view(np.uint8), x[box].view(np.uint8))
     assert checksum(new) == checksum(expected) != checksum(host)
+    # top-k contributions and a top-k update of groups of 1024 over int8 blocks of 64: the update's own plan,
+    # the same chunks in its bytes
+    up, down = codec.Codec("int8", 64), codec.Codec("topk", 64, 1024, 16)
+    both = Ownership(codec.chunk_plan(tree, up, None, 4096, down), layouts, 1,
+                     codec.chunk_plan(tree, down, None, 4096, up))
+    sparse = codec.encode(update, down)
+    got = both.apply(host, both.update_sources(sparse), down)
+    assert checksum(got) == checksum(codec.decode_and_apply(tree, sparse, down))
     # the encoder reads the owner's pieces from its shards: the same payload as from the whole values
     placed = [jax.device_put(x, layout.sharding) for x, layout in zip(jax.tree.leaves(update), layouts)]
     local = {(i, layout.key_of(s.index)): np.asarray(s.data).reshape(-1)

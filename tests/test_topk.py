@@ -175,3 +175,14 @@ def test_islands_and_a_coordinator_that_disagree_on_the_update_codec_are_refused
         coord.join("a", fingerprint_fields(other), coord.checksum)
     same = _topk_config("", 4096)  # "" is codec.kind's: the same codec
     coord.join("b", fingerprint_fields(same), coord.checksum)
+
+
+def test_error_feedback_decay_carries_beta_of_what_was_lost():
+    rng = np.random.default_rng(7)
+    x = {"w": rng.normal(size=5000).astype(np.float32)}
+    kept = rng.normal(size=5000).astype(np.float32)
+    residual = {"w": kept.copy()}
+    payload = codec.ChunkEncoder(x, TOPK, None, residual=residual, decay=0.95).tobytes()
+    intended = x["w"] + np.float32(0.95) * kept
+    assert payload == codec.encode({"w": intended}, TOPK)
+    np.testing.assert_array_equal(residual["w"], intended - codec.decode(payload, x, TOPK)["w"])

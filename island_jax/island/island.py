@@ -478,7 +478,7 @@ class Island:
 
         share = self.ownerships[fragment].share
         return codec.ChunkEncoder(None, self.codec, None, share, measure=True, read=pseudo_gradient.read,
-                                  residual_of=residual_of)
+                                  residual_of=residual_of, decay=self.config.codec.error_feedback_decay)
 
     def fragment_checksum(self, fragment: int) -> str:
         """`model.init.checksum` of the fragment's global leaves (a list): what its contribution carries. With one

@@ -185,6 +185,13 @@ def piece_elements(kind: "str | Codec", block_size: int | None = None, other: "C
     return max(1, PIECE_ELEMENTS[fmt.kind] // fmt.unit) * fmt.unit
 
 
+def bytes_per_element(fmt: Codec) -> float:
+    """Bytes per parameter of a long leaf in `fmt`, scales included (int8 with blocks of 256: 1 + 4 / 256; topk
+    with groups of 4096 and k = 64: 116 / 4096)."""
+    n = math.lcm(fmt.unit, 2 * fmt.block_size) * 1024  # whole blocks, groups and bytes: the codec's rate exactly
+    return leaf_bytes(n, fmt) / n
+
+
 def row_elements(fmt: Codec, other: "Codec | None" = None) -> int:
     """Elements of one of the coordinator's rows (`chunk_step`) for a contribution codec `fmt` and update codec
     `other`: a whole number of both's `row_unit`s."""
@@ -372,8 +379,8 @@ def _quantize_leaf(x: jax.Array, block_size: int, max_code: int) -> tuple[jax.Ar
     return codes.astype(jnp.int8).reshape(-1)[:n], scale, dequantized
 
 
-@functools.partial(jax.jit, static_argnames=("kind", "block_size"))
-def _encode_on_device(leaves, residuals, kind, block_size):
+@functools.partial(jax.jit, static_argnames=("kind", "block_size", "decay"))
+def _encode_on_device(leaves, residuals, kind, block_size, decay=1.0):
     """One program for the whole tree, on the leaves' devices (sharded or not).
 
     Returns (per leaf: codes and scales, or values), the new residuals
@@ -382,7 +389,7 @@ def _encode_on_device(leaves, residuals, kind, block_size):
     """
     wire, new_residuals, intended_sq, lost_sq = [], [], 0.0, 0.0
     for i, x in enumerate(leaves):
-        intended = x.astype(jnp.float32) if residuals is None else x.astype(jnp.float32) + residuals[i]
+        intended = x.astype(jnp.float32) if residuals is None else x.astype(jnp.float32) + decay * residuals[i]
         if kind == "none":
             parts, sent = (intended,), intended
         elif kind == "bf16":
@@ -453,6 +460,8 @@ class ChunkEncoder:
         chunk is encoded (an island's own shards, `island.shards.OwnedValues.read`); `plan` is then required.
       residual_of: with `read`, instead of `residual`: piece -> its float32 residual [stop - start], a writable
         array the encoder overwrites with what it lost.
+      decay: beta, what of the residual is carried: intended = x + beta x residual (`codec.error_feedback_decay`;
+        SparseLoCo's error feedback, arXiv 2508.15706, e <- beta e + delta, with beta 0.95).
 
     `len(encoder)` is the payload's size in bytes; `chunk(k)` returns chunk
     k's bytes as a list of buffers, in payload order; `tobytes()` the whole
@@ -476,10 +485,12 @@ class ChunkEncoder:
         on_device: bool | None = None,
         read: Callable[[Piece], np.ndarray] | None = None,
         residual_of: Callable[[Piece], np.ndarray] | None = None,
+        decay: float = 1.0,
     ):
         self.codec = fmt = as_codec(kind, block_size)
         self.kind, self.block_size = fmt.kind, fmt.block_size
         self.measure = measure or residual is not None or residual_of is not None
+        self.decay = float(decay)
         leaves = [] if read is not None else jax.tree.leaves(tree)
         self.residuals = None if residual is None else [r.reshape(-1) for r in jax.tree.leaves(residual)]
         self._read, self._residual_of = read, residual_of
@@ -492,7 +503,7 @@ class ChunkEncoder:
         elif self.kind != "topk" and (_on_accelerator(leaves) if on_device is None else on_device):
             residuals = None if residual is None else jax.tree.leaves(residual)
             wire, new_residuals, intended_sq, lost_sq = jax.device_get(
-                _encode_on_device(leaves, residuals, self.kind, self.block_size)
+                _encode_on_device(leaves, residuals, self.kind, self.block_size, self.decay)
             )
             self._encoded = [tuple(np.asarray(a).reshape(-1) for a in parts) for parts in wire]
             self._sums = [float(intended_sq), float(lost_sq)]
@@ -569,7 +580,7 @@ class ChunkEncoder:
                 x = self.leaves[piece.leaf][piece.start : piece.stop]
                 residual = None if self.residuals is None else self.residuals[piece.leaf][piece.start : piece.stop]
             if residual is not None:
-                x = x + residual
+                x = x + residual if self.decay == 1.0 else x + np.float32(self.decay) * residual
             if self.kind == "none":
                 sent = x
                 parts.append(x.astype("<f4", copy=False))
