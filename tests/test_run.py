@@ -50,7 +50,22 @@ def test_islands_end_every_round_on_the_coordinators_view(run):
     for name in ("a", "b"):
         assert [r["checksum"] for r in records(workdir, f"islands/{name}", "round")] == view
     assert len(set(view)) == 4  # the parameters moved every round
-    assert summary["checksums_agree"] is True
+    assert summary["checksums_agree"] is True and summary["checksums_agree_every_round"] is True
+
+
+def test_a_run_with_topk_up_and_int8_down_agrees_every_round_in_the_codecs_bytes(tmp_path):
+    config = tiny_config(tmp_path, rounds=2)
+    config.codec.update(kind="topk", update_kind="int8")
+    summary = run_in_process(config, str(tmp_path / "workdir"))
+    _, params, _ = init_params(config)
+    sizes = [int(np.prod(x.shape)) for x in jax.tree.leaves(params)]
+    topk_bytes = sum(math.ceil(min(64, min(4096, n - s)) * 14 / 8) + 4 for n in sizes for s in range(0, n, 4096))
+    int8_bytes = sum(n + 4 * math.ceil(n / 256) for n in sizes)
+    assert (summary["codec"], summary["update_codec"]) == ("topk", "int8")
+    assert (summary["contribution_bytes"], summary["update_bytes"]) == (topk_bytes, int8_bytes)
+    assert summary["checksums_agree"] is True and summary["checksums_agree_every_round"] is True
+    for name in ("a", "b"):
+        assert [r["payload_bytes"] for r in records(tmp_path / "workdir", f"islands/{name}", "round")] == [topk_bytes] * 2
 
 
 def test_frame_bytes_tokens_and_summary(run):

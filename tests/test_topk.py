@@ -1,14 +1,17 @@
-"""island_jax/outer/topk.py: the bytes of a top-k leaf, one group's decoding, and error feedback on a sparse
-signal (SparseLoCo, arXiv 2508.15706)."""
+"""The topk codec (SparseLoCo, arXiv 2508.15706): the bytes of a top-k leaf, one group's decoding, error feedback
+on a sparse signal, one chunk plan both ways, the coordinator's sparse merge and top-k update, and the join's check
+of `codec.update_kind`."""
 
 import math
 
 import jax
-
 import numpy as np
 import pytest
 
-from island_jax.outer import topk
+from island_jax.config import default_config, fingerprint_fields, island
+from island_jax.coordinator import ContributionHeader, Coordinator, HandshakeError
+from island_jax.model.init import checksum
+from island_jax.outer import codec, topk
 
 
 @pytest.mark.parametrize("n", [1, 63, 64, 65, 4096, 4096 + 10, 3 * 4096, 3 * 4096 + 100, 10_000])
@@ -56,10 +59,6 @@ def test_bytes_of_another_length_are_refused_naming_both():
 
 # -- the topk codec on the chunked wire, the coordinator's merge and update (codec.kind / codec.update_kind) --------
 
-from island_jax.config import default_config, fingerprint_fields, island  # noqa: E402
-from island_jax.coordinator import ContributionHeader, Coordinator, HandshakeError  # noqa: E402
-from island_jax.model.init import checksum  # noqa: E402
-from island_jax.outer import codec  # noqa: E402
 
 TOPK = codec.Codec("topk", 256, 4096, 64)
 

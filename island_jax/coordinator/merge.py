@@ -34,7 +34,6 @@ from island_jax.coordinator import handshake
 from island_jax.coordinator.contribution import ContributionHeader
 from island_jax.coordinator.errors import ContributionError, StaleRoundError, UpdateNotReady
 from island_jax.coordinator.state import FragmentState
-from island_jax.outer import codec
 from island_jax.planning import plan_from_step_times
 
 
