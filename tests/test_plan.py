@@ -55,6 +55,20 @@ def test_hand_case_pipelined_the_two_directions_overlap():
     assert plan_lib.pipelined_seconds((8.125, 0.0, 8.125), 1) == 16.25  # one chunk: one stage after the other
 
 
+def test_hand_case_topk_up_and_int8_down_moves_each_codecs_bytes():
+    islands = [Island(name, step_seconds=0.5, inner_steps=100, link=Link(1.0, 0.0)) for name in ("a", "b")]
+    p = plan(Model(1e9), islands, Outer(codec="topk", update_codec="int8", pipeline=False), FREE_MERGE)
+    up, down = 1e9 * 116 / 4096, 1.015625e9  # 116 bytes a group of 4096; int8 with a scale per 256
+    for r in p.islands:
+        assert (r.bytes_up, r.bytes_down) == (pytest.approx(up, rel=1e-12), pytest.approx(down, rel=1e-12))
+        assert r.transfer_up_seconds == pytest.approx(up * 8 / 1e9, rel=1e-12)
+        assert r.transfer_down_seconds == pytest.approx(8.125, rel=1e-12)
+        assert r.exposed_seconds == pytest.approx(up * 8 / 1e9 + 8.125, rel=1e-12)  # not pipelined: one then the other
+    assert (p.payload_bytes, p.update_bytes) == (pytest.approx(up, rel=1e-12), pytest.approx(down, rel=1e-12))
+    both = plan(Model(1e9), islands, Outer(codec="topk", update_codec="topk", pipeline=False), FREE_MERGE)
+    assert both.islands[0].exposed_seconds == pytest.approx(2 * up * 8 / 1e9, rel=1e-12)
+
+
 @pytest.mark.parametrize("overhead, utilization", [(0.0, 1.0), (0.1, 0.992)])
 def test_four_fragments_with_auto_tau_hide_the_exchange(overhead, utilization):
     p = hand_case(fragments=4, overlap_steps="auto", fragment_overhead_seconds=overhead)
