@@ -101,6 +101,11 @@ def run_coordinator(
       contribution; RunAborted when an in-process exchange is aborted.
     """
     config_lib.validate(config)
+    if config.codec.kind == "topk" and config.outer.momentum > 0:
+        logging.warning(
+            "codec.kind is topk with outer.momentum %g: the islands' error feedback and the outer momentum together "
+            "trained badly or diverged in docs/results.md (section 9); SparseLoCo's outer step is "
+            "outer.momentum=0, outer.learning_rate=1, codec.error_feedback_decay=0.95", config.outer.momentum)
     start = time.perf_counter()
     role = open_role(config, coordinator_dir(workdir), coordinator=True, allow_config_change=allow_config_change)
     names, rounds = list(config.islands.keys()), config.outer.rounds
