@@ -77,10 +77,10 @@ class Sink:
         from island_jax.outer import codec
 
         self.fingerprint_fields = fingerprint_fields(default_config())
-        self.kind, self.block_size = "none", 256
+        self.codec = self.update_codec = codec.Codec("none")
         self.shapes = {"w": jax.ShapeDtypeStruct((num_bytes // 4,), np.float32)}
-        self.plan = codec.chunk_plan(self.shapes, "none", 256, chunk_bytes)
-        self.payload_bytes = num_bytes
+        self.plan = self.update_plan = codec.chunk_plan(self.shapes, self.codec, None, chunk_bytes)
+        self.payload_bytes = self.update_bytes = num_bytes
         self.islands, self.round, self.checksum, self.incarnation = ["a"], 0, "-", ""
         self.fragments = [self]
         self.buffer = bytearray(num_bytes)

@@ -430,6 +430,13 @@ def _check_codec(codec: ml_collections.ConfigDict) -> None:
         codec.block_size > 0,
         f"codec.block_size is {codec.block_size}; it must be a positive number of elements (e.g. 256)",
     )
+    units = sorted(codec.topk_group if kind == "topk" else codec.block_size for kind in (codec.kind, update_kind(codec)))
+    _require(
+        units[1] % units[0] == 0,
+        f"codec.topk_group is {codec.topk_group} and codec.block_size {codec.block_size}: with codec.kind "
+        f"{codec.kind!r} and codec.update_kind {update_kind(codec)!r}, one must be a multiple of the other (the "
+        "coordinator holds both codecs' whole groups and blocks in rows of their least common multiple)",
+    )
     _require(
         0.0 < codec.error_feedback_decay <= 1.0,
         f"codec.error_feedback_decay is {codec.error_feedback_decay}; give beta in (0, 1] (1: carry all that was lost)",

@@ -352,7 +352,9 @@ def _check(model: Model, islands: Sequence[Island], outer: Outer, coordinator: C
          f"topk_group {outer.topk_group} and topk_k {outer.topk_k}: give 1 <= topk_k <= topk_group")
     need(_finite(outer.update_bytes_per_param) and outer.update_bytes_per_param >= 0,
          f"update_bytes_per_param is {outer.update_bytes_per_param}; give 0 (from the codec) or bytes > 0")
-    need(outer.bytes_per_param > 0 or (isinstance(outer.block_size, int) and outer.block_size >= 1),
+    from_codec = outer.bytes_per_param == 0 or (outer.update_codec not in ("", outer.codec)
+                                                and outer.update_bytes_per_param == 0)
+    need(not from_codec or (isinstance(outer.block_size, int) and outer.block_size >= 1),
          f"block_size is {outer.block_size}; give elements per scale >= 1 (or bytes_per_param)")
     need(_finite(outer.bytes_per_param) and outer.bytes_per_param >= 0,
          f"bytes_per_param is {outer.bytes_per_param}; give 0 (from the codec) or bytes > 0")

@@ -16,6 +16,7 @@ SECTIONS = [
     "6. Token against uniform weighting with unequal islands",
     "7. Outer optimizer",
     "8. Islands with different data (non-IID) against IID islands",
+    "9. Top-k pseudo-gradients (SparseLoCo) against int8 and int4 with error feedback",
 ]
 
 

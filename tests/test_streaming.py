@@ -47,6 +47,7 @@ class VectorIsland:
             codec.chunk_plan([self.params[i] for i in idx], c.kind, c.block_size, config.comm.chunk_bytes)
             for idx in self.partition
         ]
+        self.update_plans = self.fragment_plans  # one codec both ways
 
     def train_round(self, num_steps=None, after_step=None, seconds=None):
         n = min(self.inner_steps if num_steps is None else num_steps, self.total_steps - self.step)

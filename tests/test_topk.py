@@ -185,3 +185,55 @@ def test_error_feedback_decay_carries_beta_of_what_was_lost():
     intended = x["w"] + np.float32(0.95) * kept
     assert payload == codec.encode({"w": intended}, TOPK)
     np.testing.assert_array_equal(residual["w"], intended - codec.decode(payload, x, TOPK)["w"])
+
+
+@pytest.mark.parametrize("kind,update_kind", [("int8", "bf16"), ("int4", "int8"), ("topk", "int8"), ("none", "topk")])
+def test_a_paired_codecs_whole_payload_is_the_one_its_chunks_make(kind, update_kind):
+    # int8 alone cuts pieces of 65,536 values, bf16 of 32,768: paired, both payloads use the pieces they share,
+    # whether encoded whole (encode, decode, decode_and_apply) or chunk by chunk
+    c = default_config()
+    c.codec.update(kind=kind, update_kind=update_kind)
+    up, down = codec.Codec.of(c.codec), codec.Codec.of(c.codec, update=True)
+    assert up.piece == down.piece > 0
+    rng = np.random.default_rng(3)
+    tree = {"w": rng.normal(size=300_001).astype(np.float32), "b": rng.normal(size=77).astype(np.float32)}
+    for fmt, other in ((up, down), (down, up)):
+        plan = codec.chunk_plan(tree, fmt, None, 65536, other)
+        whole = codec.encode(tree, fmt)
+        assert codec.ChunkEncoder(tree, fmt, None, plan).tobytes() == whole
+        decoded = codec.decode(whole, tree, fmt)
+        assert all(np.isfinite(v).all() for v in decoded.values())
+        applied = codec.decode_and_apply({k: np.zeros_like(v) for k, v in tree.items()}, whole, fmt)
+        np.testing.assert_array_equal(applied["w"], decoded["w"])
+        if fmt.kind in ("none", "bf16", "int8"):  # dense kinds: within one quantization step of the values
+            np.testing.assert_allclose(decoded["w"], tree["w"], atol=float(np.abs(tree["w"]).max()) / 127 * 1.01)
+
+
+def test_dense_codecs_alone_keep_their_pieces():
+    assert codec.piece_elements("int8", 256) == 65536 and codec.piece_elements("int4", 256) == 131072
+    assert codec.piece_elements("int4", 9) == 262134 and codec.piece_elements("int4", 40001) == 240006
+    assert codec.Codec.of(default_config().codec).piece == 0
+
+
+def test_a_nan_in_a_topk_pseudo_gradient_is_refused_by_the_coordinator():
+    from island_jax.coordinator import ContributionError
+
+    config = _topk_config("topk", 4096)
+    coord = Coordinator(config, {"w": np.zeros(5000, np.float32)}, ["a", "b"])
+    coord.join("a", fingerprint_fields(config), coord.checksum)
+    pg = {"w": np.ones(5000, np.float32)}
+    pg["w"][4100] = np.nan
+    with pytest.raises(ContributionError, match="holds NaN or Inf"):
+        coord.contribute(ContributionHeader(0, "a", 10), codec.encode(pg, codec.Codec.of(config.codec)))
+
+
+def test_a_group_and_a_block_neither_a_multiple_of_the_other_are_refused_with_two_codecs():
+    from island_jax.config import ConfigError, validate
+
+    config = _topk_config("int8", 4096)
+    config.codec.update(topk_group=3000, topk_k=16)
+    with pytest.raises(ConfigError, match=r"codec\.topk_group is 3000 and codec\.block_size 256: .* one must be a "
+                                          r"multiple of the other"):
+        validate(config)
+    config.codec.update_kind = "topk"  # one codec both ways: any group
+    validate(config)

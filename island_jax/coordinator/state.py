@@ -49,6 +49,10 @@ class FragmentState:
         self.width = codec.row_elements(self.codec, self.update_codec)  # elements per row
         self.layouts, self.num_rows = chunk_step.row_layouts(self.plan, self.width)
         self.kept = chunk_step.most_kept(self.layouts, self.codec)
+        if self.num_rows * self.width >= 2**31:  # top-k positions in a chunk's rows are int32
+            raise ValueError(
+                f"one chunk of the payload holds {self.num_rows * self.width:,} elements in the coordinator's rows, "
+                f"more than int32 positions reach; lower comm.chunk_bytes (now {chunk_bytes:,})")
         self._pieces_of_leaf = self._leaf_pieces()
         self._step = chunk_step.ChunkStep(outer_optimizer(config), self.codec, self.update_codec, self.width,
                                           self.num_rows)
@@ -182,7 +186,19 @@ class FragmentState:
         return dict(master=self._tree_of(self.master_rows, dtypes=False), opt_state=opt, view=self.view)
 
     def load_state(self, state: dict) -> None:
-        """Continues from a `state()` (as restored from a checkpoint)."""
+        """Continues from a `state()` (as restored from a checkpoint).
+
+        Raises:
+          ValueError: its optimizer state was saved for another chunk layout (another codec, `codec.update_kind`
+            or `comm.chunk_bytes`): its momentum would not line up with these rows.
+        """
+        ours = [jax.tree.map(np.shape, o) for o in self.opt]
+        theirs = [jax.tree.map(np.shape, o) for o in state["opt_state"]]
+        if ours != theirs:
+            raise ValueError(
+                f"the checkpoint's outer optimizer state is laid out in {len(theirs)} chunks of rows that differ from "
+                f"this run's {len(ours)} (its codecs or comm.chunk_bytes changed): resume under the codec and "
+                "comm.chunk_bytes it was saved with")
         self.view_rows = self._rows_of(state["view"])
         self.master_rows = self._rows_of(state["master"])
         self.opt = [self._step.place(x) for x in state["opt_state"]]

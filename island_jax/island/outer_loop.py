@@ -56,6 +56,7 @@ class OuterLoopIsland(Protocol):
       tokens_per_step: tokens one inner step trains on (batch size x sequence length).
       partition: per fragment, its leaf indices in `jax.tree.leaves` order.
       fragment_plans: per fragment, its payload's `codec.Chunk`s (their `nbytes` sum to the payload's bytes).
+      update_plans: per fragment, its update's chunks (the same elements, in the update's codec: `codec.update_kind`).
       last_step_compiled: the last inner step compiled, so its seconds say nothing of the step time.
       multi_process: the island spans several processes: each exchanges the chunks it owns of every payload,
         and the update's chunks that other processes hold elements of are passed on (`gather_update`) and
@@ -69,6 +70,7 @@ class OuterLoopIsland(Protocol):
     tokens_per_step: int
     partition: list[list[int]]
     fragment_plans: list[list[codec.Chunk]]
+    update_plans: list[list[codec.Chunk]]
     last_step_compiled: bool
 
     def train_round(
@@ -285,9 +287,10 @@ class StreamingSync:
         link = self.link
         if link is None:
             return 0.0
-        nbytes = sum(c.nbytes for c in self.island.fragment_plans[fragment])
+        up = sum(c.nbytes for c in self.island.fragment_plans[fragment])
+        down = sum(c.nbytes for c in self.island.update_plans[fragment])
         rate = link.rate_gbps(self.settings.connections) * 1e9
-        return 2 * (link.latency_ms / 1e3 + nbytes * 8 / rate)
+        return 2 * link.latency_ms / 1e3 + (up + down) * 8 / rate
 
     def _due_fragments(self, steps_done: int) -> list[int]:
         """The fragments to contribute now, `steps_done` inner steps into the round."""

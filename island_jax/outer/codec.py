@@ -41,8 +41,9 @@ The sizes above do not change: pieces start on block (and top-k group) boundarie
 
 Two codecs, one plan. A contribution and its update share one chunk plan element
 for element (the coordinator merges chunk k and sends update chunk k). When the two
-directions use different codecs (`other`), pieces start on the boundaries of both,
-and chunks are cut by whichever codec costs more bytes, so that no chunk of either
+directions use different codecs (`Codec.paired`), pieces start on the boundaries of
+both, in either payload encoded whole or chunk by chunk (`Codec.of` pairs a config's two
+codecs), and chunks are cut by whichever codec costs more bytes, so that no chunk of either
 payload exceeds `comm.chunk_bytes`: with top-k up and int8 down, a 1 MiB top-k chunk
 would otherwise hold about 37M values and its int8 update chunk about 37 MB.
 
@@ -98,6 +99,8 @@ class Codec:
       kind: one of `KINDS`.
       block_size: elements per float32 scale of int8 / int4 (and the coordinator's row width for none / bf16).
       topk_group, topk_k: topk's group length and values kept per group (elements).
+      piece: elements of a full piece where the other direction's codec differs (`paired`): the pieces of both
+        directions' payloads then start at the same elements; 0: the kind's own (`piece_elements`).
 
     Raises:
       CodecError: an unknown kind, or a size below 1.
@@ -107,6 +110,7 @@ class Codec:
     block_size: int = 256
     topk_group: int = 4096
     topk_k: int = 64
+    piece: int = 0
 
     def __post_init__(self):
         _check_kind(self.kind)
@@ -117,9 +121,22 @@ class Codec:
     @classmethod
     def of(cls, config: Any, update: bool = False) -> "Codec":
         """The contribution's codec of a config's `codec` section, or with `update` the update's
-        (`codec.update_kind`, "" for the contribution's kind)."""
-        kind = update_kind(config) if update else config.kind
-        return cls(kind, config.block_size, config.get("topk_group", 4096), config.get("topk_k", 64))
+        (`codec.update_kind`, "" for the contribution's kind), each `paired` with the other."""
+        group, k = config.get("topk_group", 4096), config.get("topk_k", 64)
+        up, down = cls(config.kind, config.block_size, group, k), cls(update_kind(config), config.block_size, group, k)
+        return down.paired(up) if update else up.paired(down)
+
+    def own(self) -> "Codec":
+        """This codec with its own pieces (unpaired)."""
+        return dataclasses.replace(self, piece=0) if self.piece else self
+
+    def paired(self, other: "Codec") -> "Codec":
+        """This codec cut into the pieces it shares with `other`, the other direction's codec
+        (`piece_elements(self, other=other)`); itself, with its own pieces, when the two are one codec."""
+        mine, theirs = self.own(), other.own()
+        if mine == theirs:
+            return mine
+        return dataclasses.replace(mine, piece=piece_elements(mine, other=theirs))
 
     @property
     def unit(self) -> int:
@@ -173,16 +190,23 @@ def leaf_bytes(size: int, kind: "str | Codec", block_size: int | None = None) ->
 
 
 def piece_elements(kind: "str | Codec", block_size: int | None = None, other: "Codec | None" = None) -> int:
-    """Elements of a full piece: about 64 KiB of codes or values, in whole units (`Codec.unit`). With the other
-    direction's codec `other`, the smaller of the two pieces in whole units of both."""
+    """Elements of a full piece: about 64 KiB of codes or values, in whole blocks (for int4 an even count) or
+    top-k groups; a paired codec's `piece`. With the other direction's codec `other`, when it differs, the
+    smaller of the two pieces in whole units (`Codec.unit`) of both."""
     fmt = as_codec(kind, block_size)
-    if other is not None and other != fmt:
-        unit = math.lcm(fmt.unit, other.unit)
-        return max(1, min(piece_elements(fmt), piece_elements(other)) // unit) * unit
+    if other is not None and other.own() != fmt.own():
+        mine, theirs = fmt.own(), other.own()
+        unit = math.lcm(mine.unit, theirs.unit)
+        return max(1, min(piece_elements(mine), piece_elements(theirs)) // unit) * unit
+    if fmt.piece:
+        return fmt.piece
     if fmt.kind == "topk":
         groups = PIECE_BYTES // topk.group_bytes(fmt.topk_group, fmt.topk_group, fmt.topk_k)
         return max(1, groups) * fmt.topk_group
-    return max(1, PIECE_ELEMENTS[fmt.kind] // fmt.unit) * fmt.unit
+    if fmt.kind not in MAX_CODE:
+        return PIECE_ELEMENTS[fmt.kind]
+    n = max(1, PIECE_ELEMENTS[fmt.kind] // fmt.block_size) * fmt.block_size
+    return 2 * n if fmt.kind == "int4" and n % 2 else n
 
 
 def bytes_per_element(fmt: Codec) -> float:
@@ -219,15 +243,15 @@ class Chunk:
     pieces: tuple[Piece, ...]
 
 
-def pieces(like: Any, kind: "str | Codec", block_size: int | None = None, other: Codec | None = None) -> list[Piece]:
-    """Every piece of a payload for a pytree shaped like `like` (arrays or ShapeDtypeStructs), in payload order.
-    With `other` (the other direction's codec), pieces start on the boundaries of both (`piece_elements`).
+def pieces(like: Any, kind: "str | Codec", block_size: int | None = None) -> list[Piece]:
+    """Every piece of a payload for a pytree shaped like `like` (arrays or ShapeDtypeStructs), in payload order
+    (`piece_elements`: a paired codec's pieces start where the other direction's do).
 
     Raises:
       CodecError: an unknown kind or a block_size <= 0.
     """
     fmt = as_codec(kind, block_size)
-    step = piece_elements(fmt, other=other)
+    step = piece_elements(fmt)
     out, offset = [], 0
     for i, x in enumerate(jax.tree.leaves(like)):
         n = int(np.prod(x.shape))
@@ -258,9 +282,11 @@ def chunk_plan(like: Any, kind: "str | Codec", block_size: int | None, chunk_byt
       CodecError: an unknown kind or a block_size <= 0.
     """
     fmt = as_codec(kind, block_size)
-    other = None if other == fmt else other
-    mine = pieces(like, fmt, other=other)
-    theirs = mine if other is None else pieces(like, other, other=fmt)
+    if other is not None:
+        fmt, other = fmt.paired(other), other.paired(fmt)
+        other = None if other == fmt else other
+    mine = pieces(like, fmt)
+    theirs = mine if other is None else pieces(like, other)
     plan: list[Chunk] = []
     group: list[Piece] = []
     start_theirs = 0
@@ -324,6 +350,8 @@ def layout(like: Any, kind: "str | Codec", block_size: int | None = None) -> str
     text = repr([(jax.tree_util.keystr(path), tuple(x.shape)) for path, x in leaves]) + f"|{fmt.kind}|{fmt.block_size}"
     if fmt.kind == "topk":
         text += f"|{fmt.topk_group}|{fmt.topk_k}"
+    if fmt.piece:
+        text += f"|piece {fmt.piece}"
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 

@@ -72,6 +72,8 @@ def select(values: np.ndarray, k: int) -> np.ndarray:
     if keep == length:
         return np.broadcast_to(np.arange(length), (groups, length)).copy()
     magnitude = np.abs(values)
+    if np.isnan(magnitude).any():  # kept first, so that the coordinator sees the NaN and refuses the contribution
+        magnitude = np.where(np.isnan(magnitude), np.inf, magnitude)
     threshold = np.partition(magnitude, length - keep, axis=1)[:, length - keep : length - keep + 1]
     above = magnitude > threshold
     at = magnitude == threshold
