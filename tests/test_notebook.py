@@ -59,5 +59,6 @@ def test_the_notebook_executes_at_smoke_with_a_table_and_a_figure_per_section(tm
         assert tables and figures, f"section {name!r}: {len(tables)} tables, {len(figures)} figures"
     # every variant ran in its own folder under the workdir the environment named
     assert sorted(os.listdir(tmp_path / "ablations")) == [
-        "codec", "diloco_vs_dp", "fragments", "inner_steps", "islands", "non_iid", "outer_optimizer", "weighting",
+        "codec", "diloco_vs_dp", "fragments", "inner_steps", "islands", "non_iid", "outer_optimizer", "topk",
+        "weighting",
     ]
