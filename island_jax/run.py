@@ -21,14 +21,13 @@ import ml_collections
 from absl import logging
 
 from island_jax import config as config_lib
-from island_jax import data as data_lib
 from island_jax.comm.inprocess import InProcessExchange, RunAborted
 from island_jax.coordinator.main import run_coordinator
 from island_jax.hardware import measured_cpu_peak_flops
 from island_jax.island import memory
 from island_jax.island.main import run_island
 from island_jax.progress import Progress
-from island_jax.workdir import check_resume, combine_summaries, refuse_finished
+from island_jax.workdir import check_resume, combine_summaries, done_line, refuse_finished
 
 
 def run_in_process(config: ml_collections.ConfigDict, workdir: str, allow_config_change: bool = False,
@@ -119,9 +118,5 @@ def run_in_process(config: ml_collections.ConfigDict, workdir: str, allow_config
     if real or errors:
         raise (real or errors)[0][1]
     summary = combine_summaries(config, workdir, time.perf_counter() - start)
-    logging.info(
-        "done in %.1f s: eval loss %.4f -> %.4f %s; global parameters agree: %s",
-        summary["wall_seconds"], summary["eval_loss_initial"], summary["eval_loss_final"],
-        data_lib.loss_unit(config, summary["eval_bits_per_byte_final"]), summary["checksums_agree"],
-    )
+    logging.info("%s", done_line(config, workdir, summary))
     return summary

@@ -99,8 +99,10 @@ def test_the_tiny_run_submitted_to_slurm_finishes_with_checksums_agreeing(tmp_pa
     assert state == "COMPLETED" and len(logs) == 1, f"job state {state}\n{log[-4000:]}"
     summary = json.loads((workdir / "summary.json").read_text())
     assert (summary["rounds"], summary["checksums_agree"]) == (3, True)
-    assert [line for line in log.splitlines() if "[summarize] done in" in line][0].endswith(
-        f"global parameters agree: True; summary in {workdir / 'summary.json'}")
+    done_line = [line for line in log.splitlines() if "[summarize] done in" in line][0]
+    assert re.search(r"global parameters agree: True \(every round: True\); per island and round [\d,]+ bytes up "
+                     r"\(int8, [\d.]+ bits a parameter\) and [\d,]+ down \(int8, [\d.]+\); summary in "
+                     + re.escape(str(workdir / "summary.json")) + "$", done_line), done_line
     # each role wrote its own folder, and all three hold the same final global parameters
     checksums = {role: json.loads((workdir / role / "summary.json").read_text())["checksum"]
                  for role in ("coordinator", "islands/a", "islands/b")}
