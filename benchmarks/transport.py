@@ -1,6 +1,6 @@
 """Goodput of the island -> coordinator transfer against a plain TCP socket, and through the link emulator.
 
-  python benchmarks/transport.py [--megabytes=256] [--repeats=3] [--tls_repeats=5] [--smoke]
+  python benchmarks/transport.py [--megabytes=256] [--repeats=5] [--tls_repeats=5] [--smoke]
 
 `--smoke` moves 4 MiB, once per kind after the warm-up (`--megabytes=4
 --repeats=1 --tls_repeats=1`), in a few seconds: the same code path and
@@ -14,17 +14,22 @@ the transport. The sender process moves the same payload both ways, taking
 turns: `sendall` of a memoryview over one TCP connection, then
 `GrpcTransport.contribute` over `comm.connections` channels. Each is timed
 from the first byte to the receiver's acknowledgement; the medians are
-compared. For reference it also times bare gRPC on the same channels: 1 MiB
+compared. It also times bare gRPC on the same channels, each right after the
+exchange over the same number of connections (an alternated pair): 1 MiB
 messages sliced beforehand, into a grpc.aio method that only counts them (no
 framing, no CRC, no copy into a buffer), which is gRPC Python's own ceiling on
-the machine. Last line: `transport: ratio=R` (exchange goodput / TCP goodput).
+the machine. Each pair gives the exchange's share of bare gRPC's goodput (bare
+seconds / exchange seconds); the median over the pairs is printed per
+connection count. Last line: `overhead_vs_grpc=Q`, the lowest of those medians
+(1, 4 and `comm.connections` connections); the line before it,
+`transport: ratio=R` (exchange goodput / TCP goodput, `comm.connections`).
 
 TLS, loopback. The receiver also serves the same sink a second time, the
 secure way: mutual TLS and per-island bearer tokens, with one throwaway CA,
 certificates and token from `security.make_run_credentials`. The sender moves
 the same payload through the exchange in the clear (no tokens) and through
 TLS (with its token), taking turns, with 1 and `comm.connections` channels;
-the medians are compared. Line before the last: `transport_tls: ratio=R`
+the medians are compared. Third line from the end: `transport_tls: ratio=R`
 (TLS seconds / plaintext seconds, `comm.connections` channels).
 
 If the receiver fails (a server thread that cannot start, a crash), it exits
@@ -55,7 +60,7 @@ from absl import app, flags
 from absl import logging as absl_logging
 
 _MEGABYTES = flags.DEFINE_integer("megabytes", 256, "Payload size, MiB.")
-_REPEATS = flags.DEFINE_integer("repeats", 3, "Timed transfers of each kind.")
+_REPEATS = flags.DEFINE_integer("repeats", 5, "Timed transfers of each kind (alternated exchange / bare gRPC pairs).")
 _TLS_REPEATS = flags.DEFINE_integer("tls_repeats", 5, "Timed transfers of each kind in the TLS comparison.")
 _SECRETS = flags.DEFINE_string("secrets", "", "The run's credentials folder (passed to the receiver by the sender).")
 _ROLE = flags.DEFINE_string("role", "sender", "sender | receiver (the receiver is started by the sender).")
@@ -259,6 +264,8 @@ def _sender(num_bytes: int, repeats: int, tls_repeats: int, secrets_folder: str)
         for t in [*transports.values(), *secure.values()]:
             t.close()
         tcp_gbps = num_bytes * 8 / statistics.median(tcp) / 1e9
+        # each pair: the exchange's share of bare gRPC's goodput over the same connections, taken in turn
+        share = {n: statistics.median(b / g for g, b in zip(grpc[n], bare[n])) for n in counts}
         print(f"loopback, {num_bytes >> 20} MiB, median of {repeats}:")
         print(f"  plain TCP (sendall / recv_into)       {tcp_gbps:6.2f} Gbit/s")
         for n in counts:
@@ -267,6 +274,9 @@ def _sender(num_bytes: int, repeats: int, tls_repeats: int, secrets_folder: str)
         for n in counts:
             gbps = num_bytes * 8 / statistics.median(bare[n]) / 1e9
             print(f"  bare gRPC,     {n:2d} connection{'s' if n > 1 else ' '}       {gbps:6.2f} Gbit/s = {gbps / tcp_gbps:.3f}")
+        for n in counts:
+            print(f"  exchange / bare gRPC, {n:2d} connection{'s' if n > 1 else ' '}: {share[n]:.3f} "
+                  f"(median of {repeats} alternated pairs)")
         print(f"TLS, loopback, {num_bytes >> 20} MiB, exchange, alternating, median of {tls_repeats}:")
         for n in tls_counts:
             p, s = statistics.median(plain_s[n]), statistics.median(tls_s[n])
@@ -291,6 +301,7 @@ def _sender(num_bytes: int, repeats: int, tls_repeats: int, secrets_folder: str)
         tls_ratio = statistics.median(tls_s[connections]) / statistics.median(plain_s[connections])
         print(f"transport_tls: ratio={tls_ratio:.3f} (TLS / plaintext seconds, {connections} connections)")
         print(f"transport: ratio={grpc_gbps / tcp_gbps:.3f}")
+        print(f"overhead_vs_grpc={min(share.values()):.3f}")
     finally:
         proc.kill()
         proc.wait()

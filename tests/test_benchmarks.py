@@ -38,8 +38,8 @@ LAST_LINES = {
     "moe_layer": ([rf"moe_layer: ratio={R}"], 180),
     "scale_out": ([rf"scale_out: ratio={R2} \(P=2 / P=1 exchange seconds per round\)"], 120),
     "soak": ([r"soak: faults=4 rounds_lost=\d+ diverged=\d+"], 300),
-    "transport": ([rf"transport_tls: ratio={R} \(TLS / plaintext seconds, 16 connections\)", rf"transport: ratio={R}"],
-                  120),
+    "transport": ([rf"transport_tls: ratio={R} \(TLS / plaintext seconds, 16 connections\)", rf"transport: ratio={R}",
+                   rf"overhead_vs_grpc={R}"], 120),
     "utilization": ([rf"utilization: plain={R} streaming={R}"], 300),
 }
 
