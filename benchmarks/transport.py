@@ -20,7 +20,10 @@ messages sliced beforehand, into a grpc.aio method that only counts them (no
 framing, no CRC, no copy into a buffer), which is gRPC Python's own ceiling on
 the machine. Each pair gives the exchange's share of bare gRPC's goodput (bare
 seconds / exchange seconds); the median over the pairs is printed per
-connection count. Last line: `overhead_vs_grpc=Q`, the lowest of those medians
+connection count, with the CPU seconds each process spent per transfer (the
+sender's own, the receiver's from /proc; both share the machine's cores, so a
+pass over the bytes on either side lengthens the transfer when they are busy).
+Last line: `overhead_vs_grpc=Q`, the lowest of those medians
 (1, 4 and `comm.connections` connections); the line before it,
 `transport: ratio=R` (exchange goodput / TCP goodput, `comm.connections`).
 
@@ -185,6 +188,26 @@ def _bare_seconds(transport, messages: list[bytes]) -> float:
     return time.perf_counter() - start
 
 
+def _cpu_seconds(pid: int | None = None) -> float:
+    """User + system CPU seconds of this process, or of process `pid` (from /proc; NaN where there is none)."""
+    if pid is None:
+        t = os.times()
+        return t.user + t.system
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+    except OSError:
+        return float("nan")
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _with_cpu(pid: int, transfer) -> tuple[float, float, float]:
+    """(wall seconds of `transfer()`, this process's CPU seconds, process `pid`'s CPU seconds) during it."""
+    mine, theirs = _cpu_seconds(), _cpu_seconds(pid)
+    seconds = transfer()
+    return seconds, _cpu_seconds() - mine, _cpu_seconds(pid) - theirs
+
+
 def _tcp_seconds(port: int, payload: bytes) -> float:
     start = time.perf_counter()
     with socket.create_connection(("127.0.0.1", port), timeout=WAIT_SECONDS) as s:
@@ -247,11 +270,15 @@ def _sender(num_bytes: int, repeats: int, tls_repeats: int, secrets_folder: str)
             _grpc_seconds(t, payload)
             _bare_seconds(t, messages)
         tcp, grpc, bare = [], {n: [] for n in counts}, {n: [] for n in counts}
+        cpu = {(kind, n): [] for kind in ("exchange", "bare") for n in counts}  # [sender, receiver] CPU seconds
         for _ in range(repeats):
             tcp.append(_tcp_seconds(tcp_port, payload))
             for n, t in transports.items():
-                grpc[n].append(_grpc_seconds(t, payload))
-                bare[n].append(_bare_seconds(t, messages))
+                for kind, transfer in (("exchange", lambda: _grpc_seconds(t, payload)),
+                                       ("bare", lambda: _bare_seconds(t, messages))):
+                    seconds, *spent = _with_cpu(proc.pid, transfer)
+                    (grpc if kind == "exchange" else bare)[n].append(seconds)
+                    cpu[(kind, n)].append(spent)
         tls_counts = sorted({1, connections})
         secure = {n: _transport(tls_port, n, tls=tls, token=token) for n in tls_counts}
         for t in secure.values():  # warm up the TLS channels once
@@ -275,8 +302,11 @@ def _sender(num_bytes: int, repeats: int, tls_repeats: int, secrets_folder: str)
             gbps = num_bytes * 8 / statistics.median(bare[n]) / 1e9
             print(f"  bare gRPC,     {n:2d} connection{'s' if n > 1 else ' '}       {gbps:6.2f} Gbit/s = {gbps / tcp_gbps:.3f}")
         for n in counts:
+            spent = {kind: [statistics.median(x[i] for x in cpu[(kind, n)]) for i in (0, 1)] for kind in ("exchange", "bare")}
             print(f"  exchange / bare gRPC, {n:2d} connection{'s' if n > 1 else ' '}: {share[n]:.3f} "
-                  f"(median of {repeats} alternated pairs)")
+                  f"(median of {repeats} alternated pairs); CPU s per transfer, sender + receiver: exchange "
+                  f"{spent['exchange'][0]:.2f} + {spent['exchange'][1]:.2f}, bare {spent['bare'][0]:.2f} + "
+                  f"{spent['bare'][1]:.2f}")
         print(f"TLS, loopback, {num_bytes >> 20} MiB, exchange, alternating, median of {tls_repeats}:")
         for n in tls_counts:
             p, s = statistics.median(plain_s[n]), statistics.median(tls_s[n])
