@@ -181,7 +181,7 @@ def seed_table() -> str:
                 windowed = plan(SEED_MODEL, seed_islands(h, 200.0, window_bytes=WINDOW), outer, SEED_COORDINATOR)
                 need = far.required_gbps[0.95]
                 rows.append(
-                    f"| {outer.codecs} | F={f}, tau={tau} | {h} | {near.islands[0].compute_seconds:.0f} | "
+                    f"| {f'{kind} up, {update} down' if update else kind} | F={f}, tau={tau} | {h} | {near.islands[0].compute_seconds:.0f} | "
                     f"{near.islands[0].exposed_seconds:.1f}, {near.compute_utilization:.3f} | "
                     f"{far.islands[0].exposed_seconds:.1f}, {far.compute_utilization:.3f} | "
                     f"{windowed.compute_utilization:.3f} | {'unreachable' if need is None else f'{need:.3g}'} |"
