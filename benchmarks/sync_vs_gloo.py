@@ -20,8 +20,11 @@ Baseline: `torch.distributed` gloo float32 all_reduce of the same tensor
 between one process in each namespace (a 2-rank ring moves 128 MiB each way,
 about 1.07 s at 1 Gbit/s).
 
-Both are timed after one warm-up; medians are compared. Last line:
-`sync_vs_gloo: ratio=R` (ours / gloo seconds).
+Both are timed after one warm-up; medians are compared. Beside the seconds,
+each side's process CPU seconds per round (user + system, every thread): the
+island's and the coordinator's, gloo's two ranks'. The two namespaces share the
+machine's cores, so on a small machine a side that spends more CPU also waits
+for the other's. Last line: `sync_vs_gloo: ratio=R` (ours / gloo seconds).
 
 `--smoke` syncs 2^20 parameters once after the warm-up (`--params=1048576
 --repeats=1`) across the same namespaces and link, in seconds: the same code
@@ -58,6 +61,12 @@ WAIT_SECONDS = 900  # the longest wait for a role's result (or the coordinator's
 BASELINE_NEEDS = "the gloo baseline needs torch: install it with pip install -e '.[bench]'"
 
 
+def _cpu_seconds() -> float:
+    """User + system CPU seconds of this process so far (every thread)."""
+    t = os.times()
+    return t.user + t.system
+
+
 def _config():
     from island_jax.config import default_config, island
 
@@ -83,7 +92,10 @@ def coordinator_role() -> None:
     server, service, port = serve(FragmentedCoordinator(c, _params(), ["a"]), f"{COORD_IP}:0", c.comm.chunk_bytes,
                                   insecure=True)
     print(f"PORT {port}", flush=True)
+    service.wait_until_fetched(0, timeout=600)  # the warm-up round
+    before = _cpu_seconds()
     service.wait_until_fetched(_REPEATS.value, timeout=600)
+    print(f"CPU {(_cpu_seconds() - before) / _REPEATS.value}", flush=True)  # per timed round
     server.stop(1)
 
 
@@ -105,9 +117,10 @@ def island_role(port: int) -> None:
     )
     t.join("a", fingerprint_fields(c), checksum(params))
     pseudo_gradient = {"w": jax.device_put(np.random.default_rng(0).standard_normal(_PARAMS.value).astype(np.float32) * 0.01)}
-    times = []
+    times, cpu = [], []
     for r in range(_REPEATS.value + 1):
         jax.block_until_ready(pseudo_gradient)
+        cpu_start = _cpu_seconds()
         start = time.perf_counter()
         payload = codec.ChunkEncoder(pseudo_gradient, "int8", 256, plan)  # encodes as it is sent
         encoded = time.perf_counter()
@@ -126,7 +139,8 @@ def island_role(port: int) -> None:
         )
         if r:
             times.append(end - start)
-    print(f"SECONDS {statistics.median(times)}", flush=True)
+            cpu.append(_cpu_seconds() - cpu_start)
+    print(f"SECONDS {statistics.median(times)} CPU {statistics.median(cpu)}", flush=True)
     t.close()
 
 
@@ -137,18 +151,20 @@ def gloo_role(rank: int) -> None:
     os.environ["GLOO_SOCKET_IFNAME"] = "wan0"  # the veth end in each namespace (launch/wan_netns.sh)
     dist.init_process_group("gloo", init_method=f"tcp://{COORD_IP}:{GLOO_PORT}", rank=rank, world_size=2)
     tensor = torch.randn(_PARAMS.value, dtype=torch.float32)
-    times = []
+    times, cpu = [], []
     for r in range(_REPEATS.value + 1):
         dist.barrier()
+        cpu_start = _cpu_seconds()
         start = time.perf_counter()
         dist.all_reduce(tensor)
         seconds = time.perf_counter() - start
+        if r:
+            cpu.append(_cpu_seconds() - cpu_start)
         if rank == 0:
             print(f"  all_reduce {r}{' (warm-up)' if r == 0 else ''}: {seconds:.3f} s", flush=True)
         if r:
             times.append(seconds)
-    if rank == 0:
-        print(f"SECONDS {statistics.median(times)}", flush=True)
+    print(f"SECONDS {statistics.median(times)} CPU {statistics.median(cpu)}", flush=True)
     dist.destroy_process_group()
 
 
@@ -157,14 +173,21 @@ def _in(ns: str, *args: str) -> list[str]:
             f"--params={_PARAMS.value}"]
 
 
-def _seconds(proc: subprocess.Popen) -> float:
-    """The median seconds a role prints (its `SECONDS S` line), echoing its other lines; after it exits with 0."""
-    seconds = float(_children.read_line(proc, "SECONDS ", WAIT_SECONDS).split()[1])
+def _seconds(proc: subprocess.Popen, echo: bool = True) -> tuple[float, float]:
+    """The median seconds and CPU seconds a role prints (its `SECONDS S CPU C` line), echoing its other lines
+    (with `echo`); after it exits with 0."""
+    fields = _children.read_line(proc, "SECONDS ", WAIT_SECONDS).split()
     for line in proc.stdout:
-        print(line, end="", flush=True)
+        if echo:
+            print(line, end="", flush=True)
     if proc.wait(timeout=60) != 0:
         raise RuntimeError(f"{proc.args} failed with status {proc.returncode}; its error is in the stderr above")
-    return seconds
+    return float(fields[1]), float(fields[3])
+
+
+def _cpu(proc: subprocess.Popen) -> float:
+    """The CPU seconds per round the coordinator role prints (its `CPU C` line) as it ends."""
+    return float(_children.read_line(proc, "CPU ", WAIT_SECONDS).split()[1])
 
 
 def _has_torch() -> bool:
@@ -194,17 +217,20 @@ def main_role() -> None:
         coordinator = start(_in(COORD_NS, "--role=coordinator"), stdout=subprocess.PIPE, text=True)
         port = int(_children.read_line(coordinator, "PORT ", WAIT_SECONDS).split()[1])
         island = start(_in(ISLAND_NS, "--role=island", f"--port={port}"), stdout=subprocess.PIPE, text=True)
-        ours = _seconds(island)
+        ours, island_cpu = _seconds(island)
+        coordinator_cpu = _cpu(coordinator)
         coordinator.wait(timeout=60)
+        ours_cpu = f"CPU s per round: island {island_cpu:.3f}, coordinator {coordinator_cpu:.3f}"
         if not baseline:
-            print(f"one outer sync {ours:.3f} s (median of {_REPEATS.value})", flush=True)
+            print(f"one outer sync {ours:.3f} s (median of {_REPEATS.value}); {ours_cpu}", flush=True)
             sys.exit(f"sync_vs_gloo: no ratio: {BASELINE_NEEDS}, then run this again")
         print(f"gloo: float32 all_reduce of {_PARAMS.value} parameters across the same link", flush=True)
-        rank1 = start(_in(ISLAND_NS, "--role=gloo", "--rank=1"), stdout=subprocess.DEVNULL)
+        rank1 = start(_in(ISLAND_NS, "--role=gloo", "--rank=1"), stdout=subprocess.PIPE, text=True)
         rank0 = start(_in(COORD_NS, "--role=gloo", "--rank=0"), stdout=subprocess.PIPE, text=True)
-        gloo = _seconds(rank0)
-        rank1.wait(timeout=60)
-        print(f"one outer sync {ours:.3f} s, gloo all_reduce {gloo:.3f} s (medians of {_REPEATS.value})")
+        gloo, rank0_cpu = _seconds(rank0)
+        _, rank1_cpu = _seconds(rank1, echo=False)
+        print(f"one outer sync {ours:.3f} s, gloo all_reduce {gloo:.3f} s (medians of {_REPEATS.value}); ours: "
+              f"{ours_cpu}; gloo: CPU s per round: rank 0 {rank0_cpu:.3f}, rank 1 {rank1_cpu:.3f}")
         print(f"sync_vs_gloo: ratio={ours / gloo:.3f}")
     finally:
         for proc in procs:  # after a failure: no role outlives the namespaces
