@@ -89,7 +89,8 @@ def test_sync_vs_gloo_times_a_sync_across_namespaces_and_without_torch_says_how_
     if importlib.util.find_spec("torch") is None:  # no baseline: ours is still timed, then it fails saying what to install
         assert result.returncode == 1, f"sync_vs_gloo --smoke exited with {result.returncode}\n{result.stderr[-3000:]}"
         assert "pip install -e '.[bench]'" in result.stderr.splitlines()[-1], result.stderr[-3000:]
-        assert_last_lines("sync_vs_gloo", result, [rf"one outer sync {R} s \(median of 1\)"])
+        assert_last_lines("sync_vs_gloo", result,
+                          [rf"one outer sync {R} s \(median of 1\); CPU s per round: island {R}, coordinator {R}"])
     else:
         assert result.returncode == 0, f"sync_vs_gloo --smoke exited with {result.returncode}\n{result.stderr[-3000:]}"
         assert_last_lines("sync_vs_gloo", result, [rf"sync_vs_gloo: ratio={R}"])

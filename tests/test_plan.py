@@ -109,7 +109,7 @@ def test_the_coordinators_memory_cpu_and_link():
 
 def test_a_window_caps_the_rate_and_the_plan_says_what_would_raise_it():
     link = Link(25.0, 100.0, connections=4, window_bytes=1 << 20)
-    one = (1 << 20) * 8 / (0.1 + (1 << 20) * 8 / 25e9) / 1e9  # Gbit/s of one connection
+    one = (1 << 20) * 8 / (0.1 + (1 << 16) * 8 / 25e9) / 1e9  # Gbit/s of one connection: a window per RTT + a segment
     assert link.rate_gbps() == pytest.approx(4 * one, rel=1e-12)
     islands = [Island(n, step_seconds=0.05, inner_steps=30, link=link) for n in ("a", "b")]
     p = plan(Model(1e9), islands, Outer(), FREE_MERGE)

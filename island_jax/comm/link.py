@@ -19,20 +19,23 @@ Model (all times are seconds on the emulator's clock, sizes are bytes):
     acknowledged may not exceed it. A byte is acknowledged one round trip
     after it was serialised: at its arrival plus one more one-way latency.
     `window_bytes == 0` means no window.
-  * A transfer larger than the window is cut into window-sized segments.
-    A segment starts serialising at the latest of: the time it was requested,
-    the time the link is free, and the time enough of its connection's
-    earlier bytes are acknowledged for the segment to fit in the window.
-    Acknowledgements count whole segments.
-  * Calls are served in the order they are made (FIFO); each call reserves all
-    of its segments before the next call is looked at.
+  * With a window, a transfer is cut into segments of a sixteenth of the
+    window (`segment_bytes`), each acknowledged on its own, as TCP acknowledges
+    its packets while a window is in flight. A segment may start once it is
+    requested, its connection's earlier segments are serialised (a connection
+    sends in order), and enough of the connection's earlier bytes are
+    acknowledged for it to fit in the window; it then takes the first idle
+    stretch of the link long enough to hold it. A connection that waits for its
+    window so leaves the link to the others, as connections sharing a path do.
+    Without a window a transfer is one segment.
+  * Calls reserve all of their segments before the next call is looked at.
 
-Consequences: one connection streaming window-sized segments sends one segment
-per `RTT + window / rate` seconds, so it is capped near `window / RTT` (a
-window of 1 MiB over a 100 ms round trip carries about 84 Mbit/s), as a single
-TCP connection on a long path is. N connections carry about N times that, up to
+Consequences: one connection keeps its window in flight and sends a window per
+`RTT + segment / rate` seconds, so it is capped near `window / RTT` (a window
+of 1 MiB over a 100 ms round trip carries about 84 Mbit/s), as a single TCP
+connection on a long path is. N connections carry about N times that, up to
 the link's bandwidth. `steady_gbps`, `one_connection_gbps` and
-`connections_needed` give the exact figures of this model.
+`connections_needed` give the steady figures of this model.
 
 The emulator is thread-safe: several connection threads may call `arrival` and
 `transfer` at once; the bookkeeping is done under a lock and the sleeping of
@@ -42,6 +45,7 @@ its history is bounded by its window.
 
 from __future__ import annotations
 
+import bisect
 import collections
 import math
 import operator
@@ -50,15 +54,22 @@ import time
 from collections.abc import Callable
 
 DIRECTIONS = ("up", "down")
+SEGMENTS_PER_WINDOW = 16  # a window is sent, and acknowledged, in this many segments
+
+
+def segment_bytes(window_bytes: int) -> int:
+    """Bytes of one segment with a window of `window_bytes` (> 0): a sixteenth of it, at least 1."""
+    return max(1, window_bytes // SEGMENTS_PER_WINDOW)
 
 
 def steady_gbps(bandwidth_gbps: float, rtt_s: float, window_bytes: int, connections: int) -> float:
     """Highest steady rate, Gbit/s, of `connections` connections that always have data, in this model.
 
-    A connection sends one window every RTT + window / rate seconds, so one
-    carries `window * 8 / (rtt_s + window * 8 / (bandwidth_gbps * 1e9)) / 1e9`
-    Gbit/s: about window / RTT when the window is much smaller than the
-    bandwidth-delay product. `connections` of them carry that many times as
+    A connection sends one window every RTT + segment / rate seconds (each
+    segment is acknowledged one round trip after it is serialised, and the next
+    window's segment follows it), so one carries
+    `window * 8 / (rtt_s + segment_bytes(window) * 8 / (bandwidth_gbps * 1e9)) / 1e9`
+    Gbit/s: about window / RTT. `connections` of them carry that many times as
     much, never more than `bandwidth_gbps`. Without a window (`window_bytes`
     0) or without a round trip the rate is `bandwidth_gbps` (`math.inf` stays
     `math.inf`).
@@ -72,7 +83,7 @@ def steady_gbps(bandwidth_gbps: float, rtt_s: float, window_bytes: int, connecti
     if window_bytes == 0 or rtt_s == 0:  # no window, or nothing in flight for one to hold back
         return bandwidth_gbps
     bits = window_bytes * 8
-    one = bits / (rtt_s + bits / (bandwidth_gbps * 1e9)) / 1e9
+    one = bits / (rtt_s + segment_bytes(window_bytes) * 8 / (bandwidth_gbps * 1e9)) / 1e9
     return min(bandwidth_gbps, max(1, connections) * one)
 
 
@@ -122,8 +133,14 @@ class LinkEmulator:
         self.clock = clock
         self.sleep = sleep
         self._lock = threading.Lock()
-        # Per direction: the clock time at which the link finishes serialising every byte reserved so far.
+        # Per direction: the clock time at which the link finishes serialising every byte reserved so far; its busy
+        # stretches as [start, end] in order (those over before a call's `now` are dropped); and no segment
+        # starts before `_floor`, the end of the latest stretch dropped.
         self._link_free = dict.fromkeys(DIRECTIONS, -math.inf)
+        self._busy: dict[str, list[list[float]]] = {d: [] for d in DIRECTIONS}
+        self._floor = dict.fromkeys(DIRECTIONS, -math.inf)
+        # Per (direction, connection): when its latest segment is serialised (a connection sends in order).
+        self._sent: dict[tuple[str, int], float] = {}
         # Per (direction, connection): unacknowledged segments as (ack time s, bytes), oldest first, and their total.
         self._unacked: dict[tuple[str, int], collections.deque[tuple[float, int]]] = {}
         self._in_flight: dict[tuple[str, int], int] = {}
@@ -185,8 +202,9 @@ class LinkEmulator:
                 return max(now, self._link_free[direction]) + self.latency_s
             end = now
             remaining = nbytes
+            step = segment_bytes(self.window_bytes) if self.window_bytes else nbytes
             while remaining > 0:
-                segment = remaining if self.window_bytes == 0 else min(remaining, self.window_bytes)
+                segment = min(remaining, step)
                 end = self._reserve(direction, connection, segment, now)
                 remaining -= segment
             return end + self.latency_s
@@ -211,9 +229,9 @@ class LinkEmulator:
     def connections_needed(self) -> int:
         """Fewest connections that, all streaming, keep the link busy; 1 without a window.
 
-        Equals ceil(bandwidth-delay product / window) + 1 in this model (one
-        more than the plain BDP / window because a window also takes time to
-        serialise); 1 without a window or without latency.
+        Equals ceil(bandwidth-delay product / window + 1/16) in this model (a
+        window takes one RTT and one segment's serialisation); 1 without a
+        window or without latency.
         """
         if self.window_bytes == 0:
             return 1
@@ -230,13 +248,34 @@ class LinkEmulator:
         if operator.index(nbytes) < 0:
             raise ValueError(f"nbytes is {nbytes}; use a size >= 0 bytes")
 
+    def _place(self, direction: str, ready: float, duration: float, now: float) -> float:
+        """Marks the first idle stretch of the link at or after `ready` that holds `duration` seconds busy; returns
+        its start. Called with the lock held."""
+        busy = self._busy[direction]
+        while busy and busy[0][1] <= now:  # over before this call: no later segment may start in them
+            self._floor[direction] = max(self._floor[direction], busy.pop(0)[1])
+        start = max(ready, self._floor[direction])
+        i = bisect.bisect_right([stretch[1] for stretch in busy], start)  # the first stretch still busy then
+        while i < len(busy) and busy[i][0] - start < duration * (1 - 1e-12):
+            start = max(start, busy[i][1])
+            i += 1
+        end = start + duration
+        if i > 0 and busy[i - 1][1] >= start:  # joins the stretch before
+            busy[i - 1][1] = end
+        else:
+            busy.insert(i, [start, end])
+            i += 1
+        if i < len(busy) and busy[i][0] <= end:  # and the one after
+            busy[i - 1][1] = busy.pop(i)[1]
+        return start
+
     def _reserve(self, direction: str, connection: int, segment: int, now: float) -> float:
         """Books one segment (bytes <= window) on the link; returns when its last byte is serialised.
 
         Called with the lock held.
         """
-        start = max(now, self._link_free[direction])
         key = (direction, connection)
+        start = max(now, self._sent.get(key, -math.inf))
         if self.window_bytes:
             unacked = self._unacked.setdefault(key, collections.deque())
             in_flight = self._in_flight.get(key, 0)
@@ -247,11 +286,15 @@ class LinkEmulator:
                 ack, size = unacked.popleft()
                 start = max(start, ack)
                 in_flight -= size
+        duration = segment / self.bytes_per_second
+        start = self._place(direction, start, duration, now)
+        if self.window_bytes:
             # Forget what is already acknowledged when this segment starts.
             while unacked and unacked[0][0] <= start:
                 in_flight -= unacked.popleft()[1]
-        end = start + segment / self.bytes_per_second
-        self._link_free[direction] = end
+        end = start + duration
+        self._sent[key] = end
+        self._link_free[direction] = max(self._link_free[direction], end)
         if self.window_bytes:
             unacked.append((end + self.rtt_s, segment))
             self._in_flight[key] = in_flight + segment
