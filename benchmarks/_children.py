@@ -4,7 +4,8 @@ A benchmark that starts processes (a receiver, a coordinator) waits for each
 with a deadline (`read_line`), and a process that serves from threads ends
 when one of them fails (`exit_on_thread_error`), so the process waiting on it
 sees it gone instead of waiting forever. `free_port` finds such a process a
-port on localhost.
+port on localhost, and `cpu_seconds` reads what a process (this one or a helper)
+has spent.
 """
 
 from __future__ import annotations
@@ -93,3 +94,17 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("localhost", 0))
         return s.getsockname()[1]
+
+
+def cpu_seconds(pid: int | None = None) -> float:
+    """User + system CPU seconds (every thread) of this process, or of process `pid` (from /proc; NaN where there
+    is none)."""
+    if pid is None:
+        t = os.times()
+        return t.user + t.system
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+    except OSError:
+        return float("nan")
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")

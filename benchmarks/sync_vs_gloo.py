@@ -61,12 +61,6 @@ WAIT_SECONDS = 900  # the longest wait for a role's result (or the coordinator's
 BASELINE_NEEDS = "the gloo baseline needs torch: install it with pip install -e '.[bench]'"
 
 
-def _cpu_seconds() -> float:
-    """User + system CPU seconds of this process so far (every thread)."""
-    t = os.times()
-    return t.user + t.system
-
-
 def _config():
     from island_jax.config import default_config, island
 
@@ -93,9 +87,9 @@ def coordinator_role() -> None:
                                   insecure=True)
     print(f"PORT {port}", flush=True)
     service.wait_until_fetched(0, timeout=600)  # the warm-up round
-    before = _cpu_seconds()
+    before = _children.cpu_seconds()
     service.wait_until_fetched(_REPEATS.value, timeout=600)
-    print(f"CPU {(_cpu_seconds() - before) / _REPEATS.value}", flush=True)  # per timed round
+    print(f"CPU {(_children.cpu_seconds() - before) / _REPEATS.value}", flush=True)  # per timed round
     server.stop(1)
 
 
@@ -120,7 +114,7 @@ def island_role(port: int) -> None:
     times, cpu = [], []
     for r in range(_REPEATS.value + 1):
         jax.block_until_ready(pseudo_gradient)
-        cpu_start = _cpu_seconds()
+        cpu_start = _children.cpu_seconds()
         start = time.perf_counter()
         payload = codec.ChunkEncoder(pseudo_gradient, "int8", 256, plan)  # encodes as it is sent
         encoded = time.perf_counter()
@@ -139,7 +133,7 @@ def island_role(port: int) -> None:
         )
         if r:
             times.append(end - start)
-            cpu.append(_cpu_seconds() - cpu_start)
+            cpu.append(_children.cpu_seconds() - cpu_start)
     print(f"SECONDS {statistics.median(times)} CPU {statistics.median(cpu)}", flush=True)
     t.close()
 
@@ -154,12 +148,12 @@ def gloo_role(rank: int) -> None:
     times, cpu = [], []
     for r in range(_REPEATS.value + 1):
         dist.barrier()
-        cpu_start = _cpu_seconds()
+        cpu_start = _children.cpu_seconds()
         start = time.perf_counter()
         dist.all_reduce(tensor)
         seconds = time.perf_counter() - start
         if r:
-            cpu.append(_cpu_seconds() - cpu_start)
+            cpu.append(_children.cpu_seconds() - cpu_start)
         if rank == 0:
             print(f"  all_reduce {r}{' (warm-up)' if r == 0 else ''}: {seconds:.3f} s", flush=True)
         if r:

@@ -188,24 +188,11 @@ def _bare_seconds(transport, messages: list[bytes]) -> float:
     return time.perf_counter() - start
 
 
-def _cpu_seconds(pid: int | None = None) -> float:
-    """User + system CPU seconds of this process, or of process `pid` (from /proc; NaN where there is none)."""
-    if pid is None:
-        t = os.times()
-        return t.user + t.system
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            fields = f.read().rsplit(")", 1)[1].split()
-    except OSError:
-        return float("nan")
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
 def _with_cpu(pid: int, transfer) -> tuple[float, float, float]:
     """(wall seconds of `transfer()`, this process's CPU seconds, process `pid`'s CPU seconds) during it."""
-    mine, theirs = _cpu_seconds(), _cpu_seconds(pid)
+    mine, theirs = _children.cpu_seconds(), _children.cpu_seconds(pid)
     seconds = transfer()
-    return seconds, _cpu_seconds() - mine, _cpu_seconds(pid) - theirs
+    return seconds, _children.cpu_seconds() - mine, _children.cpu_seconds(pid) - theirs
 
 
 def _tcp_seconds(port: int, payload: bytes) -> float:

@@ -43,10 +43,10 @@ def test_error_feedback_carries_a_sparse_signal_of_twice_k_within_10_percent_in_
     rng = np.random.default_rng(1)
     x = np.zeros(4096, np.float32)
     x[rng.choice(4096, 128, replace=False)] = rng.normal(size=128)
-    residual = np.zeros_like(x)
+    residual = {"x": np.zeros_like(x)}  # what the codec left out so far, kept by the encoder
     sent = np.zeros_like(x)
     for _ in range(20):
-        buf, residual = topk.encode_with_feedback(x, residual, 4096, 64)
+        buf = codec.ChunkEncoder({"x": x}, codec.Codec("topk", 256, 4096, 64), residual=residual).tobytes()
         sent += topk.decode(buf, 4096, 4096, 64)
     error = np.linalg.norm(sent - 20 * x) / np.linalg.norm(20 * x)
     assert error < 0.10, error

@@ -240,8 +240,8 @@ class ChunkStep:
         updates, opt_state = self.tx.update(merged, opt_state, master)
         master = optax.apply_updates(master, updates)
         delta = master - view
-        if self.down.kind == "topk":  # cut on the host (`__call__`)
-            return master, opt_state, delta, delta, jnp.ones(1, jnp.float32), dict(dots=dots)
+        if self.down.kind == "topk":  # cut on the host from master - view (`__call__`)
+            return master, opt_state, delta, None, None, dict(dots=dots)
         if self.down.kind == "none":
             codes, update_scales, sent = delta, jnp.ones(1, jnp.float32), delta
         elif self.down.kind == "bf16":

@@ -12,8 +12,8 @@ largest kept magnitude, sent once as a float32. A group of length L thus costs
     ceil(min(k, L) x (ceil(log2(group)) + 2) / 8) + 4 bytes,
 
 116 bytes for a full group of 4096 with k = 64: 0.227 bits per parameter with the scale, 0.219 without.
-The values a group does not keep decode to zero; with error feedback (`encode_with_feedback`, always on for this
-codec) they are carried into the next round's input, as SparseLoCo does.
+The values a group does not keep decode to zero; with error feedback (`codec.ChunkEncoder`'s residual, always on
+for this codec) they are carried into the next round's input, as SparseLoCo does.
 """
 
 from __future__ import annotations
@@ -142,29 +142,17 @@ def decode_sparse(buf, size: int, group: int, k: int, offset: int = 0) -> tuple[
     return np.concatenate(positions), np.concatenate(values)
 
 
-def decode(buf, size: int, group: int, k: int, offset: int = 0) -> np.ndarray:
-    """A leaf of `size` values from `encode`'s bytes at `offset` of `buf`: float32 [size], the kept values as
-    ±s or ±s/3, zeros elsewhere.
+def decode(buf, size: int, group: int, k: int) -> np.ndarray:
+    """A leaf of `size` values from `encode`'s bytes: float32 [size], the kept values as ±s or ±s/3, zeros
+    elsewhere.
 
     Raises:
-      ValueError: `buf` is not `leaf_bytes(size, group, k)` long (from `offset`, when it is given, at least).
+      ValueError: `buf` is not `leaf_bytes(size, group, k)` long.
     """
-    if offset == 0 and len(memoryview(buf).cast("B")) != leaf_bytes(size, group, k):
+    if len(memoryview(buf).cast("B")) != leaf_bytes(size, group, k):
         raise ValueError(f"a topk leaf of {size} values (group {group}, k {k}) is {leaf_bytes(size, group, k)} "
                          f"bytes, not {len(memoryview(buf).cast('B'))}")
-    positions, values = decode_sparse(buf, size, group, k, offset)
+    positions, values = decode_sparse(buf, size, group, k)
     out = np.zeros(size, np.float32)
     out[positions] = values
     return out
-
-
-def encode_with_feedback(x: np.ndarray, residual: np.ndarray, group: int, k: int) -> tuple[bytes, np.ndarray]:
-    """Error feedback: encodes x + residual and returns (its bytes, the new residual: what the bytes left out).
-
-    Args:
-      x: float32 [n], this round's pseudo-gradient.
-      residual: float32 [n], what earlier rounds left out (zeros at first).
-    """
-    total = np.asarray(x, np.float32) + np.asarray(residual, np.float32)
-    buf = encode(total, group, k)
-    return buf, total - decode(buf, total.size, group, k)
