@@ -66,6 +66,9 @@ _MEGABYTES = flags.DEFINE_integer("megabytes", 256, "Payload size, MiB.")
 _REPEATS = flags.DEFINE_integer("repeats", 5, "Timed transfers of each kind (alternated exchange / bare gRPC pairs).")
 _TLS_REPEATS = flags.DEFINE_integer("tls_repeats", 5, "Timed transfers of each kind in the TLS comparison.")
 _SECRETS = flags.DEFINE_string("secrets", "", "The run's credentials folder (passed to the receiver by the sender).")
+_PLACE = flags.DEFINE_bool(
+    "place", False, "The receiver's sink also copies every chunk into one buffer (the coordinator's decode does so "
+    "as part of its merge); off, it holds the chunks as handed on.")
 _ROLE = flags.DEFINE_string("role", "sender", "sender | receiver (the receiver is started by the sender).")
 flags.adopt_module_key_flags(_smoke)  # --smoke, in --help
 
@@ -75,9 +78,11 @@ WAIT_SECONDS = 300.0  # the longest wait on the receiver: its start, one transfe
 
 class Sink:
     """Duck-types a one-fragment `FragmentedCoordinator` (it is its own fragment) for the calls the exchange
-    makes, copying every chunk into one preallocated buffer."""
+    makes. It counts each chunk handed on and lets it go, as bare gRPC's method does with its messages; with
+    `place`, it first copies the chunk into one preallocated buffer, as the coordinator's decode into rows copies
+    it as the first step of its merge (`benchmarks/merge.py`)."""
 
-    def __init__(self, num_bytes: int, chunk_bytes: int):
+    def __init__(self, num_bytes: int, chunk_bytes: int, place: bool = False):
         import jax
         import numpy as np
 
@@ -91,7 +96,8 @@ class Sink:
         self.payload_bytes = self.update_bytes = num_bytes
         self.islands, self.round, self.checksum, self.incarnation = ["a"], 0, "-", ""
         self.fragments = [self]
-        self.buffer = bytearray(num_bytes)
+        self.buffer = bytearray(num_bytes) if place else None
+        self.chunks = 0
 
     def join(self, island, fields, params_checksum, round=0):
         return dict(round=0, checksum=self.checksum, rejoin=False)
@@ -100,8 +106,10 @@ class Sink:
         return "accepted"
 
     def add_chunk(self, round, island, index, data):
-        chunk = self.plan[index]
-        self.buffer[chunk.offset : chunk.offset + chunk.nbytes] = data
+        self.chunks += 1
+        if self.buffer is not None:
+            chunk = self.plan[index]
+            self.buffer[chunk.offset : chunk.offset + chunk.nbytes] = data
 
     def end_contribution(self, round, island):
         return "accepted"
@@ -111,11 +119,15 @@ class Sink:
 
 
 BARE_METHOD = "/island_jax.bench.Bare/Count"
+FRAMED_METHOD = "/island_jax.bench.Bare/Framed"
 
 
 def _bare_handler():
-    """A stream-unary method that counts the bytes of raw messages and answers with the count."""
+    """Two stream-unary methods that answer with the bytes they counted: `Count` takes raw messages; `Framed`
+    takes the exchange's chunk frames (`wire.parse`) and checks each chunk's CRC-32C, as the exchange does."""
     import grpc
+
+    from island_jax.comm import wire
 
     async def count(request_iterator, context):
         n = 0
@@ -123,8 +135,18 @@ def _bare_handler():
             n += len(message)
         return n.to_bytes(8, "little")
 
-    handler = grpc.stream_unary_rpc_method_handler(count, request_deserializer=bytes, response_serializer=bytes)
-    return grpc.method_handlers_generic_handler("island_jax.bench.Bare", {"Count": handler})
+    async def framed(request_iterator, context):
+        n = 0
+        async for frame in request_iterator:
+            _, (_, _, crc, data) = wire.parse(frame)
+            if wire.crc32(data) != crc:
+                await context.abort(grpc.StatusCode.DATA_LOSS, "CRC-32C mismatch")
+            n += len(data)
+        return n.to_bytes(8, "little")
+
+    methods = {name: grpc.stream_unary_rpc_method_handler(fn, request_deserializer=bytes, response_serializer=bytes)
+               for name, fn in (("Count", count), ("Framed", framed))}
+    return grpc.method_handlers_generic_handler("island_jax.bench.Bare", methods)
 
 
 def _credentials(folder: str):
@@ -150,7 +172,7 @@ def receiver(num_bytes: int, secrets_folder: str) -> None:
     # Every transfer contributes round 0 again (the sink never ends a round), which the service logs as a retry.
     absl_logging.set_verbosity(absl_logging.ERROR)
     chunk_bytes = default_config().comm.chunk_bytes
-    sink = Sink(num_bytes, chunk_bytes)
+    sink = Sink(num_bytes, chunk_bytes, place=_PLACE.value)
     server, _, grpc_port = serve(sink, "127.0.0.1:0", chunk_bytes)
     asyncio.run_coroutine_threadsafe(_add_bare(server), server.loop).result()
     tls, made = _credentials(secrets_folder)
@@ -179,12 +201,27 @@ async def _add_bare(server) -> None:
 
 def _bare_seconds(transport, messages: list[bytes]) -> float:
     """Bare gRPC over the transport's channels: message i on channel i % n, no framing or checks."""
+    return _count_seconds(transport, BARE_METHOD, [iter(messages[i :: transport.connections])
+                                                   for i in range(transport.connections)], sum(map(len, messages)))
+
+
+def _framed_seconds(transport, payload: bytes, plan) -> float:
+    """Framed gRPC over the transport's channels: the exchange's chunk frames of `payload` (`wire.chunk_frames`:
+    each chunk cut from the payload, its CRC-32C computed and its frame built as it is sent), chunk k on
+    channel k % n, into a method that checks every CRC; none of the exchange's protocol around them."""
+    from island_jax.comm import wire
+
     n = transport.connections
-    calls = [ch.stream_unary(BARE_METHOD, bytes, bytes) for ch in transport.channels]
+    streams = [(frame for _, frame in wire.chunk_frames(payload, plan, i, n)) for i in range(n)]
+    return _count_seconds(transport, FRAMED_METHOD, streams, len(payload))
+
+
+def _count_seconds(transport, method: str, streams: list, num_bytes: int) -> float:
+    calls = [ch.stream_unary(method, bytes, bytes) for ch in transport.channels]
     start = time.perf_counter()
-    futures = [transport._pool.submit(calls[i], iter(messages[i::n]), timeout=WAIT_SECONDS) for i in range(n)]
-    if sum(int.from_bytes(f.result(WAIT_SECONDS), "little") for f in futures) != sum(len(m) for m in messages):
-        raise RuntimeError("the bare gRPC receiver counted other than what was sent")
+    futures = [transport._pool.submit(call, stream, timeout=WAIT_SECONDS) for call, stream in zip(calls, streams)]
+    if sum(int.from_bytes(f.result(WAIT_SECONDS), "little") for f in futures) != num_bytes:
+        raise RuntimeError(f"the receiver's {method} counted other than the {num_bytes} bytes sent")
     return time.perf_counter() - start
 
 
@@ -242,7 +279,8 @@ def _sender(num_bytes: int, repeats: int, tls_repeats: int, secrets_folder: str)
 
     token = security.read_token(made["token_files"]["a"], "")
     proc = subprocess.Popen(
-        [sys.executable, __file__, "--role=receiver", f"--megabytes={num_bytes >> 20}", f"--secrets={secrets_folder}"],
+        [sys.executable, __file__, "--role=receiver", f"--megabytes={num_bytes >> 20}", f"--secrets={secrets_folder}",
+         f"--place={_PLACE.value}"],
         stdout=subprocess.PIPE, text=True,
     )
     try:
@@ -253,19 +291,23 @@ def _sender(num_bytes: int, repeats: int, tls_repeats: int, secrets_folder: str)
         transports = {n: _transport(grpc_port, n) for n in counts}
         messages = [payload[i : i + (1 << 20)] for i in range(0, num_bytes, 1 << 20)]
         _tcp_seconds(tcp_port, payload)  # warm up every path once
-        for t in transports.values():
-            _grpc_seconds(t, payload)
-            _bare_seconds(t, messages)
-        tcp, grpc, bare = [], {n: [] for n in counts}, {n: [] for n in counts}
-        cpu = {(kind, n): [] for kind in ("exchange", "bare") for n in counts}  # [sender, receiver] CPU seconds
+        kinds = ("exchange", "framed", "bare")
+        transfers = {n: {"exchange": lambda t=t: _grpc_seconds(t, payload),
+                         "framed": lambda t=t: _framed_seconds(t, payload, t.plans[0]),
+                         "bare": lambda t=t: _bare_seconds(t, messages)} for n, t in transports.items()}
+        for n in counts:
+            for kind in kinds:
+                transfers[n][kind]()
+        tcp, timed = [], {(kind, n): [] for kind in kinds for n in counts}
+        cpu = {(kind, n): [] for kind in kinds for n in counts}  # [sender, receiver] CPU seconds
         for _ in range(repeats):
             tcp.append(_tcp_seconds(tcp_port, payload))
-            for n, t in transports.items():
-                for kind, transfer in (("exchange", lambda: _grpc_seconds(t, payload)),
-                                       ("bare", lambda: _bare_seconds(t, messages))):
-                    seconds, *spent = _with_cpu(proc.pid, transfer)
-                    (grpc if kind == "exchange" else bare)[n].append(seconds)
+            for n in counts:
+                for kind in kinds:  # taken in turn: a transfer of each kind over the same connections
+                    took, *spent = _with_cpu(proc.pid, transfers[n][kind])
+                    timed[(kind, n)].append(took)
                     cpu[(kind, n)].append(spent)
+        grpc = {n: timed[("exchange", n)] for n in counts}
         tls_counts = sorted({1, connections})
         secure = {n: _transport(tls_port, n, tls=tls, token=token) for n in tls_counts}
         for t in secure.values():  # warm up the TLS channels once
@@ -278,22 +320,22 @@ def _sender(num_bytes: int, repeats: int, tls_repeats: int, secrets_folder: str)
         for t in [*transports.values(), *secure.values()]:
             t.close()
         tcp_gbps = num_bytes * 8 / statistics.median(tcp) / 1e9
-        # each pair: the exchange's share of bare gRPC's goodput over the same connections, taken in turn
-        share = {n: statistics.median(b / g for g, b in zip(grpc[n], bare[n])) for n in counts}
+
+        def share(kind, n, of="bare"):  # the median over the repeats of kind's share of `of`'s goodput, taken in turn
+            return statistics.median(b / k for k, b in zip(timed[(kind, n)], timed[(of, n)]))
+
         print(f"loopback, {num_bytes >> 20} MiB, median of {repeats}:")
         print(f"  plain TCP (sendall / recv_into)       {tcp_gbps:6.2f} Gbit/s")
+        for kind, label in (("exchange", "gRPC exchange"), ("framed", "framed gRPC  "), ("bare", "bare gRPC    ")):
+            for n in counts:
+                gbps = num_bytes * 8 / statistics.median(timed[(kind, n)]) / 1e9
+                print(f"  {label}, {n:2d} connection{'s' if n > 1 else ' '}       {gbps:6.2f} Gbit/s = {gbps / tcp_gbps:.3f}")
         for n in counts:
-            gbps = num_bytes * 8 / statistics.median(grpc[n]) / 1e9
-            print(f"  gRPC exchange, {n:2d} connection{'s' if n > 1 else ' '}       {gbps:6.2f} Gbit/s = {gbps / tcp_gbps:.3f}")
-        for n in counts:
-            gbps = num_bytes * 8 / statistics.median(bare[n]) / 1e9
-            print(f"  bare gRPC,     {n:2d} connection{'s' if n > 1 else ' '}       {gbps:6.2f} Gbit/s = {gbps / tcp_gbps:.3f}")
-        for n in counts:
-            spent = {kind: [statistics.median(x[i] for x in cpu[(kind, n)]) for i in (0, 1)] for kind in ("exchange", "bare")}
-            print(f"  exchange / bare gRPC, {n:2d} connection{'s' if n > 1 else ' '}: {share[n]:.3f} "
-                  f"(median of {repeats} alternated pairs); CPU s per transfer, sender + receiver: exchange "
-                  f"{spent['exchange'][0]:.2f} + {spent['exchange'][1]:.2f}, bare {spent['bare'][0]:.2f} + "
-                  f"{spent['bare'][1]:.2f}")
+            spent = {kind: [statistics.median(x[i] for x in cpu[(kind, n)]) for i in (0, 1)] for kind in kinds}
+            print(f"  exchange / bare gRPC, {n:2d} connection{'s' if n > 1 else ' '}: {share('exchange', n):.3f} "
+                  f"(median of {repeats} alternated turns); framed / bare {share('framed', n):.3f}, exchange / framed "
+                  f"{share('exchange', n, 'framed'):.3f}; CPU s per transfer, sender + receiver: "
+                  + ", ".join(f"{kind} {spent[kind][0]:.2f} + {spent[kind][1]:.2f}" for kind in kinds))
         print(f"TLS, loopback, {num_bytes >> 20} MiB, exchange, alternating, median of {tls_repeats}:")
         for n in tls_counts:
             p, s = statistics.median(plain_s[n]), statistics.median(tls_s[n])
@@ -318,7 +360,7 @@ def _sender(num_bytes: int, repeats: int, tls_repeats: int, secrets_folder: str)
         tls_ratio = statistics.median(tls_s[connections]) / statistics.median(plain_s[connections])
         print(f"transport_tls: ratio={tls_ratio:.3f} (TLS / plaintext seconds, {connections} connections)")
         print(f"transport: ratio={grpc_gbps / tcp_gbps:.3f}")
-        print(f"overhead_vs_grpc={min(share.values()):.3f}")
+        print(f"overhead_vs_grpc={min(share('exchange', n) for n in counts):.3f}")
     finally:
         proc.kill()
         proc.wait()

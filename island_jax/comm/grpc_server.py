@@ -132,15 +132,6 @@ def _raw(data: bytes) -> bytes:
     return data
 
 
-async def _settle(call: asyncio.Future | None) -> None:
-    """Waits for chunks already handed to the coordinator, ignoring their errors (the stream is failing)."""
-    if call is not None:
-        try:
-            await call
-        except Exception:  # noqa: BLE001 - the first error is already being reported
-            pass
-
-
 @dataclasses.dataclass
 class _Open:
     """A contribution being streamed in: the coordinator's answer to its header, its streams and how many ended."""
@@ -300,12 +291,72 @@ def _check_chunk(header: pb.PayloadHeader, c: Coordinator, index: int, offset: i
         )
 
 
-class _ContributionStream:
-    """One Contribute stream as it is read: its header, the chunks it has counted, those queued for the coordinator.
+class _Intake:
+    """Checked chunks on their way from the event loop to the coordinator, from every contribution stream at once.
 
-    Chunks go to the coordinator in batches, one batch at a time per stream, so
-    the stream keeps reading while they merge and pays one thread hop per batch.
+    Streams queue the chunks they have checked (`put`). One worker call at a
+    time takes everything queued by the end of the event loop's current turn,
+    stream by stream, so chunks that arrive together on many streams cost one
+    thread hop, not one each. A stream with `_CHUNKS_QUEUED` chunks waiting
+    stops reading until the call in flight returns. The coordinator's error
+    for a stream's chunks (ContributionError) is raised in that stream, at its
+    next chunk or at its end.
     """
+
+    def __init__(self, service: "ExchangeService"):
+        self.service = service
+        self._queued: dict["_ContributionStream", list] = {}  # in the order streams queued
+        self._taking: asyncio.Future | None = None  # the worker call in flight
+        self._in_flight: set["_ContributionStream"] = set()  # the streams whose chunks it is taking
+        self._scheduled = False
+
+    async def put(self, stream: "_ContributionStream", index: int, data) -> None:
+        queued = self._queued.setdefault(stream, [])
+        queued.append((index, data))
+        if self._taking is None and not self._scheduled:
+            self._scheduled = True
+            self.service.loop.call_soon(self._start)
+        while len(self._queued.get(stream, ())) >= _CHUNKS_QUEUED and self._taking is not None:
+            await asyncio.wait([self._taking])
+
+    async def flush(self, stream: "_ContributionStream") -> None:
+        """Returns once every chunk `stream` queued has been taken (or refused: see `stream.error`)."""
+        while stream in self._queued or stream in self._in_flight:
+            if self._taking is None:
+                self._start()
+            await asyncio.wait([self._taking])
+
+    async def drop(self, stream: "_ContributionStream") -> None:
+        """Forgets the chunks `stream` queued and waits until none of its chunks is being taken (a failing
+        stream; errors ignored)."""
+        self._queued.pop(stream, None)
+        while stream in self._in_flight:
+            await asyncio.wait([self._taking])
+
+    def _start(self) -> None:
+        self._scheduled = False
+        if self._taking is not None or not self._queued:
+            return
+        batches, self._queued = list(self._queued.items()), {}
+        self._in_flight = {stream for stream, _ in batches}
+        self._taking = asyncio.ensure_future(self.service._each_call(self._take_one, batches))
+        self._taking.add_done_callback(self._taken)  # runs before the waiters wake
+
+    def _take_one(self, stream: "_ContributionStream", chunks: list) -> None:
+        self.service._contributions.add_chunks(stream.header, chunks)
+
+    def _taken(self, taking: asyncio.Future) -> None:
+        self._taking, in_flight, self._in_flight = None, self._in_flight, set()
+        errors = {} if taking.cancelled() else taking.result()
+        for stream in in_flight:
+            if stream.error is None and stream in errors:
+                stream.error = errors[stream]
+        if self._queued:
+            self._start()
+
+
+class _ContributionStream:
+    """One Contribute stream as it is read: its header, the chunks it has counted, the coordinator's error."""
 
     def __init__(self, service: "ExchangeService", context):
         self.service, self.context = service, context
@@ -313,8 +364,7 @@ class _ContributionStream:
         self.fragment: Coordinator | None = None  # set once the header names a fragment this run has
         self.entry: _Open | None = None
         self.received, self.crcs = 0, []  # chunk bytes and CRC-32Cs, in arrival order
-        self._queued: list = []
-        self._taking: asyncio.Future | None = None  # the batch the coordinator is taking
+        self.error: Exception | None = None  # the coordinator refused a chunk of this stream
 
     async def take(self, frame: bytes) -> None:
         """Checks one frame and hands it on; raises WireError or the coordinator's ContributionError."""
@@ -341,35 +391,23 @@ class _ContributionStream:
         _check_chunk(self.header, self.fragment, index, offset, crc, data)
         self.received += len(data)
         self.crcs.append(crc)
-        if self.entry.status != "accepted":  # discarded (the round closed), or a duplicate of one already in
-            return
-        self._queued.append((index, data))
-        taking = self._taking
-        if taking is not None and not taking.done() and len(self._queued) >= _CHUNKS_QUEUED:
-            await asyncio.wait([taking])
-        if taking is None or taking.done():
-            if taking is not None:
-                taking.result()  # the coordinator's error, if it refused a chunk
-            self._taking = asyncio.ensure_future(self._hand_on())
-
-    def _hand_on(self):
-        queued, self._queued = self._queued, []
-        return self.service._call(self.service._contributions.add_chunks, self.header, queued)
+        if self.error is not None:
+            raise self.error
+        if self.entry.status == "accepted":  # not discarded (the round closed), nor a duplicate of one already in
+            await self.service._intake.put(self, index, data)
 
     async def finish(self) -> str:
         """After the last frame: hands on what is queued and ends this stream's part; "accepted" or "discarded"."""
         if self.header is None:
             raise wire.WireError("the stream ended before a payload header arrived", code="DATA_LOSS")
-        if self._taking is not None:
-            await self._taking
-            self._taking = None
-        if self._queued:
-            await self._hand_on()
+        await self.service._intake.flush(self)
+        if self.error is not None:
+            raise self.error
         return await self.service._call(self.service._contributions.end, self.header, self.entry)
 
     async def settle(self) -> None:
-        """Waits for the batch the coordinator is taking, ignoring its errors (the stream is failing)."""
-        await _settle(self._taking)
+        """Forgets this stream's queued chunks and waits for those being taken (the stream is failing)."""
+        await self.service._intake.drop(self)
 
 
 class ExchangeService:
@@ -406,24 +444,29 @@ class ExchangeService:
         self.wire_bytes = {name: dict(received=0, sent=0) for name in c.islands}
         self.ready: set[str] = set()  # islands that said they are ready to train (Join with ready)
         self._contributions = _OpenContributions(c)
+        self._intake = _Intake(self)
         self._worker = futures.ThreadPoolExecutor(max_workers=4, thread_name_prefix="coordinator")
         # Reads (update chunks, trailers) never queue behind the chunks waiting to merge.
         self._reader = futures.ThreadPoolExecutor(max_workers=2, thread_name_prefix="coordinator-read")
         self.loop: asyncio.AbstractEventLoop | None = None
         self._changed: asyncio.Event | None = None
         self._version = 0  # counts changes; update streams wait for the next one
+        self._wake_scheduled = False  # a `_wake` is queued on the event loop
         self._streams_done: dict[tuple[int, int, str], dict[int, tuple[int, set[int]]]] = {}  # per share
         self._update_crc: dict[int, tuple[int, int]] = {}  # fragment -> (round, CRC-32C of its update's chunk CRCs)
 
     # -- helpers -----------------------------------------------------------------------------------------
 
     def notify(self) -> None:
-        """Wakes every waiter after the coordinator changed; call it holding `lock`."""
+        """Wakes every waiter after the coordinator changed; call it holding `lock`. Changes made before the event
+        loop runs the wake-up already scheduled share it."""
         self.lock.notify_all()
-        if self.loop is not None:
+        if self.loop is not None and not self._wake_scheduled:
+            self._wake_scheduled = True
             self.loop.call_soon_threadsafe(self._wake)
 
     def _wake(self) -> None:
+        self._wake_scheduled = False
         self._version += 1
         event, self._changed = self._changed, asyncio.Event()
         event.set()
@@ -444,6 +487,25 @@ class ExchangeService:
                         self.notify()
 
         return await self.loop.run_in_executor(self._worker if changes else self._reader, locked)
+
+    async def _each_call(self, fn, batches: list) -> dict:
+        """Runs `fn(key, value)` for each (key, value) of `batches` in one worker call, taking `lock` for each in
+        turn (so update streams read between them) and waking the waiters after each; returns {key: the error
+        fn raised}."""
+
+        def each():
+            errors = {}
+            for key, value in batches:
+                with self.lock:
+                    try:
+                        fn(key, value)
+                    except Exception as e:  # noqa: BLE001 - handed to the stream it belongs to
+                        errors[key] = e
+                    finally:
+                        self.notify()
+            return errors
+
+        return await self.loop.run_in_executor(self._worker, each)
 
     async def _wait_for_change(self, version: int, timeout: float) -> None:
         """Returns once the state changed after `version` was read (or after `timeout` seconds)."""
@@ -552,6 +614,7 @@ class ExchangeService:
                 await self._call(self._contributions.abandon, stream.header, str(e), False)
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"ContributionError: {e}")
         except asyncio.CancelledError:  # the island's connection dropped mid-stream: it will send it again
+            self._intake._queued.pop(stream, None)
             if stream.fragment is not None:
                 self.loop.run_in_executor(self._worker, self._abandon_locked, stream.header, "its connection dropped")
             raise
