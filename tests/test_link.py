@@ -315,3 +315,16 @@ def test_a_connection_waiting_for_its_window_leaves_the_link_to_the_others():
     serialise = MIB * 8 / 1e10
     assert link.arrival("up", 0, 2 * MIB, now=0.0) == pytest.approx(0.1 + serialise / 16 + serialise + 0.05, rel=1e-12)
     assert link.arrival("up", 1, MIB, now=0.0) == pytest.approx(2 * serialise + 0.05, rel=1e-12)
+
+
+@pytest.mark.parametrize("start", [1470.070485707, 1e6, 1e9])
+def test_the_booking_does_not_depend_on_what_the_clock_reads(start):
+    # 256 framed chunks of 1 MiB on 16 connections at 5 Gbit/s (benchmarks/transport.py's emulated transfer). A
+    # segment that fits an idle stretch exactly must take it whatever the clock reads: on a clock of minutes or
+    # years of uptime, rounding once lost stretches and left 0.885 of the link's rate instead of 0.937.
+    arrivals = {}
+    for t0 in (0.0, start):
+        link, _ = _link(5.0, latency_ms=50, window_bytes=4 * MIB, start=t0)
+        arrivals[t0] = [link.arrival("up", p % 16, MIB + 17, now=t0) - t0 for p in range(256)]
+    assert arrivals[start] == pytest.approx(arrivals[0.0], abs=1e-6)
+    assert 256 * MIB * 8 / (max(arrivals[start]) - 0.05) / 5e9 == pytest.approx(0.937148, abs=1e-6)

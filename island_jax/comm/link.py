@@ -55,6 +55,7 @@ from collections.abc import Callable
 
 DIRECTIONS = ("up", "down")
 SEGMENTS_PER_WINDOW = 16  # a window is sent, and acknowledged, in this many segments
+_TOLERANCE_S = 1e-9  # seconds: idle stretches of the link shorter than this are no gaps (rounding, see `_place`)
 
 
 def segment_bytes(window_bytes: int) -> int:
@@ -133,6 +134,7 @@ class LinkEmulator:
         self.clock = clock
         self.sleep = sleep
         self._lock = threading.Lock()
+        self._origin: float | None = None  # clock time of the first call; the books count seconds from it
         # Per direction: the clock time at which the link finishes serialising every byte reserved so far; its busy
         # stretches as [start, end] in order (those over before a call's `now` are dropped); and no segment
         # starts before `_floor`, the end of the latest stretch dropped.
@@ -196,10 +198,12 @@ class LinkEmulator:
         with self._lock:
             if now is None:
                 now = self.clock()
-            now = float(now)
+            if self._origin is None:
+                self._origin = float(now)
+            now = float(now) - self._origin  # the books keep times since the first call, so they stay exact
             if nbytes == 0:
                 # Nothing to serialise, but it still follows every byte reserved before it on the link.
-                return max(now, self._link_free[direction]) + self.latency_s
+                return max(now, self._link_free[direction]) + self.latency_s + self._origin
             end = now
             remaining = nbytes
             step = segment_bytes(self.window_bytes) if self.window_bytes else nbytes
@@ -207,7 +211,7 @@ class LinkEmulator:
                 segment = min(remaining, step)
                 end = self._reserve(direction, connection, segment, now)
                 remaining -= segment
-            return end + self.latency_s
+            return end + self.latency_s + self._origin
 
     def sleep_until(self, t: float) -> float:
         """Sleeps until clock time `t` (seconds; at once if it has passed), e.g. an `arrival`; returns the
@@ -255,17 +259,20 @@ class LinkEmulator:
         while busy and busy[0][1] <= now:  # over before this call: no later segment may start in them
             self._floor[direction] = max(self._floor[direction], busy.pop(0)[1])
         start = max(ready, self._floor[direction])
+        # Times are sums of durations: a segment that fits a gap exactly may miss it by a few units in the last
+        # place (they grow with the time's value, hence the books' origin). Gaps within `tol` count as closed.
+        tol = max(_TOLERANCE_S, 16 * math.ulp(start))
         i = bisect.bisect_right([stretch[1] for stretch in busy], start)  # the first stretch still busy then
-        while i < len(busy) and busy[i][0] - start < duration * (1 - 1e-12):
+        while i < len(busy) and busy[i][0] - start < duration - tol:
             start = max(start, busy[i][1])
             i += 1
         end = start + duration
-        if i > 0 and busy[i - 1][1] >= start:  # joins the stretch before
+        if i > 0 and busy[i - 1][1] >= start - tol:  # joins the stretch before
             busy[i - 1][1] = end
         else:
             busy.insert(i, [start, end])
             i += 1
-        if i < len(busy) and busy[i][0] <= end:  # and the one after
+        if i < len(busy) and busy[i][0] <= end + tol:  # and the one after
             busy[i - 1][1] = busy.pop(i)[1]
         return start
 
