@@ -368,6 +368,9 @@ def _sender(num_bytes: int, repeats: int, tls_repeats: int, secrets_folder: str)
 
 def main(argv):
     del argv
+    from island_jax import allocator
+
+    allocator.configure()  # both ends allocate as the island and coordinator roles do (experiments/train.py)
     _smoke.sizes(megabytes=4, repeats=1, tls_repeats=1)
     num_bytes = _MEGABYTES.value << 20
     if _ROLE.value == "receiver":
