@@ -26,6 +26,7 @@ import asyncio
 import dataclasses
 import json
 import logging
+import queue
 import threading
 from concurrent import futures
 
@@ -294,65 +295,86 @@ def _check_chunk(header: pb.PayloadHeader, c: Coordinator, index: int, offset: i
 class _Intake:
     """Checked chunks on their way from the event loop to the coordinator, from every contribution stream at once.
 
-    Streams queue the chunks they have checked (`put`). One worker call at a
-    time takes everything queued by the end of the event loop's current turn,
-    stream by stream, so chunks that arrive together on many streams cost one
-    thread hop, not one each. A stream with `_CHUNKS_QUEUED` chunks waiting
-    stops reading until the call in flight returns. The coordinator's error
-    for a stream's chunks (ContributionError) is raised in that stream, at its
-    next chunk or at its end.
+    The event loop queues each chunk it has read (`put`) and goes on reading;
+    one thread of the service takes whatever is queued, from every stream,
+    checks each chunk's CRC-32C and hands the chunks to the coordinator under
+    the service's lock, a stream's chunks at a time. The loop hears back only
+    when a stream waits: one with `_CHUNKS_QUEUED` chunks not yet taken, or one
+    that has ended (`flush`). A chunk the check or the coordinator refuses
+    sets the stream's error (WireError or ContributionError), raised at the
+    stream's next chunk or at its end, and none of that stream's later
+    chunks is handed on.
     """
 
     def __init__(self, service: "ExchangeService"):
         self.service = service
-        self._queued: dict["_ContributionStream", list] = {}  # in the order streams queued
-        self._taking: asyncio.Future | None = None  # the worker call in flight
-        self._in_flight: set["_ContributionStream"] = set()  # the streams whose chunks it is taking
-        self._scheduled = False
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._run, name="coordinator-intake", daemon=True)
+        self._thread.start()
 
-    async def put(self, stream: "_ContributionStream", index: int, data) -> None:
-        queued = self._queued.setdefault(stream, [])
-        queued.append((index, data))
-        if self._taking is None and not self._scheduled:
-            self._scheduled = True
-            self.service.loop.call_soon(self._start)
-        while len(self._queued.get(stream, ())) >= _CHUNKS_QUEUED and self._taking is not None:
-            await asyncio.wait([self._taking])
+    async def put(self, stream: "_ContributionStream", index: int, offset: int, crc: int, data) -> None:
+        stream.queued += 1
+        self._queue.put((stream, index, offset, crc, data))
+        if stream.queued - stream.taken >= _CHUNKS_QUEUED:
+            await self._until(stream, _CHUNKS_QUEUED - 1)
 
     async def flush(self, stream: "_ContributionStream") -> None:
         """Returns once every chunk `stream` queued has been taken (or refused: see `stream.error`)."""
-        while stream in self._queued or stream in self._in_flight:
-            if self._taking is None:
-                self._start()
-            await asyncio.wait([self._taking])
+        await self._until(stream, 0)
 
     async def drop(self, stream: "_ContributionStream") -> None:
-        """Forgets the chunks `stream` queued and waits until none of its chunks is being taken (a failing
-        stream; errors ignored)."""
-        self._queued.pop(stream, None)
-        while stream in self._in_flight:
-            await asyncio.wait([self._taking])
+        """Takes none of `stream`'s chunks still queued, and returns once none is being taken (a failing stream)."""
+        stream.dropped = True
+        await self._until(stream, 0)
 
-    def _start(self) -> None:
-        self._scheduled = False
-        if self._taking is not None or not self._queued:
-            return
-        batches, self._queued = list(self._queued.items()), {}
-        self._in_flight = {stream for stream, _ in batches}
-        self._taking = asyncio.ensure_future(self.service._each_call(self._take_one, batches))
-        self._taking.add_done_callback(self._taken)  # runs before the waiters wake
+    def close(self) -> None:
+        self._queue.put(None)
 
-    def _take_one(self, stream: "_ContributionStream", chunks: list) -> None:
-        self.service._contributions.add_chunks(stream.header, chunks)
+    async def _until(self, stream: "_ContributionStream", waiting: int) -> None:
+        """Waits until at most `waiting` of `stream`'s chunks are not yet taken."""
+        while stream.queued - stream.taken > waiting:
+            stream.waiter = self.service.loop.create_future()
+            if stream.queued - stream.taken > waiting:  # else the intake took them before it could see the waiter
+                await stream.waiter
+            stream.waiter = None
 
-    def _taken(self, taking: asyncio.Future) -> None:
-        self._taking, in_flight, self._in_flight = None, self._in_flight, set()
-        errors = {} if taking.cancelled() else taking.result()
-        for stream in in_flight:
-            if stream.error is None and stream in errors:
-                stream.error = errors[stream]
-        if self._queued:
-            self._start()
+    def _run(self) -> None:
+        while True:
+            items = [self._queue.get()]
+            try:
+                while True:
+                    items.append(self._queue.get_nowait())
+            except queue.Empty:
+                pass
+            batches: dict["_ContributionStream", list] = {}
+            for item in items:
+                if item is None:
+                    return
+                batches.setdefault(item[0], []).append(item[1:])
+            for stream, chunks in batches.items():
+                self._take(stream, chunks)
+
+    def _take(self, stream: "_ContributionStream", chunks: list) -> None:
+        try:
+            if not stream.dropped and stream.error is None:
+                for index, offset, crc, data in chunks:
+                    _check_chunk(stream.header, stream.fragment, index, offset, crc, data)
+                with self.service.lock:
+                    try:
+                        self.service._contributions.add_chunks(stream.header, [(k, d) for k, _, _, d in chunks])
+                    finally:
+                        self.service.notify()
+        except Exception as e:  # noqa: BLE001 - raised in the stream it belongs to
+            stream.error = e
+        stream.taken += len(chunks)  # before reading `waiter`: `_until` sets it, then reads `taken`
+        waiter = stream.waiter
+        if waiter is not None:
+            self.service.loop.call_soon_threadsafe(_release, waiter)
+
+
+def _release(waiter: asyncio.Future) -> None:
+    if not waiter.done():
+        waiter.set_result(None)
 
 
 class _ContributionStream:
@@ -364,7 +386,12 @@ class _ContributionStream:
         self.fragment: Coordinator | None = None  # set once the header names a fragment this run has
         self.entry: _Open | None = None
         self.received, self.crcs = 0, []  # chunk bytes and CRC-32Cs, in arrival order
-        self.error: Exception | None = None  # the coordinator refused a chunk of this stream
+        # `_Intake`'s: chunks queued (counted on the event loop) and taken (counted on its thread), the error for
+        # a chunk it refused, whether the stream is failing, and the future the event loop waits on
+        self.queued, self.taken = 0, 0
+        self.error: Exception | None = None
+        self.dropped = False
+        self.waiter: asyncio.Future | None = None
 
     async def take(self, frame: bytes) -> None:
         """Checks one frame and hands it on; raises WireError or the coordinator's ContributionError."""
@@ -388,13 +415,14 @@ class _ContributionStream:
         self.entry = await s._call(s._contributions.begin, header)
 
     async def _chunk(self, index: int, offset: int, crc: int, data) -> None:
-        _check_chunk(self.header, self.fragment, index, offset, crc, data)
-        self.received += len(data)
-        self.crcs.append(crc)
         if self.error is not None:
             raise self.error
-        if self.entry.status == "accepted":  # not discarded (the round closed), nor a duplicate of one already in
-            await self.service._intake.put(self, index, data)
+        self.received += len(data)
+        self.crcs.append(crc)
+        if self.entry.status == "accepted":  # checked, then handed on, by the intake's thread
+            await self.service._intake.put(self, index, offset, crc, data)
+        else:  # discarded (the round closed), or a duplicate of one already in: checked, and let go
+            _check_chunk(self.header, self.fragment, index, offset, crc, data)
 
     async def finish(self) -> str:
         """After the last frame: hands on what is queued and ends this stream's part; "accepted" or "discarded"."""
@@ -406,7 +434,7 @@ class _ContributionStream:
         return await self.service._call(self.service._contributions.end, self.header, self.entry)
 
     async def settle(self) -> None:
-        """Forgets this stream's queued chunks and waits for those being taken (the stream is failing)."""
+        """Lets this stream's queued chunks go, once none of them is being taken (the stream is failing)."""
         await self.service._intake.drop(self)
 
 
@@ -488,25 +516,6 @@ class ExchangeService:
 
         return await self.loop.run_in_executor(self._worker if changes else self._reader, locked)
 
-    async def _each_call(self, fn, batches: list) -> dict:
-        """Runs `fn(key, value)` for each (key, value) of `batches` in one worker call, taking `lock` for each in
-        turn (so update streams read between them) and waking the waiters after each; returns {key: the error
-        fn raised}."""
-
-        def each():
-            errors = {}
-            for key, value in batches:
-                with self.lock:
-                    try:
-                        fn(key, value)
-                    except Exception as e:  # noqa: BLE001 - handed to the stream it belongs to
-                        errors[key] = e
-                    finally:
-                        self.notify()
-            return errors
-
-        return await self.loop.run_in_executor(self._worker, each)
-
     async def _wait_for_change(self, version: int, timeout: float) -> None:
         """Returns once the state changed after `version` was read (or after `timeout` seconds)."""
         if self._version != version:
@@ -557,6 +566,7 @@ class ExchangeService:
         """Stops the worker threads (after the server stopped)."""
         self._worker.shutdown(wait=False)
         self._reader.shutdown(wait=False)
+        self._intake.close()
 
     # -- methods -----------------------------------------------------------------------------------------
 
@@ -614,7 +624,7 @@ class ExchangeService:
                 await self._call(self._contributions.abandon, stream.header, str(e), False)
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"ContributionError: {e}")
         except asyncio.CancelledError:  # the island's connection dropped mid-stream: it will send it again
-            self._intake._queued.pop(stream, None)
+            stream.dropped = True
             if stream.fragment is not None:
                 self.loop.run_in_executor(self._worker, self._abandon_locked, stream.header, "its connection dropped")
             raise
