@@ -121,7 +121,7 @@ def island_role(port: int) -> None:
         t.contribute(ContributionHeader(r, "a", 1000), payload)
         update = t.fetch_update(r, "a")
         received = time.perf_counter()
-        params = codec.decode_and_apply(params, update, "int8", 256)
+        params = codec.decode_and_apply(params, update, "int8", 256, out=params)  # in place: no fresh pages
         end = time.perf_counter()
         s = t.last_stats
         print(
@@ -240,6 +240,10 @@ def main_role() -> None:
 def main(argv):
     del argv
     _smoke.sizes(params=1 << 20, repeats=1)
+    if _ROLE.value in ("coordinator", "island"):
+        from island_jax import allocator
+
+        allocator.configure()  # as the island and coordinator roles allocate (experiments/train.py)
     if _ROLE.value == "coordinator":
         coordinator_role()
     elif _ROLE.value == "island":

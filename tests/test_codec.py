@@ -38,6 +38,26 @@ def test_int8_shapes_dtypes_and_error_bound():
         assert np.all(np.abs(got - x32) <= bound + ulp_half)
 
 
+def test_decode_and_apply_into_out_gives_the_same_bits_in_the_buffers_given():
+    rng = np.random.default_rng(3)
+    params = {"a": rng.normal(size=(3, 700)).astype(np.float32), "b": rng.normal(size=5).astype(np.float32)}
+    update = codec.encode(jax.tree.map(lambda x: x * 0.01, params), "int8", 256)
+    expected = codec.decode_and_apply(params, update, "int8", 256)
+    into_other = jax.tree.map(np.empty_like, params)
+    got = codec.decode_and_apply(params, update, "int8", 256, out=into_other)
+    assert got["a"] is into_other["a"] and got["b"] is into_other["b"]
+    in_place = jax.tree.map(np.copy, params)
+    got_in_place = codec.decode_and_apply(in_place, update, "int8", 256, out=in_place)
+    assert got_in_place["a"] is in_place["a"]
+    for tree in (got, got_in_place):
+        for key in params:
+            assert tree[key].tobytes() == expected[key].tobytes()
+    with pytest.raises(ValueError, match=r"each must be a writable, C-contiguous float32 NumPy array of its parameter's shape \(5,\)"):
+        codec.decode_and_apply(params, update, "int8", 256, out={"a": into_other["a"], "b": np.zeros(5, np.float64)})
+    with pytest.raises(ValueError, match="out has the structure"):
+        codec.decode_and_apply(params, update, "int8", 256, out={"a": into_other["a"]})
+
+
 def test_int8_zero_blocks_are_exact_and_finite():
     rng = np.random.default_rng(1)
     t = rng.normal(size=(8, 64, 256)).astype(np.float32)

@@ -736,7 +736,8 @@ def decode_piece(buf, piece: Piece, kind: "str | Codec", block_size: int | None 
     return dequantize_blocks(codes, scale, block_size)
 
 
-def decode_and_apply(params: Any, payload: bytes, kind: "str | Codec", block_size: int | None = None) -> Any:
+def decode_and_apply(params: Any, payload: bytes, kind: "str | Codec", block_size: int | None = None,
+                     out: Any = None) -> Any:
     """The one host-side update rule: `params + decode(payload)` in float32, cast back.
 
     The coordinator (for its island view) and every island call this with the
@@ -746,24 +747,53 @@ def decode_and_apply(params: Any, payload: bytes, kind: "str | Codec", block_siz
       params: pytree of NumPy-convertible arrays (any float dtype).
       payload: an update encoded for `params`' structure.
       kind, block_size: as given to `encode`.
+      out: a pytree like `params` of writable, C-contiguous float32 NumPy arrays of its shapes (`params` itself
+        may be it, when float32) that receive the sums, so that a caller applying update after update reuses
+        its buffers instead of touching fresh pages each time; default: new arrays.
 
     Returns:
-      A pytree of NumPy arrays with `params`' dtypes.
+      A pytree of NumPy arrays with `params`' dtypes (with `out` of float32 `params`, `out`'s own arrays).
 
     Raises:
       CodecError: if the payload's size does not fit `params`.
+      ValueError: `out` of another structure, or a leaf of it not a writable, C-contiguous float32 array of its
+        leaf's shape.
     """
     _check_payload(payload, params, kind, block_size)
     leaves, treedef = jax.tree.flatten(params)
-    out = [np.array(p, np.float32, copy=True).reshape(-1) for p in leaves]
+    given = None
+    if out is None:
+        out = [np.array(p, np.float32, copy=True).reshape(-1) for p in leaves]
+    else:
+        given = jax.tree.leaves(out)
+        out = _out_leaves(out, treedef, leaves)
+        for o, g, p in zip(out, given, leaves):
+            if g is not p:  # params' values first, unless out is params itself
+                np.copyto(o, np.asarray(p).reshape(-1), casting="same_kind")
     buf = memoryview(payload)
     for piece in pieces(params, kind, block_size):
         flat = out[piece.leaf][piece.start : piece.stop]
         np.add(flat, decode_piece(buf, piece, kind, block_size), out=flat)
-    return jax.tree.unflatten(
-        treedef,
-        [x.reshape(np.shape(p)).astype(np.asarray(p).dtype, copy=False) for x, p in zip(out, leaves)],
-    )
+    shaped = given or [x.reshape(np.shape(p)) for x, p in zip(out, leaves)]
+    return jax.tree.unflatten(treedef, [x.astype(np.asarray(p).dtype, copy=False) for x, p in zip(shaped, leaves)])
+
+
+def _out_leaves(out: Any, treedef, leaves: list) -> list[np.ndarray]:
+    """`decode_and_apply`'s `out` as flat float32 views, checked against `params`' leaves (ValueError)."""
+    out_leaves, out_def = jax.tree.flatten(out)
+    if out_def != treedef:
+        raise ValueError(f"decode_and_apply: out has the structure {out_def}, params {treedef}; pass a pytree like params")
+    flat = []
+    for o, p in zip(out_leaves, leaves):
+        if not (isinstance(o, np.ndarray) and o.dtype == np.float32 and o.shape == np.shape(p)
+                and o.flags.c_contiguous and o.flags.writeable):
+            raise ValueError(
+                f"decode_and_apply: an out leaf is {type(o).__name__} {getattr(o, 'dtype', '')} "
+                f"{getattr(o, 'shape', '')}; each must be a writable, C-contiguous float32 NumPy array of its "
+                f"parameter's shape {np.shape(p)}"
+            )
+        flat.append(o.reshape(-1))
+    return flat
 
 
 def decode_view(payload: bytes, like: Any) -> Any:
