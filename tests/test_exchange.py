@@ -239,6 +239,23 @@ def test_assembler_refuses_repeated_misplaced_corrupt_and_missing_chunks():
         wire.parse(b"X123")
 
 
+def test_the_wire_is_unchanged_for_the_same_payload():
+    """The chunk frames of one payload, pinned: kind 'C', index u32, offset u64 and CRC-32C u32 (little-endian),
+    then the chunk, whichever connection carries it; the CRCs are CRC-32C (RFC 3720's check value)."""
+    assert wire.crc32(b"123456789") == 0xE3069283
+    values = {"w": np.arange(100_000, dtype=np.float32) * 0.001 - 7.0}
+    payload = codec.encode(values, "none", 256)
+    plan = codec.chunk_plan(values, "none", 256, 64 << 10)
+    for connections in (1, 4, 16):
+        frames = dict(f for k in range(connections) for f in wire.chunk_frames(payload, plan, k, connections))
+        assert sorted(frames) == list(range(7)) and sum(map(len, frames.values())) == 400_000 + 7 * 17
+        assert frames[1][:17] == bytes.fromhex("43" "01000000" "0000010000000000" "d8bf1183")
+        assert frames[1][17:] == payload[65536 : 2 * 65536]
+        crcs = [wire.parse(frames[k])[1][2] for k in range(7)]
+        assert crcs == [0x0CC8ED2B, 0x8311BFD8, 0x2E054496, 0xCCFF310B, 0xFE33A51A, 0x7B74BA82, 0x0594550D]
+        assert wire.fold_crc32(crcs) == 0xB08209CD
+
+
 def test_committed_stubs_are_what_the_proto_generates(tmp_path):
     from island_jax.comm import generate_stubs
 
@@ -257,19 +274,27 @@ def test_view_is_served_whole_over_grpc(local_server):
     assert checksum(codec.decode_view(payload, coordinator.view)) == coordinator.checksum
 
 
-def test_a_contribution_retried_after_a_dropped_connection_counts_once(local_server):
+@pytest.mark.parametrize("values, connections, reset_after", [(100_000, 1, 200_000), (600_000, 16, 1_000_000)])
+def test_a_contribution_retried_after_a_dropped_connection_counts_once(values, connections, reset_after):
     """A reset mid-stream (through a proxy) and a resend of a whole contribution: the round merges one
-    contribution per island, with the weights and merged value of a run without faults."""
-    c, coordinator, address = local_server
+    contribution per island, with the weights and merged value of a run without faults. With 16 connections the
+    600,000 values (2.4 MB, 37 chunks of 64 KiB) travel on 16 streams, and the reset drops every one of them
+    after about 1 MB in all: some streams have ended by then, some are cut mid-chunk, some have not started."""
+    c = _small_config()
+    coordinator = FragmentedCoordinator(c, {"w": np.zeros(values, np.float32)}, ["a", "b"])
+    server, _, port = serve(coordinator, "localhost:0", c.comm.chunk_bytes)
+    address = f"localhost:{port}"
     start = coordinator.checksum
-    pg = {"a": {"w": np.full(100_000, 3.0, np.float32)}, "b": {"w": np.full(100_000, 1.0, np.float32)}}
+    pg = {"a": {"w": np.full(values, 3.0, np.float32)}, "b": {"w": np.full(values, 1.0, np.float32)}}
     payloads = {n: codec.encode(pg[n], "none", 256) for n in pg}
     with FaultProxy(address) as proxy:
-        a = GrpcTransport(proxy.address, c.comm.chunk_bytes, join_timeout=30, round_timeout=30, reconnect_seconds=30)
-        b = GrpcTransport(address, c.comm.chunk_bytes, join_timeout=30, round_timeout=30)
+        a = GrpcTransport(proxy.address, c.comm.chunk_bytes, join_timeout=30, round_timeout=30, reconnect_seconds=30,
+                          connections=connections)
+        b = GrpcTransport(address, c.comm.chunk_bytes, join_timeout=30, round_timeout=30, connections=connections)
         a.join("a", fingerprint_fields(c), start)
         b.join("b", fingerprint_fields(c), start)
-        proxy.reset_after(200_000)  # about half of a's 400,000-byte payload
+        assert a._streams() == connections
+        proxy.reset_after(reset_after)  # part way through a's payload of 4 x values bytes
         assert a.contribute(ContributionHeader(0, "a", 3000, start), payloads["a"]) == "accepted"
         assert proxy.wait_fired(timeout=0) and proxy.resets == 1
         # the reply was lost, say: the same contribution once more, whole
@@ -279,7 +304,7 @@ def test_a_contribution_retried_after_a_dropped_connection_counts_once(local_ser
         assert b.fetch_update(0, "b") == update
     record = coordinator.fragments[0].history[0]
     assert record.contributors == ["a", "b"] and record.weights == {"a": 0.75, "b": 0.25}
-    reference = FragmentedCoordinator(c, {"w": np.zeros(100_000, np.float32)}, ["a", "b"])
+    reference = FragmentedCoordinator(c, {"w": np.zeros(values, np.float32)}, ["a", "b"])
     for name, tokens in (("a", 3000), ("b", 1000)):
         reference.join(name, fingerprint_fields(c), start)
         reference.contribute(ContributionHeader(0, name, tokens, start), payloads[name])
@@ -287,6 +312,7 @@ def test_a_contribution_retried_after_a_dropped_connection_counts_once(local_ser
     assert coordinator.checksum == reference.checksum
     for t in (a, b):
         t.close()
+    server.stop(grace=0)
 
 
 class _Unavailable(grpc.RpcError):
