@@ -1,6 +1,6 @@
 """One outer sync across a kernel-shaped 1 Gbit/s link, against a gloo all-reduce over the same link.
 
-  sudo python benchmarks/sync_vs_gloo.py [--rate=1gbit] [--repeats=3] [--params=33554432] [--smoke]
+  sudo python benchmarks/sync_vs_gloo.py [--rate=1gbit] [--repeats=5] [--params=33554432] [--smoke]
 
 Needs root (network namespaces) and torch for the baseline only
 (`pip install -e '.[bench]'`). Without torch it says so first, still times
@@ -45,7 +45,7 @@ import _smoke
 from absl import app, flags
 
 _RATE = flags.DEFINE_string("rate", "1gbit", "tc rate of the link, each way.")
-_REPEATS = flags.DEFINE_integer("repeats", 3, "Timed syncs of each kind, after one warm-up.")
+_REPEATS = flags.DEFINE_integer("repeats", 5, "Timed syncs of each kind, after one warm-up.")
 _PARAMS = flags.DEFINE_integer("params", 1 << 25, "Float32 parameters of the synced pseudo-gradient.")
 _ROLE = flags.DEFINE_string("role", "main", "main | coordinator | island | gloo (the others are started by main).")
 _RANK = flags.DEFINE_integer("rank", 0, "gloo rank.")
