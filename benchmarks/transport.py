@@ -1,31 +1,42 @@
 """Goodput of the island -> coordinator transfer against a plain TCP socket, and through the link emulator.
 
-  python benchmarks/transport.py [--megabytes=256] [--repeats=5] [--tls_repeats=5] [--smoke]
+  python benchmarks/transport.py [--megabytes=256] [--repeats=5] [--tls_repeats=5] [--place] [--smoke]
 
 `--smoke` moves 4 MiB, once per kind after the warm-up (`--megabytes=4
 --repeats=1 --tls_repeats=1`), in a few seconds: the same code path and
 printout, figures that are not measurements.
 
 Part 1, loopback. A receiver process runs a plain TCP listener and the
-exchange's gRPC service (grpc.aio, raw frames, CRC32 per chunk) in front of a
-sink that copies every chunk into one preallocated buffer, as the TCP receiver
-does with `recv_into`; the coordinator's merge is left out, since it is not
-the transport. The sender process moves the same payload both ways, taking
-turns: `sendall` of a memoryview over one TCP connection, then
-`GrpcTransport.contribute` over `comm.connections` channels. Each is timed
-from the first byte to the receiver's acknowledgement; the medians are
-compared. It also times bare gRPC on the same channels, each right after the
-exchange over the same number of connections (an alternated pair): 1 MiB
-messages sliced beforehand, into a grpc.aio method that only counts them (no
-framing, no CRC, no copy into a buffer), which is gRPC Python's own ceiling on
-the machine. Each pair gives the exchange's share of bare gRPC's goodput (bare
-seconds / exchange seconds); the median over the pairs is printed per
+exchange's gRPC service (grpc.aio, raw frames, CRC-32C per chunk) in front of a
+sink that counts every chunk handed on and lets it go, as bare gRPC's method
+below does with its messages (`--place`: it also copies each chunk into one
+buffer, as the coordinator's decode into rows does at the start of its
+merge); the merge itself is left out, since it is not the transport. The
+sender process moves the same payload in turns: `sendall` of a memoryview
+over one TCP connection, then over the same `comm.connections` channels, one
+after another (an alternated turn):
+
+- the exchange: `GrpcTransport.contribute`;
+- framed gRPC: the exchange's own chunk frames (`wire.chunk_frames`: each
+  chunk cut from the payload, its CRC-32C computed and its frame built as it
+  is sent) into a method that parses each frame and checks its CRC, with none
+  of the exchange's protocol around them: the least a transfer with a
+  checked frame per chunk does;
+- bare gRPC: 1 MiB messages sliced beforehand, into a method that only counts
+  them (no framing, no CRC, no copy), gRPC Python's own ceiling on the
+  machine.
+
+Each is timed from the first byte to the receiver's answer. Each turn gives
+the exchange's share of bare gRPC's goodput (bare seconds / exchange
+seconds), and framed gRPC's; the medians over the turns are printed per
 connection count, with the CPU seconds each process spent per transfer (the
 sender's own, the receiver's from /proc; both share the machine's cores, so a
-pass over the bytes on either side lengthens the transfer when they are busy).
-Last line: `overhead_vs_grpc=Q`, the lowest of those medians
-(1, 4 and `comm.connections` connections); the line before it,
-`transport: ratio=R` (exchange goodput / TCP goodput, `comm.connections`).
+pass over the bytes on either side lengthens the transfer when they are
+busy). Both processes set the allocator as the island and coordinator roles
+do (`allocator.configure`). Last line: `overhead_vs_grpc=Q`, the lowest of the
+exchange's medians (1, 4 and `comm.connections` connections); the line before
+it, `transport: ratio=R` (exchange goodput / TCP goodput,
+`comm.connections`).
 
 TLS, loopback. The receiver also serves the same sink a second time, the
 secure way: mutual TLS and per-island bearer tokens, with one throwaway CA,
