@@ -56,6 +56,20 @@ def test_decode_and_apply_into_out_gives_the_same_bits_in_the_buffers_given():
         codec.decode_and_apply(params, update, "int8", 256, out={"a": into_other["a"], "b": np.zeros(5, np.float64)})
     with pytest.raises(ValueError, match="out has the structure"):
         codec.decode_and_apply(params, update, "int8", 256, out={"a": into_other["a"]})
+    shared = np.zeros(10, np.float32)
+    tied = {"a": shared[:5], "b": shared[5:]}  # disjoint halves of one buffer: allowed
+    codec.decode_and_apply({"a": np.ones(5, np.float32), "b": np.ones(5, np.float32)},
+                           codec.encode({"a": np.ones(5, np.float32), "b": np.ones(5, np.float32)}, "int8", 256),
+                           "int8", 256, out=tied)
+    assert shared.tolist() == [2.0] * 10
+    one = np.ones(5, np.float32)
+    with pytest.raises(ValueError, match="out's leaves 0 and 1 share memory"):
+        codec.decode_and_apply({"a": one, "b": one}, codec.encode({"a": one, "b": one}, "int8", 256), "int8", 256,
+                               out={"a": one, "b": one})
+    x, y = np.ones(5, np.float32), np.ones(5, np.float32)
+    with pytest.raises(ValueError, match="out's leaf 1 shares memory with params' leaf 0"):
+        codec.decode_and_apply({"a": x, "b": y}, codec.encode({"a": x, "b": y}, "int8", 256), "int8", 256,
+                               out={"a": np.empty(5, np.float32), "b": x})
 
 
 def test_int8_zero_blocks_are_exact_and_finite():

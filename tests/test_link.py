@@ -328,3 +328,11 @@ def test_the_booking_does_not_depend_on_what_the_clock_reads(start):
         arrivals[t0] = [link.arrival("up", p % 16, MIB + 17, now=t0) - t0 for p in range(256)]
     assert arrivals[start] == pytest.approx(arrivals[0.0], abs=1e-6)
     assert 256 * MIB * 8 / (max(arrivals[start]) - 0.05) / 5e9 == pytest.approx(0.937148, abs=1e-6)
+
+
+def test_a_segment_shorter_than_the_tolerance_still_waits_for_the_link():
+    # At 100 Gbit/s 10 bytes take 0.8 ns, less than the nanosecond within which gaps count as closed: they still
+    # queue behind the 10 MB booked before them at the same moment, as any segment does.
+    link, _ = _link(100.0, window_bytes=0, start=1000.0)
+    first = link.arrival("up", 0, 10_000_000, now=1000.0)
+    assert link.arrival("up", 1, 10, now=1000.0) == pytest.approx(first + 10 * 8 / 1e11, abs=1e-12)

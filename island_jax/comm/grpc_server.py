@@ -309,10 +309,12 @@ class _Intake:
     def __init__(self, service: "ExchangeService"):
         self.service = service
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
-        self._thread = threading.Thread(target=self._run, name="coordinator-intake", daemon=True)
-        self._thread.start()
+        self._thread: threading.Thread | None = None  # started with the first chunk
 
     async def put(self, stream: "_ContributionStream", index: int, offset: int, crc: int, data) -> None:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="coordinator-intake", daemon=True)
+            self._thread.start()
         stream.queued += 1
         self._queue.put((stream, index, offset, crc, data))
         if stream.queued - stream.taken >= _CHUNKS_QUEUED:
@@ -328,7 +330,9 @@ class _Intake:
         await self._until(stream, 0)
 
     def close(self) -> None:
-        self._queue.put(None)
+        """Ends the thread once it has taken what is queued."""
+        if self._thread is not None:
+            self._queue.put(None)
 
     async def _until(self, stream: "_ContributionStream", waiting: int) -> None:
         """Waits until at most `waiting` of `stream`'s chunks are not yet taken."""
@@ -348,11 +352,12 @@ class _Intake:
                 pass
             batches: dict["_ContributionStream", list] = {}
             for item in items:
-                if item is None:
-                    return
-                batches.setdefault(item[0], []).append(item[1:])
+                if item is not None:
+                    batches.setdefault(item[0], []).append(item[1:])
             for stream, chunks in batches.items():
                 self._take(stream, chunks)
+            if None in items:
+                return
 
     def _take(self, stream: "_ContributionStream", chunks: list) -> None:
         try:
@@ -369,7 +374,10 @@ class _Intake:
         stream.taken += len(chunks)  # before reading `waiter`: `_until` sets it, then reads `taken`
         waiter = stream.waiter
         if waiter is not None:
-            self.service.loop.call_soon_threadsafe(_release, waiter)
+            try:
+                self.service.loop.call_soon_threadsafe(_release, waiter)
+            except RuntimeError:  # the event loop closed (the server stopped): nobody waits any more
+                pass
 
 
 def _release(waiter: asyncio.Future) -> None:
@@ -491,7 +499,10 @@ class ExchangeService:
         self.lock.notify_all()
         if self.loop is not None and not self._wake_scheduled:
             self._wake_scheduled = True
-            self.loop.call_soon_threadsafe(self._wake)
+            try:
+                self.loop.call_soon_threadsafe(self._wake)
+            except RuntimeError:  # the event loop closed (the server stopped): no waiter is left to wake
+                self._wake_scheduled = False
 
     def _wake(self) -> None:
         self._wake_scheduled = False

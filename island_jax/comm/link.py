@@ -261,7 +261,7 @@ class LinkEmulator:
         start = max(ready, self._floor[direction])
         # Times are sums of durations: a segment that fits a gap exactly may miss it by a few units in the last
         # place (they grow with the time's value, hence the books' origin). Gaps within `tol` count as closed.
-        tol = max(_TOLERANCE_S, 16 * math.ulp(start))
+        tol = min(max(_TOLERANCE_S, 16 * math.ulp(start)), duration / 2)  # never a whole segment's length
         i = bisect.bisect_right([stretch[1] for stretch in busy], start)  # the first stretch still busy then
         while i < len(busy) and busy[i][0] - start < duration - tol:
             start = max(start, busy[i][1])

@@ -61,6 +61,7 @@ bits, whatever its accelerator.
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import functools
 import math
@@ -749,15 +750,17 @@ def decode_and_apply(params: Any, payload: bytes, kind: "str | Codec", block_siz
       kind, block_size: as given to `encode`.
       out: a pytree like `params` of writable, C-contiguous float32 NumPy arrays of its shapes (`params` itself
         may be it, when float32) that receive the sums, so that a caller applying update after update reuses
-        its buffers instead of touching fresh pages each time; default: new arrays.
+        its buffers instead of touching fresh pages each time; default: new arrays. No two of its leaves may
+        share memory, nor one of them with another leaf of `params`. Into `params` itself, a payload that
+        fails to decode part way leaves `params` part updated.
 
     Returns:
       A pytree of NumPy arrays with `params`' dtypes (with `out` of float32 `params`, `out`'s own arrays).
 
     Raises:
       CodecError: if the payload's size does not fit `params`.
-      ValueError: `out` of another structure, or a leaf of it not a writable, C-contiguous float32 array of its
-        leaf's shape.
+      ValueError: `out` of another structure, a leaf of it not a writable, C-contiguous float32 array of its
+        leaf's shape, or leaves that share memory as above.
     """
     _check_payload(payload, params, kind, block_size)
     leaves, treedef = jax.tree.flatten(params)
@@ -793,7 +796,27 @@ def _out_leaves(out: Any, treedef, leaves: list) -> list[np.ndarray]:
                 f"parameter's shape {np.shape(p)}"
             )
         flat.append(o.reshape(-1))
+    spans = sorted((_span(o), k) for k, o in enumerate(out_leaves))
+    for (a, k), (b, j) in zip(spans, spans[1:]):
+        if b[0] < a[1]:
+            raise ValueError(f"decode_and_apply: out's leaves {k} and {j} share memory; give each its own array")
+    starts = [span[0] for span, _ in spans]
+    for j, p in enumerate(leaves):
+        if isinstance(p, np.ndarray) and p is not out_leaves[j] and p.nbytes:
+            lo, hi = _span(p)
+            at = bisect.bisect_right(starts, hi - 1) - 1  # the last out leaf starting before p ends
+            while at >= 0 and spans[at][0][1] > lo:  # out leaves are disjoint: those reaching into p come last
+                if spans[at][1] != j:
+                    raise ValueError(f"decode_and_apply: out's leaf {spans[at][1]} shares memory with params' "
+                                     f"leaf {j}; give out arrays of its own, or params itself")
+                at -= 1
     return flat
+
+
+def _span(a: np.ndarray) -> tuple[int, int]:
+    """The bytes [start, end) of a C-contiguous array's memory, as addresses."""
+    start = a.__array_interface__["data"][0]
+    return start, start + a.nbytes
 
 
 def decode_view(payload: bytes, like: Any) -> Any:
