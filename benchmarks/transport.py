@@ -74,12 +74,12 @@ from absl import app, flags
 from absl import logging as absl_logging
 
 _MEGABYTES = flags.DEFINE_integer("megabytes", 256, "Payload size, MiB.")
-_REPEATS = flags.DEFINE_integer("repeats", 5, "Timed transfers of each kind (alternated exchange / bare gRPC pairs).")
+_REPEATS = flags.DEFINE_integer("repeats", 5, "Timed transfers of each kind (alternated turns: exchange, framed gRPC, bare gRPC).")
 _TLS_REPEATS = flags.DEFINE_integer("tls_repeats", 5, "Timed transfers of each kind in the TLS comparison.")
 _SECRETS = flags.DEFINE_string("secrets", "", "The run's credentials folder (passed to the receiver by the sender).")
 _PLACE = flags.DEFINE_bool(
     "place", False, "The receiver's sink also copies every chunk into one buffer (the coordinator's decode does so "
-    "as part of its merge); off, it holds the chunks as handed on.")
+    "as part of its merge); off, it only counts them.")
 _ROLE = flags.DEFINE_string("role", "sender", "sender | receiver (the receiver is started by the sender).")
 flags.adopt_module_key_flags(_smoke)  # --smoke, in --help
 

@@ -364,11 +364,8 @@ class _Intake:
             if not stream.dropped and stream.error is None:
                 for index, offset, crc, data in chunks:
                     _check_chunk(stream.header, stream.fragment, index, offset, crc, data)
-                with self.service.lock:
-                    try:
-                        self.service._contributions.add_chunks(stream.header, [(k, d) for k, _, _, d in chunks])
-                    finally:
-                        self.service.notify()
+                self.service._locked(self.service._contributions.add_chunks,
+                                     (stream.header, [(k, d) for k, _, _, d in chunks]))
         except Exception as e:  # noqa: BLE001 - raised in the stream it belongs to
             stream.error = e
         stream.taken += len(chunks)  # before reading `waiter`: `_until` sets it, then reads `taken`
@@ -516,16 +513,17 @@ class ExchangeService:
         Calls that change nothing run on their own threads, so an update stream
         reads merged chunks while contributions' chunks still queue to merge.
         """
+        return await self.loop.run_in_executor(self._worker if changes else self._reader, self._locked, fn, args,
+                                               changes)
 
-        def locked():
-            with self.lock:
-                try:
-                    return fn(*args)
-                finally:
-                    if changes:
-                        self.notify()
-
-        return await self.loop.run_in_executor(self._worker if changes else self._reader, locked)
+    def _locked(self, fn, args: tuple, changes: bool = True):
+        """`fn(*args)` under `lock`, then (if it `changes` state) wakes the waiters; on the calling thread."""
+        with self.lock:
+            try:
+                return fn(*args)
+            finally:
+                if changes:
+                    self.notify()
 
     async def _wait_for_change(self, version: int, timeout: float) -> None:
         """Returns once the state changed after `version` was read (or after `timeout` seconds)."""
@@ -637,7 +635,8 @@ class ExchangeService:
         except asyncio.CancelledError:  # the island's connection dropped mid-stream: it will send it again
             stream.dropped = True
             if stream.fragment is not None:
-                self.loop.run_in_executor(self._worker, self._abandon_locked, stream.header, "its connection dropped")
+                self.loop.run_in_executor(self._worker, self._locked, self._contributions.abandon,
+                                          (stream.header, "its connection dropped"))
             raise
         header = stream.header
         if header.island in self.wire_bytes:
@@ -646,11 +645,6 @@ class ExchangeService:
             round=header.round, bytes_received=stream.received, crc32=wire.fold_crc32(stream.crcs),
             discarded=status == "discarded", duplicate=status == "duplicate",
         )
-
-    def _abandon_locked(self, header: pb.PayloadHeader, reason: str) -> None:
-        with self.lock:
-            self._contributions.abandon(header, reason)
-            self.notify()
 
     async def FetchUpdate(self, request: pb.FetchRequest, context):
         await self._check_caller(context, request.island)

@@ -768,8 +768,8 @@ def decode_and_apply(params: Any, payload: bytes, kind: "str | Codec", block_siz
     if out is None:
         out = [np.array(p, np.float32, copy=True).reshape(-1) for p in leaves]
     else:
-        given = jax.tree.leaves(out)
-        out = _out_leaves(out, treedef, leaves)
+        given, out_def = jax.tree.flatten(out)
+        out = _out_leaves(given, out_def, treedef, leaves)
         for o, g, p in zip(out, given, leaves):
             if g is not p:  # params' values first, unless out is params itself
                 np.copyto(o, np.asarray(p).reshape(-1), casting="same_kind")
@@ -781,9 +781,9 @@ def decode_and_apply(params: Any, payload: bytes, kind: "str | Codec", block_siz
     return jax.tree.unflatten(treedef, [x.astype(np.asarray(p).dtype, copy=False) for x, p in zip(shaped, leaves)])
 
 
-def _out_leaves(out: Any, treedef, leaves: list) -> list[np.ndarray]:
-    """`decode_and_apply`'s `out` as flat float32 views, checked against `params`' leaves (ValueError)."""
-    out_leaves, out_def = jax.tree.flatten(out)
+def _out_leaves(out_leaves: list, out_def, treedef, leaves: list) -> list[np.ndarray]:
+    """`decode_and_apply`'s `out` (its leaves and structure) as flat float32 views, checked against `params`'
+    leaves (ValueError)."""
     if out_def != treedef:
         raise ValueError(f"decode_and_apply: out has the structure {out_def}, params {treedef}; pass a pytree like params")
     flat = []
