@@ -13,6 +13,16 @@ disk, say) leaves the checkpoints before it whole: a restart resumes from the
 newest complete one. The failure itself surfaces as `CheckpointError` at the
 next `save` or at `close`.
 
+Every checkpoint carries, in orbax's step metadata (written and committed with
+it), each leaf's checksum (`model.init.leaf_checksums`, whatever the layout),
+dtype and shape. `restore` checks what it read against them: a leaf that reads
+other bits, or a checkpoint orbax cannot read, is damaged (`CheckpointCorrupt`,
+naming the checkpoint's folder, the leaf and both checksums). The newest
+intact checkpoint is then restored instead, and the damaged one is moved aside
+to `<round>.damaged` (kept, never deleted). A checkpoint written before the
+checksums existed restores with a warning. Fallback reaches as far back as the
+kept checkpoints (`max_to_keep`).
+
 A process of a multi-process island (`jax.process_count() > 1`) saves its own
 shards of the island's arrays with orbax's multi-host support (every process
 writes its shards into the one folder, which all of them must see), and
@@ -37,6 +47,7 @@ from absl import logging
 
 from island_jax import allocator
 from island_jax.mesh import host_copy
+from island_jax.model.init import leaf_checksums
 
 # One writer per process: roles that share a process (the in-process run) save one after another, since
 # orbax's background saves of several CheckpointManagers at once in one process collide.
@@ -44,6 +55,10 @@ _WRITER = futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="checkpoi
 
 # How orbax names the folder a checkpoint is written into before it is complete: `<round>` + this.
 _TMP_SUFFIX = ".orbax-checkpoint-tmp"
+# Where a damaged checkpoint `<round>` is moved (beside the others, outside orbax's view): `<round>` + this.
+DAMAGED_SUFFIX = ".damaged"
+# The key of the step metadata that holds each leaf's [checksum, dtype, shape], by `jax.tree_util.keystr` path.
+LEAVES = "island_jax_leaves"
 
 
 # Orbax copies every NumPy array it is given before writing it (`deepcopy_host_arrays`), in case the caller changes
@@ -63,6 +78,22 @@ finally:
 
 class CheckpointError(RuntimeError):
     """A checkpoint cannot be written, or cannot be restored into this run (none, other structure or shapes)."""
+
+
+class CheckpointCorrupt(CheckpointError):
+    """A checkpoint's files do not hold what was saved: a leaf reads other bits than its saved checksum, or orbax
+    cannot read the checkpoint for another reason than a structure that differs from this run's."""
+
+
+def describe_leaves(tree: Any) -> dict[str, list]:
+    """{`jax.tree_util.keystr` path: [checksum (`model.init.leaf_checksums`), dtype name, shape]} of every leaf of
+    `tree`: what a checkpoint's step metadata records of the state it holds. A collective for leaves spread over
+    processes (every process calls it at the same point)."""
+    paths = [jax.tree_util.keystr(path) for path, _ in jax.tree_util.tree_flatten_with_path(tree)[0]]
+    leaves = jax.tree.leaves(tree)
+    return {path: [c, np.dtype(x.dtype).name if hasattr(x, "dtype") else np.asarray(x).dtype.name,
+                   [int(d) for d in np.shape(x)]]
+            for path, c, x in zip(paths, leaf_checksums(tree), leaves, strict=True)}
 
 
 def _host(tree: Any, frozen_numpy: bool = False) -> Any:
@@ -181,10 +212,12 @@ class Checkpointer:
     def _write(self, round: int, host_state: Any) -> None:
         """Writes the checkpoint of `round` and returns once it is complete; raises if it cannot.
 
-        Runs on the writer thread, never two at once. The one place the files
-        are written: a test replaces it to make a save fail.
+        Runs on the writer thread, never two at once (on the calling thread of every process of a multi-process
+        island, where the checksums are a collective). The one place the files are written, with each leaf's
+        checksum (`describe_leaves`) in the step's metadata: a test replaces it to make a save fail.
         """
-        if not self._manager.save(round, args=ocp.args.PyTreeSave(host_state), force=True):
+        metadata = {LEAVES: describe_leaves(host_state)}
+        if not self._manager.save(round, args=ocp.args.PyTreeSave(host_state), force=True, custom_metadata=metadata):
             raise CheckpointError(f"orbax did not save round {round} in {self.directory}")
         self._manager.wait_until_finished()
 
@@ -274,51 +307,133 @@ class Checkpointer:
             pending.result()
 
     def restore(self, like: Any, round: int | None = None) -> Any:
-        """The state saved at `round` (default: the newest complete), shaped like `like`, as NumPy arrays.
+        """The state saved at `round` (default: the newest intact checkpoint), shaped like `like`, as NumPy arrays
+        (arrays of several processes as `jax.Array`s), each leaf checked against its saved checksum.
 
-        Waits first for a save in progress, so the checkpoint being written can
-        be restored once it is complete; that save's error, if any, is left for
-        the next `save` or `close` to raise.
+        Without `round`, a damaged checkpoint (`CheckpointCorrupt`) is logged as an error, moved aside to
+        `<round>.damaged`, and the next older one is tried, down to the oldest kept. Waits first for a save in
+        progress, so the checkpoint being written can be restored once it is complete; that save's error, if
+        any, is left for the next `save` or `close` to raise.
 
         Raises:
-          CheckpointError: no complete checkpoint (of `round`), or one whose
-            structure or shapes differ from `like` (a checkpoint of another
-            model or optimizer).
+          CheckpointCorrupt: the checkpoint of `round` is damaged (it is moved aside), or, without `round`,
+            every kept checkpoint is (each one named).
+          CheckpointError: no complete checkpoint (of `round`), or one whose structure, dtypes or shapes differ
+            from `like` (a checkpoint of another model or optimizer).
         """
         with self._lock:
             if self._last is not None:
                 futures.wait([self._last])
-            return self._restore(like, round)
-
-    def _restore(self, like: Any, round: int | None) -> Any:
-        if round is None:
-            round = self.latest_round()
-            if round is None:
+            if round is not None:
+                try:
+                    return self._restore(like, round)
+                except CheckpointCorrupt as e:
+                    self._set_aside(round)
+                    logging.error("%s", e)
+                    raise
+            if not self._complete:
                 raise CheckpointError(f"no checkpoint in {self.directory}")
-        elif round not in self._complete:
+            damaged = []
+            for r in reversed(list(self._complete)):
+                try:
+                    restored = self._restore(like, r)
+                except CheckpointCorrupt as e:
+                    self._set_aside(r)
+                    damaged.append(str(e))
+                    logging.error("%s; it is moved aside to %s%s and the previous checkpoint is tried", e, r,
+                                  DAMAGED_SUFFIX)
+                    continue
+                if damaged:
+                    logging.warning("restored the checkpoint of round %d in %s, the newest intact one", r,
+                                    self.directory)
+                return restored
+            raise CheckpointCorrupt(
+                f"no intact checkpoint in {self.directory}: {'; '.join(damaged)}. Each is kept as <round>"
+                f"{DAMAGED_SUFFIX}; start the run again in a new --workdir (or restore its files from a copy)"
+            )
+
+    def _set_aside(self, round: int) -> None:
+        """Moves the damaged checkpoint of `round` to `<round>.damaged` (replacing an older one of that name) and
+        opens a fresh manager, which no longer counts it."""
+        src = os.path.join(self.directory, str(round))
+        dst = src + DAMAGED_SUFFIX
+        if os.path.isdir(src):
+            if os.path.exists(dst):
+                shutil.rmtree(dst, ignore_errors=True)
+            os.replace(src, dst)
+        self._manager.close()
+        self._manager = self._open_manager()
+        self._complete = sorted(self._manager.all_steps())
+
+    def _saved_leaves(self, round: int) -> dict | None:
+        """The checkpoint's `describe_leaves` record, or None for one written without it.
+
+        Raises:
+          CheckpointCorrupt: its step metadata cannot be read.
+        """
+        try:
+            custom = self._manager.metadata(round).custom_metadata or {}
+        except Exception as e:
+            raise CheckpointCorrupt(
+                f"the checkpoint of round {round} in {os.path.join(self.directory, str(round))} is damaged: its "
+                f"metadata cannot be read ({type(e).__name__}: {e})"
+            ) from e
+        return custom.get(LEAVES)
+
+    def _restore(self, like: Any, round: int) -> Any:
+        if round not in self._complete:
             raise CheckpointError(
                 f"no complete checkpoint of round {round} in {self.directory}; the complete ones are of rounds "
                 f"{self._complete}"
             )
+        where = os.path.join(self.directory, str(round))
+        saved = self._saved_leaves(round)
         like = _abstract(like)
+        flat_like = jax.tree_util.tree_flatten_with_path(like)[0]
+        if saved is not None:  # the structure is known before reading: a difference is another run's checkpoint
+            ours = {jax.tree_util.keystr(p): [np.dtype(a.dtype).name, list(a.shape)] for p, a in flat_like}
+            theirs = {k: v[1:] for k, v in saved.items()}
+            if ours != theirs:
+                leaf = sorted(set(ours) ^ set(theirs)) or [k for k in ours if ours[k] != theirs[k]]
+                raise CheckpointError(
+                    f"the checkpoint of round {round} in {self.directory} does not fit this run's model and "
+                    f"optimizer (first difference: {leaf[0]}: saved {theirs.get(leaf[0])}, this run "
+                    f"{ours.get(leaf[0])}); resume with the config that wrote it, or pass a new --workdir"
+                )
         try:
             restored = self._manager.restore(
                 round, args=ocp.args.PyTreeRestore(like, restore_args=ocp.checkpoint_utils.construct_restore_args(like))
             )
-        except Exception as e:  # orbax raises several types for a mismatched tree
+        except Exception as e:  # orbax raises several types for a mismatched tree, and for damaged files
+            if saved is not None:
+                raise CheckpointCorrupt(
+                    f"the checkpoint of round {round} in {where} is damaged: orbax cannot read it "
+                    f"({type(e).__name__}: {e})"
+                ) from e
             raise CheckpointError(
                 f"the checkpoint of round {round} in {self.directory} does not fit this run's model and optimizer "
                 f"({type(e).__name__}: {e}); resume with the config that wrote it, or pass a new --workdir"
             ) from e
         restored_leaves = jax.tree.leaves(restored)
-        for (path, a), b in zip(jax.tree_util.tree_flatten_with_path(like)[0], restored_leaves, strict=True):
+        for (path, a), b in zip(flat_like, restored_leaves, strict=True):
             if a.shape != np.shape(b) or a.dtype != b.dtype:
                 raise CheckpointError(
                     f"the checkpoint of round {round} in {self.directory} holds {jax.tree_util.keystr(path)} as "
                     f"{b.dtype}{list(b.shape)} but this run has {a.dtype}{list(a.shape)}; resume with the config that "
                     "wrote it, or pass a new --workdir"
                 )
-        return jax.tree.map(lambda x: x if _spans_processes(x) else np.asarray(x), restored)
+        restored = jax.tree.map(lambda x: x if _spans_processes(x) else np.asarray(x), restored)
+        if saved is None:
+            logging.warning("the checkpoint of round %d in %s holds no checksums (written by an earlier version): "
+                            "restored without checking its bits", round, self.directory)
+            return restored
+        for path, now in describe_leaves(restored).items():
+            if now[0] != saved[path][0]:
+                raise CheckpointCorrupt(
+                    f"the checkpoint of round {round} in {where} is damaged: {path} reads checksum {now[0]}, but "
+                    f"was saved with {saved[path][0]}"
+                )
+        return restored
 
     def close(self) -> None:
         """Waits for the save in progress, then closes the manager; a second call does nothing.

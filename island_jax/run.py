@@ -27,7 +27,7 @@ from island_jax.hardware import measured_cpu_peak_flops
 from island_jax.island import memory
 from island_jax.island.main import run_island
 from island_jax.progress import Progress
-from island_jax.workdir import check_resume, combine_summaries, done_line, refuse_finished
+from island_jax.workdir import check_finished, check_resume, combine_summaries, done_line, refuse_finished
 
 
 def run_in_process(config: ml_collections.ConfigDict, workdir: str, allow_config_change: bool = False,
@@ -49,6 +49,8 @@ def run_in_process(config: ml_collections.ConfigDict, workdir: str, allow_config
       ConfigError: an invalid config, or more devices asked for than this process has;
         ConfigChangeError: an unfinished run of another config, without `allow_config_change`.
       FileExistsError: `workdir` holds a finished run.
+      RunFailed: the run finished, but its islands disagree or a round was merged without an island its quorum
+        requires (`workdir.failures`; the summary is written first).
       The first role's error when a role fails (the others are stopped first,
       their checkpoints in progress finished); KeyboardInterrupt or SystemExit
       likewise stops every role before it propagates.
@@ -119,4 +121,5 @@ def run_in_process(config: ml_collections.ConfigDict, workdir: str, allow_config
         raise (real or errors)[0][1]
     summary = combine_summaries(config, workdir, time.perf_counter() - start)
     logging.info("%s", done_line(config, workdir, summary))
+    check_finished(summary)
     return summary

@@ -314,11 +314,17 @@ def combine_summaries(config: ml_collections.ConfigDict, workdir: str, wall_seco
     islands = {name: _read_json(os.path.join(island_dir(workdir, name), "summary.json")) for name in names}
     evaluator = islands[names[0]]
     merged = {}  # round -> the coordinator's record (a resumed run logs some rounds twice)
+    short = {}  # (round, fragment) -> its contributors, where they are fewer than the quorum requires
+    required = config.outer.min_islands or len(names)
     if config.outer.enabled:
         coordinator = _read_json(os.path.join(coordinator_dir(workdir), "summary.json"))
         for rec in read_jsonl(os.path.join(coordinator_dir(workdir), "metrics.jsonl")):
             if rec.get("kind") == "round":
                 merged[rec["round"]] = rec
+                key = (rec["round"], rec.get("fragment", 0))
+                short.pop(key, None)  # the latest record of a round logged twice decides
+                if len(rec["contributors"]) < required:
+                    short[key] = rec["contributors"]
         agree = all(s["checksum"] == coordinator["checksum"] for s in islands.values())
         every_round = _agree_every_round(config, workdir, merged)
     else:  # one island, no exchange: it describes the run itself
@@ -341,6 +347,7 @@ def combine_summaries(config: ml_collections.ConfigDict, workdir: str, wall_seco
         wall_seconds=wall_seconds,
         checksums_agree=agree,
         checksums_agree_every_round=every_round,
+        rounds_short=sorted({r for r, _ in short}),
         islands={
             name: dict(
                 {k: s[k] for k in (*SUMMED, "achieved_gbps", "compute_utilization", "mfu")},
@@ -352,12 +359,46 @@ def combine_summaries(config: ml_collections.ConfigDict, workdir: str, wall_seco
             for name, s in islands.items()
         },
     )
+    summary["failures"] = failures(config, summary, islands, coordinator, short)
     write_json(os.path.join(workdir, "summary.json"), summary)
     events = [os.path.join(island_dir(workdir, n), "events.jsonl") for n in names]
     events = [p for p in events if os.path.exists(p) and os.path.getsize(p)]
     if events:
         plot_timeline(events, os.path.join(workdir, "timeline.png"))
     return summary
+
+
+class RunFailed(RuntimeError):
+    """A run finished, but not as its config asks: its `summary.json`'s `failures`, one per sentence."""
+
+
+def failures(config: ml_collections.ConfigDict, summary: dict, islands: dict, coordinator: dict, short: dict) -> list:
+    """What makes a finished run a failure, one sentence each: islands whose final global parameters differ from
+    the coordinator's view, and rounds merged from fewer islands than `outer.min_islands` requires (0: all)."""
+    out = []
+    if not summary["checksums_agree"]:
+        held = ", ".join(f"{n}={s['checksum']}" for n, s in islands.items())
+        out.append(f"the islands' final global parameters disagree ({held}; the coordinator's view "
+                   f"{coordinator['checksum']})")
+    if short:
+        required = config.outer.min_islands or len(config.islands)
+        rounds = sorted({r for r, _ in short})
+        first = short[min(short)]
+        out.append(f"{len(rounds)} round(s) were merged from fewer islands than outer.min_islands="
+                   f"{config.outer.min_islands} requires ({required}): rounds {rounds[:10]}"
+                   f"{' ...' if len(rounds) > 10 else ''} (round {min(short)[0]} from {first} only); see the "
+                   "coordinator's log for why")
+    return out
+
+
+def check_finished(summary: dict) -> None:
+    """Raises RunFailed when the combined `summary` lists `failures`; the last line a run prints says so.
+
+    Raises:
+      RunFailed: naming every failure.
+    """
+    if summary.get("failures"):
+        raise RunFailed("the run failed: " + "; ".join(summary["failures"]))
 
 
 def done_line(config: ml_collections.ConfigDict, workdir: str, summary: dict) -> str:

@@ -581,6 +581,9 @@ def main(argv):
         sys.exit(failed[1] if failed[1] > 0 else 1)
     summary = combine_summaries(config, workdir, time.perf_counter() - start)
     print(f"[launch] {done_line(config, workdir, summary)}", flush=True)
+    if summary["failures"]:
+        print(f"[launch] the run failed: {'; '.join(summary['failures'])}", flush=True)
+        sys.exit(1)
 
 
 if __name__ == "__main__":

@@ -34,8 +34,8 @@ def main(argv):
     except FileNotFoundError as e:
         sys.exit(f"{e}: that role did not finish; see its log, and launch the run again to resume it")
     print(f"[summarize] {done_line(_CONFIG.value, _WORKDIR.value, summary)}", flush=True)
-    if not summary["checksums_agree"]:
-        sys.exit(1)
+    if summary["failures"]:
+        sys.exit(f"[summarize] the run failed: {'; '.join(summary['failures'])}")
 
 
 if __name__ == "__main__":

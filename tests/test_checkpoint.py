@@ -354,3 +354,97 @@ def test_a_compressed_checkpoint_of_an_earlier_version_is_restored_and_new_ones_
         compressors[n] = {json.loads(kv.read(k).result().value)["compressor"] is None for k in keys}
         assert len(keys) == len(jax.tree.leaves(state(n)))
     assert compressors == {1: {False}, 2: {True}}
+
+
+def damage(directory, round, nbytes=4096):
+    """Overwrites `nbytes` in the middle of the largest data file of checkpoint `round` (orbax's OCDBT files hold
+    many arrays each), as a failing disk would; returns that file's path."""
+    files = [os.path.join(d, f) for d, _, names in os.walk(os.path.join(directory, str(round))) for f in names]
+    path = max((f for f in files if os.sep + "d" + os.sep in f), key=os.path.getsize)
+    size = os.path.getsize(path)
+    with open(path, "r+b") as f:
+        f.seek(max(0, size // 2 - nbytes // 2))
+        f.write(b"\xff" * min(nbytes, size))
+    return path
+
+
+def big_state(r):
+    """`state(r)` with a leaf large enough that damage in its data file lands in its bytes."""
+    out = state(r)
+    out["params"]["big"] = np.full((64, 256), r, np.float32)
+    return out
+
+
+def test_a_damaged_checkpoint_is_named_moved_aside_and_the_previous_one_restores(tmp_path, caplog):
+    ckpt = Checkpointer(folder(tmp_path), every_rounds=1, max_to_keep=3)
+    for r in (1, 2):
+        assert ckpt.save(r, big_state(r))
+        ckpt.last_save().result()
+    damage(ckpt.directory, 2)
+    with caplog.at_level("ERROR"):
+        assert_same_bits(ckpt.restore(big_state(0)), big_state(1))
+    where = os.path.join(ckpt.directory, "2")
+    errors = [r.getMessage() for r in caplog.records if r.levelname == "ERROR"]
+    assert len(errors) == 1 and errors[0].startswith(f"the checkpoint of round 2 in {where} is damaged: ")
+    assert "['params']['big'] reads checksum" in errors[0] or "orbax cannot read it" in errors[0]
+    assert errors[0].endswith("it is moved aside to 2.damaged and the previous checkpoint is tried")
+    assert ckpt.rounds() == [1] and sorted(os.listdir(ckpt.directory)) == ["1", "2.damaged"]
+    assert ckpt.save(2, big_state(2))  # the round is saved again, over nothing
+    ckpt.last_save().result()
+    assert_same_bits(ckpt.restore(big_state(0)), big_state(2))
+    ckpt.close()
+
+
+def test_a_leaf_that_reads_other_bits_is_named_with_both_checksums(tmp_path, monkeypatch):
+    from island_jax import checkpoint as checkpoint_lib
+
+    ckpt = Checkpointer(folder(tmp_path), every_rounds=1, max_to_keep=3)
+    saved(ckpt, 1, 2)
+    real = checkpoint_lib.describe_leaves
+    saved_b = real(state(2))["['params']['b']"][0]
+    # what a flipped bit in the bytes of params.b reads as: the checksum of other values
+    monkeypatch.setattr(checkpoint_lib, "describe_leaves", lambda tree: {
+        k: (["0123456789abcdef", *v[1:]] if k == "['params']['b']" and int(np.asarray(tree["round"])) == 2 else v)
+        for k, v in real(tree).items()})
+    with pytest.raises(checkpoint_lib.CheckpointCorrupt) as raised:
+        ckpt.restore(state(0), round=2)
+    assert str(raised.value) == (
+        f"the checkpoint of round 2 in {os.path.join(ckpt.directory, '2')} is damaged: ['params']['b'] reads "
+        f"checksum 0123456789abcdef, but was saved with {saved_b}"
+    )
+    assert ckpt.rounds() == [1]
+    ckpt.close()
+
+
+def test_with_every_checkpoint_damaged_restore_names_each_and_says_what_to_do(tmp_path):
+    from island_jax.checkpoint import CheckpointCorrupt
+
+    ckpt = Checkpointer(folder(tmp_path), every_rounds=1, max_to_keep=3)
+    for r in (1, 2):
+        assert ckpt.save(r, big_state(r))
+        ckpt.last_save().result()
+    for r in (1, 2):
+        damage(ckpt.directory, r)
+    with pytest.raises(CheckpointCorrupt) as raised:
+        ckpt.restore(big_state(0))
+    message = str(raised.value)
+    assert message.startswith(f"no intact checkpoint in {ckpt.directory}: the checkpoint of round 2 in ")
+    assert f"; the checkpoint of round 1 in {os.path.join(ckpt.directory, '1')} is damaged: " in message
+    assert message.endswith("Each is kept as <round>.damaged; start the run again in a new --workdir (or restore "
+                            "its files from a copy)")
+    ckpt.close()
+
+
+def test_a_checkpoint_of_another_structure_is_not_called_damaged(tmp_path):
+    ckpt = Checkpointer(folder(tmp_path), every_rounds=1, max_to_keep=3)
+    saved(ckpt, 1)
+    with pytest.raises(CheckpointError) as raised:
+        ckpt.restore(big_state(0))
+    assert type(raised.value) is CheckpointError
+    assert str(raised.value) == (
+        f"the checkpoint of round 1 in {ckpt.directory} does not fit this run's model and optimizer (first "
+        "difference: ['params']['big']: saved None, this run ['float32', [64, 256]]); resume with the config that "
+        "wrote it, or pass a new --workdir"
+    )
+    assert ckpt.rounds() == [1]
+    ckpt.close()

@@ -25,6 +25,7 @@ from absl import logging
 from island_jax import allocator, distributed
 from island_jax import config as config_lib
 from island_jax import data as data_lib
+from island_jax.checkpoint import CheckpointCorrupt
 from island_jax.comm.inprocess import InProcessExchange, InProcessTransport, RunAborted
 from island_jax.comm.link import LinkEmulator
 from island_jax.comm.transport import CoordinatorRestarted, ExchangeError
@@ -302,8 +303,14 @@ def align(config, island: Island, transport, role: RoleFolder, at: int, resume: 
     target = reply["round"]
     if resume and not reply["rejoin"]:
         return at, None, False
+    own = None
     if target <= at and target in role.checkpoints.rounds(wait=True):
-        island.load_state(role.checkpoints.restore(island.state(0, template=True), round=target))
+        try:
+            own = role.checkpoints.restore(island.state(0, template=True), round=target)
+        except CheckpointCorrupt:  # logged, and moved aside: the view is the state to take
+            logging.warning("island %s: its checkpoint of round %d is damaged; it takes the view", name, target)
+    if own is not None:
+        island.load_state(own)
         if island.global_checksum == reply["checksum"]:
             logging.warning("island %s rolls back from round %d to its checkpoint of round %d, the coordinator's: "
                             "the run goes on bit for bit", name, at, target)

@@ -76,6 +76,31 @@ def checksum(tree: Any) -> str:
     Returns:
       16 lowercase hex digits, the same on every process.
     """
+    return _combine(_leaf_digests(tree))
+
+
+def leaf_checksums(tree: Any) -> list[str]:
+    """`checksum` of each leaf on its own, in `jax.tree.leaves` order: 16 hex digits each, whatever the layout.
+
+    Computed from the same piece digests as `checksum`, in one pass (and, for leaves spread over processes,
+    one collective: every process calls it at the same point).
+    """
+    return [_combine([leaf]) for leaf in _leaf_digests(tree)]
+
+
+def _combine(leaves: list[tuple[bytes, list[bytes]]]) -> str:
+    """16 hex digits of the SHA-256 over each leaf's head and then its pieces' digests, leaf after leaf."""
+    h = hashlib.sha256()
+    for head, pieces in leaves:
+        h.update(head)
+        for digest in pieces:
+            h.update(digest)
+    return h.hexdigest()[:16]
+
+
+def _leaf_digests(tree: Any) -> list[tuple[bytes, list[bytes]]]:
+    """Per leaf of `tree` (`jax.tree.leaves` order): (its shape and dtype as bytes, the SHA-256 digest of each of
+    its pieces in order), as `checksum` describes; a collective over processes for leaves spread over them."""
     leaves = jax.tree.leaves(tree)
     digests: dict[tuple[int, int], bytes] = {}  # (leaf, piece) -> the digest of a piece held whole here
     held: dict[tuple[int, int], list] = {}  # (leaf, piece) -> [(first element, elements, bytes)] of a cut piece
@@ -107,12 +132,8 @@ def checksum(tree: Any) -> str:
             for k, parts in theirs_cut.items():
                 parts_of.setdefault(_key(k), []).extend((first, n, base64.b64decode(b)) for first, n, b in parts)
         digests.update({key: _digest(parts) for key, parts in parts_of.items()})
-    h = hashlib.sha256()
-    for i, size in enumerate(sizes):
-        h.update(heads[i])
-        for piece in range(max(1, -(-size // CHECKSUM_PIECE_ELEMENTS))):
-            h.update(digests[(i, piece)])
-    return h.hexdigest()[:16]
+    return [(heads[i], [digests[(i, piece)] for piece in range(max(1, -(-size // CHECKSUM_PIECE_ELEMENTS)))])
+            for i, size in enumerate(sizes)]
 
 
 def _key(text: str) -> tuple[int, int]:
