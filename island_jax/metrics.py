@@ -1,7 +1,8 @@
 """Metrics in the workdir: JSON lines, and the same numbers for the trackers the config names.
 
 Every record is one JSON object per line in `metrics.jsonl`, the run's own
-record that summaries, the progress line and `experiment.Result` read. The
+record that summaries, the progress line and `experiment.Result` read; each
+carries `time`, when it was logged (Unix seconds, float). The
 writers of `metrics.writers` (a comma-separated list; "jsonl,tensorboard" by
 default) get every record too:
 
@@ -9,7 +10,8 @@ default) get every record too:
                TensorBoard scalar (tensorboardX, no TensorFlow needed) named
                `KIND/FIELD`, e.g. `inner/loss`, `round/pseudo_gradient_norm/a`,
                `inner/moe/expert_load/0/3` (lists are indexed: MoE layer 0,
-               expert 3), at the record's `step` (inner steps) or `round`;
+               expert 3), at the record's `step` (inner steps) or `round`,
+               with the record's `time` as its wall time;
   wandb        the same scalars in a Weights & Biases run per role (`pip install
                island_jax[wandb]`; `metrics.wandb`), each kind on its own x axis
                (`KIND/step` or `KIND/round`);
@@ -25,6 +27,7 @@ from __future__ import annotations
 import json
 import numbers
 import os
+import time
 from concurrent import futures
 from typing import Any
 
@@ -97,8 +100,8 @@ def x_axis(record: dict) -> tuple[str, int]:
 
 def scalars(record: dict) -> dict[str, float]:
     """A record's numbers as `KIND/FIELD` scalars (nested dicts and lists flattened with "/"), leaving out
-    `kind`, `step` and `round`."""
-    fields = {k: v for k, v in record.items() if k not in ("kind", "step", "round")}
+    `kind`, `step`, `round` and `time` (the x axes and the wall time)."""
+    fields = {k: v for k, v in record.items() if k not in ("kind", "step", "round", "time")}
     return _scalars(fields, record["kind"])
 
 
@@ -112,9 +115,9 @@ class TensorBoardWriter(Writer):
         self._tb = SummaryWriter(logdir=folder, flush_secs=10)
 
     def write(self, record: dict) -> None:
-        step = x_axis(record)[1]
+        step, walltime = x_axis(record)[1], record.get("time")
         for tag, value in scalars(record).items():
-            self._tb.add_scalar(tag, value, global_step=step)
+            self._tb.add_scalar(tag, value, global_step=step, walltime=walltime)
 
     def close(self) -> None:
         self._tb.close()
@@ -223,7 +226,9 @@ class MetricsWriter:
     def write(self, record: dict) -> None:
         """Writes one record; it needs a `kind`, and `step` or `round` for the trackers' x axis.
 
-        A top-level value may be a function of no arguments, called when the
+        The record is written with `time`: when this call was made (Unix
+        seconds, `time.time()`, float), unless it holds a `time` already;
+        the caller's dict is not changed. A top-level value may be a function of no arguments, called when the
         record is written (on the writer's thread with `background`): for
         values slow to compute, such as a checksum. With `background`, the
         record must not change after this call.
@@ -231,6 +236,7 @@ class MetricsWriter:
         Raises:
           With `background`, whatever an earlier write raised.
         """
+        record = {**record, "time": float(record.get("time", time.time()))}
         if self._pool is None:
             self._write(record)
             return

@@ -3,6 +3,7 @@
 import glob
 import json
 import struct
+import time
 
 import pytest
 
@@ -48,13 +49,20 @@ def test_another_tracker_is_a_class_named_by_module_and_name(tmp_path):
     validate(config)
     writer = metrics.MetricsWriter(str(tmp_path), metrics.make_writers(config.metrics.writers, str(tmp_path),
                                                                        "island a", config))
+    start = time.time()
     for record in RECORDS:
         writer.write(dict(record, checksum=lambda: "ab"))  # a value computed when written
+    end = time.time()
     writer.close()
     (made,) = ListWriter.made
     assert (made.folder, made.role, made.closed) == (str(tmp_path), "island a", True)
-    assert made.records == [dict(r, checksum="ab") for r in RECORDS] == metrics.read_jsonl(tmp_path / "metrics.jsonl")
-    assert metrics.scalars(RECORDS[0]) == {"inner/loss": 2.5, "inner/moe/expert_load/0/0": 0.25,
+    written = metrics.read_jsonl(tmp_path / "metrics.jsonl")
+    assert made.records == written
+    times = [r.pop("time") for r in written]  # when each was logged, Unix seconds
+    assert all(type(t) is float for t in times) and start <= times[0] <= times[-1] <= end and times == sorted(times)
+    assert written == [dict(r, checksum="ab") for r in RECORDS]
+    assert "time" not in RECORDS[0]  # the caller's record is left as it was
+    assert metrics.scalars(dict(RECORDS[0], time=start)) == {"inner/loss": 2.5, "inner/moe/expert_load/0/0": 0.25,
                                            "inner/moe/expert_load/0/1": 0.75}
 
 
@@ -114,3 +122,20 @@ def test_wandb_offline_run_holds_every_scalar_on_its_kinds_axis(tmp_path, monkey
         {"round/round": 1, "round/train_loss": 2.25, "round/weights/a": 1.0},
     ]
     assert glob.glob(str(folder / "events.out.tfevents.*")) and len(metrics.read_jsonl(folder / "metrics.jsonl")) == 4
+
+
+def test_tensorboard_scalars_carry_the_records_time_as_wall_time(tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    writer = metrics.MetricsWriter(str(tmp_path), [metrics.TensorBoardWriter(str(tmp_path), "island a", None)])
+    writer.write(dict(RECORDS[0], time=1700000000.25))  # a time of its own is kept
+    writer.write(RECORDS[2])
+    writer.close()
+    written = metrics.read_jsonl(tmp_path / "metrics.jsonl")
+    events = EventAccumulator(str(tmp_path))
+    events.Reload()
+    assert "inner/time" not in events.Tags()["scalars"] and "round/time" not in events.Tags()["scalars"]
+    (loss,) = events.Scalars("inner/loss")
+    (train_loss,) = events.Scalars("round/train_loss")
+    assert (loss.step, loss.value, loss.wall_time) == (1, 2.5, 1700000000.25) == (1, 2.5, written[0]["time"])
+    assert (train_loss.step, train_loss.wall_time) == (1, written[1]["time"])
