@@ -68,7 +68,7 @@ def run_in_process(config: ml_collections.ConfigDict, workdir: str, allow_config
                 raise config_lib.ConfigError(f"islands.{name}.num_devices is {cfg.num_devices} but the run was given "
                                              f"{len(devices.get(name, ()))} devices for it")
     memory.check_fits(config)  # every island's budget, before anything is made, saved or compiled
-    refuse_finished(workdir)
+    refuse_finished(workdir, config.outer.rounds)
     check_resume(config, workdir, allow_config_change)
     start = time.perf_counter()
     exchange = InProcessExchange() if config.outer.enabled else None

@@ -22,6 +22,7 @@ import os
 from typing import TYPE_CHECKING
 
 import ml_collections
+from absl import logging
 
 from island_jax.metrics import MetricsWriter, NoMetrics, gbps, make_writers, read_jsonl, write_json
 from island_jax.plots import plot_timeline
@@ -47,26 +48,81 @@ def due(rounds_done: int, every_rounds: int, rounds: int) -> bool:
     return rounds_done % every_rounds == 0 or rounds_done == rounds
 
 
-def refuse_finished(workdir: str) -> None:
-    """Refuses a workdir whose run finished, so nothing it holds is overwritten.
+def refuse_finished(workdir: str, rounds: int | None = None) -> None:
+    """Refuses a workdir whose run finished, so nothing it holds is overwritten, unless `rounds` raises the
+    finished run's `outer.rounds` (it is extended: it goes on from its last round).
 
     Raises:
-      FileExistsError: `WORKDIR/summary.json` exists.
+      FileExistsError: `WORKDIR/summary.json` exists, of `rounds` rounds or more.
     """
-    if os.path.exists(os.path.join(workdir, "summary.json")):
-        raise FileExistsError(
-            f"{workdir} holds a finished run (summary.json); pass a new --workdir, or move that one away first, "
-            "so that nothing it holds is overwritten"
-        )
+    path = os.path.join(workdir, "summary.json")
+    if not os.path.exists(path):
+        return
+    done = _read_json(path).get("rounds")
+    if rounds is not None and isinstance(done, int) and rounds > done:
+        return
+    raise FileExistsError(
+        f"{workdir} holds a finished run of {done} rounds (summary.json); raise --config.outer.rounds to extend it, "
+        "or pass a new --workdir"
+    )
+
+
+def set_aside_summary(path: str, rounds_done: int) -> None:
+    """Renames a role folder's `summary.json` (of a run finished after `rounds_done` rounds, now extended) to
+    `summary_<rounds_done>.json`: the role is no longer finished, and what it summarized is kept."""
+    summary = os.path.join(path, "summary.json")
+    if os.path.exists(summary):
+        os.replace(summary, os.path.join(path, f"summary_{rounds_done}.json"))
+
+
+def schedule_rounds(path: str, config: ml_collections.ConfigDict) -> int:
+    """The rounds a role's learning-rate schedule is laid out over: the `outer.rounds` its run started with.
+
+    A finished run extended by raising `outer.rounds` keeps the schedule of the rounds it completed; the
+    rounds added hold the schedule's final value (optax's cosine decay stays at its end value past its steps).
+    Read from the starts in `path/run_info.json` (`provenance.record_start`): the value the first change of
+    `outer.rounds` started from, else `config.outer.rounds`.
+    """
+    info = os.path.join(path, "run_info.json")
+    if os.path.exists(info):
+        for start in _read_json(info).get("starts", []):
+            for field, started, _ in start.get("config_changes", []):
+                if field == "outer.rounds" and isinstance(started, int):
+                    return started
+    return config.outer.rounds
 
 
 @dataclasses.dataclass
 class RoleFolder:
-    """One role's folder: its checkpoints and metrics (`open_role`)."""
+    """One role's folder: its checkpoints and metrics (`open_role`).
+
+    `begin()` records the start (`config.json`, `run_info.json`, a `config_change` record) once the role has
+    checked what can still refuse it (its data, its port): a start that fails before leaves no config behind.
+    """
 
     path: str
     checkpoints: Checkpointer
     metrics: MetricsWriter | NoMetrics
+    config: ml_collections.ConfigDict | None = None  # what `begin` writes (None: not the primary process)
+    changes: list = dataclasses.field(default_factory=list)  # config fields changed on this resume
+    write_config: bool = False  # config.json is (re)written at `begin`
+
+    def begin(self) -> None:
+        """Writes `config.json` (at the first start, or with the changes of a resume), appends this start to
+        `run_info.json` (`provenance.record_start`) and logs a `config_change` record; once, by the primary."""
+        if self.config is None:
+            return
+        config, self.config = self.config, None
+        if self.write_config:
+            config_path = os.path.join(self.path, "config.json")
+            tmp = f"{config_path}.tmp"
+            with open(tmp, "w", encoding="utf-8") as f:
+                f.write(config.to_json_best_effort(indent=2, sort_keys=True))
+            os.replace(tmp, config_path)
+        record_start(self.path, self.changes)
+        if self.changes:
+            self.metrics.write(dict(kind="config_change", round=self.checkpoints.latest_round() or 0,
+                                    changes=[dict(field=k, started=a, now=b) for k, a, b in self.changes]))
 
     def close(self) -> None:
         """Finishes the save in progress and the metrics (both wait for their background writes)."""
@@ -112,10 +168,45 @@ def island_saves(rounds_done: int, coordinator_every: int, every: int) -> bool:
     return rounds_done % every == 0 or rounds_done % coordinator_every == 0
 
 
+def has_started(path: str) -> bool:
+    """Whether the role in folder `path` has started its run: it holds a complete checkpoint after a round (the
+    coordinator's of round 0 is only its seeded init), or metrics records of completed rounds. A role folder
+    that has not is a new run, whatever config it names. Read without importing JAX."""
+    folder = os.path.join(path, "checkpoints")
+    if os.path.isdir(folder) and any(n.isdigit() and int(n) > 0 for n in os.listdir(folder)):
+        return True
+    metrics = os.path.join(path, "metrics.jsonl")
+    return os.path.exists(metrics) and any(r.get("kind") == "round" for r in read_jsonl(metrics))
+
+
+ATTEMPTS = "attempts"  # a role folder's subfolder for the files of starts that never began a round
+
+
+def set_aside_attempt(path: str) -> str | None:
+    """Moves what a start that never completed a round left in role folder `path` (its `config.json`,
+    `metrics.jsonl`, `events.jsonl`, `run_info.json`, TensorBoard events, a checkpoint of round 0) into
+    `path/attempts/N/` (N = 1, 2, ...), so that a new run's records are not mixed with them; returns that
+    folder, or None when there was nothing to move."""
+    if not os.path.isdir(path):
+        return None
+    entries = [n for n in os.listdir(path) if n != ATTEMPTS]
+    if not entries:
+        return None
+    n = 1
+    while os.path.exists(os.path.join(path, ATTEMPTS, str(n))):
+        n += 1
+    target = os.path.join(path, ATTEMPTS, str(n))
+    os.makedirs(target)
+    for name in entries:
+        os.replace(os.path.join(path, name), os.path.join(target, name))
+    return target
+
+
 def started_config(path: str) -> dict | None:
-    """The config a role's folder `path` was started with (its `config.json`, parsed), or None before its start."""
+    """The config a role's folder `path` was started with (its `config.json`, parsed), or None when it has not
+    started (`has_started`)."""
     config_path = os.path.join(path, "config.json")
-    if not os.path.exists(config_path):
+    if not os.path.exists(config_path) or not has_started(path):
         return None
     with open(config_path, encoding="utf-8") as f:
         return json.load(f)
@@ -151,8 +242,10 @@ def open_role(
 
     The `Checkpointer` saves and keeps what `checkpoint_schedule` says for the
     coordinator (`coordinator=True`) or an island; its `every_rounds` is the
-    role's interval. A role stopped before it completed a round (while
-    compiling, say) starts again from the beginning, after what it logged.
+    role's interval. A role that has not started (`has_started`: no round
+    completed, no checkpoint after round 0; stopped while compiling, say, or
+    refused for its data) starts again as a new run, whatever config it
+    named: what it left is moved to `attempts/N/` (`set_aside_attempt`).
 
     A resumed role checks `config` against the `config.json` it started with:
     a field other than `config.RESUME_MAY_CHANGE` that differs is refused,
@@ -174,6 +267,11 @@ def open_role(
     from island_jax.config import config_changes, refuse_config_changes
 
     started = started_config(path)
+    if primary and not has_started(path):  # a new run: what an earlier start that never began left is set aside
+        moved = set_aside_attempt(path)
+        if moved is not None:
+            logging.warning("%s held the files of a start that completed no round; they are moved to %s",
+                            path, moved)
     changes = []
     if started is not None:
         if not allow_config_change:
@@ -200,18 +298,10 @@ def open_role(
         )
     if not primary:
         return RoleFolder(path, checkpoints, NoMetrics())
-    config_path = os.path.join(path, "config.json")
-    if started is None or changes:  # the config in effect from this start on (a raised outer.rounds too)
-        tmp = f"{config_path}.tmp"
-        with open(tmp, "w", encoding="utf-8") as f:
-            f.write(config.to_json_best_effort(indent=2, sort_keys=True))
-        os.replace(tmp, config_path)
-    record_start(path, changes)
     metrics = MetricsWriter(path, writers, background=True)
-    if changes:
-        metrics.write(dict(kind="config_change", round=checkpoints.latest_round() or 0,
-                           changes=[dict(field=k, started=a, now=b) for k, a, b in changes]))
-    return RoleFolder(path, checkpoints, metrics)
+    # config.json holds the config in effect from this start on (a raised outer.rounds too), written at `begin`
+    return RoleFolder(path, checkpoints, metrics, config=config, changes=changes,
+                      write_config=started is None or bool(changes))
 
 
 # Round-record fields an island's summary sums over its rounds.

@@ -287,7 +287,7 @@ def _checked(config, workdir: str, names: list[str]):
 
     try:
         config_lib.validate(config)
-        refuse_finished(workdir)
+        refuse_finished(workdir, config.outer.rounds)
         check_resume(config, workdir, _ALLOW_CONFIG_CHANGE.value)
     except (config_lib.ConfigError, FileExistsError) as e:
         sys.exit(str(e))

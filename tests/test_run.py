@@ -252,20 +252,23 @@ def test_data_parallel_baseline_runs_through_run_island_with_no_exchange(tmp_pat
     assert summary["eval_windows"] == 8 and summary["eval_windows_sha256"] == data_lib.windows_sha256(windows)
 
 
-def test_a_role_stopped_before_its_first_round_starts_again_and_one_with_rounds_is_refused(tmp_path):
+def test_a_role_stopped_before_its_first_round_is_a_new_run_and_one_with_rounds_is_refused(tmp_path):
     from island_jax.workdir import open_role
 
     config = tiny_config(tmp_path)
     folder = tmp_path / "islands" / "a"
     folder.mkdir(parents=True)
     (folder / "metrics.jsonl").write_text(json.dumps(dict(kind="eval", round=0, eval_loss=5.5)) + "\n")
-    open_role(config, str(folder)).close()  # stopped while compiling: nothing to resume, nothing lost
-    assert read_jsonl(folder / "metrics.jsonl") == [dict(kind="eval", round=0, eval_loss=5.5)]
+    (folder / "config.json").write_text(json.dumps({"seed": 1}))  # whatever config it named
+    open_role(config, str(folder)).close()  # stopped while compiling: a new run, and what it logged set aside
+    assert read_jsonl(folder / "attempts" / "1" / "metrics.jsonl") == [dict(kind="eval", round=0, eval_loss=5.5)]
+    assert json.loads((folder / "attempts" / "1" / "config.json").read_text()) == {"seed": 1}
+    assert read_jsonl(folder / "metrics.jsonl") == [] and not (folder / "config.json").exists()  # written at begin
     with open(folder / "metrics.jsonl", "a") as f:
         f.write(json.dumps(dict(kind="round", round=1)) + "\n")
     with pytest.raises(FileExistsError, match="holds rounds of a run but no checkpoint to resume from"):
         open_role(config, str(folder))
-    assert [r["kind"] for r in read_jsonl(folder / "metrics.jsonl")] == ["eval", "round"]
+    assert [r["kind"] for r in read_jsonl(folder / "metrics.jsonl")] == ["round"]
 
 
 @pytest.mark.slow  # starts launch/local.py (which refuses before it starts any role)

@@ -22,7 +22,7 @@ from island_jax.comm.transport import Endpoint
 from island_jax.coordinator import FragmentedCoordinator, RoundRecord
 from island_jax.metrics import write_json
 from island_jax.model.init import checksum, count, init_params
-from island_jax.workdir import RoleFolder, coordinator_dir, due, island_dir, open_role
+from island_jax.workdir import RoleFolder, coordinator_dir, due, island_dir, open_role, set_aside_summary
 
 
 class _GrpcEndpoint:
@@ -114,17 +114,24 @@ def run_coordinator(
         num_params = count(params)
         coordinator = FragmentedCoordinator(config, params, names)
         del params  # the coordinator holds them in its rows from here on
-        if role.checkpoints.latest_round() is not None:
-            coordinator.load_state(role.checkpoints.restore(coordinator.state()))
+        latest = role.checkpoints.latest_round()
+        if latest is not None and latest >= rounds and os.path.exists(os.path.join(role.path, "summary.json")):
+            logging.info("the run is complete (%d of %d rounds); nothing to do", latest, rounds)
+            return {}
+        if latest is not None:
+            coordinator.load_state(role.checkpoints.restore(coordinator.state()))  # the newest intact one
             logging.info("resumed from the checkpoint of round %d (view checksum %s); islands past it roll back",
                          coordinator.round, coordinator.checksum)
+            if coordinator.round < rounds:  # a finished run extended (outer.rounds raised), or a fallback
+                set_aside_summary(role.path, latest)
         finished = coordinator.round >= rounds
-        if finished and os.path.exists(os.path.join(role.path, "summary.json")):
-            logging.info("the run is complete (%d of %d rounds); nothing to do", coordinator.round, rounds)
-            return {}
-        if role.checkpoints.latest_round() is None:  # so that a coordinator that dies early can restart too
-            role.checkpoints.save(0, coordinator.state(), force=True, frozen_numpy=True)
         endpoint = _serve(coordinator, exchange, config, insecure)
+        role.begin()  # the config and the port are checked: the run has started (config.json, run_info.json)
+        if role.checkpoints.latest_round() is None:  # so that a coordinator that dies early can restart too
+            with endpoint.lock:  # taken before any merge can change it
+                state = coordinator.state()
+            role.checkpoints.save(0, state, force=True, frozen_numpy=True)
+            del state
         logging.info(
             "coordinator serving on %s for islands %s (%d parameters; per island and round, %s contributions of "
             "%d bytes and %s updates of %d bytes)", endpoint.where, names, num_params, coordinator.fragments[0].codec,
@@ -260,6 +267,7 @@ def _round_record(rec: RoundRecord, r: int, p: int, received: dict, seconds: flo
         kind="round", round=r + 1, fragment=p, contributors=rec.contributors, tokens=rec.tokens, weights=rec.weights,
         pseudo_gradient_norm=rec.pseudo_gradient_norm, cosine_similarity=rec.cosine_similarity,
         update_bytes=rec.update_bytes, update_codec_relative_error=rec.update_codec_relative_error,
+        outer_learning_rate=rec.outer_learning_rate, outer_momentum=rec.outer_momentum,
         wire_bytes_received=received, checksum=rec.checksum, seconds=seconds,
     )
 

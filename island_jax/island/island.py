@@ -204,7 +204,8 @@ class Island:
         already sharded by `specs`, which the island then holds as its parameters).
       train: the island's training data: its shard of the byte corpus (uint8 [N]), or its records
         (`data.Corpus.train`: a `grain.MapDataset` of packed records, or an endless mixture of them).
-      total_rounds: rounds in the run, for the learning-rate schedule.
+      total_rounds: the rounds the learning-rate schedule is laid out over (`workdir.schedule_rounds`: the run's
+        rounds, or those it started with when it was extended; rounds past them hold the schedule's final value).
       device_lock: held around the island's device work (a `threading.Lock` shared by the islands of one
         process on XLA:CPU; None: no lock).
 
@@ -269,6 +270,7 @@ class Island:
         )
         self.step = 0
         self._graphdef = graphdef
+        self.total_rounds = total_rounds
         self._build_train_step(self.inner_steps * total_rounds)
         self._eval_step = step_lib.build_eval_step(graphdef)
         with self.device_lock, jax.set_mesh(self.mesh):

@@ -42,6 +42,8 @@ from island_jax.workdir import (
     island_dir,
     island_saves,
     open_role,
+    schedule_rounds,
+    set_aside_summary,
     summarize_island,
 )
 
@@ -136,13 +138,17 @@ def run_island(
     evaluators: list[_Evaluator] = []
     try:
         corpus = data_lib.load(config, names, island=name)
+        role.begin()  # the config and data are checked: the run has started (config.json, run_info.json)
         # On CPU devices each process draws only its own shards of the initial parameters (the same bits).
         mesh = island_mesh(cfg.mesh.data, cfg.mesh.expert, devices, fsdp=cfg.mesh.fsdp) if devices[0].platform == "cpu" else None
         graphdef, params, specs = init_params(config, mesh)
         if multi_process and devices[0].platform == "cpu":  # gloo between the processes: check it first
             leaf_sizes = [int(np.size(x)) for x in jax.tree.leaves(params)]
             distributed.check_collectives(devices, distributed.check_sizes(leaf_sizes, len(devices)))
-        island = Island(name, config, devices, graphdef, params, specs, corpus.train[name], rounds, device_lock)
+        scheduled = schedule_rounds(role.path, config)  # the rounds the run started with: an extension holds
+        if multi_process:  # what process 0 read (it also writes run_info.json)
+            scheduled = distributed.allgather_json(scheduled)[0]
+        island = Island(name, config, devices, graphdef, params, specs, corpus.train[name], scheduled, device_lock)
         num_params = count(params)
         del params  # the island holds its own shards now; a whole draw (on accelerators) is not kept for the run
         first = 0
@@ -152,6 +158,11 @@ def run_island(
         if first >= rounds:
             logging.info("the run is complete (%d of %d rounds); nothing to do", first, rounds)
             return {}
+        if primary:  # extended (outer.rounds raised) past a finished run: it is no longer finished
+            set_aside_summary(role.path, first)
+        if rounds > scheduled:
+            logging.info("island %s: rounds %d..%d extend the run's %d; their inner learning rate holds the "
+                         "schedule's final value", name, scheduled + 1, rounds, scheduled)
         island.warm_up()  # compiles before the first round's clock starts
         transport = connect(config, exchange, finished=lambda: run_finished(workdir), part=island.part,
                             parts=island.parts, shares=[[c.index for c in o.share] for o in island.ownerships])
@@ -456,4 +467,5 @@ def _round_record(island: Island, result: dict, r: int) -> dict:
         achieved_gbps=gbps(result["bytes_sent"] + result["bytes_received"], result["seconds_transferring"]),
         checksum=functools.partial(checksum, params),  # computed by the metrics thread
         expert_load=result["expert_load"],
+        **({"learning_rate_held": True} if r + 1 > island.total_rounds else {}),
     )
