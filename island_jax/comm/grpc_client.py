@@ -50,7 +50,7 @@ from island_jax.comm import exchange_pb2 as pb
 from island_jax.comm import security, wire
 from island_jax.comm.grpc_server import KEEPALIVE_SECONDS, SERVICE_NAME, client_options
 from island_jax.comm.link import LinkEmulator
-from island_jax.comm.transport import CoordinatorRestarted, ExchangeError, SyncStats
+from island_jax.comm.transport import CoordinatorRestarted, ExchangeError, SyncStats, log_barrier_wait
 from island_jax.config import RECONNECT_BACKOFF_CAP_SECONDS
 from island_jax.coordinator import ContributionError, ContributionHeader, HandshakeError, StaleRoundError
 from island_jax.outer import codec
@@ -501,13 +501,16 @@ class GrpcTransport:
             island=island, fingerprint_json=json.dumps(config_fingerprint), params_checksum=params_checksum,
             round=round, ready=True,
         )
+        began = time.monotonic()
         try:
             self._join[0](request, timeout=self.join_timeout)
         except grpc.RpcError as e:
             if e.code() != grpc.StatusCode.DEADLINE_EXCEEDED:
                 raise _error(e, "join", self.address) from None
-            logging.warning("island %s: not every island was ready within %.0f s; starting anyway", island,
-                            self.join_timeout)
+            logging.warning("island %s: not every island was ready within %.0f s; starting anyway (the coordinator's "
+                            "log names the islands it waited for)", island, self.join_timeout)
+            return
+        log_barrier_wait(island, None, time.monotonic() - began, self.join_timeout)
 
     def contribute(self, header: ContributionHeader, payload) -> str:
         """Streams one encoded pseudo-gradient over every connection; returns "accepted" or "discarded".

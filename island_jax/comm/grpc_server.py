@@ -28,6 +28,7 @@ import json
 import logging
 import queue
 import threading
+import time
 from concurrent import futures
 
 import grpc
@@ -35,6 +36,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from island_jax.comm import exchange_pb2 as pb
 from island_jax.comm import security, wire
+from island_jax.comm.transport import BARRIER_LOG_SECONDS, barrier_line
 from island_jax.config import KEEPALIVE_SECONDS
 from island_jax.coordinator import (
     ContributionError,
@@ -598,10 +600,14 @@ class ExchangeService:
         if request.ready:  # wait for every island to be ready, so that all start their first round together
             self.ready.add(request.island)
             await self._call(lambda: None)  # wakes the others
-            while not self.ready >= set(self.coordinator.islands):
+            began = said = time.monotonic()
+            while waits := c.barrier_waits_for(self.ready):
                 version = self._version
                 if context.time_remaining() is not None and context.time_remaining() <= 0:
                     break
+                if time.monotonic() - said >= BARRIER_LOG_SECONDS:
+                    said = time.monotonic()
+                    logging.warning("%s", barrier_line(request.island, waits, said - began))
                 await self._wait_for_change(version, 1.0)
         return pb.JoinReply(
             round=reply["round"], params_checksum=reply["checksum"], payload_bytes=self.payload_bytes,

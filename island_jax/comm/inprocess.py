@@ -26,7 +26,7 @@ from absl import logging
 from island_jax.comm import exchange_pb2 as pb
 from island_jax.comm import wire
 from island_jax.comm.link import LinkEmulator
-from island_jax.comm.transport import SyncStats
+from island_jax.comm.transport import BARRIER_LOG_SECONDS, SyncStats, barrier_line, log_barrier_wait
 from island_jax.coordinator import ContributionHeader, FragmentedCoordinator, UpdateNotReady
 from island_jax.outer import codec
 
@@ -208,15 +208,21 @@ class InProcessTransport:
         """
         del config_fingerprint, params_checksum, round
         ex = self.exchange
+        began = time.monotonic()
         with ex.lock:
             c = ex.served(self.join_timeout)
             ex.ready.add(island)
             ex.notify()
-            together = ex.lock.wait_for(lambda: ex.ready >= set(c.islands) or ex.aborted is not None, self.join_timeout)
+            while (waits := c.barrier_waits_for(ex.ready)) and ex.aborted is None:
+                left = self.join_timeout - (time.monotonic() - began)
+                if left <= 0:
+                    break
+                if not ex.lock.wait_for(lambda: not c.barrier_waits_for(ex.ready) or ex.aborted is not None,
+                                        min(left, BARRIER_LOG_SECONDS)):
+                    logging.warning("%s", barrier_line(island, c.barrier_waits_for(ex.ready),
+                                                       time.monotonic() - began))
             ex.check()
-        if not together:
-            logging.warning("island %s: not every island was ready within %.0f s; starting anyway", island,
-                            self.join_timeout)
+        log_barrier_wait(island, waits, time.monotonic() - began, self.join_timeout)
 
     def contribute(self, header: ContributionHeader, payload) -> str:
         """Hands one encoded pseudo-gradient (bytes or a `codec.ChunkEncoder`) to the coordinator; returns

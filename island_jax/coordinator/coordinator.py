@@ -70,6 +70,7 @@ class FragmentedCoordinator:
         self._checksum: tuple[tuple, str] | None = None
         self.incarnation = uuid.uuid4().hex  # tells islands whether this coordinator restarted
         self.viewed: set[str] = set()  # islands that took the island view
+        self.rejoined: set[str] = set()  # islands admitted to rejoin (they start on their own, past the barrier)
         self.corpus: dict[str, dict] = {}  # island -> the corpus fingerprint it joined with (handshake.check_corpus)
 
     def __len__(self) -> int:
@@ -151,7 +152,22 @@ class FragmentedCoordinator:
             )
         for f in self.fragments:
             f.joined.add(island)
+        if rejoin:
+            self.rejoined.add(island)
+        else:
+            self.rejoined.discard(island)
         return dict(round=admitted, checksum=self.checksum, rejoin=rejoin)
+
+    def barrier_waits_for(self, ready: set[str]) -> dict[str, str]:
+        """The islands the start barrier (every island says it is ready, then all start their first round
+        together) still waits for, each with why: it has not joined yet, or it joined and is not ready yet. An
+        island admitted to rejoin (`join`'s "rejoin": behind a resumed run, or ahead of a restarted coordinator)
+        starts on its own and is not waited for, nor is one that took the view."""
+        joined = set().union(*(f.joined for f in self.fragments))
+        return {
+            n: "joined, not ready yet (evaluating or compiling)" if n in joined else "has not joined yet"
+            for n in self.islands if n not in ready and n not in self.rejoined and n not in self.viewed
+        }
 
     def admission_round(self, island: str) -> int:
         """The round a rejoining island trains first: the lowest fragment round if a fragment at it still
