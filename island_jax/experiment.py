@@ -42,7 +42,7 @@ LOG_FILE = "run.log"  # the run process's stdout and stderr (absl logs), in its 
 STDERR_TAIL_LINES = 20  # lines of a failed run's log its error quotes
 
 # The columns of a sweep's rows after the grid keys and `seed`.
-ROW_COLUMNS = ("eval_loss_final", "wall_seconds", "bytes_per_round", "error")
+ROW_COLUMNS = ("eval_loss_final", "eval_bits_per_byte_final", "wall_seconds", "bytes_per_round", "error")
 
 _PACKAGE_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 REPO_ROOT = _PACKAGE_ROOT  # the folder island_jax sits in (a clone's root with `pip install -e .`)
@@ -117,29 +117,31 @@ class Result:
 
     def sample(self, prompt: str = "\n", max_new_tokens: int = 64, temperature: float = 0.8, top_k: int = 0,
                top_p: float = 1.0, seed: int = 0, num_samples: int = 1, round: int | None = None) -> list[str]:
-        """Text the run's model writes after `prompt`: `island_jax.sample.generate` on the global parameters of
-        the checkpoint of `round` (None: the newest), in this process, on its first device.
+        """Text the run's model writes after `prompt`: `island_jax.sample.continue_text` (the run's tokenizer,
+        as `python -m island_jax.sample`) on the global parameters of the checkpoint of `round` (None: the
+        newest), in this process, on its first device.
 
         Args:
-          prompt: the text to continue (its UTF-8 bytes are the model's tokens).
-          max_new_tokens: bytes to generate; with the prompt's, at most `model.seq_len`.
+          prompt: the text to continue (encoded with the run's tokenizer: `sample.run_tokenizer`).
+          max_new_tokens: tokens to generate; with the prompt's, at most `model.seq_len`.
           temperature, top_k, top_p, seed, num_samples: as `sample.generate`.
           round: completed rounds of a kept checkpoint; None: the newest.
 
         Returns:
-          `num_samples` continuations as text (the prompt left out; bytes that are not UTF-8 as U+FFFD).
+          `num_samples` continuations as text, the prompt left out (`sample.Continuation.new_text`: the
+          tokenizer's decoding of the prompt's ids and the new ones together, past the prompt's text).
 
         Raises:
           FileNotFoundError, model.load.LoadError: no checkpoint (of `round`) to read.
-          sample.SampleError: an empty prompt, too many positions, or bad settings.
+          sample.SampleError: an empty prompt, too many positions, bad settings, or no readable tokenizer.
         """
         from island_jax import sample
         from island_jax.model import load
 
         config, params, _ = load.from_workdir(self.workdir, round)
-        samples = sample.generate(config, params, prompt.encode("utf-8"), max_new_tokens, temperature, top_k, top_p,
-                                  seed, num_samples)
-        return [sample.text(s) for s in samples]
+        samples = sample.continue_text(config, params, prompt, None, max_new_tokens, temperature, top_k, top_p,
+                                       seed, num_samples)
+        return [s.new_text for s in samples]
 
     @property
     def bytes_per_round(self) -> float:
@@ -507,10 +509,11 @@ def sweep(
 
     Returns:
       A pandas DataFrame, one row per variant in `variants` order: the grid keys (`grid_keys`),
-      `seed`, `eval_loss_final` (nats per byte; per token on prepared records), `wall_seconds` (the run's, seconds;
-      of its last part when it was resumed), `bytes_per_round` (mean bytes an
-      island sent per round), `error` (None, or why the run failed; then the
-      others are NaN), and `workdir` (the variant's folder).
+      `seed`, `eval_loss_final` (nats per byte; per token on prepared records), `eval_bits_per_byte_final` (bits
+      per byte of the held-out text, `data.bits_per_byte`: runs of different tokenizers compare by it),
+      `wall_seconds` (the run's, seconds; of its last part when it was resumed), `bytes_per_round` (mean bytes
+      an island sent per round), `error` (None, or why the run failed; then the others are NaN), and
+      `workdir` (the variant's folder).
 
     Raises:
       ConfigError: a variant's config is invalid; the message names the variant and the key.
@@ -545,6 +548,7 @@ def sweep(
         return {
             **row,
             "eval_loss_final": _float(summary.get("eval_loss_final")),
+            "eval_bits_per_byte_final": _float(summary.get("eval_bits_per_byte_final")),
             "wall_seconds": _float(summary.get("wall_seconds")),
             "bytes_per_round": result.bytes_per_round,
             "error": None,

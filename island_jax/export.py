@@ -6,13 +6,28 @@ writes OUT/model.safetensors (one tensor per parameter, named by its path,
 e.g. `blocks.0.moe.w_gate`, in the parameters' dtypes) and OUT/config.json (the
 run's config), from the checkpoint of round R (default: the newest) of the
 run's evaluating island (`model.load.from_workdir`). The safetensors header
-holds the round and the parameters' `model.init.checksum`.
-`island_jax.model.load.from_export(OUT)` reads it back to the same bits.
+holds the round, the parameters' `model.init.checksum` and the run's tokenizer
+(`sample.tokenizer_record`, under "tokenizer"), whose file is copied beside
+them (OUT/tokenizer.json, tokenizer.model or tokenizer.tiktoken; none for
+bytes), so that `python -m island_jax.sample --export=OUT` needs nothing else.
+Every file is written with the mode a new file gets (0666 less the umask:
+0644 under the usual 022). `island_jax.model.load.from_export(OUT)` reads it
+back to the same bits.
 """
 
 from __future__ import annotations
 
+import json
+import os
+import shutil
 import sys
+
+
+def _umask() -> int:
+    """This process's umask (the bits a new file's mode 0666 loses)."""
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
 
 
 def export(workdir: str, out: str, round: int | None = None) -> dict:
@@ -25,32 +40,46 @@ def export(workdir: str, out: str, round: int | None = None) -> dict:
 
     Returns:
       {"weights": the safetensors path, "round", "checksum" (`model.init.checksum` of the parameters),
-      "params" (their count)}.
+      "params" (their count), "tokenizer" (the copied tokenizer file's path; "" for bytes)}.
 
     Raises:
       FileNotFoundError, model.load.LoadError: as `model.load.from_workdir`.
+      sample.SampleError: the run's tokenizer cannot be read, or is not the one it trained with.
     """
+    from island_jax import sample
     from island_jax.model import load
     from island_jax.model.init import checksum, count
 
     config, params, round = load.from_workdir(workdir, round)
+    record = sample.tokenizer_record(config)
+    sample.load_tokenizer(record)  # the file is there and is the run's, before anything is written
     digest = checksum(params)
-    weights = load.save(out, config, params, metadata=dict(round=round, checksum=digest, workdir=workdir))
-    return dict(weights=weights, round=round, checksum=digest, params=count(params))
+    described = {k: v for k, v in record.items() if k != "path"}  # the file's place is the export's own
+    weights = load.save(out, config, params, metadata={"round": round, "checksum": digest, "workdir": workdir,
+                                                      sample.EXPORT_TOKENIZER_KEY: json.dumps(described)})
+    os.chmod(weights, 0o666 & ~_umask())  # safetensors writes 0600
+    copied = ""
+    if record["kind"] != "bytes":
+        copied = os.path.join(out, sample.EXPORT_TOKENIZER_FILES[record["kind"]])
+        shutil.copyfile(record["path"], copied)
+    return dict(weights=weights, round=round, checksum=digest, params=count(params), tokenizer=copied)
 
 
 def _main(argv) -> int:
     from absl import flags
 
+    from island_jax.logs import quiet_libraries
     from island_jax.model.load import LoadError
+    from island_jax.sample import SampleError
 
     del argv
     f = flags.FLAGS
     if not f.workdir or not f.out:
         sys.exit("island_jax.export: give --workdir=DIR (a run) and --out=DIR (where the export goes)")
     try:
-        done = export(f.workdir, f.out, f.round)
-    except (LoadError, FileNotFoundError) as e:
+        with quiet_libraries():
+            done = export(f.workdir, f.out, f.round)
+    except (LoadError, FileNotFoundError, SampleError) as e:
         sys.exit(f"island_jax.export: {e}")
     print(f"exported round {done['round']} ({done['params']} parameters, checksum {done['checksum']}) to "
           f"{done['weights']}")

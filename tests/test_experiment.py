@@ -1,6 +1,7 @@
 """`island_jax.experiment`: runs in processes of their own, sweeps over a grid, reuse of finished variants."""
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -32,7 +33,10 @@ def test_sweep_rows_and_finished_variants_are_read_back(tmp_path, monkeypatch):
     grid = {"codec.kind": ["int8", "int4"]}
     rows = experiment.sweep(base, grid, str(tmp_path / "sweep"), seeds=(0, 1), max_parallel=2)
     assert len(rows) == 4
-    assert list(rows.columns[:6]) == ["codec.kind", "seed", "eval_loss_final", "wall_seconds", "bytes_per_round", "error"]
+    assert list(rows.columns[:7]) == ["codec.kind", "seed", "eval_loss_final", "eval_bits_per_byte_final",
+                                      "wall_seconds", "bytes_per_round", "error"]
+    # the byte corpus: a token is a byte, so bits per byte is the loss in bits
+    assert rows["eval_bits_per_byte_final"].tolist() == [loss / math.log(2) for loss in rows["eval_loss_final"]]
     assert list(zip(rows["codec.kind"], rows["seed"])) == [("int8", 0), ("int8", 1), ("int4", 0), ("int4", 1)]
     assert rows["error"].isna().all(), rows["error"].tolist()
     assert (rows["eval_loss_final"] > 0).all() and (rows["wall_seconds"] > 0).all()
@@ -70,6 +74,25 @@ def test_a_failing_variant_gets_its_error_and_the_others_run(tmp_path):
     assert "matches no files" in rows.loc[0, "error"] and str(tmp_path / "sweep") in rows.loc[0, "error"]
     assert pd.isna(rows.loc[0, "eval_loss_final"])
     assert rows.loc[1, "error"] is None and rows.loc[1, "eval_loss_final"] > 0
+
+
+def test_a_finished_variants_row_holds_its_summarys_final_eval_loss_and_bits_per_byte(tmp_path, monkeypatch):
+    monkeypatch.setattr(subprocess, "Popen", refuse)
+    base = tiny(tmp_path)
+    (variant,) = experiment.variants({"codec.kind": ["int4"]})
+    folder = tmp_path / "sweep" / variant.name
+    folder.mkdir(parents=True)
+    (folder / experiment.VARIANT_FILE).write_text(variant.config(base).to_json_best_effort())
+    # a prepared run's summary: 1.75 nats per token, 4 tokens over 9 bytes of text (data.bits_per_byte)
+    from island_jax.data import bits_per_byte
+
+    summary = dict(eval_loss_final=1.75, eval_bits_per_byte_final=bits_per_byte(1.75, 4, 9), wall_seconds=3.5)
+    (folder / "summary.json").write_text(json.dumps(summary))
+    rows = experiment.sweep(base, {"codec.kind": ["int4"]}, str(tmp_path / "sweep"))
+    assert rows.loc[0, ["eval_loss_final", "eval_bits_per_byte_final", "wall_seconds"]].tolist() == [
+        1.75, 1.75 / math.log(2) * (4 / 9), 3.5]
+    assert rows.loc[0, "error"] is None and list(rows.columns) == [
+        "codec.kind", "seed", *experiment.ROW_COLUMNS, "workdir"]
 
 
 def test_an_invalid_variant_is_refused_before_anything_runs(tmp_path, monkeypatch):
