@@ -154,6 +154,9 @@ def _metrics() -> dict:
     return dict(
         # comma-separated: jsonl (always; the run's own record), tensorboard, wandb, or MODULE:CLASS of another
         writers="jsonl,tensorboard",
+        # a log line with the step time every this many seconds of a round's inner steps (a shorter round logs
+        # none); 0: none
+        progress_seconds=30.0,
         wandb=dict(  # with "wandb" in writers (pip install island_jax[wandb])
             project="island_jax",  # the W&B project of the run's runs (one per role, grouped by the workdir's name)
             entity="",  # the W&B entity (team or user); "": the account's default
@@ -592,6 +595,9 @@ def _check_metrics(metrics: ml_collections.ConfigDict) -> None:
         _require(name == "jsonl" or name in WRITERS or (":" in name and all(name.partition(":")[::2])),
                  f"metrics.writers names {name!r}; use {', '.join(['jsonl', *WRITERS])} or MODULE:CLASS of a writer "
                  "(island_jax/metrics.py)")
+    _require(metrics.get("progress_seconds", 0.0) >= 0,
+             f"metrics.progress_seconds is {metrics.get('progress_seconds')}; give the seconds between progress lines "
+             "within a round (0: none)")
     _require(metrics.wandb.mode in WANDB_MODES,
              f"metrics.wandb.mode is {metrics.wandb.mode!r}; choose one of {WANDB_MODES[1:]} or '' (WANDB_MODE)")
 

@@ -139,3 +139,52 @@ def test_tensorboard_scalars_carry_the_records_time_as_wall_time(tmp_path):
     (train_loss,) = events.Scalars("round/train_loss")
     assert (loss.step, loss.value, loss.wall_time) == (1, 2.5, 1700000000.25) == (1, 2.5, written[0]["time"])
     assert (train_loss.step, train_loss.wall_time) == (1, written[1]["time"])
+
+
+def test_the_learning_rate_logged_is_the_one_the_inner_update_steps_by():
+    import jax.numpy as jnp
+    import numpy as np
+
+    from island_jax.island.step import inner_optimizer, learning_rates
+
+    config = default_config()
+    config.inner.update(learning_rate=0.01, warmup_steps=2, weight_decay=0.0)
+    tx = inner_optimizer(config, 6)
+    logged = learning_rates(tx, 0, 6)
+    assert logged == [float(tx.learning_rate(n)) for n in range(6)]
+    assert logged[0] == 0.0 and logged[2] == float(np.float32(0.01))  # warm-up from 0 to the peak at count 2
+    params, state, moved = jnp.zeros(1, jnp.float32), tx.init(jnp.zeros(1, jnp.float32)), []
+    for _ in range(6):  # gradient 0.5 every step: Adam's step is the learning rate itself (|m / sqrt(v)| = 1)
+        updates, state = tx.update(jnp.full(1, 0.5, jnp.float32), state, params)
+        moved.append(-float(updates[0]))
+    np.testing.assert_allclose(moved, logged, rtol=1e-6)
+    assert learning_rates(tx, 4, 2) == logged[4:]
+
+
+def test_a_runs_records_carry_their_time_and_the_inner_learning_rate(tmp_path):
+    """One island with no outer loop, 2 rounds of 3 inner steps (about 5 s)."""
+    import numpy as np
+    from tiny_config import get_config, write_corpus
+
+    from island_jax.island.step import inner_optimizer
+    from island_jax.run import run_in_process
+
+    config = get_config()
+    config.data.files = write_corpus(tmp_path / "corpus")
+    del config.islands["b"]
+    config.islands.a = island(1, 1, 1, 4, 3)
+    config.outer.update(enabled=False, rounds=2)
+    config.inner.warmup_steps = 2
+    config.metrics.writers = "jsonl"
+    start = time.time()
+    run_in_process(config, str(tmp_path / "workdir"))
+    end = time.time()
+    records = metrics.read_jsonl(tmp_path / "workdir" / "islands" / "a" / "metrics.jsonl")
+    assert {r["kind"] for r in records} >= {"inner", "round", "eval", "checkpoint"}
+    times = [r["time"] for r in records]
+    assert all(type(t) is float for t in times) and start <= times[0] and times == sorted(times) and times[-1] <= end
+    inner = [r for r in records if r["kind"] == "inner"]
+    schedule = inner_optimizer(config, 6).learning_rate  # the island's: 3 steps x 2 rounds
+    assert [r["step"] for r in inner] == [1, 2, 3, 4, 5, 6]
+    assert [r["learning_rate"] for r in inner] == [float(schedule(r["step"] - 1)) for r in inner]
+    assert inner[0]["learning_rate"] == 0.0 and inner[2]["learning_rate"] == float(np.float32(config.inner.learning_rate))

@@ -15,7 +15,7 @@ from island_jax.coordinator import (
 )
 from island_jax.model.init import checksum
 from island_jax.outer import codec
-from island_jax.outer.optimizer import outer_optimizer
+from island_jax.outer.optimizer import momentum_schedule, outer_optimizer
 
 
 def _config(lr, momentum, nesterov, kind="none"):
@@ -209,3 +209,19 @@ def test_checkpoint_state_is_read_in_place_and_never_written_again():
     after = coord.state()
     assert not np.array_equal(after["master"]["w"], before["master"]["w"])  # the round moved the state ...
     jax.tree.map(np.testing.assert_array_equal, snapshot, before)  # ... and left the snapshot as it was
+
+
+def test_round_record_has_the_outer_learning_rate_and_the_warmed_up_momentum_it_used():
+    config = _config(0.7, 0.9, True)
+    config.outer.momentum_warmup_rounds = 4
+    coord = _coordinator(config, [1.0, 1.0])
+    for _ in range(6):
+        _round(coord, config, ([0.5, 1.5], [0.7, 1.1]))
+    schedule = momentum_schedule(0.9, 4)
+    used = [(rec.outer_learning_rate, rec.outer_momentum) for rec in coord.history]
+    assert used == [(float(np.float32(0.7)), float(schedule(jnp.int32(r)))) for r in range(6)]
+    assert [m for _, m in used] == pytest.approx([0.0, 0.225, 0.45, 0.675, 0.9, 0.9], rel=1e-6)  # 0.9 x min(r / 4, 1)
+    from island_jax.coordinator.main import _round_record  # the coordinator's metrics record of a round
+
+    logged = _round_record(coord.history[2], 2, 0, {}, 1.0)
+    assert (logged["round"], logged["outer_learning_rate"], logged["outer_momentum"]) == (3, *used[2])

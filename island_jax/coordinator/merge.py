@@ -34,6 +34,7 @@ from island_jax.coordinator import handshake
 from island_jax.coordinator.contribution import ContributionHeader
 from island_jax.coordinator.errors import ContributionError, StaleRoundError, UpdateNotReady
 from island_jax.coordinator.state import FragmentState
+from island_jax.outer.optimizer import outer_hyperparams
 from island_jax.planning import plan_from_step_times
 
 
@@ -82,6 +83,8 @@ class RoundRecord:
     cosine_similarity: dict[str, float] = field(default_factory=dict)  # "a/b": cos(pg_a, pg_b)
     update_bytes: int = 0
     update_codec_relative_error: float = 0.0  # ||update sent - (master - view)|| / ||master - view||
+    outer_learning_rate: float | None = None  # the outer step's learning rate (`optimizer.outer_hyperparams`)
+    outer_momentum: float | None = None  # its momentum mu_r, warmed up over rounds (`optimizer.momentum_schedule`)
     view_checksum: Any = ""  # of the island view after the update (or a function that computes it once)
 
     @property
@@ -169,7 +172,8 @@ class PartialMerge:
         return len(self.chunks) == len(state.plan)
 
     def record(self, round: int, contributions: list[Contribution], view_checksum: Callable[[], str]) -> RoundRecord:
-        """The round's record: tokens, weights, pseudo-gradient norms and cosines, update size and codec error."""
+        """The round's record: tokens, weights, pseudo-gradient norms and cosines, update size and codec error,
+        and the outer learning rate and momentum the step used (read from the merged optimizer state)."""
         names = self.contributors
         dots = np.asarray(self.dots, np.float64)
         norms = {n: float(np.sqrt(dots[i, i])) for i, n in enumerate(names)}
@@ -188,6 +192,7 @@ class PartialMerge:
             cosine_similarity=cosine,
             update_bytes=sum(len(c) for c in self.chunks.values()),
             update_codec_relative_error=float(np.sqrt(self.lost_sq) / max(np.sqrt(self.intended_sq), 1e-30)),
+            **(outer_hyperparams(self.opt[0]) if self.opt else {}),  # every chunk's state stepped alike
             view_checksum=view_checksum,
         )
 

@@ -10,7 +10,7 @@ the island's exchanges running when the step started; an update that has
 arrived and waits for its due step takes no CPU and does not count), over the
 round's wall seconds (compute + blocked + idle; evaluation and saves are
 reported beside it, not in it). `EventLog` keeps the spans for
-`plots.plot_timeline`.
+`plots.plot_timeline`; `RoundProgress` logs how a long round's inner steps go.
 """
 
 from __future__ import annotations
@@ -19,9 +19,10 @@ import collections
 import dataclasses
 import json
 import threading
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
+from absl import logging
 
 # What `StreamingSync.run_round` adds to a round's result, as the roles log it.
 ACCOUNTING_FIELDS = (
@@ -216,3 +217,65 @@ class RoundAccounting:
             codec_relative_error=float(np.mean([d["codec_relative_error"] for d in done])) if done else 0.0,
             **{f"{kind}_seconds": seconds for kind, seconds in between.items()},
         )
+
+
+def _duration(seconds: float) -> str:
+    """Seconds as "42s", "7m05s" or "2h03m", for progress lines."""
+    seconds = int(round(max(seconds, 0.0)))
+    if seconds < 60:
+        return f"{seconds}s"
+    if seconds < 3600:
+        return f"{seconds // 60}m{seconds % 60:02d}s"
+    return f"{seconds // 3600}h{seconds % 3600 // 60:02d}m"
+
+
+class RoundProgress:
+    """A log line every `every_seconds` of a round's inner steps, so that a round of minutes is not silent.
+
+    The first line comes `every_seconds` into the round (a shorter round logs
+    none), then one each `every_seconds` after the last, e.g.
+
+      island a round 3/10: inner step 120/400 (step 1620), 0.512 s/step, 64000 tokens/s, 61s in, ~2m23s left
+
+    The step time is the mean over the steps since the last line (compiling
+    steps, sleeps and the exchange's work on the training thread included);
+    the time left is the round's steps left at that step time, or under
+    `outer.sync = "time"` what remains of its budget.
+
+    Args:
+      island: the island's name.
+      rounds: rounds in the run (`outer.rounds`).
+      every_seconds: `metrics.progress_seconds`, s; 0 (or less) logs nothing.
+      tokens_per_step: tokens one inner step trains on.
+      log: where lines go (default `absl.logging.info`; a test may collect them).
+    """
+
+    def __init__(self, island: str, rounds: int, every_seconds: float, tokens_per_step: int,
+                 log: Callable[[str], None] | None = None):
+        self.island, self.rounds, self.every_seconds = island, rounds, float(every_seconds)
+        self.tokens_per_step = tokens_per_step
+        self.log = log or (lambda line: logging.info("%s", line))
+        self._round, self._steps, self._budget = 0, None, None
+        self._last = (0, 0.0)  # (steps done, seconds into the round) at the last line, or the round's start
+
+    def begin(self, round: int, steps: int | None = None, seconds: float | None = None) -> None:
+        """Starts round `round` (0-based) of `steps` inner steps, or of a budget of `seconds` (s)."""
+        self._round, self._steps, self._budget, self._last = round, steps, seconds, (0, 0.0)
+
+    def after_step(self, steps_done: int, elapsed: float, step: int) -> str | None:
+        """Logs and returns the line when one is due, `steps_done` steps and `elapsed` seconds into the round
+        (`step`: the island's inner steps over the run); else None."""
+        steps_before, seconds_before = self._last
+        if self.every_seconds <= 0 or elapsed - seconds_before < self.every_seconds or steps_done <= steps_before:
+            return None
+        self._last = (steps_done, elapsed)
+        step_seconds = (elapsed - seconds_before) / (steps_done - steps_before)
+        if self._budget is not None:
+            planned, left = "", self._budget - elapsed
+        else:
+            planned, left = f"/{self._steps}", ((self._steps or steps_done) - steps_done) * step_seconds
+        line = (f"island {self.island} round {self._round + 1}/{self.rounds}: inner step {steps_done}{planned} "
+                f"(step {step}), {step_seconds:.3g} s/step, {self.tokens_per_step / step_seconds:.0f} tokens/s, "
+                f"{_duration(elapsed)} in, ~{_duration(left)} left")
+        self.log(line)
+        return line

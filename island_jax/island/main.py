@@ -30,6 +30,7 @@ from island_jax.comm.inprocess import InProcessExchange, InProcessTransport, Run
 from island_jax.comm.link import LinkEmulator
 from island_jax.comm.transport import CoordinatorRestarted, ExchangeError
 from island_jax.island import ACCOUNTING_FIELDS, STEP_METRICS, EventLog, Island, StreamingSync, memory
+from island_jax.island.step import learning_rates
 from island_jax.mesh import island_mesh
 from island_jax.metrics import gbps, write_json
 from island_jax.model.init import checksum, count, init_params
@@ -381,10 +382,11 @@ def _train_rounds(config, island: Island, sync: StreamingSync, role: RoleFolder,
             r, fragment_rounds, _ = align(config, island, sync.transport, role, r, False, fingerprint)
             sync.restart(r, fragment_rounds)
             continue
+        lrs = learning_rates(island.tx, step0, result["steps"])  # from the schedule the steps' updates read
         for j in range(result["steps"]):
             role.metrics.write(dict(
                 kind="inner", round=r + 1, step=step0 + j + 1, **{k: result[k][j] for k in STEP_METRICS},
-                moe=result["layers"][j], tokens_per_second=result["tokens"] / result["seconds"],
+                learning_rate=lrs[j], moe=result["layers"][j], tokens_per_second=result["tokens"] / result["seconds"],
             ))
         if sync.rejoined_round is not None:  # more than a round behind: rejoined from the view
             _log_rejoin(island, role, r + 1, sync.rejoined_round, "view")

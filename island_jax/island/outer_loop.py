@@ -40,7 +40,7 @@ from absl import logging
 
 from island_jax.comm.transport import CoordinatorRestarted, ExchangeError, Transport
 from island_jax.coordinator import ContributionHeader, StaleRoundError
-from island_jax.island.accounting import BetweenRounds, EventLog, RoundAccounting, StepTimes
+from island_jax.island.accounting import BetweenRounds, EventLog, RoundAccounting, RoundProgress, StepTimes
 from island_jax.outer import codec
 from island_jax.outer import fragments as fragments_lib
 
@@ -147,11 +147,13 @@ class _Settings:
     round_seconds: float | None  # outer.sync = "time": each round's wall-clock budget, s; None: by steps
     rounds: int  # outer.rounds
     connections: int  # comm.connections
+    progress_seconds: float  # metrics.progress_seconds: a progress line this often within a round, s (0: none)
 
     @classmethod
     def from_config(cls, config, fragments: int) -> "_Settings":
         o = config.outer
         auto = o.overlap_steps == "auto"
+        metrics = config.get("metrics") or {}  # a config saved before the field existed: its default
         return cls(
             fragments=fragments,
             mix_alpha=float(o.mix_alpha),
@@ -160,6 +162,7 @@ class _Settings:
             round_seconds=float(o.round_seconds) if o.sync == "time" else None,
             rounds=int(o.rounds),
             connections=int(config.comm.connections),
+            progress_seconds=float(metrics.get("progress_seconds", 30.0)),
         )
 
 
@@ -221,7 +224,7 @@ class StreamingSync:
       transport: the island's `comm.transport.Transport` (in process or gRPC; a link emulator under it), or
         None: no outer loop (the data-parallel baseline trains its rounds and exchanges nothing).
       config: the run's config (`outer.fragments`, `overlap_steps`, `mix_alpha`,
-        `sync`, `round_seconds`, `rounds`; `comm.connections`).
+        `sync`, `round_seconds`, `rounds`; `comm.connections`; `metrics.progress_seconds`).
       first_round: the round the island trains next (0, or a resumed checkpoint's).
       link: the island's emulated link (`comm.link.LinkEmulator`), for tau = "auto" before the first exchange.
       events: where spans go (default: an in-memory `EventLog`).
@@ -233,6 +236,8 @@ class StreamingSync:
       rejoined_round: set when a stale round made the island rejoin from the coordinator's view (the
         view's round); the caller resets it to None once it has taken note.
       events: the `EventLog`.
+      progress: the `accounting.RoundProgress` that logs a line every `metrics.progress_seconds` of a round's
+        inner steps (process 0 of an island of several).
 
     Raises (from `run_round`, `drain`): the exchange's errors (ContributionError,
     ExchangeError, CodecError), on the training thread when the update is applied.
@@ -254,6 +259,9 @@ class StreamingSync:
         self.clock = _RoundClock(round=first_round, first_round=first_round)
         self.step_times = StepTimes()
         self.accounting = RoundAccounting()
+        # an island of several processes: process 0's lines say it for all of them
+        every = settings.progress_seconds if getattr(island, "part", 0) == 0 else 0.0
+        self.progress = RoundProgress(island.name, settings.rounds, every, island.tokens_per_step)
         self.inflight: dict[int, _Flight] = {}
         self.rejoined_round: int | None = None
         self._between = BetweenRounds()  # seconds since the last round ended
@@ -356,6 +364,10 @@ class StreamingSync:
         self._exchange_running = self._exchanging()
         seconds = clock.begin(round, self.settings.round_seconds)
         budget = {} if seconds is None else dict(seconds=seconds)
+        if timed:
+            self.progress.begin(round, seconds=self.settings.round_seconds if seconds is None else seconds)
+        else:
+            self.progress.begin(round, steps=self.island.inner_steps)
         result = self.island.train_round(after_step=self._after_step, **budget)
         if timed and self.transport is not None:  # sync = time: a fragment whose moment passed in the last step
             for p in range(self.settings.fragments):
@@ -384,6 +396,7 @@ class StreamingSync:
         self.events.add("compute", now - step_seconds, now, round=self.clock.round + 1)
         if not self.island.last_step_compiled:
             self.step_times.add(self.island.step, step_seconds, clean=not self._exchange_running)
+        self.progress.after_step(steps_done, elapsed, self.island.step)
         if self.transport is None:  # no outer loop (the data-parallel baseline): nothing is exchanged
             return
         for p in self._due_fragments(steps_done):

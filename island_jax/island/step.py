@@ -27,23 +27,45 @@ from island_jax.model.transformer import aggregate_stats, update_routing_biases
 STEP_METRICS = ("loss", "cross_entropy", *MEAN_METRICS, "grad_norm")
 
 
-def inner_optimizer(config: ml_collections.ConfigDict, total_steps: int) -> optax.GradientTransformation:
-    """AdamW with global-norm clipping and warm-up + cosine decay over `total_steps` inner steps.
+class InnerOptimizer(optax.GradientTransformationExtraArgs):
+    """`inner_optimizer`'s optax transformation, which also names the learning-rate schedule it steps by.
 
-    The schedule rises linearly from 0 to `inner.learning_rate` over
-    `inner.warmup_steps` (at most `total_steps - 1`), then decays by a cosine
-    to `learning_rate x inner.min_learning_rate_ratio` at `total_steps`.
-    Weight decay applies to matrices only (rank >= 2), not to norms' scales.
+    Attributes:
+      learning_rate: the optax schedule the AdamW update reads: the optimizer's update count (the island's
+        inner steps taken before a step) -> that step's learning rate (float32 scalar). `learning_rates` reads it.
+    """
+
+    learning_rate: optax.Schedule
+
+
+def learning_rate_schedule(config: ml_collections.ConfigDict, total_steps: int) -> optax.Schedule:
+    """The inner learning rate by update count: warm-up and cosine decay over `total_steps` inner steps.
+
+    It rises linearly from 0 to `inner.learning_rate` over `inner.warmup_steps`
+    (at most `total_steps - 1`), then decays by a cosine to
+    `learning_rate x inner.min_learning_rate_ratio` at `total_steps`
+    (`optax.warmup_cosine_decay_schedule`; float32).
     """
     i = config.inner
-    schedule = optax.warmup_cosine_decay_schedule(
+    return optax.warmup_cosine_decay_schedule(
         init_value=0.0,
         peak_value=i.learning_rate,
         warmup_steps=min(i.warmup_steps, max(total_steps - 1, 0)),
         decay_steps=max(total_steps, 1),
         end_value=i.learning_rate * i.min_learning_rate_ratio,
     )
-    return optax.chain(
+
+
+def inner_optimizer(config: ml_collections.ConfigDict, total_steps: int) -> InnerOptimizer:
+    """AdamW with global-norm clipping, stepping by `learning_rate_schedule(config, total_steps)`.
+
+    Weight decay applies to matrices only (rank >= 2), not to norms' scales.
+    The schedule is the result's `learning_rate` (the one object both the
+    update and the logged learning rate read: `learning_rates`).
+    """
+    i = config.inner
+    schedule = learning_rate_schedule(config, total_steps)
+    tx = optax.chain(
         optax.clip_by_global_norm(i.grad_clip_norm),
         optax.adamw(
             schedule,
@@ -54,6 +76,21 @@ def inner_optimizer(config: ml_collections.ConfigDict, total_steps: int) -> opta
             mask=lambda p: jax.tree.map(lambda x: x.ndim >= 2, p),
         ),
     )
+    out = InnerOptimizer(tx.init, tx.update)
+    out.learning_rate = schedule
+    return out
+
+
+def learning_rates(tx: InnerOptimizer, first: int, steps: int) -> list[float]:
+    """The learning rate of each of `steps` inner steps taken with `tx`, the first after `first` updates.
+
+    Each is `tx.learning_rate(count)` at the update count before its step
+    (optax's AdamW reads its schedule at the count, then advances it: the
+    island's first step runs at count 0), evaluated one by one on the host
+    (a vectorised call may round differently) and given as Python floats of
+    the float32 values; about 0.2 ms a step.
+    """
+    return [float(tx.learning_rate(count)) for count in range(first, first + steps)]
 
 
 def cross_entropy(logits: jax.Array, targets: jax.Array, mask: jax.Array | None = None) -> jax.Array:

@@ -9,10 +9,14 @@ The momentum may be warmed up (Pier, arXiv 2511.17849): with
 `outer.momentum_warmup_rounds = W`, round r uses mu_r = momentum x min(r / W, 1),
 so a cold start is not thrown by momentum built on its first, largest steps.
 With Nesterov, round r computes m_r = mu_r m_{r-1} + g_r and the update
--lr (g_r + mu_r m_r), both with the same mu_r.
+-lr (g_r + mu_r m_r), both with the same mu_r. The learning rate and mu_r a
+round used are in the optimizer state after it (`outer_hyperparams`), and so
+in the coordinator's round records.
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 import jax.numpy as jnp
 import ml_collections
@@ -40,3 +44,17 @@ def outer_optimizer(config: ml_collections.ConfigDict) -> optax.GradientTransfor
     return optax.inject_hyperparams(optax.sgd)(
         learning_rate=float(o.learning_rate), momentum=schedule, nesterov=bool(o.nesterov)
     )
+
+
+def outer_hyperparams(opt_state: Any) -> dict[str, float]:
+    """The outer learning rate and momentum of the step that produced `opt_state` (an `outer_optimizer` state).
+
+    `optax.inject_hyperparams` keeps in its state the values the last update
+    used (the round's mu_r from `momentum_schedule`, evaluated at the update
+    count); before any update, those of round 0.
+
+    Returns:
+      {"outer_learning_rate": lr, "outer_momentum": mu_r}: the float32 values, as Python floats.
+    """
+    h = opt_state.hyperparams
+    return dict(outer_learning_rate=float(h["learning_rate"]), outer_momentum=float(h["momentum"]))
