@@ -370,13 +370,14 @@ def _read_json(path: str) -> dict:
 
 def _agree_every_round(config: ml_collections.ConfigDict, workdir: str, merged: dict) -> bool | None:
     """Whether, after every merged round, each island logged the coordinator's view checksum for that round
-    (their `round` records); None where an island's round record does not hold the view of the same round
+    (their `round` records, or a `rejoin` record: the view it took after that round; the latest record of a
+    round counts); None where an island's round record does not hold the view of the same round
     (fragments, or an update applied `outer.overlap_steps` later)."""
     if config.outer.fragments != 1 or config.outer.overlap_steps != 0:
         return None
     held = {name: {rec["round"]: rec.get("checksum") for rec in read_jsonl(os.path.join(island_dir(workdir, name),
                                                                                        "metrics.jsonl"))
-                   if rec.get("kind") == "round"} for name in config.islands.keys()}
+                   if rec.get("kind") in ("round", "rejoin")} for name in config.islands.keys()}
     return bool(merged) and all(rounds.get(r) == rec["checksum"] for r, rec in merged.items()
                                 for rounds in held.values())
 

@@ -465,9 +465,12 @@ class Supervisor:
                 failed = self._check()
             if failed is None:
                 self._progress(progress)
-        except KeyboardInterrupt:
-            failed = ("launch", 130)
-            self._say("interrupted; stopping every process")
+        except KeyboardInterrupt as e:
+            signum = e.args[0] if e.args and isinstance(e.args[0], int) else signal.SIGINT
+            failed = ("launch", 128 + signum)
+            self._say("interrupted; stopping every process" if signum == signal.SIGINT else
+                      f"{signal.Signals(signum).name}: stopping every process (each finishes the checkpoint it "
+                      f"is writing, for up to {self.grace:g} s)")
         finally:
             self._stop()
             self._pump(5.0, until_quiet=True)

@@ -152,7 +152,8 @@ def test_crash_stops_every_process_and_the_rerun_resumes_to_the_same_bits(straig
     summary = (workdir / "summary.json").read_text()
     assert json.loads(summary)["islands"]["b"]["inner_steps"] == 6
     again = launch(workdir, corpus)
-    assert again.returncode == 1 and "holds a finished run (summary.json); pass a new --workdir" in again.stderr
+    assert again.returncode == 1 and (f"{workdir} holds a finished run of 3 rounds (summary.json); raise "
+                                      "--config.outer.rounds to extend it, or pass a new --workdir") in again.stderr
     assert (workdir / "summary.json").read_text() == summary
 
 
