@@ -39,6 +39,16 @@ def gbps(nbytes: int, seconds: float) -> float:
     return nbytes * 8 / seconds / 1e9 if seconds else 0.0
 
 
+def duration(seconds: float) -> str:
+    """Seconds as "42s", "7m05s" or "2h03m" (rounded to the second; negative as 0), for log lines and plots."""
+    seconds = int(round(max(seconds, 0.0)))
+    if seconds < 60:
+        return f"{seconds}s"
+    if seconds < 3600:
+        return f"{seconds // 60}m{seconds % 60:02d}s"
+    return f"{seconds // 3600}h{seconds % 3600 // 60:02d}m"
+
+
 def _plain(value: Any) -> Any:
     if isinstance(value, dict):
         return {k: _plain(v) for k, v in value.items()}

@@ -18,11 +18,15 @@ from __future__ import annotations
 import collections
 import dataclasses
 import json
+import os
 import threading
+import time
 from typing import Any, Callable
 
 import numpy as np
 from absl import logging
+
+from island_jax.metrics import duration
 
 # What `StreamingSync.run_round` adds to a round's result, as the roles log it.
 ACCOUNTING_FIELDS = (
@@ -45,7 +49,9 @@ class EventLog:
     for, receiving and decoding its update), "wait" (training stopped for a
     due update), "eval" and "checkpoint" (between rounds). Each event is
     `{"island", "kind", "start", "end", ...fields}`. Safe to call from several
-    threads.
+    threads. A log with a file begins with a "started" event of no length
+    (with the process's `pid`): each process that appends to the file (a
+    resumed island) marks where its spans begin.
 
     Args:
       path: a JSON-lines file to append to (None: kept in memory only).
@@ -61,6 +67,9 @@ class EventLog:
         self._lock = threading.Lock()
         self._compute: dict | None = None  # the compute span being extended
         self._file = open(path, "a", encoding="utf-8") if path else None
+        if self._file is not None:  # where this process's spans begin: the timeline marks a restart there
+            now = time.time()
+            self._write(dict(island=island, kind="started", start=now, end=now, pid=os.getpid()))
 
     def add(self, kind: str, start: float, end: float, **fields: Any) -> None:
         """Records a span [start, end] (seconds since the epoch) of `kind`, with extra fields (round, fragment)."""
@@ -219,16 +228,6 @@ class RoundAccounting:
         )
 
 
-def _duration(seconds: float) -> str:
-    """Seconds as "42s", "7m05s" or "2h03m", for progress lines."""
-    seconds = int(round(max(seconds, 0.0)))
-    if seconds < 60:
-        return f"{seconds}s"
-    if seconds < 3600:
-        return f"{seconds // 60}m{seconds % 60:02d}s"
-    return f"{seconds // 3600}h{seconds % 3600 // 60:02d}m"
-
-
 class RoundProgress:
     """A log line every `every_seconds` of a round's inner steps, so that a round of minutes is not silent.
 
@@ -276,6 +275,6 @@ class RoundProgress:
             planned, left = f"/{self._steps}", ((self._steps or steps_done) - steps_done) * step_seconds
         line = (f"island {self.island} round {self._round + 1}/{self.rounds}: inner step {steps_done}{planned} "
                 f"(step {step}), {step_seconds:.3g} s/step, {self.tokens_per_step / step_seconds:.0f} tokens/s, "
-                f"{_duration(elapsed)} in, ~{_duration(left)} left")
+                f"{duration(elapsed)} in, ~{duration(left)} left")
         self.log(line)
         return line
