@@ -161,6 +161,7 @@ def test_an_unfinished_run_of_another_config_is_not_resumed(tmp_path, monkeypatc
     other.codec.kind = "int4"
     (folder / experiment.VARIANT_FILE).write_text(other.to_json_best_effort())
     (folder / "islands" / "a" / "config.json").write_text(other.to_json_best_effort())  # island a started under it
+    (folder / "islands" / "a" / "metrics.jsonl").write_text(json.dumps(dict(kind="round", round=1)) + "\n")
     with pytest.raises(ConfigChangeError, match=rf"{folder / 'islands' / 'a'} was started with another config: "
                                                 r"codec.kind \(started with 'int4', now 'int8'\)\. Resume with"):
         experiment.run(tiny(tmp_path), str(folder))
