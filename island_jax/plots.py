@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 
 from island_jax.metrics import duration, read_jsonl
@@ -220,8 +222,9 @@ def timeline_figure(event_paths, start: float | None = None, end: float | None =
     ax.set_yticks(ticks)
     ax.set_yticklabels(labels, fontsize=8)
     ax.set_ylim(-0.2, len(islands) * band)
-    if gaps.cuts:
-        ax.xaxis.set_major_formatter(FuncFormatter(lambda x, _: f"{gaps.t(x):.0f}"))
+    if gaps.cuts:  # ticks read seconds since the first event, to the ticks' precision (0.1 s on an axis of 1-10 s)
+        decimals = max(0, 1 - math.floor(math.log10(hi - lo)))
+        ax.xaxis.set_major_formatter(FuncFormatter(lambda x, _: f"{gaps.t(x):.{decimals}f}"))
     ax.set_xlabel("seconds since the first event" + (" (idle stretches cut short)" if gaps.cuts else ""))
     ax.set_xlim(lo, hi)
     handles = [Patch(facecolor=color, label=label) for label, _, color in _LANES]
