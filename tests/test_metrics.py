@@ -188,3 +188,11 @@ def test_a_runs_records_carry_their_time_and_the_inner_learning_rate(tmp_path):
     assert [r["step"] for r in inner] == [1, 2, 3, 4, 5, 6]
     assert [r["learning_rate"] for r in inner] == [float(schedule(r["step"] - 1)) for r in inner]
     assert inner[0]["learning_rate"] == 0.0 and inner[2]["learning_rate"] == float(np.float32(config.inner.learning_rate))
+
+
+def test_progress_seconds_is_checked_before_the_run():
+    config = _config("jsonl")
+    config.metrics.progress_seconds = -1.0
+    with pytest.raises(ConfigError, match=r"metrics.progress_seconds is -1.0; give the seconds between progress lines "
+                                          r"within a round \(0: none\)"):
+        validate(config)
