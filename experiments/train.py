@@ -15,6 +15,9 @@
 `launch/local.py` starts the coordinator and every island as separate processes
 on this machine. Overrides use ml_collections syntax, e.g.
 `--config.islands.b.batch_size=8`; every role of a run needs the same ones.
+`--config` may also be a run's recorded `WORKDIR/coordinator/config.json`, and
+with `--workdir` of a started run it may be left out: the run resumes under the
+config it recorded (overrides still apply; island_jax/cli.py).
 Each process gets one virtual CPU device per device it needs (set from the
 config before JAX starts its backend) unless it runs on accelerators.
 """
@@ -25,7 +28,10 @@ import sys
 from absl import app, flags
 from ml_collections import config_flags
 
-_CONFIG = config_flags.DEFINE_config_file("config", None, "Path to an experiment config (a get_config() file).", lock_config=True)
+_CONFIG = config_flags.DEFINE_config_file(
+    "config", None, "Path to an experiment config (a get_config() file) or to a run's recorded config.json; "
+    "left out with the --workdir of a started run, that run's recorded config.", lock_config=True
+)
 _WORKDIR = flags.DEFINE_string("workdir", None, "The run's folder: config, metrics, checkpoints, summary.")
 _ROLE = flags.DEFINE_enum(
     "role", "all", ["all", "coordinator", "island"],
@@ -58,7 +64,6 @@ _DRY_RUN = flags.DEFINE_bool(
     "devices (its inner step compiled, not run); a config that cannot fit fails first, naming what to change. Needs "
     "no --workdir and writes nothing.",
 )
-flags.mark_flags_as_required(["config"])
 
 
 def _quiet_libraries() -> None:
@@ -96,8 +101,21 @@ def _leave_island(name: str, error: Exception) -> None:
     os._exit(1)
 
 
+def _check_port(address: str) -> None:
+    """Exits with one line when the coordinator's HOST:PORT is held by another process (`cli.port_in_use`),
+    before anything starts; port 0 (gRPC picks one) passes."""
+    from island_jax.cli import port_in_use
+
+    host, _, port = address.rpartition(":")
+    if not port.isdigit():
+        sys.exit(f"--coordinator={address}: cannot read it; give HOST:PORT, e.g. --coordinator=localhost:50051")
+    taken = port_in_use(host, int(port))
+    if taken:
+        sys.exit(f"--coordinator={address}: the port is in use by another process (binding {taken} fails); pick a "
+                 "free port with --coordinator=HOST:PORT")
+
+
 def main(argv):
-    del argv
     from island_jax import allocator
     from island_jax import config as config_lib
 
@@ -108,10 +126,15 @@ def main(argv):
     # checkpoint being written in the background is finished before the process ends.
     signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     config, role, name = _CONFIG.value, _ROLE.value, _ISLAND.value
+    if argv[1:]:
+        sys.exit(f"unexpected argument {argv[1]!r}: give flags only (--config=PATH, --workdir=DIR, --config.a.b=v, "
+                 "...)")
     if role == "island" and not name:
         sys.exit("--role=island needs --island=NAME, one of the config's islands")
     if not _WORKDIR.value and not _DRY_RUN.value:
         sys.exit("--workdir is required: the run's folder (or give --dry_run, which writes nothing)")
+    if role == "coordinator" and not _DRY_RUN.value:
+        _check_port(_COORDINATOR.value)
     try:
         # Everything that needs no backend, before JAX starts.
         config_lib.validate(config, island=name if role == "island" else None)
@@ -144,6 +167,7 @@ def main(argv):
     from island_jax.comm.transport import ExchangeError
     from island_jax.coordinator import ContributionError, HandshakeError
     from island_jax.data import DataError
+    from island_jax.workdir import RunFailed
 
     try:
         if role == "all":
@@ -168,11 +192,11 @@ def main(argv):
     except config_lib.ConfigError as e:
         sys.exit(str(e))
     except (DataError, HandshakeError, ContributionError, ExchangeError, CheckpointError, FileExistsError,
-            SecurityError, TimeoutError) as e:
+            SecurityError, TimeoutError, RunFailed) as e:
         sys.exit(f"{type(e).__name__}: {e}")
 
 
 if __name__ == "__main__":
-    from island_jax.cli import parse_flags
+    from island_jax.cli import parse_run_flags
 
-    app.run(main, flags_parser=parse_flags)
+    app.run(main, flags_parser=parse_run_flags)

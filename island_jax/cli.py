@@ -1,18 +1,36 @@
-"""What the command-line scripts share: their flags parsed, with a one-line error for an unknown config override.
+"""What the command-line scripts share: their flags parsed, with one line for every mistake in them.
 
-`parse_flags` is the `flags_parser` of `absl.app.run` in experiments/train.py,
-experiments/sweep.py, launch/local.py and `python -m island_jax.plan`. An
-override that names no field of the config (`--config.outer.roundz=3`) exits
-with status 1 and one line naming it and the nearest field, where
-ml_collections would end in a traceback of its AttributeError. Imports no JAX.
+`parse_flags` is the `flags_parser` of `absl.app.run` in experiments/sweep.py,
+`python -m island_jax.plan` and the other scripts; experiments/train.py and
+launch/local.py use `parse_run_flags`, which also resumes a workdir under its
+recorded config. Before absl sees the arguments (`config_argv`):
+
+- `--config=PATH` is looked up from the working directory, then from the
+  repository this package sits in (as `experiment.load_config` does); a file
+  in neither place exits with one line naming it;
+- a run's recorded `config.json` (`WORKDIR/coordinator/config.json`, written by
+  `workdir.open_role`) is a config file too: `read_recorded_config` rebuilds
+  the ConfigDict it was written from, and `--config.a.b=v` overrides apply;
+- with `parse_run_flags`, `--workdir=DIR` and no `--config` takes the run's
+  recorded config (`recorded_config_path`).
+
+An override that names no field (`--config.outer.roundz=3`) exits with one line naming the nearest field,
+and any other flag error with absl's message on one line. `port_in_use` is the launchers' check of a port
+before anything starts. Imports no JAX.
 """
 
 from __future__ import annotations
 
+import errno
+import json
+import os
+import socket
 import sys
 from typing import Sequence
 
 PREFIX = "--config."
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+_HELP = ("--help", "-help", "--helpshort", "--helpfull", "--helpxml", "-h", "-?")
 
 
 def _config_path(argv: Sequence[str]) -> str | None:
@@ -23,6 +41,130 @@ def _config_path(argv: Sequence[str]) -> str | None:
         if arg == "--config" and i + 1 < len(argv):
             return argv[i + 1]
     return None
+
+
+def _flag_value(argv: Sequence[str], name: str) -> str | None:
+    """The value of the string flag `--NAME=V` (or `--NAME V`) in `argv`, the last one given; None if absent."""
+    value = None
+    for i, arg in enumerate(argv):
+        if arg.startswith(f"--{name}="):
+            value = arg.split("=", 1)[1]
+        elif arg == f"--{name}" and i + 1 < len(argv):
+            value = argv[i + 1]
+    return value
+
+
+def recorded_config_path(workdir: str) -> str | None:
+    """The config a run in `workdir` recorded when it started: `WORKDIR/coordinator/config.json`, or where that
+    is absent (a run without the outer loop) the first island's in name order; None if no role has started."""
+    coordinator = os.path.join(workdir, "coordinator", "config.json")
+    if os.path.isfile(coordinator):
+        return coordinator
+    islands = os.path.join(workdir, "islands")
+    names = sorted(os.listdir(islands)) if os.path.isdir(islands) else []
+    return next((p for p in (os.path.join(islands, n, "config.json") for n in names) if os.path.isfile(p)), None)
+
+
+def _typed(value, template):
+    """`value` (parsed JSON) as the ConfigDict field it was written from, with `template`'s types where JSON
+    loses them: a tuple (JSON writes a list) and a `FieldReference` of a declared type (`outer.overlap_steps`,
+    of `object`); nested dicts become ConfigDicts. A field the template lacks keeps its JSON type."""
+    import ml_collections
+
+    if isinstance(template, ml_collections.FieldReference):
+        return ml_collections.FieldReference(value, field_type=template.get_type())
+    if isinstance(value, dict):
+        fields = template._fields if isinstance(template, ml_collections.ConfigDict) else {}
+        return ml_collections.ConfigDict({k: _typed(v, fields.get(k)) for k, v in value.items()})
+    if isinstance(template, tuple) and isinstance(value, list):
+        return tuple(value)
+    return value
+
+
+def read_recorded_config(path: str):
+    """The `ml_collections.ConfigDict` a role's `config.json` at `path` was written from
+    (`ConfigDict.to_json_best_effort`), rebuilt field by field with the types of `config.default_config()`
+    (and of `config.island` under `islands`), so that it equals the config the run started with and its
+    overrides parse as that config's would.
+
+    Raises:
+      FileNotFoundError: no file at `path`.
+      ValueError: the file is not a JSON object (`json.JSONDecodeError` for text that is not JSON).
+    """
+    import ml_collections
+
+    from island_jax import config as config_lib
+
+    with open(path, encoding="utf-8") as f:
+        raw = json.load(f)
+    if not isinstance(raw, dict):
+        raise ValueError(f"{path} holds no recorded config (a JSON object): it holds a {type(raw).__name__}")
+    template = config_lib.default_config()
+    islands = raw.get("islands")
+    if isinstance(islands, dict):  # every island from the one template
+        one = config_lib.island(1, 1, 1, 1, 1)
+        template.islands = ml_collections.ConfigDict({name: one for name in islands})
+    return _typed(raw, template)
+
+
+def get_config(path: str):
+    """A recorded `config.json` as a config file: `--config=island_jax/cli.py:PATH` is what `parse_flags`
+    gives ml_collections for `--config=PATH.json` (its config flag runs a Python file's `get_config(ARG)`)."""
+    return read_recorded_config(path)
+
+
+def config_argv(argv: Sequence[str], from_workdir: bool = False) -> list[str]:
+    """`argv` with its config given as one argument, `--config=PATH[:ARG]` with PATH absolute.
+
+    A relative PATH is looked up from the working directory, then from the repository (`REPO_ROOT`). With
+    `from_workdir` and no `--config`, `--workdir=DIR` gives `recorded_config_path(DIR)`, placed first so that
+    every `--config.a.b=v` override follows it. With a help flag (`--helpshort`, ...), `argv` is returned as is.
+
+    Raises:
+      ValueError: one line: a config file in neither place, or (`from_workdir`) neither `--config` nor a
+        `--workdir` holding a recorded config.
+    """
+    argv = list(argv)
+    if any(a in _HELP for a in argv):
+        return argv
+    path = _config_path(argv)
+    if path is None:
+        if not from_workdir:
+            return argv
+        workdir = _flag_value(argv, "workdir")
+        recorded = recorded_config_path(workdir) if workdir else None
+        if recorded is None:
+            where = f"; {workdir} holds no recorded config.json (no role of a run has started there)" if workdir else ""
+            raise ValueError(f"--config is required: pass an experiment config, e.g. "
+                             f"--config=experiments/configs/two_islands.py, or --workdir of a started run to resume it "
+                             f"under its recorded config{where}")
+        return [*argv[:1], f"--config={os.path.abspath(recorded)}", *argv[1:]]
+    file, colon, arg = path.partition(":")
+    found = next((p for p in (file, os.path.join(REPO_ROOT, file)) if file and os.path.isfile(p)), None)
+    if found is None:
+        places = os.getcwd() if os.path.isabs(file) or not file or os.getcwd() == REPO_ROOT else (
+            f"{os.getcwd()} and {REPO_ROOT}")
+        raise ValueError(f"--config={path}: no config file {file!r} (looked in {places}); pass the path of an "
+                         "experiment config (a get_config() file, e.g. experiments/configs/two_islands.py) or of "
+                         "a run's recorded config.json")
+    out, skip = [], False
+    for i, a in enumerate(argv):
+        if skip:
+            skip = False
+        elif a == "--config" and i + 1 < len(argv):
+            out.append(f"--config={os.path.abspath(found)}{colon}{arg}")
+            skip = True
+        elif a.startswith("--config="):
+            out.append(f"--config={os.path.abspath(found)}{colon}{arg}")
+        else:
+            out.append(a)
+    return out
+
+
+def _loadable(argv: list[str]) -> list[str]:
+    """`argv` with `--config=PATH.json` as ml_collections can load it: `--config=<this file>:PATH.json`."""
+    return [f"--config={os.path.abspath(__file__)}:{a.split('=', 1)[1]}" if a.startswith("--config=")
+            and a.endswith(".json") else a for a in argv]
 
 
 def unknown_overrides(config, argv: Sequence[str]) -> list[str]:
@@ -50,31 +192,95 @@ def _has_field(config, path: str) -> bool:
     return True
 
 
-def parse_flags(argv: list[str]) -> list[str]:
+def _load(path: str):
+    """The config `--config=PATH[:ARG]` names (after `config_argv`): a recorded config.json or a config file's."""
+    file, _, arg = path.partition(":")
+    if file.endswith(".json"):
+        return read_recorded_config(file)
+    from island_jax.experiment import load_config
+
+    if not arg:
+        return load_config(file)
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("_island_jax_cli_config", file)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.get_config(arg)
+
+
+def parse_flags(argv: list[str], from_workdir: bool = False) -> list[str]:
     """Parses `argv` into absl's FLAGS, as `absl.app.run` does by default; returns the arguments left.
 
-    An override of the config that names no field exits (status 1) with `config.unknown_field`'s one line
-    ("ConfigError: outer.roundz is not a field of the config; did you mean outer.rounds? ..."); a value of the
-    wrong type, or any other flag error, exits with absl's own one line.
+    The config is found as `config_argv` says (with `from_workdir`, in the workdir's record). Every mistake
+    exits with status 1 and one line: a config file not found, or one with no `get_config`; an override of the
+    config that names no field
+    (`config.unknown_field`: "ConfigError: outer.roundz is not a field of the config; did you mean
+    outer.rounds? ..."); a value of the wrong type, or any other flag error, with absl's message.
     """
     from absl import flags
 
     try:
-        return flags.FLAGS(argv)
+        resolved = config_argv(argv, from_workdir)
+    except ValueError as e:
+        sys.exit(str(e))
+    try:
+        return flags.FLAGS(_loadable(resolved))
     except flags.Error as e:
-        sys.exit(f"FATAL Flags parsing error: {e}\nPass --helpshort or --helpfull to see help on flags.")
+        sys.exit(f"FATAL Flags parsing error: {' '.join(str(e).split())} (pass --helpshort or --helpfull to see "
+                 "help on flags)")
     except (AttributeError, KeyError) as e:  # ml_collections, for an override of a field the config lacks
-        path = _config_path(argv)
+        path = _config_path(resolved)
         if path is None:
             raise
         from island_jax import config as config_lib
-        from island_jax.experiment import load_config
 
         try:
-            config = load_config(path)
+            config = _load(path)
+        except AttributeError as missing:
+            if "get_config" not in str(missing):
+                raise e from None
+            sys.exit(f"--config: {missing}")  # a file that defines no get_config()
         except Exception:  # noqa: BLE001 - the config file itself fails: that error is the one to see
             raise e from None
         unknown = unknown_overrides(config, argv)
         if not unknown:
             raise
         sys.exit(str(config_lib.unknown_field(config, unknown[0])))
+
+
+def parse_run_flags(argv: list[str]) -> list[str]:
+    """`parse_flags` for the scripts that run or resume a run in `--workdir` (experiments/train.py,
+    launch/local.py): without `--config`, the run's recorded config (`recorded_config_path`)."""
+    return parse_flags(argv, from_workdir=True)
+
+
+def port_in_use(host: str, port: int) -> str | None:
+    """Where a server listening on `host`:`port` would collide with a socket already bound: the first such
+    address ("127.0.0.1:50051"), or None when the port is free (or `port` is 0).
+
+    Every address `host` resolves to is tried, and for a wildcard (0.0.0.0, ::) or `localhost` both loopback
+    addresses too: gRPC, asked for localhost or a wildcard, starts with a warning where only one of them is
+    free. Tried with SO_REUSEADDR, as servers bind, so a port left in TIME_WAIT by an ended run counts as free.
+    """
+    if not port:
+        return None
+    host = host.strip("[]")
+    addresses = []
+    try:
+        for family, _, _, _, sockaddr in socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM,
+                                                              flags=socket.AI_PASSIVE):
+            addresses.append((family, sockaddr[0]))
+    except socket.gaierror:
+        return None  # a host that does not resolve: the server's own error names it
+    if host in ("", "0.0.0.0", "::", "localhost"):
+        addresses += [(socket.AF_INET, "127.0.0.1"), (socket.AF_INET6, "::1")]
+    for family, address in dict.fromkeys(addresses):
+        try:
+            with socket.socket(family, socket.SOCK_STREAM) as s:
+                s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+                s.bind((address, port))
+        except OSError as e:
+            if e.errno == errno.EADDRINUSE:
+                return f"[{address}]:{port}" if ":" in address else f"{address}:{port}"
+    return None

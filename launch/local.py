@@ -9,11 +9,14 @@ cluster launch would. Their log lines are shown prefixed with the role
 islands' losses, bytes and the ETA. If any process fails, the others are
 stopped and the launcher exits with that process's status; on success it
 writes `WORKDIR/summary.json` from all roles. Overrides (`--config.a.b=v`, with
-`=`) go to every role. Running it again with the same workdir resumes every
-role from its newest checkpoint; a config that differs from the one the run
-started with (each role's config.json) is refused before anything starts,
-naming every changed field, unless `--allow_config_change` (passed to every
-role, which records the change).
+`=`; one written with a space is refused) go to every role. Running it again
+with the same workdir resumes every role from its newest checkpoint, and
+`--workdir` alone resumes it under the config it recorded (island_jax/cli.py);
+the round lines of earlier starts are not printed again (`resumed_progress`).
+A config that differs from the one the run started with (each role's
+config.json) is refused before anything starts, naming every changed field,
+unless `--allow_config_change` (passed to every role, which records the
+change). So is a `--port` another process holds (`check_port`).
 
 An island of several processes (`islands.NAME.num_processes`, e.g.
 `--config.islands.a.num_processes=2`) is started as that many processes,
@@ -78,7 +81,10 @@ from typing import TextIO
 from absl import app, flags
 from ml_collections import config_flags
 
-_CONFIG = config_flags.DEFINE_config_file("config", None, "Path to an experiment config (a get_config() file).", lock_config=True)
+_CONFIG = config_flags.DEFINE_config_file(
+    "config", None, "Path to an experiment config (a get_config() file) or to a run's recorded config.json; "
+    "left out with the --workdir of a started run, that run's recorded config.", lock_config=True
+)
 _WORKDIR = flags.DEFINE_string("workdir", None, "The run's folder (one subfolder per role).")
 _HOST = flags.DEFINE_string("host", "localhost", "Host the coordinator listens on.")
 _PORT = flags.DEFINE_integer("port", 0, "Port the coordinator listens on; 0 picks a free one.")
@@ -113,7 +119,7 @@ _ALLOW_CONFIG_CHANGE = flags.DEFINE_bool(
     "allow_config_change", False, "Resume the run in --workdir under a config that differs from the one it started "
     "with (passed to every role, which records the change); without it, that is refused before anything starts."
 )
-flags.mark_flags_as_required(["config", "workdir"])
+flags.mark_flags_as_required(["workdir"])
 
 TRAIN = Path(__file__).resolve().parents[1] / "experiments" / "train.py"
 LOOPBACK = ("localhost", "127.0.0.1", "[::1]", "::1")
@@ -237,10 +243,45 @@ def _free_port_in(ns: str, host: str) -> int:
     return int(out.stdout.split()[-1])
 
 
+def check_port(host: str, port: int) -> None:
+    """Refuses a `--port` that another process holds on `host` (or on a loopback address a server on `host`
+    also binds: `cli.port_in_use`), before any role starts; port 0 (pick one) passes.
+
+    Raises:
+      ValueError: one line naming the address taken and `--port`.
+    """
+    from island_jax.cli import port_in_use
+
+    taken = port_in_use(host, port)
+    if taken:
+        raise ValueError(f"--port={port}: the port is in use by another process (binding {taken} fails); pass a "
+                         "free --port, or leave --port out to have a free one picked")
+
+
+def config_arguments(argv: list[str]) -> list[str]:
+    """The arguments of `argv` (after `cli.config_argv`: the config one absolute `--config=PATH`) that the
+    launcher passes on to every role: `--config=PATH` and each `--config.a.b=v` override, in order.
+
+    Raises:
+      ValueError: an override written with a space (`--config.outer.rounds 2`), which would reach the roles
+        without its value; one line saying how to write it.
+    """
+    for before, arg in zip(argv[1:], argv[2:]):
+        if before.startswith("--config.") and "=" not in before and not arg.startswith("-"):
+            raise ValueError(f"{before} {arg}: write a config override as one argument, {before}={arg} (the "
+                             "launcher passes each --config.a.b=v on to every role)")
+    return [a for a in argv[1:] if a.startswith("--config")]
+
+
 def _addresses(coordinator_ns: str, island_ns: dict[str, str]) -> tuple[str, str]:
-    """Where the coordinator listens and where the islands dial it (HOST:PORT each); exits on a bad placement."""
+    """Where the coordinator listens and where the islands dial it (HOST:PORT each); exits on a bad placement
+    or on a `--port` in use."""
     namespaces = {coordinator_ns, *island_ns.values()} - {""}
     if not namespaces:
+        try:
+            check_port(_HOST.value, _PORT.value)
+        except ValueError as e:
+            sys.exit(str(e))
         address = f"{_HOST.value}:{_PORT.value or _free_port(_HOST.value)}"
         return address, _DIAL.value or address
     if os.geteuid() != 0:
@@ -278,13 +319,22 @@ def _start_role(cpus: frozenset[int] | None) -> None:
         os.sched_setaffinity(0, cpus)
 
 
-def _checked(config, workdir: str, names: list[str]):
-    """Everything that can refuse the launch, before anything is created or started: the config, a
-    finished workdir, a config other than the one the run started with, `--netns_*`, `--dial` and `--cpus`.
-    Returns (coordinator namespace, island namespaces, cpus)."""
+def _checked(config, workdir: str, names: list[str], left: list[str]):
+    """Everything that can refuse the launch, before anything is created or started: the arguments passed on
+    to the roles and those absl `left` (none may be), the config, a finished workdir, a config other than the
+    one the run started with, `--netns_*`, `--dial` and `--cpus`. Returns (coordinator namespace, island
+    namespaces, cpus)."""
     from island_jax import config as config_lib
+    from island_jax.cli import config_argv
     from island_jax.workdir import check_resume, refuse_finished
 
+    try:
+        config_arguments(config_argv(sys.argv, from_workdir=True))
+    except ValueError as e:
+        sys.exit(str(e))
+    if left[1:]:
+        sys.exit(f"unexpected argument {left[1]!r}: the launcher takes flags only (--config=PATH, --workdir=DIR, "
+                 "--config.a.b=v, ...)")
     try:
         config_lib.validate(config)
         refuse_finished(workdir, config.outer.rounds)
@@ -343,7 +393,9 @@ def _roles(workdir: str, names: list[str], coordinator_ns: str, island_ns: dict,
             check_exposure(listen, comm.tls, comm.auth.tokens_file, _INSECURE.value)
         except SecurityError as e:
             sys.exit(f"{e}; with this launcher, --tls makes them for the run")
-    overrides = [a for a in sys.argv[1:] if a.startswith("--config")]  # the config and its overrides
+    from island_jax.cli import config_argv
+
+    overrides = config_arguments(config_argv(sys.argv, from_workdir=True))  # the config and its overrides
     if _ALLOW_CONFIG_CHANGE.value:
         overrides.append("--allow_config_change")
     env = dict(os.environ, PYTHONUNBUFFERED="1")  # each role sets glibc malloc itself (island_jax/allocator.py)
@@ -567,18 +619,43 @@ class Supervisor:
                 p.wait()
 
 
+def resumed_progress(workdir: str, names: list[str], rounds: int):
+    """The run's `Progress`, past the rounds its islands logged before this start, and the line that says so.
+
+    A resumed run's round lines were printed by the start that trained them; they are skipped, not printed
+    again, and the ETA counts from this start's rounds. Returns (progress, line): line is None for a new run,
+    else "resuming the run in WORKDIR: rounds A-B were logged by an earlier start; ...".
+    """
+    from island_jax.progress import Eta, Progress
+
+    progress = Progress(workdir, names, rounds)
+    replayed = progress.poll()
+    if not replayed:
+        return progress, None
+    progress.eta = Eta(rounds)
+    first, last = progress.next_round - len(replayed), progress.next_round - 1
+    span = f"round {last} was" if first == last else f"rounds {first}-{last} were"
+    return progress, (f"resuming the run in {workdir}: {span} logged by an earlier start; their lines are not "
+                      "printed again (each island's metrics.jsonl holds them)")
+
+
 def main(argv):
-    del argv
-    from island_jax.progress import Progress
     from island_jax.workdir import combine_summaries, done_line
 
     config, workdir = _CONFIG.value, _WORKDIR.value
     names = list(config.islands.keys())
-    coordinator_ns, island_ns, cpus = _checked(config, workdir, names)
+    coordinator_ns, island_ns, cpus = _checked(config, workdir, names, argv)
     roles = _roles(workdir, names, coordinator_ns, island_ns, cpus)
     os.makedirs(workdir, exist_ok=True)
     start = time.perf_counter()
-    progress = Progress(workdir, names, config.outer.rounds)
+    progress, resuming = resumed_progress(workdir, names, config.outer.rounds)
+    if resuming:
+        print(f"[launch] {resuming}", flush=True)
+
+    def stop(signum, frame):  # SIGTERM as Ctrl-C: every role is stopped and finishes its checkpoint in progress
+        raise KeyboardInterrupt(signum)
+
+    signal.signal(signal.SIGTERM, stop)
     failed = Supervisor(roles, _RESTART.value).run(progress.poll)
     if failed is not None:
         sys.exit(failed[1] if failed[1] > 0 else 1)
@@ -590,6 +667,6 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    from island_jax.cli import parse_flags
+    from island_jax.cli import parse_run_flags
 
-    app.run(main, flags_parser=parse_flags)
+    app.run(main, flags_parser=parse_run_flags)

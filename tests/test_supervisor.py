@@ -1,6 +1,5 @@
 """launch/local.py without JAX: the supervisor (restarts, stopping, the lines it prints) and `--dial`."""
 
-import importlib.util
 import io
 import os
 import re
@@ -9,21 +8,11 @@ import sys
 import time
 
 import pytest
+from launchers import launcher
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
-
-def _load_launcher():
-    name = "island_jax_launch_local"
-    if name not in sys.modules:  # once per process: the module defines absl flags
-        spec = importlib.util.spec_from_file_location(name, os.path.join(ROOT, "launch", "local.py"))
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[name] = module
-        spec.loader.exec_module(module)
-    return sys.modules[name]
-
-
-local = _load_launcher()
+local = launcher("local")  # once per process, shared with tests/test_entry_points.py: it defines absl flags
 
 # Exits with status 1 the first time (leaving the marker argv[1]); the next time it prints its pid, touches
 # argv[2] and exits with status 0.
