@@ -67,17 +67,14 @@ _DRY_RUN = flags.DEFINE_bool(
 
 
 def _quiet_libraries() -> None:
-    """Keeps INFO lines of this project; libraries (orbax, JAX) log only warnings and errors."""
+    """Keeps INFO lines of this project; libraries (orbax, JAX) log only warnings and errors, unless
+    `--verbosity=1` (`island_jax.logs.install`)."""
     import logging
     import os
 
-    from absl import logging as absl_logging
+    from island_jax import logs
 
-    # This folder and the library's (a virtual environment may sit inside the repository).
-    ours = (os.path.dirname(os.path.abspath(__file__)) + os.sep, os.path.dirname(__import__("island_jax").__file__) + os.sep)
-    absl_logging.get_absl_handler().addFilter(
-        lambda record: record.levelno >= logging.WARNING or record.pathname.startswith(ours)
-    )
+    logs.install(logging.WARNING, ours=(os.path.dirname(os.path.abspath(__file__)),))
 
 
 def _leave_island(name: str, error: Exception) -> None:

@@ -4,7 +4,8 @@ orbax logs through absl, as island_jax does, so one logger carries both and a le
 apart. `quiet_libraries` filters by where a record was logged from instead: records from island_jax's own
 files always pass, records from any other file pass only at `level` or above (default ERROR), unless absl's
 `--verbosity` is 1 or more (DEBUG), which shows everything again. Used by `python -m island_jax.sample` and
-`python -m island_jax.export`, whose output is their printed result, not orbax's restore lines.
+`python -m island_jax.export`, whose output is their printed result, not orbax's restore lines, and (`install`,
+WARNING and above) by every role of `experiments/train.py`.
 
   with logs.quiet_libraries():
       config, params, round = load.from_workdir(workdir)
@@ -22,14 +23,16 @@ SHOW_ALL_VERBOSITY = 1  # absl's --verbosity from which library records are all 
 
 
 class LibraryFilter(logging.Filter):
-    """Passes a record logged from a file of island_jax, or at `level` or above; drops the rest."""
+    """Passes a record logged from a file of island_jax (or under `ours`, more folders), or at `level` or above;
+    drops the rest."""
 
-    def __init__(self, level: int = logging.ERROR):
+    def __init__(self, level: int = logging.ERROR, ours: tuple[str, ...] = ()):
         super().__init__()
         self.level = level
+        self.ours = (PACKAGE_DIR, *(os.path.abspath(d) + os.sep for d in ours))
 
     def filter(self, record: logging.LogRecord) -> bool:
-        return record.levelno >= self.level or os.path.abspath(record.pathname).startswith(PACKAGE_DIR)
+        return record.levelno >= self.level or os.path.abspath(record.pathname).startswith(self.ours)
 
 
 def _verbosity() -> int:
@@ -55,17 +58,25 @@ def quiet_libraries(level: int = logging.ERROR, verbosity: int | None = None) ->
     Yields:
       The filter installed, or None when the verbosity shows everything.
     """
+    installed = install(level, verbosity)
+    try:
+        yield None if installed is None else installed[0]
+    finally:
+        if installed is not None:
+            for handler in installed[1]:
+                handler.removeFilter(installed[0])
+
+
+def install(level: int = logging.ERROR, verbosity: int | None = None, ours: tuple[str, ...] = ()):
+    """Puts a `LibraryFilter(level, ours)` on absl's handler and every handler of the root logger, for good (an
+    entry point's whole process; `quiet_libraries` for a block). Returns (the filter, the handlers it is on),
+    or None when `verbosity` (None: absl's `--verbosity`) is `SHOW_ALL_VERBOSITY` or more."""
     from absl import logging as absl_logging
 
     if (_verbosity() if verbosity is None else verbosity) >= SHOW_ALL_VERBOSITY:
-        yield None
-        return
-    quiet = LibraryFilter(level)
-    handlers = {id(h): h for h in [absl_logging.get_absl_handler(), *logging.getLogger().handlers]}.values()
+        return None
+    quiet = LibraryFilter(level, ours)
+    handlers = list({id(h): h for h in [absl_logging.get_absl_handler(), *logging.getLogger().handlers]}.values())
     for handler in handlers:
         handler.addFilter(quiet)
-    try:
-        yield quiet
-    finally:
-        for handler in handlers:
-            handler.removeFilter(quiet)
+    return quiet, handlers

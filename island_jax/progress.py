@@ -33,8 +33,11 @@ class Eta:
         self._from: tuple[int, float] | None = None  # (round, when it ended)
 
     def after(self, round: int) -> str:
-        """The ETA once `round` (1-based, completed) ended: "after round N" until two rounds are seen."""
+        """The ETA once `round` (1-based, completed) ended: "after round N" until two rounds are seen ("0m00s"
+        once the last round ended)."""
         now = self.clock()
+        if round >= self.rounds:
+            return format_eta(0.0)
         if self._from is None or round <= self._from[0]:
             self._from = (round, now)
             return f"after round {round + 1}"

@@ -99,3 +99,11 @@ def test_the_outer_loop_logs_progress_lines_within_a_long_round(caplog):
         sync.run_round(0)
     sync.close()
     assert not [r for r in caplog.records if "s/step" in r.getMessage()]
+
+
+def test_the_eta_after_the_last_round_is_zero_and_before_two_rounds_names_the_next():
+    from island_jax.progress import Eta
+
+    clock = iter([0.0, 10.0, 20.0, 30.0])
+    eta = Eta(4, clock=lambda: next(clock))
+    assert [eta.after(r) for r in (1, 2, 3, 4)] == ["after round 2", "0m20s", "0m10s", "0m00s"]
