@@ -448,3 +448,22 @@ def test_a_checkpoint_of_another_structure_is_not_called_damaged(tmp_path):
     )
     assert ckpt.rounds() == [1]
     ckpt.close()
+
+
+def test_a_checkpoint_written_without_checksums_restores_with_a_warning(tmp_path, caplog):
+    import orbax.checkpoint as ocp
+
+    directory = folder(tmp_path)
+    old = ocp.CheckpointManager(directory, options=ocp.CheckpointManagerOptions(create=True),
+                                item_handlers=ocp.PyTreeCheckpointHandler(use_compression=False))
+    old.save(3, args=ocp.args.PyTreeSave(state(3)))
+    old.wait_until_finished()
+    old.close()
+    ckpt = Checkpointer(directory, every_rounds=1, max_to_keep=3)
+    with caplog.at_level("WARNING", logger="absl"):
+        assert_same_bits(ckpt.restore(state(0)), state(3))
+    assert [r.getMessage() for r in caplog.records if r.levelname == "WARNING"] == [
+        f"the checkpoint of round 3 in {directory} holds no checksums (written by an earlier version): restored "
+        "without checking its bits"
+    ]
+    ckpt.close()
