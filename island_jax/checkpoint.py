@@ -35,6 +35,7 @@ raises at once.
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import threading
 from concurrent import futures
@@ -114,6 +115,24 @@ def _abstract(tree: Any) -> Any:
         lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding) if _spans_processes(x) else
         np.zeros(np.shape(x), np.asarray(x).dtype if not hasattr(x, "dtype") else x.dtype), tree,
     )
+
+
+def verify_leaves(tree: Any, saved: dict, what: str) -> None:
+    """Checks every leaf of `tree` against `saved`, a checkpoint's `describe_leaves` record (which may describe
+    more leaves than `tree` holds: a part of the state read alone). A collective for leaves spread over processes.
+
+    Raises:
+      CheckpointCorrupt: "`what` is damaged: PATH reads checksum X, but was saved with Y", for the first leaf
+        that differs or that `saved` lacks.
+    """
+    def plain(path: str) -> str:  # a restore without a template reads integer dict keys back as strings
+        return re.sub(r"\['(\d+)'\]", r"[\1]", path)
+
+    saved = {plain(k): v for k, v in saved.items()}
+    for path, now in describe_leaves(tree).items():
+        was = saved.get(plain(path), [None])[0]
+        if now[0] != was:
+            raise CheckpointCorrupt(f"{what} is damaged: {path} reads checksum {now[0]}, but was saved with {was}")
 
 
 class Checkpointer:
@@ -328,42 +347,55 @@ class Checkpointer:
                 try:
                     return self._restore(like, round)
                 except CheckpointCorrupt as e:
-                    self._set_aside(round)
-                    logging.error("%s", e)
+                    moved = self._set_aside([round])
+                    logging.error("%s; it is moved aside to %s", e, moved[0])
                     raise
             if not self._complete:
                 raise CheckpointError(f"no checkpoint in {self.directory}")
-            damaged = []
+            damaged: list[tuple[int, str]] = []
             for r in reversed(list(self._complete)):
                 try:
                     restored = self._restore(like, r)
                 except CheckpointCorrupt as e:
-                    self._set_aside(r)
-                    damaged.append(str(e))
-                    logging.error("%s; it is moved aside to %s%s and the previous checkpoint is tried", e, r,
-                                  DAMAGED_SUFFIX)
+                    damaged.append((r, str(e)))
+                    logging.error("%s; the previous checkpoint is tried", e)
                     continue
-                if damaged:
-                    logging.warning("restored the checkpoint of round %d in %s, the newest intact one", r,
-                                    self.directory)
+                if damaged:  # set aside only once an older one restored: a failure of every one moves nothing
+                    moved = self._set_aside([d for d, _ in damaged])
+                    logging.warning("restored the checkpoint of round %d in %s, the newest intact one; the damaged "
+                                    "ones are kept as %s", r, self.directory, ", ".join(moved))
                 return restored
             raise CheckpointCorrupt(
-                f"no intact checkpoint in {self.directory}: {'; '.join(damaged)}. Each is kept as <round>"
-                f"{DAMAGED_SUFFIX}; start the run again in a new --workdir (or restore its files from a copy)"
+                f"no intact checkpoint in {self.directory}: {'; '.join(m for _, m in damaged)}. Nothing was moved; "
+                "if the cause passes (memory, a storage error), start again; otherwise start the run again in a new "
+                "--workdir, or restore these files from a copy"
             )
 
-    def _set_aside(self, round: int) -> None:
-        """Moves the damaged checkpoint of `round` to `<round>.damaged` (replacing an older one of that name) and
-        opens a fresh manager, which no longer counts it."""
-        src = os.path.join(self.directory, str(round))
-        dst = src + DAMAGED_SUFFIX
-        if os.path.isdir(src):
-            if os.path.exists(dst):
-                shutil.rmtree(dst, ignore_errors=True)
-            os.replace(src, dst)
+    def _set_aside(self, rounds: list[int]) -> list[str]:
+        """Moves the damaged checkpoints of `rounds` to `<round>.damaged` (`<round>.damaged.N` when that name is
+        taken: none is deleted) and opens a fresh manager, which no longer counts them; returns the new names.
+        Of a multi-process island, process 0 moves them and the others wait for it (a collective).
+
+        Raises:
+          OSError: a folder cannot be renamed.
+        """
+        names = []
+        for round in rounds:
+            src = os.path.join(self.directory, str(round))
+            dst, n = src + DAMAGED_SUFFIX, 1
+            while os.path.exists(dst):
+                dst, n = f"{src}{DAMAGED_SUFFIX}.{n}", n + 1
+            if os.path.isdir(src) and (not self.multi_process or jax.process_index() == 0):
+                os.replace(src, dst)
+            names.append(os.path.basename(dst))
+        if self.multi_process:  # every process reopens once process 0 moved them
+            from island_jax import distributed
+
+            distributed.allgather_json(names)
         self._manager.close()
         self._manager = self._open_manager()
         self._complete = sorted(self._manager.all_steps())
+        return names
 
     def _saved_leaves(self, round: int) -> dict | None:
         """The checkpoint's `describe_leaves` record, or None for one written without it.
@@ -400,11 +432,23 @@ class Checkpointer:
                     f"optimizer (first difference: {leaf[0]}: saved {theirs.get(leaf[0])}, this run "
                     f"{ours.get(leaf[0])}); resume with the config that wrote it, or pass a new --workdir"
                 )
+        error = None
         try:
             restored = self._manager.restore(
                 round, args=ocp.args.PyTreeRestore(like, restore_args=ocp.checkpoint_utils.construct_restore_args(like))
             )
         except Exception as e:  # orbax raises several types for a mismatched tree, and for damaged files
+            error = e
+        if self.multi_process and saved is not None:  # every process decides alike (what follows is a collective)
+            from island_jax import distributed
+
+            told = [t for t in distributed.allgather_json(None if error is None else f"{type(error).__name__}: {error}")
+                    if t is not None]
+            if told and error is None:
+                raise CheckpointCorrupt(f"the checkpoint of round {round} in {where} is damaged: orbax cannot read "
+                                        f"another process's part of it ({told[0]})")
+        if error is not None:
+            e = error
             if saved is not None:
                 raise CheckpointCorrupt(
                     f"the checkpoint of round {round} in {where} is damaged: orbax cannot read it "
@@ -427,12 +471,7 @@ class Checkpointer:
             logging.warning("the checkpoint of round %d in %s holds no checksums (written by an earlier version): "
                             "restored without checking its bits", round, self.directory)
             return restored
-        for path, now in describe_leaves(restored).items():
-            if now[0] != saved[path][0]:
-                raise CheckpointCorrupt(
-                    f"the checkpoint of round {round} in {where} is damaged: {path} reads checksum {now[0]}, but "
-                    f"was saved with {saved[path][0]}"
-                )
+        verify_leaves(restored, saved, f"the checkpoint of round {round} in {where}")
         return restored
 
     def close(self) -> None:

@@ -14,6 +14,8 @@ from tiny_config import get_config, write_corpus
 
 from island_jax.data import DataError
 from island_jax.metrics import read_jsonl
+from island_jax.model import load
+from island_jax.model.load import LoadError
 from island_jax.run import run_in_process
 from island_jax.workdir import RunFailed, combine_summaries
 
@@ -110,8 +112,8 @@ def test_damaged_newest_checkpoints_fall_back_and_the_run_finishes_with_the_isla
     with caplog.at_level(logging.INFO, logger="absl"):
         summary = run_in_process(tiny(corpus, rounds=ROUNDS + 1), workdir)
     for role, folder in folders.items():
-        named = [m for m in logged(caplog, r"(the checkpoint of round 4 in (\S+) is damaged: .*); it is moved aside "
-                                           r"to 4\.damaged and the previous checkpoint is tried")
+        named = [m for m in logged(caplog, r"(the checkpoint of round 4 in (\S+) is damaged: .*); the previous "
+                                           r"checkpoint is tried")
                  if m[1] == os.path.join(folder, "4")]
         assert len(named) == 1, role  # named once, with the leaf that reads other bits (or orbax's error)
         assert sorted(os.listdir(folder)) == ["4", "4.damaged", "5"]  # 2 and 4 kept; 4 set aside, then 4, 5 saved
@@ -162,7 +164,28 @@ def test_a_start_refused_for_its_data_leaves_no_run_and_the_corrected_command_st
     assert summary["rounds"] == 1 and summary["checksums_agree"] is True
     for role in ("coordinator", "islands/a", "islands/b"):
         assert json.loads(open(os.path.join(workdir, role, "config.json")).read())["data"]["files"] == corpus
-    attempts = os.path.join(workdir, "coordinator", "attempts")  # what the refused start left, set aside
-    if os.path.exists(attempts):
-        assert os.listdir(attempts) == ["1"]
-        assert json.loads(open(os.path.join(attempts, "1", "config.json")).read())["data"]["files"] == wrong.data.files
+    for name in ("a", "b"):  # what the refused start left (its empty metrics), set aside
+        attempts = os.path.join(workdir, "islands", name, "attempts")
+        assert os.listdir(attempts) == ["1"] and "metrics.jsonl" in os.listdir(os.path.join(attempts, "1"))
+
+
+def test_sample_and_export_read_checked_parameters_and_name_a_leaf_that_differs(finished, tmp_path):
+    """`model.load.from_workdir` (what `sample`, `export` and `Result.sample` read) checks the parameters against
+    the checksums in the checkpoint's metadata, as a role's restore does."""
+    _, workdir = copy(finished, tmp_path)
+    config, params, round = load.from_workdir(workdir)  # intact: read as saved
+    assert round == 4
+    path = os.path.join(workdir, "islands", "a", "checkpoints", "4", "_CHECKPOINT_METADATA")
+    metadata = json.loads(open(path).read())
+    leaves = metadata["custom_metadata"]["island_jax_leaves"]
+    leaf = "['anchor']['head']['kernel']"
+    read, leaves[leaf][0] = leaves[leaf][0], "0123456789abcdef"  # as if the bits on disk had changed since
+    open(path, "w").write(json.dumps(metadata))
+    with pytest.raises(LoadError) as refused:
+        load.from_workdir(workdir)
+    assert str(refused.value) == (
+        f"the checkpoint of round 4 in {os.path.dirname(path)} is damaged: {leaf} reads checksum {read}, but was "
+        "saved with 0123456789abcdef; pass --round=2 (an older checkpoint), or let the run resume (it falls back to "
+        "its newest intact checkpoint)"
+    )
+    assert load.from_workdir(workdir, round=2)[2] == 2

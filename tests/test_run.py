@@ -308,7 +308,9 @@ def test_a_resume_under_another_config_is_refused_alike_unless_allowed(tmp_path,
     for role in ("coordinator", "islands/a", "islands/b"):
         assert json.loads((workdir / role / "config.json").read_text())["inner"]["learning_rate"] == 1e-3
         # the change allowed, and the one that needs no leave (crash_at_round), both recorded
-        assert records(workdir, role, "config_change") == [dict(
+        changes = records(workdir, role, "config_change")
+        assert [isinstance(r.pop("time"), float) for r in changes] == [True]  # when it was written, Unix seconds
+        assert changes == [dict(
             kind="config_change", round=1, changes=[dict(field="inner.learning_rate", started=0.003, now=0.001),
                                                     dict(field="islands.a.crash_at_round", started=2, now=0)],
         )]

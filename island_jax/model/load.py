@@ -114,9 +114,12 @@ def from_workdir(workdir: str, round: int | None = None) -> tuple[ml_collections
 
     Raises:
       FileNotFoundError: `workdir` holds no island folder with a config.json.
-      LoadError: no checkpoint (of `round`), or one that does not fit the config's model.
+      LoadError: no checkpoint (of `round`), one that does not fit the config's model, or one whose parameters
+        read other bits than their saved checksums (`checkpoint.verify_leaves`; the leaf is named).
     """
     import orbax.checkpoint as ocp
+
+    from island_jax.checkpoint import LEAVES, CheckpointCorrupt, verify_leaves
 
     config = run_config(workdir)
     folder = os.path.join(workdir, "islands", evaluating_island(config), "checkpoints")
@@ -133,9 +136,18 @@ def from_workdir(workdir: str, round: int | None = None) -> tuple[ml_collections
             raise LoadError(f"{folder} holds no checkpoint of round {round}; it keeps rounds {rounds}")
         round = rounds[-1] if round is None else round
         state = manager.restore(round, args=ocp.args.StandardRestore())
+        recorded = (manager.metadata(round).custom_metadata or {}).get(LEAVES)
     finally:
         manager.close()
-    saved = state["anchor"] if config.outer.enabled else state["params"]
+    key = "anchor" if config.outer.enabled else "params"
+    saved = state[key]
+    if recorded is not None:  # a checkpoint written with its checksums: the parameters read are checked
+        try:
+            verify_leaves({key: saved}, recorded, f"the checkpoint of round {round} in {os.path.join(folder, str(round))}")
+        except CheckpointCorrupt as e:
+            older = [r for r in rounds if r < round]
+            raise LoadError(f"{e}; {f'pass --round={older[-1]} (an older checkpoint)' if older else 'no older one is kept'}"
+                            ", or let the run resume (it falls back to its newest intact checkpoint)") from e
     flat = {_name(path): value for path, value in _paths(saved)}
     _, like, _ = _template(config)
     return config, _fill(like, flat.get, f"the checkpoint of round {round} in {folder}"), round
