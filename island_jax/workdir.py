@@ -58,9 +58,15 @@ def refuse_finished(workdir: str, rounds: int | None = None) -> None:
     path = os.path.join(workdir, "summary.json")
     if not os.path.exists(path):
         return
-    done = _read_json(path).get("rounds")
+    summary = _read_json(path)
+    done = summary.get("rounds")
     if rounds is not None and isinstance(done, int) and rounds > done:
         return
+    if summary.get("failures"):
+        raise FileExistsError(
+            f"{workdir} holds a run of {done} rounds that failed ({'; '.join(summary['failures'])}); pass a new "
+            "--workdir (raising --config.outer.rounds would only extend it)"
+        )
     raise FileExistsError(
         f"{workdir} holds a finished run of {done} rounds (summary.json); raise --config.outer.rounds to extend it, "
         "or pass a new --workdir"
@@ -465,7 +471,13 @@ class RunFailed(RuntimeError):
 
 def failures(config: ml_collections.ConfigDict, summary: dict, islands: dict, coordinator: dict, short: dict) -> list:
     """What makes a finished run a failure, one sentence each: islands whose final global parameters differ from
-    the coordinator's view, and rounds merged from fewer islands than `outer.min_islands` requires (0: all)."""
+    the coordinator's view, and rounds merged from fewer islands than `outer.min_islands` requires (0: all).
+
+    Args:
+      summary: the combined summary (its `checksums_agree`); islands: {name: the island's summary};
+        coordinator: the coordinator's summary; short: {(round, fragment): the contributors' names} of the
+        rounds merged from too few islands.
+    """
     out = []
     if not summary["checksums_agree"]:
         held = ", ".join(f"{n}={s['checksum']}" for n, s in islands.items())

@@ -108,6 +108,11 @@ _RESTART = flags.DEFINE_integer(
     "restart", 0, "Start a role that exits abnormally again, up to this many times per role; once a role has used "
     "them up and fails again, stop every process. 0: stop every process at the first failure.", lower_bound=0
 )
+_STOP_GRACE = flags.DEFINE_float(
+    "stop_grace_seconds", 60.0, "When the run is stopped (SIGTERM, Ctrl-C, a role failing), the seconds every role "
+    "gets to finish the checkpoint it is writing and exit, before SIGKILL; raise it for states that take longer to "
+    "write.", lower_bound=0.0,
+)
 _TLS = flags.DEFINE_bool(
     "tls", False, "Secure the exchange for this run: a throwaway CA, server and client certificates and a token per "
     "island, made in WORKDIR/secrets (0600), passed to every role as comm.tls and comm.auth overrides."
@@ -518,6 +523,7 @@ class Supervisor:
             if failed is None:
                 self._progress(progress)
         except KeyboardInterrupt as e:
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a second signal (schedulers repeat it) stops nothing
             signum = e.args[0] if e.args and isinstance(e.args[0], int) else signal.SIGINT
             failed = ("launch", 128 + signum)
             self._say("interrupted; stopping every process" if signum == signal.SIGINT else
@@ -640,7 +646,7 @@ def resumed_progress(workdir: str, names: list[str], rounds: int):
 
 
 def main(argv):
-    from island_jax.workdir import combine_summaries, done_line
+    from island_jax.workdir import RunFailed, check_finished, combine_summaries, done_line
 
     config, workdir = _CONFIG.value, _WORKDIR.value
     names = list(config.islands.keys())
@@ -656,13 +662,15 @@ def main(argv):
         raise KeyboardInterrupt(signum)
 
     signal.signal(signal.SIGTERM, stop)
-    failed = Supervisor(roles, _RESTART.value).run(progress.poll)
+    failed = Supervisor(roles, _RESTART.value, grace=_STOP_GRACE.value).run(progress.poll)
     if failed is not None:
         sys.exit(failed[1] if failed[1] > 0 else 1)
     summary = combine_summaries(config, workdir, time.perf_counter() - start)
     print(f"[launch] {done_line(config, workdir, summary)}", flush=True)
-    if summary["failures"]:
-        print(f"[launch] the run failed: {'; '.join(summary['failures'])}", flush=True)
+    try:
+        check_finished(summary)
+    except RunFailed as e:
+        print(f"[launch] {e}", flush=True)  # the last line
         sys.exit(1)
 
 

@@ -229,3 +229,34 @@ def test_an_unknown_outer_weighting_is_refused_with_the_choices():
     c.outer.weighting = "equal"
     with pytest.raises(ConfigError, match=r"outer.weighting is 'equal'; choose 'tokens' .* or 'uniform'"):
         validate(c)
+
+
+def test_the_start_barrier_waits_for_islands_that_can_still_come_and_says_why():
+    c = default_config()
+    for name in ("a", "b", "c"):
+        c.islands[name] = island(1, 1, 1, 1, 1)
+    c.codec.kind = "none"
+    clock = Clock()
+    coordinator = FragmentedCoordinator(c, {"w": np.zeros(1, np.float32)}, ["a", "b", "c"], clock=clock)
+    fields = fingerprint_fields(c)
+    assert coordinator.barrier_waits_for(set()) == dict.fromkeys("abc", "has not joined yet")
+    coordinator.join("a", fields, coordinator.checksum)
+    assert coordinator.barrier_waits_for({"a"}) == dict.fromkeys("bc", "has not joined yet")
+    coordinator.join("b", fields, coordinator.checksum)
+    assert coordinator.barrier_waits_for({"a"}) == {"b": "joined, not ready yet (evaluating or compiling)",
+                                                    "c": "has not joined yet"}
+    coordinator.join("c", fields, "0123456789abcdef", round=3)  # ahead of a restarted coordinator: it rejoins
+    assert coordinator.barrier_waits_for({"a", "b"}) == {}
+    clock.now += 1e6  # every island is needed (outer.min_islands 0): the barrier never gives up on one
+    assert coordinator.barrier_waits_for({"a"}) == {"b": "joined, not ready yet (evaluating or compiling)"}
+
+
+def test_with_a_quorum_the_start_barrier_waits_the_grace_window_for_the_rest():
+    coordinator, clock = _three_islands(min_islands=2, grace=10.0, kind=FragmentedCoordinator)
+    assert coordinator.barrier_waits_for({"a"}) == dict.fromkeys("bc", "joined, not ready yet (evaluating or compiling)")
+    clock.now += 100.0  # no quorum yet: no grace window runs
+    assert coordinator.barrier_waits_for({"a", "b"}) == {"c": "joined, not ready yet (evaluating or compiling)"}
+    clock.now += 9.5
+    assert coordinator.barrier_waits_for({"a", "b"}) == {"c": "joined, not ready yet (evaluating or compiling)"}
+    clock.now += 0.5
+    assert coordinator.barrier_waits_for({"a", "b"}) == {}

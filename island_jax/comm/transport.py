@@ -28,17 +28,20 @@ BARRIER_LOG_SECONDS = 5.0  # how often a start barrier that still waits says for
 def barrier_line(island: str, waits: dict[str, str], seconds: float) -> str:
     """The line a start barrier logs while `island` waits: for which islands (`waits`: name -> why, from
     `FragmentedCoordinator.barrier_waits_for`) and for how long, seconds."""
-    why = ", ".join(f"{n} ({reason})" for n, reason in sorted(waits.items()))
-    return f"island {island} has waited {seconds:.0f} s at the start barrier for islands {why}"
+    return f"island {island} has waited {seconds:.0f} s at the start barrier for islands {_why(waits)}"
+
+
+def _why(waits: dict[str, str]) -> str:
+    return ", ".join(f"{n} ({reason})" for n, reason in sorted(waits.items()))
 
 
 def log_barrier_wait(island: str, waits: dict[str, str] | None, seconds: float, timeout: float) -> None:
     """Logs how long `island` waited at the start barrier (seconds), or, when `waits` is not empty (the barrier
     gave up after `timeout` seconds, `comm.join_timeout_seconds`), for whom it waited in vain."""
     if waits:
-        why = ", ".join(f"{n} ({reason})" for n, reason in sorted(waits.items()))
         logging.warning("island %s: not every island was ready within %.0f s (still waiting for %s); starting "
-                        "anyway", island, timeout, why)
+                        "anyway; see the log of those islands, or raise comm.join_timeout_seconds", island, timeout,
+                        _why(waits))
     else:
         logging.info("island %s waited %.2f s at the start barrier", island, seconds)
 

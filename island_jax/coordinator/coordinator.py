@@ -71,6 +71,8 @@ class FragmentedCoordinator:
         self.incarnation = uuid.uuid4().hex  # tells islands whether this coordinator restarted
         self.viewed: set[str] = set()  # islands that took the island view
         self.rejoined: set[str] = set()  # islands admitted to rejoin (they start on their own, past the barrier)
+        self._clock = clock
+        self._quorum_ready_at: float | None = None  # when the start barrier first held a quorum (barrier_waits_for)
         self.corpus: dict[str, dict] = {}  # island -> the corpus fingerprint it joined with (handshake.check_corpus)
 
     def __len__(self) -> int:
@@ -162,12 +164,24 @@ class FragmentedCoordinator:
         """The islands the start barrier (every island says it is ready, then all start their first round
         together) still waits for, each with why: it has not joined yet, or it joined and is not ready yet. An
         island admitted to rejoin (`join`'s "rejoin": behind a resumed run, or ahead of a restarted coordinator)
-        starts on its own and is not waited for, nor is one that took the view."""
+        starts on its own and is not waited for, nor is one that took the view. With `outer.min_islands` below the
+        island count, the barrier stops waiting `outer.grace_seconds` (by the injectable clock) after a quorum of
+        islands is ready."""
         joined = set().union(*(f.joined for f in self.fragments))
-        return {
+        waits = {
             n: "joined, not ready yet (evaluating or compiling)" if n in joined else "has not joined yet"
             for n in self.islands if n not in ready and n not in self.rejoined and n not in self.viewed
         }
+        # With a quorum below every island (outer.min_islands), one that may be gone for good is waited for only
+        # outer.grace_seconds once the quorum is there, as a round would.
+        quorum = self.config.outer.min_islands or len(self.islands)
+        if not waits or len(self.islands) - len(waits) < quorum:
+            self._quorum_ready_at = None
+            return waits
+        now = self._clock()
+        if self._quorum_ready_at is None:
+            self._quorum_ready_at = now
+        return {} if now - self._quorum_ready_at >= self.config.outer.grace_seconds else waits
 
     def admission_round(self, island: str) -> int:
         """The round a rejoining island trains first: the lowest fragment round if a fragment at it still

@@ -12,6 +12,7 @@ resume from the newest checkpoint are the same in every case.
 from __future__ import annotations
 
 import functools
+import json
 import os
 import threading
 import time
@@ -74,9 +75,15 @@ def connect(
     )
 
 
-def run_finished(workdir: str) -> bool:
-    """Whether the coordinator of the run in `workdir` finished it (wrote its summary)."""
-    return os.path.exists(os.path.join(coordinator_dir(workdir), "summary.json"))
+def run_finished(workdir: str, rounds: int) -> bool:
+    """Whether the coordinator of the run in `workdir` finished its `rounds` rounds (wrote a summary of as many:
+    a summary of fewer is a finished run being extended, `outer.rounds` raised)."""
+    path = os.path.join(coordinator_dir(workdir), "summary.json")
+    try:
+        with open(path, encoding="utf-8") as f:
+            return json.load(f).get("rounds", 0) >= rounds
+    except (OSError, ValueError):  # none yet, or being written
+        return False
 
 
 def run_island(
@@ -165,7 +172,7 @@ def run_island(
             logging.info("island %s: rounds %d..%d extend the run's %d; their inner learning rate holds the "
                          "schedule's final value", name, scheduled + 1, rounds, scheduled)
         island.warm_up()  # compiles before the first round's clock starts
-        transport = connect(config, exchange, finished=lambda: run_finished(workdir), part=island.part,
+        transport = connect(config, exchange, finished=lambda: run_finished(workdir, rounds), part=island.part,
                             parts=island.parts, shares=[[c.index for c in o.share] for o in island.ownerships])
         evaluators = []
         if name == config_lib.evaluating_island(config):
@@ -180,7 +187,7 @@ def run_island(
         sync = StreamingSync(island, transport, config, first, link=link, events=events, fragment_rounds=fragment_rounds)
         _train_rounds(config, island, sync, role, evaluators, first, stop, fingerprint)
     except ExchangeError:
-        if not run_finished(workdir):
+        if not run_finished(workdir, rounds):
             raise
         logging.warning("island %s: the coordinator finished the run without this island's last rounds", name)
     finally:
