@@ -190,21 +190,29 @@ ATTEMPTS = "attempts"  # a role folder's subfolder for the files of starts that 
 
 def set_aside_attempt(path: str) -> str | None:
     """Moves what a start that never completed a round left in role folder `path` (its `config.json`,
-    `metrics.jsonl`, `events.jsonl`, `run_info.json`, TensorBoard events, a checkpoint of round 0) into
-    `path/attempts/N/` (N = 1, 2, ...), so that a new run's records are not mixed with them; returns that
-    folder, or None when there was nothing to move."""
+    `metrics.jsonl`, `events.jsonl`, `run_info.json`, TensorBoard events, a checkpoint of round 0 in
+    `checkpoints/`) into `path/attempts/N/` (N = 1, 2, ...), so that a new run's records are not mixed with them;
+    returns that folder, or None when there was nothing to move. The `checkpoints/` folder itself stays (the
+    other processes of an island may have opened it already); only what it holds moves.
+
+    Raises:
+      OSError: an entry cannot be moved.
+    """
     if not os.path.isdir(path):
         return None
-    entries = [n for n in os.listdir(path) if n != ATTEMPTS]
-    if not entries:
+    checkpoints = os.path.join(path, "checkpoints")
+    moves = [(os.path.join(path, n), n) for n in os.listdir(path) if n not in (ATTEMPTS, "checkpoints")]
+    if os.path.isdir(checkpoints):
+        moves += [(os.path.join(checkpoints, n), os.path.join("checkpoints", n)) for n in os.listdir(checkpoints)]
+    if not moves:
         return None
     n = 1
     while os.path.exists(os.path.join(path, ATTEMPTS, str(n))):
         n += 1
     target = os.path.join(path, ATTEMPTS, str(n))
-    os.makedirs(target)
-    for name in entries:
-        os.replace(os.path.join(path, name), os.path.join(target, name))
+    os.makedirs(os.path.join(target, "checkpoints"))
+    for src, name in moves:
+        os.replace(src, os.path.join(target, name))
     return target
 
 
