@@ -5,8 +5,9 @@ launch/k8s.py, once every role's folder is on one filesystem).
   python launch/summarize.py --config=experiments/configs/two_islands.py --workdir=DIR [--wall_seconds=S]
 
 Takes the run's config and overrides, like every role. Prints the launchers' done line (eval loss, whether the
-global parameters agree) and exits 1 when they do not agree; a role that left no summary.json (it did not
-finish) is an error naming its folder.
+global parameters agree) and exits 1 when the run failed (`workdir.failures`: the islands' final parameters
+disagree, or a round was merged without an island its quorum requires), its last line saying why; a role that
+left no summary.json (it did not finish) is an error naming its folder.
 """
 
 from __future__ import annotations

@@ -189,3 +189,29 @@ def test_sample_and_export_read_checked_parameters_and_name_a_leaf_that_differs(
         "its newest intact checkpoint)"
     )
     assert load.from_workdir(workdir, round=2)[2] == 2
+
+
+@pytest.mark.slow  # starts launch/summarize.py
+def test_a_run_whose_islands_disagree_exits_non_zero_saying_so_last(finished, tmp_path):
+    import subprocess
+    import sys
+
+    from processes import ROOT, role_env
+
+    corpus, workdir = copy(finished, tmp_path)
+    path = os.path.join(workdir, "islands", "b", "summary.json")
+    summary = json.loads(open(path).read())
+    held, summary["checksum"] = summary["checksum"], "0123456789abcdef"
+    open(path, "w").write(json.dumps(summary))
+    result = subprocess.run(
+        [sys.executable, os.path.join(ROOT, "launch", "summarize.py"), f"--config={os.path.join(ROOT, 'tests', 'tiny_config.py')}",
+         f"--workdir={workdir}", f"--config.data.files={corpus}", f"--config.outer.rounds={ROUNDS}",
+         "--config.checkpoint.every_rounds=2"],
+        capture_output=True, text=True, env=role_env(), timeout=300,
+    )
+    assert result.returncode == 1, result.stdout + result.stderr
+    assert result.stderr.strip().splitlines()[-1] == (
+        f"[summarize] the run failed: the islands' final global parameters disagree (a={held}, b=0123456789abcdef; "
+        f"the coordinator's view {held})"
+    )
+    assert "global parameters agree: False" in result.stdout
