@@ -251,8 +251,13 @@ def test_the_start_barrier_waits_for_islands_that_can_still_come_and_says_why():
     assert coordinator.barrier_waits_for({"a"}) == {"b": "joined, not ready yet (evaluating or compiling)"}
 
 
-def test_with_a_quorum_the_start_barrier_waits_the_grace_window_for_the_rest():
+def test_resumed_with_a_quorum_the_start_barrier_waits_the_grace_window_for_the_rest():
     coordinator, clock = _three_islands(min_islands=2, grace=10.0, kind=FragmentedCoordinator)
+    clock.now += 100.0  # a new run waits for every island, however long
+    assert coordinator.barrier_waits_for({"a", "b"}) == {"c": "joined, not ready yet (evaluating or compiling)"}
+    for name in ("a", "b", "c"):  # round 1 merged: as after a restart from its checkpoint
+        coordinator.contribute(ContributionHeader(0, name, 1000, coordinator.checksum), _pg(0.1))
+    assert coordinator.round == 1
     assert coordinator.barrier_waits_for({"a"}) == dict.fromkeys("bc", "joined, not ready yet (evaluating or compiling)")
     clock.now += 100.0  # no quorum yet: no grace window runs
     assert coordinator.barrier_waits_for({"a", "b"}) == {"c": "joined, not ready yet (evaluating or compiling)"}

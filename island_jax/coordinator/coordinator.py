@@ -164,18 +164,19 @@ class FragmentedCoordinator:
         """The islands the start barrier (every island says it is ready, then all start their first round
         together) still waits for, each with why: it has not joined yet, or it joined and is not ready yet. An
         island admitted to rejoin (`join`'s "rejoin": behind a resumed run, or ahead of a restarted coordinator)
-        starts on its own and is not waited for, nor is one that took the view. With `outer.min_islands` below the
-        island count, the barrier stops waiting `outer.grace_seconds` (by the injectable clock) after a quorum of
-        islands is ready."""
+        starts on its own and is not waited for, nor is one that took the view. Resumed (past round 0) with
+        `outer.min_islands` below the island count, the barrier stops waiting `outer.grace_seconds` (by the
+        injectable clock) after a quorum of islands is ready."""
         joined = set().union(*(f.joined for f in self.fragments))
         waits = {
             n: "joined, not ready yet (evaluating or compiling)" if n in joined else "has not joined yet"
             for n in self.islands if n not in ready and n not in self.rejoined and n not in self.viewed
         }
-        # With a quorum below every island (outer.min_islands), one that may be gone for good is waited for only
-        # outer.grace_seconds once the quorum is there, as a round would.
+        # Resumed with a quorum below every island (outer.min_islands), one that may be gone for good is waited for
+        # only outer.grace_seconds once the quorum is there, as a round would; a new run waits for every island
+        # (one slow to start is not left behind at its first round).
         quorum = self.config.outer.min_islands or len(self.islands)
-        if not waits or len(self.islands) - len(waits) < quorum:
+        if not waits or self.round == 0 or len(self.islands) - len(waits) < quorum:
             self._quorum_ready_at = None
             return waits
         now = self._clock()
