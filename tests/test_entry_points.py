@@ -19,7 +19,6 @@ from tiny_config import get_config
 
 from island_jax import cli
 from island_jax.config import fingerprint_fields
-from island_jax.metrics import read_jsonl
 from island_jax.workdir import check_resume
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -201,26 +200,3 @@ def test_the_entry_points_refuse_bad_arguments_in_one_line_before_anything_start
             result = _run(script, f"--workdir={workdir}", *args, cwd=tmp_path)
             assert (result.returncode, result.stderr.splitlines(), result.stdout) == (1, [line], ""), args
     assert not workdir.exists()
-
-
-@pytest.mark.slow  # starts experiments/train.py
-def test_train_resumes_a_stopped_run_from_its_workdir_under_the_recorded_config(tmp_path, corpus):
-    """A run stopped after round 1 (island a fails at round 2, as configured) goes on from `--workdir` with no
-    `--config`, under the config it recorded (with one override, which a resume may change)."""
-    from island_jax.run import run_in_process
-
-    config = get_config()
-    config.data.files = corpus
-    config.outer.rounds = 2
-    config.islands.a.crash_at_round = 2
-    workdir = tmp_path / "stopped"
-    with pytest.raises(RuntimeError, match="island a crashes at round 2 on purpose"):
-        run_in_process(config, str(workdir))
-    config.lock()  # as the config flag gives it
-    assert parsed(["train.py", f"--config={workdir / 'coordinator' / 'config.json'}"]) == config
-    result = _run(TRAIN, f"--workdir={workdir}", "--config.islands.a.crash_at_round=0")
-    assert result.returncode == 0, result.stderr[-3000:]
-    assert "island a resumed from the checkpoint of round 1" in result.stderr
-    coordinator = [r for r in read_jsonl(workdir / "coordinator" / "metrics.jsonl") if r["kind"] == "round"]
-    assert [r["round"] for r in coordinator] == [1, 2]
-    assert json.loads((workdir / "summary.json").read_text())["rounds"] == 2

@@ -133,30 +133,6 @@ def test_coordinator_checkpoint_restores_in_a_new_process_to_the_same_bits(strai
     }
 
 
-def test_crash_stops_every_process_and_the_rerun_resumes_to_the_same_bits(straight, corpus, tmp_path):
-    workdir = tmp_path / "crash"
-    crashed = launch(workdir, corpus, "--config.islands.b.crash_at_round=3")
-    assert crashed.returncode != 0
-    assert "island b crashes at round 3 on purpose" in crashed.stdout
-    assert re.search(r"\[launch\] island b exited with status 1; stopping the other processes", crashed.stdout)
-    pids = [int(p) for p in re.findall(r"\[launch\] started .* \(pid (\d+)\)", crashed.stdout)]
-    assert len(pids) == 3
-    for pid in pids:
-        with pytest.raises(ProcessLookupError):
-            os.kill(pid, 0)
-    resumed = launch(workdir, corpus)
-    assert resumed.returncode == 0, resumed.stdout[-3000:]
-    assert "resumed from the checkpoint of round 2" in resumed.stdout
-    final = json.load(open(workdir / "coordinator" / "summary.json"))["checksum"]
-    assert final == json.load(open(straight[0] / "coordinator" / "summary.json"))["checksum"]
-    summary = (workdir / "summary.json").read_text()
-    assert json.loads(summary)["islands"]["b"]["inner_steps"] == 6
-    again = launch(workdir, corpus)
-    assert again.returncode == 1 and (f"{workdir} holds a finished run of 3 rounds (summary.json); raise "
-                                      "--config.outer.rounds to extend it, or pass a new --workdir") in again.stderr
-    assert (workdir / "summary.json").read_text() == summary
-
-
 def test_streaming_fragments_across_processes(corpus, tmp_path):
     """Two fragments, tau = 1, one process per role: every fragment of every round goes out once, the islands
     end on the coordinator's view, and the run writes its accounting, events and timeline."""

@@ -64,12 +64,24 @@ def test_a_finished_run_is_refused_unless_outer_rounds_is_raised(finished):
     )
 
 
-def test_a_finished_run_extended_goes_on_from_its_last_round_with_its_schedule_held(finished, tmp_path, caplog):
+@pytest.mark.slow  # starts experiments/train.py
+def test_a_finished_run_extended_from_its_workdir_alone_goes_on_with_its_schedule_held(finished, tmp_path):
+    """`experiments/train.py --workdir=DIR` with no --config resumes under the recorded config.json; raising
+    outer.rounds extends the finished run from its last round, the learning rate held at the schedule's end."""
+    import subprocess
+    import sys
+
+    from processes import ROOT, role_env
+
     corpus, workdir = copy(finished, tmp_path)
     before = {role: read_jsonl(os.path.join(workdir, role, "metrics.jsonl")) for role in ("coordinator", "islands/a")}
-    config = tiny(corpus, rounds=ROUNDS + 1)
-    with caplog.at_level(logging.INFO, logger="absl"):
-        summary = run_in_process(config, workdir)
+    result = subprocess.run([sys.executable, os.path.join(ROOT, "experiments", "train.py"), f"--workdir={workdir}",
+                             f"--config.outer.rounds={ROUNDS + 1}"], capture_output=True, text=True, env=role_env(),
+                            timeout=600, cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "island a: rounds 5..5 extend the run's 4; their inner learning rate holds the schedule's final value" \
+        in result.stderr
+    summary = json.loads(open(os.path.join(workdir, "summary.json")).read())
     assert summary["rounds"] == 5 and summary["checksums_agree"] is True and summary["failures"] == []
     assert summary["checksums_agree_every_round"] is True
     assert [r["round"] for r in records(workdir, "coordinator", "round")] == [1, 2, 3, 4, 5]
@@ -78,13 +90,13 @@ def test_a_finished_run_extended_goes_on_from_its_last_round_with_its_schedule_h
     rounds = records(workdir, "islands/a", "round")
     assert [r["round"] for r in rounds] == [1, 2, 3, 4, 5]
     assert [r.get("learning_rate_held") for r in rounds] == [None, None, None, None, True]
+    config = tiny(corpus)
     inner = [r for r in records(workdir, "islands/a", "inner") if r["round"] == 5]
     end = np.float32(config.inner.learning_rate * config.inner.min_learning_rate_ratio)
     assert [np.float32(r["learning_rate"]) for r in inner] == [end, end]
     for role in ("coordinator", "islands/a", "islands/b"):  # the old end's summary kept beside the new one
         assert json.loads(open(os.path.join(workdir, role, "summary_4.json")).read())["rounds"] == 4
-    assert logged(caplog, r"island a: rounds (\d+)\.\.(\d+) extend the run's (\d+); their inner learning rate holds "
-                          r"the schedule's final value") == [("5", "5", "4")]
+        assert json.loads(open(os.path.join(workdir, role, "config.json")).read())["outer"]["rounds"] == 5
 
 
 def test_a_resume_where_an_island_lost_its_newest_checkpoint_does_not_wait_at_the_barrier(finished, tmp_path, caplog):

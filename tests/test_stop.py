@@ -1,5 +1,7 @@
-"""The launcher stopped with SIGTERM mid-run, and the same command again: no role waits at the start barrier, and
-the run ends with the islands on the coordinator's view after every round."""
+"""The launcher stopped with SIGTERM mid-run, and the same command again: every process ends (each finishing the
+checkpoint it is writing), no role waits at the start barrier, the run ends with the islands on the coordinator's
+view after every round, and once finished the same command is refused. (A role that crashes stopping the others:
+tests/test_launch.py's restart tests; a crashed run resuming to the same bits: tests/test_run.py.)"""
 
 import os
 import re
@@ -61,3 +63,9 @@ def test_sigterm_to_the_launcher_then_the_same_command_resumes_without_waiting_a
     assert "not every island was ready" not in resumed.stdout
     done = [line for line in resumed.stdout.splitlines() if line.startswith("[launch] done in ")]
     assert len(done) == 1 and "global parameters agree: True (every round: True)" in done[0], done
+    summary = (workdir / "summary.json").read_text()
+    again = subprocess.run(command(workdir, corpus), capture_output=True, text=True, env=role_env(), timeout=600)
+    assert again.returncode == 1 and again.stderr.strip().splitlines()[-1] == (
+        f"{workdir} holds a finished run of {ROUNDS} rounds (summary.json); raise --config.outer.rounds to extend it, "
+        "or pass a new --workdir"), again.stderr[-2000:]
+    assert (workdir / "summary.json").read_text() == summary  # nothing it holds was touched
