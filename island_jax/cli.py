@@ -9,7 +9,7 @@ recorded config. Before absl sees the arguments (`config_argv`):
   repository this package sits in (as `experiment.load_config` does); a file
   in neither place exits with one line naming it;
 - a run's recorded `config.json` (`WORKDIR/coordinator/config.json`, written by
-  `workdir.open_role`) is a config file too: `read_recorded_config` rebuilds
+  `workdir.open_role`) is a config file too: `config.read_json` rebuilds
   the ConfigDict it was written from, and `--config.a.b=v` overrides apply;
 - with `parse_run_flags`, `--workdir=DIR` and no `--config` takes the run's
   recorded config (`recorded_config_path`).
@@ -22,7 +22,6 @@ before anything starts. Imports no JAX.
 from __future__ import annotations
 
 import errno
-import json
 import os
 import socket
 import sys
@@ -65,52 +64,12 @@ def recorded_config_path(workdir: str) -> str | None:
     return next((p for p in (os.path.join(islands, n, "config.json") for n in names) if os.path.isfile(p)), None)
 
 
-def _typed(value, template):
-    """`value` (parsed JSON) as the ConfigDict field it was written from, with `template`'s types where JSON
-    loses them: a tuple (JSON writes a list) and a `FieldReference` of a declared type (`outer.overlap_steps`,
-    of `object`); nested dicts become ConfigDicts. A field the template lacks keeps its JSON type."""
-    import ml_collections
-
-    if isinstance(template, ml_collections.FieldReference):
-        return ml_collections.FieldReference(value, field_type=template.get_type())
-    if isinstance(value, dict):
-        fields = template._fields if isinstance(template, ml_collections.ConfigDict) else {}
-        return ml_collections.ConfigDict({k: _typed(v, fields.get(k)) for k, v in value.items()})
-    if isinstance(template, tuple) and isinstance(value, list):
-        return tuple(value)
-    return value
-
-
-def read_recorded_config(path: str):
-    """The `ml_collections.ConfigDict` a role's `config.json` at `path` was written from
-    (`ConfigDict.to_json_best_effort`), rebuilt field by field with the types of `config.default_config()`
-    (and of `config.island` under `islands`), so that it equals the config the run started with and its
-    overrides parse as that config's would.
-
-    Raises:
-      FileNotFoundError: no file at `path`.
-      ValueError: the file is not a JSON object (`json.JSONDecodeError` for text that is not JSON).
-    """
-    import ml_collections
-
-    from island_jax import config as config_lib
-
-    with open(path, encoding="utf-8") as f:
-        raw = json.load(f)
-    if not isinstance(raw, dict):
-        raise ValueError(f"{path} holds no recorded config (a JSON object): it holds a {type(raw).__name__}")
-    template = config_lib.default_config()
-    islands = raw.get("islands")
-    if isinstance(islands, dict):  # every island from the one template
-        one = config_lib.island(1, 1, 1, 1, 1)
-        template.islands = ml_collections.ConfigDict({name: one for name in islands})
-    return _typed(raw, template)
-
-
 def get_config(path: str):
     """A recorded `config.json` as a config file: `--config=island_jax/cli.py:PATH` is what `parse_flags`
     gives ml_collections for `--config=PATH.json` (its config flag runs a Python file's `get_config(ARG)`)."""
-    return read_recorded_config(path)
+    from island_jax.config import read_json
+
+    return read_json(path)
 
 
 def config_argv(argv: Sequence[str], from_workdir: bool = False) -> list[str]:
@@ -196,7 +155,9 @@ def _load(path: str):
     """The config `--config=PATH[:ARG]` names (after `config_argv`): a recorded config.json or a config file's."""
     file, _, arg = path.partition(":")
     if file.endswith(".json"):
-        return read_recorded_config(file)
+        from island_jax.config import read_json
+
+        return read_json(file)
     from island_jax.experiment import load_config
 
     if not arg:

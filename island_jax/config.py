@@ -35,6 +35,8 @@ anything and raises `ConfigError` naming the field and the fix.
 
 from __future__ import annotations
 
+import json
+
 import ml_collections
 
 from island_jax.hardware import CATALOG
@@ -900,3 +902,39 @@ def refuse_config_changes(folder: str, started: dict, config: ml_collections.Con
             "the change",
             changes,
         )
+
+
+def _typed_from_json(value, template):
+    """`value` (parsed JSON) as the ConfigDict field it was written from, with `template`'s types where JSON
+    loses them: a tuple (JSON writes a list) and a `FieldReference` of a declared type (`outer.overlap_steps`,
+    of `object`); nested dicts become ConfigDicts. A field the template lacks keeps its JSON type."""
+    if isinstance(template, ml_collections.FieldReference):
+        return ml_collections.FieldReference(value, field_type=template.get_type())
+    if isinstance(value, dict):
+        fields = template._fields if isinstance(template, ml_collections.ConfigDict) else {}
+        return ml_collections.ConfigDict({k: _typed_from_json(v, fields.get(k)) for k, v in value.items()})
+    if isinstance(template, tuple) and isinstance(value, list):
+        return tuple(value)
+    return value
+
+
+def read_json(path: str) -> ml_collections.ConfigDict:
+    """The `ml_collections.ConfigDict` a role's `config.json` at `path` was written from
+    (`ConfigDict.to_json_best_effort`), rebuilt field by field with the types of `config.default_config()`
+    (and of `config.island` under `islands`), so that it equals the config the run started with and its
+    overrides parse as that config's would.
+
+    Raises:
+      FileNotFoundError: no file at `path`.
+      ValueError: the file is not a JSON object (`json.JSONDecodeError` for text that is not JSON).
+    """
+    with open(path, encoding="utf-8") as f:
+        raw = json.load(f)
+    if not isinstance(raw, dict):
+        raise ValueError(f"{path} holds no recorded config (a JSON object): it holds a {type(raw).__name__}")
+    template = default_config()
+    islands = raw.get("islands")
+    if isinstance(islands, dict):  # every island from the one template
+        one = island(1, 1, 1, 1, 1)
+        template.islands = ml_collections.ConfigDict({name: one for name in islands})
+    return _typed_from_json(raw, template)

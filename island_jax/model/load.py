@@ -13,13 +13,12 @@ the checkpoint's, bit for bit.
 
 from __future__ import annotations
 
-import json
 import os
 
 import ml_collections
 import numpy as np
 
-from island_jax.config import evaluating_island
+from island_jax.config import evaluating_island, read_json
 
 WEIGHTS_FILE = "model.safetensors"
 CONFIG_FILE = "config.json"
@@ -81,9 +80,8 @@ def _template(config: ml_collections.ConfigDict):
 
 
 def read_config(path: str) -> ml_collections.ConfigDict:
-    """A `config.json` a role or an export wrote, as a ConfigDict."""
-    with open(path, encoding="utf-8") as f:
-        return ml_collections.ConfigDict(json.load(f))
+    """A `config.json` a role or an export wrote, as the ConfigDict it was written from (`config.read_json`)."""
+    return read_json(path)
 
 
 def run_config(workdir: str) -> ml_collections.ConfigDict:
