@@ -601,7 +601,8 @@ class ExchangeService:
             self.ready.add(request.island)
             await self._call(lambda: None)  # wakes the others
             began = said = time.monotonic()
-            while waits := c.barrier_waits_for(self.ready):
+            # read under the lock (joins change the sets it reads), on a reader thread
+            while waits := await self._call(c.barrier_waits_for, set(self.ready), changes=False):
                 version = self._version
                 if context.time_remaining() is not None and context.time_remaining() <= 0:
                     break
