@@ -277,8 +277,8 @@ def main_baseline() -> None:
     allocator.configure()
     import island_jax.comm.grpc_client  # noqa: F401
     import island_jax.comm.grpc_server  # noqa: F401
-    import island_jax.coordinator.main  # noqa: F401
-    import island_jax.island.main  # noqa: F401
+    import island_jax.roles.coordinator  # noqa: F401
+    import island_jax.roles.island  # noqa: F401
     from island_jax.mesh import use_cpu_devices
 
     use_cpu_devices(_DEVICES.value)

@@ -161,9 +161,8 @@ def main(argv):
 
     from island_jax.checkpoint import CheckpointError
     from island_jax.comm.security import SecurityError
-    from island_jax.comm.transport import ExchangeError
-    from island_jax.coordinator import ContributionError, HandshakeError
     from island_jax.data import DataError
+    from island_jax.protocol import ContributionError, ExchangeError, HandshakeError
     from island_jax.workdir import RunFailed
 
     try:
@@ -172,12 +171,12 @@ def main(argv):
 
             run_in_process(config, _WORKDIR.value, allow_config_change=_ALLOW_CONFIG_CHANGE.value)
         elif role == "coordinator":
-            from island_jax.coordinator.main import run_coordinator
+            from island_jax.roles.coordinator import run_coordinator
 
             run_coordinator(config, _WORKDIR.value, _COORDINATOR.value, insecure=_INSECURE.value,
                             allow_config_change=_ALLOW_CONFIG_CHANGE.value)
         else:
-            from island_jax.island.main import run_island
+            from island_jax.roles.island import run_island
 
             try:
                 run_island(config, _WORKDIR.value, name, _COORDINATOR.value if config.outer.enabled else None,

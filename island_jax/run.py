@@ -22,11 +22,11 @@ from absl import logging
 
 from island_jax import config as config_lib
 from island_jax.comm.inprocess import InProcessExchange, RunAborted
-from island_jax.coordinator.main import run_coordinator
 from island_jax.hardware import measured_cpu_peak_flops
 from island_jax.island import memory
-from island_jax.island.main import run_island
 from island_jax.progress import Progress
+from island_jax.roles.coordinator import run_coordinator
+from island_jax.roles.island import run_island
 from island_jax.workdir import check_finished, check_resume, combine_summaries, done_line, refuse_finished
 
 

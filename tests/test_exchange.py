@@ -16,12 +16,12 @@ from island_jax.comm import wire
 from island_jax.comm.grpc_client import GrpcTransport
 from island_jax.comm.grpc_server import serve
 from island_jax.comm.proxy import FaultProxy
-from island_jax.comm.transport import ExchangeError
 from island_jax.config import default_config, fingerprint_fields, island
 from island_jax.coordinator import ContributionHeader, FragmentedCoordinator, HandshakeError
 from island_jax.mesh import without_forced_device_count
 from island_jax.model.init import checksum
 from island_jax.outer import codec
+from island_jax.protocol import ExchangeError
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 

@@ -221,7 +221,7 @@ def test_round_record_has_the_outer_learning_rate_and_the_warmed_up_momentum_it_
     used = [(rec.outer_learning_rate, rec.outer_momentum) for rec in coord.history]
     assert used == [(float(np.float32(0.7)), float(schedule(jnp.int32(r)))) for r in range(6)]
     assert [m for _, m in used] == pytest.approx([0.0, 0.225, 0.45, 0.675, 0.9, 0.9], rel=1e-6)  # 0.9 x min(r / 4, 1)
-    from island_jax.coordinator.main import _round_record  # the coordinator's metrics record of a round
+    from island_jax.roles.coordinator import _round_record  # the coordinator's metrics record of a round
 
     logged = _round_record(coord.history[2], 2, 0, {}, 1.0)
     assert (logged["round"], logged["outer_learning_rate"], logged["outer_momentum"]) == (3, *used[2])

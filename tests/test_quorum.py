@@ -164,7 +164,7 @@ def test_an_island_that_took_the_view_mid_round_gets_as_long_as_the_others_had()
 
 
 def test_a_round_waiting_for_a_dead_island_fails_after_the_rejoin_timeout():
-    from island_jax.coordinator.main import _check_stalled
+    from island_jax.roles.coordinator import _check_stalled
 
     coordinator, clock = _three_islands(min_islands=0, kind=FragmentedCoordinator)
     coordinator.config.outer.rejoin_timeout_seconds = 30.0

@@ -50,10 +50,18 @@ from island_jax.comm import exchange_pb2 as pb
 from island_jax.comm import security, wire
 from island_jax.comm.grpc_server import KEEPALIVE_SECONDS, SERVICE_NAME, client_options
 from island_jax.comm.link import LinkEmulator
-from island_jax.comm.transport import CoordinatorRestarted, ExchangeError, SyncStats, log_barrier_wait
+from island_jax.comm.transport import log_barrier_wait
 from island_jax.config import RECONNECT_BACKOFF_CAP_SECONDS
-from island_jax.coordinator import ContributionError, ContributionHeader, HandshakeError, StaleRoundError
 from island_jax.outer import codec
+from island_jax.protocol import (
+    ContributionError,
+    ContributionHeader,
+    CoordinatorRestarted,
+    ExchangeError,
+    HandshakeError,
+    StaleRoundError,
+    SyncStats,
+)
 
 CORRUPT_RETRIES = 3  # a payload that arrives corrupt this many times in a row fails the call
 _UNREACHABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED, grpc.StatusCode.INTERNAL,

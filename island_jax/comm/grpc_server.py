@@ -30,6 +30,7 @@ import queue
 import threading
 import time
 from concurrent import futures
+from typing import TYPE_CHECKING
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -38,16 +39,11 @@ from island_jax.comm import exchange_pb2 as pb
 from island_jax.comm import security, wire
 from island_jax.comm.transport import BARRIER_LOG_SECONDS, barrier_line
 from island_jax.config import KEEPALIVE_SECONDS
-from island_jax.coordinator import (
-    ContributionError,
-    ContributionHeader,
-    Coordinator,
-    FragmentedCoordinator,
-    HandshakeError,
-    StaleRoundError,
-    handshake,
-)
 from island_jax.outer import codec
+from island_jax.protocol import ContributionError, ContributionHeader, HandshakeError, StaleRoundError
+
+if TYPE_CHECKING:
+    from island_jax.coordinator import Coordinator, FragmentedCoordinator
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Exchange"].full_name
 _CHUNKS_QUEUED = 8  # per contribution stream: chunks read while the coordinator is still taking earlier ones
@@ -590,8 +586,7 @@ class ExchangeService:
         c = self.coordinator
         try:
             if request.reconnect:  # only who the coordinator is now: the island decides what follows
-                await self._call(handshake.check_island, request.island, c.islands, c.fingerprint_fields, fields,
-                                 changes=False)
+                await self._call(c.check_island, request.island, fields, changes=False)
                 reply = dict(round=c.round, checksum="", rejoin=False)
             else:
                 reply = await self._call(c.join, request.island, fields, request.params_checksum, request.round)

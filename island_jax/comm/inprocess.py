@@ -2,7 +2,7 @@
 
 `InProcessExchange` is the coordinator's end (what `run_coordinator` serves
 on, as it serves gRPC on an address); `InProcessTransport` is one island's end,
-with the calls of `comm.transport.Transport`, like the gRPC client. So a
+with the calls of `protocol.Transport`, like the gRPC client. So a
 notebook or a test runs the same island, codec, merge, outer step and role
 drivers as a multi-process launch; only the transport differs.
 
@@ -20,15 +20,19 @@ from __future__ import annotations
 
 import threading
 import time
+from typing import TYPE_CHECKING
 
 from absl import logging
 
 from island_jax.comm import exchange_pb2 as pb
 from island_jax.comm import wire
 from island_jax.comm.link import LinkEmulator
-from island_jax.comm.transport import BARRIER_LOG_SECONDS, SyncStats, barrier_line, log_barrier_wait
-from island_jax.coordinator import ContributionHeader, FragmentedCoordinator, UpdateNotReady
+from island_jax.comm.transport import BARRIER_LOG_SECONDS, barrier_line, log_barrier_wait
 from island_jax.outer import codec
+from island_jax.protocol import ContributionHeader, SyncStats, UpdateNotReady
+
+if TYPE_CHECKING:
+    from island_jax.coordinator import FragmentedCoordinator
 
 
 class RunAborted(RuntimeError):
@@ -149,7 +153,7 @@ class InProcessExchange:
 
 
 class InProcessTransport:
-    """One island's end of an `InProcessExchange`, with the calls of `comm.transport.Transport`.
+    """One island's end of an `InProcessExchange`, with the calls of `protocol.Transport`.
 
     Args:
       exchange: the run's `InProcessExchange` (served by `run_coordinator`, or by hand with `serve`).

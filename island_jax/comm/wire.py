@@ -28,8 +28,8 @@ import numpy as np
 from google.protobuf.message import DecodeError
 
 from island_jax.comm import exchange_pb2 as pb
-from island_jax.coordinator.contribution import ContributionHeader
 from island_jax.outer import codec
+from island_jax.protocol import ContributionHeader
 
 HEADER, CHUNK, RESTART, TRAILER = b"H", b"C", b"R", b"T"
 _CHUNK = struct.Struct("<cIQI")  # kind, index, offset, crc32

@@ -19,11 +19,11 @@ import ml_collections
 
 from island_jax.config import fingerprint_fields
 from island_jax.coordinator import handshake
-from island_jax.coordinator.contribution import ContributionHeader
 from island_jax.coordinator.merge import Coordinator
 from island_jax.model.init import checksum
 from island_jax.outer import codec
 from island_jax.outer import fragments as fragments_lib
+from island_jax.protocol import ContributionHeader
 
 
 class FragmentedCoordinator:
@@ -110,6 +110,15 @@ class FragmentedCoordinator:
         if self._checksum is None or self._checksum[0] != key:
             self._checksum = (key, checksum(self._whole(lambda f: f.view_leaves())))
         return self._checksum[1]
+
+    def check_island(self, island: str, config_fingerprint: dict) -> None:
+        """The handshake's check of a reconnecting island: its name and `config.fingerprint_fields` against ours,
+        changing nothing (`join` checks these and more).
+
+        Raises:
+          HandshakeError: an unknown island, or fingerprint fields that differ (each named with both values).
+        """
+        handshake.check_island(island, self.islands, self.fingerprint_fields, config_fingerprint)
 
     def join(self, island: str, config_fingerprint: dict, params_checksum: str, round: int = 0) -> dict:
         """Admits an island whose model, codec and seed match, at the round it resumes or at the run's.

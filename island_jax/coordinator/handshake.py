@@ -11,11 +11,7 @@ from __future__ import annotations
 from typing import Sequence
 
 from island_jax.config import fingerprint_differences
-from island_jax.coordinator.errors import HandshakeError
-
-# The key of an island's fingerprint that describes its corpus (`data.Corpus.fingerprint`), which the coordinator
-# does not read itself: every island's must equal those of the others that joined (`check_corpus`).
-CORPUS = "corpus"
+from island_jax.protocol import CORPUS, HandshakeError
 
 
 def check_island(island: str, islands: Sequence[str], ours: dict, theirs: dict) -> None:

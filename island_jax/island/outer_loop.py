@@ -38,11 +38,10 @@ from typing import Callable, Protocol, runtime_checkable
 
 from absl import logging
 
-from island_jax.comm.transport import CoordinatorRestarted, ExchangeError, Transport
-from island_jax.coordinator import ContributionHeader, StaleRoundError
 from island_jax.island.accounting import BetweenRounds, EventLog, RoundAccounting, RoundProgress, StepTimes
 from island_jax.outer import codec
 from island_jax.outer import fragments as fragments_lib
+from island_jax.protocol import ContributionHeader, CoordinatorRestarted, ExchangeError, StaleRoundError, Transport
 
 
 @runtime_checkable
@@ -221,7 +220,7 @@ class StreamingSync:
 
     Args:
       island: the island (`OuterLoopIsland`: in the runs, an `island.Island`).
-      transport: the island's `comm.transport.Transport` (in process or gRPC; a link emulator under it), or
+      transport: the island's `protocol.Transport` (in process or gRPC; a link emulator under it), or
         None: no outer loop (the data-parallel baseline trains its rounds and exchanges nothing).
       config: the run's config (`outer.fragments`, `overlap_steps`, `mix_alpha`,
         `sync`, `round_seconds`, `rounds`; `comm.connections`; `metrics.progress_seconds`).

@@ -18,15 +18,15 @@ from absl import logging
 from island_jax import allocator
 from island_jax import config as config_lib
 from island_jax.comm.inprocess import InProcessExchange
-from island_jax.comm.transport import Endpoint
 from island_jax.coordinator import FragmentedCoordinator, RoundRecord
 from island_jax.metrics import write_json
 from island_jax.model.init import checksum, count, init_params
+from island_jax.protocol import Endpoint
 from island_jax.workdir import RoleFolder, coordinator_dir, due, island_dir, open_role, set_aside_summary
 
 
 class _GrpcEndpoint:
-    """The gRPC service and server as the `comm.transport.Endpoint` the round loop serves."""
+    """The gRPC service and server as the `protocol.Endpoint` the round loop serves."""
 
     def __init__(self, coordinator: FragmentedCoordinator, address: str, config, insecure: bool):
         from island_jax.comm.grpc_server import serve

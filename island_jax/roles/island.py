@@ -29,13 +29,13 @@ from island_jax import data as data_lib
 from island_jax.checkpoint import CheckpointCorrupt
 from island_jax.comm.inprocess import InProcessExchange, InProcessTransport, RunAborted
 from island_jax.comm.link import LinkEmulator
-from island_jax.comm.transport import CoordinatorRestarted, ExchangeError
 from island_jax.island import ACCOUNTING_FIELDS, STEP_METRICS, EventLog, Island, StreamingSync, memory
 from island_jax.island.step import learning_rates
 from island_jax.mesh import island_mesh
 from island_jax.metrics import gbps, write_json
 from island_jax.model.init import checksum, count, init_params
 from island_jax.progress import Eta
+from island_jax.protocol import CORPUS, CoordinatorRestarted, ExchangeError
 from island_jax.workdir import (
     RoleFolder,
     checkpoint_schedule,
@@ -254,7 +254,6 @@ class _Evaluator:
 def join_fingerprint(config: ml_collections.ConfigDict, corpus: data_lib.Corpus) -> dict:
     """What an island joins with: `config.fingerprint_fields`, and its corpus's fingerprint under
     `handshake.CORPUS` (every island must split the same corpus: `handshake.check_corpus`)."""
-    from island_jax.coordinator.handshake import CORPUS
 
     return {**config_lib.fingerprint_fields(config), CORPUS: corpus.fingerprint}
 
