@@ -45,11 +45,11 @@ setup(
         "crc32c>=2.7,<3",  # CRC-32C of every chunk, in hardware
         "cryptography>=42,<51",  # island_jax/comm/security.py: the run's TLS certificates (x509, ECDSA P-256)
         "safetensors>=0.8,<0.9",  # island_jax/export.py: the exported weights
-        # island_jax/tokenizer.py: byte-level BPE and tokenizer.json files, SentencePiece models, tiktoken encodings
+        # island_jax/data/tokenizer.py: byte-level BPE and tokenizer.json files, SentencePiece models, tiktoken encodings
         "tokenizers>=0.22,<0.24",
         "sentencepiece>=0.2,<0.3",
         "tiktoken>=0.9,<0.15",
-        # island_jax/prepared.py: Parquet inputs, ArrayRecord shards, a progress bar
+        # island_jax/data/preparation.py: Parquet inputs, ArrayRecord shards, a progress bar
         "pyarrow>=17,<27",
         "array-record>=0.8,<0.9",
         "tqdm>=4.66,<5",

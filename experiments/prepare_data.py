@@ -12,7 +12,7 @@ DIR gets the shards (train-NNNNN.array_record, eval-NNNNN.array_record), manifes
 documents, tokens and bytes per split, the text files held out and the split rule) and settings.json. Run the
 same command again to resume an interrupted preparation: finished shards are kept. The last line is
 `prepare_data: documents=D tokens=T megabytes=M seconds=S megabytes_per_second=R`, the text's UTF-8
-megabytes (10^6 bytes) over the wall time. island_jax/prepared.py has the format. Train on DIR with
+megabytes (10^6 bytes) over the wall time. island_jax/data/records.py has the format. Train on DIR with
 `--config.data.prepared=DIR` (docs/data.md).
 """
 
@@ -20,12 +20,12 @@ import sys
 
 from absl import app, flags
 
-from island_jax.prepared import FORMATS
-from island_jax.tokenizer import KINDS
+from island_jax.data.preparation import FORMATS
+from island_jax.data.tokenizer import KINDS
 
 _INPUT = flags.DEFINE_multi_string("input", None, "A file, folder or glob of local text, JSONL or Parquet files.")
 _OUT = flags.DEFINE_string("out", None, "The prepared dataset's folder (created; resumed when it exists).")
-_TOKENIZER = flags.DEFINE_enum("tokenizer", "bpe", list(KINDS), "The tokenizer (island_jax/tokenizer.py).")
+_TOKENIZER = flags.DEFINE_enum("tokenizer", "bpe", list(KINDS), "The tokenizer (island_jax/data/tokenizer.py).")
 _VOCAB = flags.DEFINE_integer("vocab_size", 8192, "With --tokenizer=bpe: the vocabulary to train, tokens.")
 _TOKENIZER_PATH = flags.DEFINE_string("tokenizer_path", "", "The tokenizer's file, for the kinds read from one.")
 _EOS = flags.DEFINE_string("eos_token", "<|endoftext|>", "With --tokenizer=tokenizer_json: its end-of-document token.")
@@ -46,8 +46,8 @@ def main(argv):
     del argv
     from tqdm import tqdm
 
-    from island_jax.data import DataError
-    from island_jax.prepared import prepare
+    from island_jax.data.errors import DataError
+    from island_jax.data.preparation import prepare
 
     bar = tqdm(unit="B", unit_scale=True, desc="tokenized", file=sys.stderr)
     try:

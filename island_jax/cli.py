@@ -1,18 +1,12 @@
 """What the command-line scripts share: their flags parsed, with one line for every mistake in them.
 
-`parse_flags` is the `flags_parser` of `absl.app.run` in experiments/sweep.py,
-`python -m island_jax.plan` and the other scripts; experiments/train.py and
-launch/local.py use `parse_run_flags`, which also resumes a workdir under its
-recorded config. Before absl sees the arguments (`config_argv`):
-
-- `--config=PATH` is looked up from the working directory, then from the
-  repository this package sits in (as `experiment.load_config` does); a file
-  in neither place exits with one line naming it;
-- a run's recorded `config.json` (`WORKDIR/coordinator/config.json`, written by
-  `workdir.open_role`) is a config file too: `config.read_json` rebuilds
-  the ConfigDict it was written from, and `--config.a.b=v` overrides apply;
-- with `parse_run_flags`, `--workdir=DIR` and no `--config` takes the run's
-  recorded config (`recorded_config_path`).
+`parse_flags` is the `flags_parser` of `absl.app.run` in experiments/sweep.py, `python -m island_jax.plan`
+and the other scripts; experiments/train.py and launch/local.py use `parse_run_flags`, which also resumes a
+workdir under its recorded config. Before absl sees the arguments (`config_argv`), `--config=PATH` is looked
+up from the working directory, then from the repository (as `config.load_config` does), and a file in neither
+place exits with one line naming it. A run's recorded `config.json` is a config file too (`config.read_json`
+rebuilds it; `--config.a.b=v` overrides apply), and with `parse_run_flags`, `--workdir=DIR` and no `--config`
+takes the run's recorded config (`recorded_config_path`).
 
 An override that names no field (`--config.outer.roundz=3`) exits with one line naming the nearest field,
 and any other flag error with absl's message on one line. `port_in_use` is the launchers' check of a port
@@ -27,8 +21,9 @@ import socket
 import sys
 from typing import Sequence
 
+from island_jax.config.overrides import REPO_ROOT
+
 PREFIX = "--config."
-REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _HELP = ("--help", "-help", "--helpshort", "--helpfull", "--helpxml", "-h", "-?")
 
 
@@ -158,7 +153,7 @@ def _load(path: str):
         from island_jax.config import read_json
 
         return read_json(file)
-    from island_jax.experiment import load_config
+    from island_jax.config import load_config
 
     if not arg:
         return load_config(file)

@@ -68,9 +68,9 @@ def tokenizer_record(config: ml_collections.ConfigDict) -> dict:
     Raises:
       SampleError: `data.prepared` names a folder that is not a prepared dataset (`prepared.PreparedDataset`).
     """
-    from island_jax import tokenizer as tokenizer_lib
-    from island_jax.data import DataError
-    from island_jax.prepared import TOKENIZER_FILE, PreparedDataset
+    from island_jax.data import tokenizer as tokenizer_lib
+    from island_jax.data.errors import DataError
+    from island_jax.data.records import TOKENIZER_FILE, PreparedDataset
 
     prepared = config.data.get("prepared", "")
     if not prepared:
@@ -108,7 +108,7 @@ def load_tokenizer(record: dict):
     Raises:
       SampleError: its file is missing or unreadable, or is not the tokenizer the run trained with (another hash).
     """
-    from island_jax import tokenizer as tokenizer_lib
+    from island_jax.data import tokenizer as tokenizer_lib
 
     eos_token = record["eos_token"] or tokenizer_lib.EOS_TEXT
     try:
@@ -134,7 +134,7 @@ def run_tokenizer(config: ml_collections.ConfigDict, export: str = ""):
 
 def _vocabulary(config: ml_collections.ConfigDict, tokenizer) -> int:
     """The ids sampling draws from: the tokenizer's vocabulary (the byte corpus's 256 bytes), at most the model's."""
-    from island_jax import tokenizer as tokenizer_lib
+    from island_jax.data import tokenizer as tokenizer_lib
 
     if isinstance(tokenizer, tokenizer_lib.ByteTokenizer) and not config.data.get("prepared", ""):
         return BYTE_SYMBOLS  # the byte corpus has no end-of-document token

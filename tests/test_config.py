@@ -114,7 +114,7 @@ def test_every_key_is_documented_in_the_config_module():
     import inspect
     import re
 
-    from island_jax import config as config_lib
+    from island_jax.config import schema as config_lib
 
     defaults = inspect.getsource(config_lib).replace(inspect.getsource(config_lib.island), "")
     lines = defaults.splitlines()

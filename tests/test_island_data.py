@@ -9,10 +9,10 @@ import pytest
 from tiny_config import get_config, write_prepared
 
 from island_jax import data as data_lib
-from island_jax.config import ConfigError, fingerprint_fields, validate
+from island_jax.config import ConfigError, fingerprint_fields, sharing, validate
 from island_jax.data import DataError
+from island_jax.data.records import PreparedDataset
 from island_jax.metrics import read_jsonl
-from island_jax.prepared import PreparedDataset
 from island_jax.run import run_in_process
 
 PROSE = ["the", "island", "sends", "its", "update", "over", "a", "slow", "link", "and", "waits", ".", "\n"]
@@ -191,7 +191,7 @@ def test_islands_join_with_who_reads_which_records():
     c = _config("/data/shared", "/data/prose")
     c.islands.c = c.islands.b.copy_and_resolve_references()
     c.islands.c.data = "/data/prose,1;~/../root/../root/x,2"
-    assert data_lib.sharing(c, ["a", "b", "c"]) == {
+    assert sharing(c, ["a", "b", "c"]) == {
         "a": [["a:0", 0, 1, 1.0]],
         "b": [["b:0", 0, 2, 1.0]],
         "c": [["b:0", 1, 2, 1.0], ["c:1", 0, 1, 2.0]],
@@ -200,4 +200,4 @@ def test_islands_join_with_who_reads_which_records():
     moved.islands.c = c.islands.c
     moved.islands.a.data = "/data/prose"  # a now splits b's dataset with it: the plan, and the fingerprint, differ
     assert fingerprint_fields(moved)["data.sharing"] != fingerprint_fields(c)["data.sharing"]
-    assert data_lib.sharing(get_config(), ["a", "b"]) == {} and "data.sharing" not in fingerprint_fields(get_config())
+    assert sharing(get_config(), ["a", "b"]) == {} and "data.sharing" not in fingerprint_fields(get_config())

@@ -1,4 +1,4 @@
-"""Prepared datasets (island_jax/prepared.py): JSONL and Parquet in, packed ArrayRecord shards and a manifest out."""
+"""Prepared datasets (island_jax/data/preparation.py, records.py): JSONL and Parquet in, packed ArrayRecord shards and a manifest out."""
 
 import json
 import os
@@ -6,9 +6,10 @@ import os
 import numpy as np
 import pytest
 
-from island_jax import prepared
-from island_jax import tokenizer as tok
-from island_jax.data import DataError
+from island_jax.data import tokenizer as tok
+from island_jax.data.errors import DataError
+from island_jax.data.preparation import prepare, split_of
+from island_jax.data.records import SPLITS, PreparedDataset, decode_record, encode_record, pack
 
 SEQ_LEN = 64
 
@@ -38,7 +39,7 @@ def inputs(tmp_path):
 def _prepare(folder, out, **kw):
     kw = dict(tokenizer="bpe", vocab_size=300, field="body", seq_len=SEQ_LEN, eval_fraction=0.1, shard_bytes=2000,
               workers=1) | kw
-    return prepared.prepare([folder], out, **kw)
+    return prepare([folder], out, **kw)
 
 
 def _documents_of(out, split, eos):
@@ -46,11 +47,11 @@ def _documents_of(out, split, eos):
     records share one token) and cut at each end-of-document token."""
     from array_record.python.array_record_module import ArrayRecordReader
 
-    dataset = prepared.PreparedDataset(out)
+    dataset = PreparedDataset(out)
     docs, current = [], []
     for shard in dataset.manifest["splits"][split]["shards"]:
         reader = ArrayRecordReader(os.path.join(out, shard["file"]))
-        records = [prepared.decode_record(r, SEQ_LEN, dataset.manifest["token_dtype"]) for r in reader.read_all()]
+        records = [decode_record(r, SEQ_LEN, dataset.manifest["token_dtype"]) for r in reader.read_all()]
         reader.close()
         for i, (tokens, segments) in enumerate(records):
             for t, s in list(zip(tokens.tolist(), segments.tolist()))[1 if i else 0 :]:
@@ -71,7 +72,7 @@ def test_every_document_is_in_one_split_once_with_the_token_counts_of_the_tokeni
     t = tok.load("bpe", os.path.join(out, "tokenizer.json"))
     assert manifest["tokenizer"] == dict(kind="bpe", hash=t.hash, vocab_size=300, eos_id=0, file="tokenizer.json")
     sources = [f"a.jsonl:{i}" for i in range(60)] + [f"b.parquet:{i}" for i in range(60)]
-    by_split = {s: [x for x, src in zip(texts, sources) if prepared.split_of(src, 0.1) == s] for s in prepared.SPLITS}
+    by_split = {s: [x for x, src in zip(texts, sources) if split_of(src, 0.1) == s] for s in SPLITS}
     assert len(by_split["eval"]) == 8 and len(by_split["train"]) == 112
     for split, split_texts in by_split.items():
         expected = [t.encode_document(x).tolist() for x in split_texts]
@@ -85,18 +86,18 @@ def test_every_document_is_in_one_split_once_with_the_token_counts_of_the_tokeni
 
 def test_packed_records_mark_each_documents_tokens_and_pad_the_last_record():
     docs = [np.array([5, 6, 7, 0]), np.array([8, 0]), np.array([9, 9, 9, 9, 9, 0])]
-    tokens, segments = prepared.pack(docs, 5, "uint16")
+    tokens, segments = pack(docs, 5, "uint16")
     # records of 6 tokens (5 predictions each), the last token of one the first of the next
     assert tokens.tolist() == [[5, 6, 7, 0, 8, 0], [0, 9, 9, 9, 9, 9], [9, 0, 0, 0, 0, 0]]
     assert segments.tolist() == [[1, 1, 1, 1, 2, 2], [1, 2, 2, 2, 2, 2], [1, 1, 0, 0, 0, 0]]
-    data = prepared.encode_record(tokens[1], segments[1])
-    back = prepared.decode_record(data, 5, "uint16")
+    data = encode_record(tokens[1], segments[1])
+    back = decode_record(data, 5, "uint16")
     assert [x.tolist() for x in back] == [tokens[1].tolist(), segments[1].tolist()] and len(data) == 24
     # 11 tokens fill two records exactly: the last token is the last record's last, with no padding
-    tokens, segments = prepared.pack([np.array([1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 0])], 5, "uint16")
+    tokens, segments = pack([np.array([1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 0])], 5, "uint16")
     assert tokens.tolist() == [[1, 2, 3, 4, 5, 6], [6, 7, 8, 9, 10, 0]] and segments.min() == 1
     # a shard of one empty document: one record, its end-of-document token and padding
-    tokens, segments = prepared.pack([np.array([0])], 5, "uint16")
+    tokens, segments = pack([np.array([0])], 5, "uint16")
     assert tokens.tolist() == [[0] * 6] and segments.tolist() == [[1, 0, 0, 0, 0, 0]]
 
 

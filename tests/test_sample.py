@@ -15,11 +15,11 @@ from tiny_config import get_config, write_corpus, write_prepared
 
 from island_jax import experiment, logs, sample
 from island_jax.config import island
+from island_jax.data.records import PreparedDataset
 from island_jax.mesh import island_mesh
 from island_jax.metrics import read_jsonl
 from island_jax.model import load
 from island_jax.model.init import checksum, init_params
-from island_jax.prepared import PreparedDataset
 from island_jax.run import run_in_process
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

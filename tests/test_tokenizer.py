@@ -1,4 +1,4 @@
-"""Tokenizers from local files (island_jax/tokenizer.py): every kind's round trip, a deterministic BPE, refusals."""
+"""Tokenizers from local files (island_jax/data/tokenizer.py): every kind's round trip, a deterministic BPE, refusals."""
 
 import base64
 import hashlib
@@ -6,8 +6,8 @@ import hashlib
 import numpy as np
 import pytest
 
-from island_jax import tokenizer as tok
 from island_jax.data import DataError, find_files
+from island_jax.data import tokenizer as tok
 
 TEXT = "def f(x):\n    return x ** 2  # naïve — 平方\n\tprint('ok')\r\n"
 

@@ -35,12 +35,12 @@ def get_config():
 
 def write_prepared(folder, seed: int = 0, words=None, documents: int = 120, seq_len: int = 32, tokenizer: str = "",
                    vocab_size: int = 300) -> str:
-    """A prepared dataset (island_jax/prepared.py) of `documents` JSONL documents of shuffled `words` in
+    """A prepared dataset (island_jax/data/preparation.py) of `documents` JSONL documents of shuffled `words` in
     `folder` (a pathlib.Path): a BPE of `vocab_size` tokens trained on them, or the tokenizer.json
     `tokenizer`; records of `seq_len` predictions, small shards. Returns the dataset's folder."""
     import json
 
-    from island_jax.prepared import prepare
+    from island_jax.data.preparation import prepare
 
     folder.mkdir(parents=True, exist_ok=True)
     rng = np.random.default_rng(seed)

@@ -1,23 +1,16 @@
-"""Tokenizers: text to token ids and back, from local files only.
+"""Tokenizers: text to token ids and back, from local files only; nothing is downloaded.
 
-Five kinds, one interface (`Tokenizer`):
+Five kinds, one interface (`Tokenizer`): `bytes` (each UTF-8 byte a token, 0..255, and 256 ends a document),
+`bpe` (a byte-level BPE trained here with Hugging Face `tokenizers` on the run's training files, `train_bpe`,
+deterministically, saved as a tokenizer.json), `tokenizer_json` (any Hugging Face tokenizer.json),
+`sentencepiece` (a SentencePiece model file) and `tiktoken` (an encoding of tiktoken's whose ranks are read
+from a local `.tiktoken` file and checked against the hash tiktoken expects, or ranks of one's own).
 
-  bytes            each UTF-8 byte is a token (0..255), and 256 ends a document: the byte-level model's symbols.
-  bpe              a byte-level BPE of a given vocabulary, trained here with Hugging Face `tokenizers` on the
-                   run's own training files (`train_bpe`), deterministically, and saved as a tokenizer.json.
-  tokenizer_json   any Hugging Face tokenizer.json file.
-  sentencepiece    a SentencePiece model file.
-  tiktoken         an encoding of tiktoken's (`cl100k_base`, `o200k_base`, ...) whose ranks are read from a
-                   local `.tiktoken` file: tiktoken's own definition of the encoding (its pre-tokenization
-                   pattern and special tokens) with the ranks it would otherwise download, checked against the
-                   hash tiktoken expects of them; or ranks of one's own in that format.
-
-Nothing is downloaded. Every tokenizer has an end-of-document token (`eos_id`) that packing puts after each
-document, and a `hash` (16 hex digits of a SHA-256 over the bytes that define it) that a prepared
-dataset records, so that a model is never fed ids of another tokenizer.
-
-Token ids are int32. `decode(encode(text)) == text` for every string with the bytes, BPE and tiktoken kinds;
-SentencePiece and other tokenizer.json files normalize text as their authors chose.
+Every tokenizer has an end-of-document token (`eos_id`) that packing puts after each document, and a `hash`
+(16 hex digits of a SHA-256 over the bytes that define it) that a prepared dataset records, so that a model
+is never fed ids of another tokenizer. Token ids are int32. `decode(encode(text)) == text` for every string
+with the bytes, BPE and tiktoken kinds; SentencePiece and other tokenizer.json files normalize text as their
+authors chose.
 """
 
 from __future__ import annotations
@@ -30,7 +23,7 @@ from collections.abc import Iterable, Sequence
 
 import numpy as np
 
-from island_jax.data import DataError
+from island_jax.data.errors import DataError
 
 KINDS = ("bytes", "bpe", "tokenizer_json", "sentencepiece", "tiktoken")
 EOS_TEXT = "<|endoftext|>"  # the end-of-document token of the BPE trained here and of tiktoken's encodings

@@ -1,28 +1,15 @@
-"""Prepared datasets: local documents tokenized, packed into fixed-length records, in ArrayRecord shards.
+"""Preparing a dataset: local documents tokenized and packed into ArrayRecord shards, with a manifest.
 
-`prepare(inputs, out, ...)` (the library behind experiments/prepare_data.py):
-
-1. Reads documents from local files only: text files (a document each), JSONL (one field of each line) or
-   Parquet (one column, with pyarrow), in the sorted order of the paths.
-2. Splits them into `train` and `eval` by a hash of where each came from, never by chance: a text file by
-   its path, a JSONL or Parquet document by its path and index (`split_of`). The manifest lists the text
-   files that went to evaluation and states the rule.
-3. Makes the tokenizer (`island_jax.tokenizer`): a byte-level BPE is trained on the training documents in
-   order and saved beside the shards as tokenizer.json; the other kinds are read from their files.
-4. Cuts each split into shards of about `shard_bytes` of text (a shard depends only on its documents), and
-   tokenizes the shards in parallel processes. In a shard, every document's tokens and then the
-   end-of-document token follow each other, cut into records of `seq_len` predictions (`pack`): a record
-   holds seq_len + 1 tokens, the last of one the first of the next, and the last record is padded. A record
-   is `tokens` and `segment_ids` (the 1-based index of each token's document in the record, 0 on padding),
-   each [seq_len + 1], stored as one ArrayRecord entry (`decode_record`). Each token's bytes of text go to
-   token_bytes.npy, for bits per byte.
-5. A shard is written under a temporary name and renamed when complete, with a `.done.json` beside it
-   (documents, tokens, records, the file's SHA-256). Running again keeps the finished shards (checked by
-   their hash) and makes the rest, so an interrupted preparation resumes to the same bytes. The manifest is
-   written last.
-
-Training reads a prepared folder through `PreparedDataset` (grain over the ArrayRecord shards; island_jax/data.py
-splits it between islands).
+`prepare(inputs, out, ...)` (the library behind experiments/prepare_data.py; docs/data.md):
+1. reads documents from local files only: text files (a document each), JSONL (one field of each line) or
+   Parquet (one column, with pyarrow), in the sorted order of the paths;
+2. splits them into `train` and `eval` by a hash of where each came from, never by chance (`split_of`);
+3. makes the tokenizer (`island_jax.data.tokenizer`): a byte-level BPE trained on the training documents in
+   order, or one read from its file;
+4. cuts each split into shards of about `shard_bytes` of text and tokenizes them in parallel processes, each
+   shard packed into records (`records.pack`);
+5. writes each shard under a temporary name and renames it when complete, with a `.done.json` beside it, so
+   that an interrupted preparation resumes to the same bytes; the manifest is written last.
 """
 
 from __future__ import annotations
@@ -41,16 +28,21 @@ from pathlib import Path
 import numpy as np
 from absl import logging
 
-from island_jax import tokenizer as tokenizer_lib
-from island_jax.data import DataError
+from island_jax.data import tokenizer as tokenizer_lib
+from island_jax.data.errors import DataError
+from island_jax.data.records import (
+    FORMAT_VERSION,
+    MANIFEST,
+    SPLITS,
+    TOKEN_BYTES_FILE,
+    TOKENIZER_FILE,
+    encode_record,
+    pack,
+    token_dtype_for,
+)
 from island_jax.metrics import write_json
 
-FORMAT_VERSION = 2  # 2: a record holds seq_len + 1 tokens, sharing one with the next (1: seq_len, none shared)
-MANIFEST = "manifest.json"
-TOKENIZER_FILE = "tokenizer.json"
-TOKEN_BYTES_FILE = "token_bytes.npy"  # int32 [vocab]: the text bytes of each token (`Tokenizer.token_bytes`)
 FORMATS = ("auto", "text", "jsonl", "parquet")
-SPLITS = ("train", "eval")
 SPLIT_RULE = ("a text file goes to eval when the first 8 bytes of SHA-256(its path relative to its input's root), "
               "as a fraction of 2**64, are below eval_fraction; a JSONL or Parquet document likewise by "
               "SHA-256(path + ':' + its 0-based index in the file)")
@@ -149,48 +141,6 @@ def read_documents(files: Sequence[tuple[str, str]], fmt: str = "auto", field: s
                 yield Document(f"{rel}:{n}", "" if text is None else str(text))
 
 
-def pack(documents: Sequence[np.ndarray], seq_len: int, token_dtype) -> tuple[np.ndarray, np.ndarray]:
-    """Documents' token ids (each ending in its end-of-document token) one after another, cut into records that
-    each give `seq_len` predictions: record i holds tokens [i x seq_len, i x seq_len + seq_len + 1), so two
-    consecutive records share one token (the last target of one is the first input of the next), as the byte
-    windows of `data.Windows` do.
-
-    Returns:
-      (tokens [records, seq_len + 1], segment_ids [records, seq_len + 1] uint16): a token's segment id is the
-      1-based index, within its record, of the document it belongs to; the last record's padding is token 0,
-      segment 0.
-    """
-    width = seq_len + 1
-    if not documents:
-        return np.zeros((0, width), token_dtype), np.zeros((0, width), np.uint16)
-    tokens = np.concatenate(documents).astype(token_dtype)
-    doc_index = np.repeat(np.arange(len(documents)), [len(d) for d in documents])
-    records = max(1, -(-(len(tokens) - 1) // seq_len))
-    pad = records * seq_len + 1 - len(tokens)
-    tokens = np.concatenate([tokens, np.zeros(pad, token_dtype)])
-    doc_index = np.concatenate([doc_index, np.full(pad, -1)])
-    at = np.arange(records)[:, None] * seq_len + np.arange(width)
-    tokens, doc_index = tokens[at], doc_index[at]
-    segments = np.where(doc_index >= 0, doc_index - doc_index[:, :1] + 1, 0).astype(np.uint16)
-    return tokens, segments
-
-
-def encode_record(tokens: np.ndarray, segment_ids: np.ndarray) -> bytes:
-    """One record's bytes: its tokens, then its segment ids (little-endian, the manifest's dtypes)."""
-    return tokens.astype(tokens.dtype.newbyteorder("<")).tobytes() + segment_ids.astype("<u2").tobytes()
-
-
-def decode_record(data: bytes, seq_len: int, token_dtype) -> tuple[np.ndarray, np.ndarray]:
-    """(tokens [seq_len + 1] of `token_dtype`, segment_ids [seq_len + 1] uint16) of a record's bytes."""
-    dtype = np.dtype(token_dtype).newbyteorder("<")
-    tokens = np.frombuffer(data, dtype, seq_len + 1)
-    return tokens, np.frombuffer(data, "<u2", seq_len + 1, (seq_len + 1) * dtype.itemsize)
-
-
-def _token_dtype(vocab_size: int) -> str:
-    return "uint16" if vocab_size <= 1 << 16 else "int32"
-
-
 @dataclasses.dataclass(frozen=True)
 class ShardPlan:
     """One shard to make: its file name, its split, and its documents' texts in order."""
@@ -243,7 +193,7 @@ def _write_shard(plan: ShardPlan, out: str, seq_len: int) -> dict:
     from array_record.python.array_record_module import ArrayRecordWriter
 
     tok = _WORKER["tokenizer"]
-    dtype = _token_dtype(tok.vocab_size)
+    dtype = token_dtype_for(tok.vocab_size)
     identity = _identity(plan, tok.hash)
     docs = [tok.encode_document(t) for t in plan.texts]
     tokens, segments = pack(docs, seq_len, dtype)
@@ -303,7 +253,7 @@ def prepare(
     """Prepares `inputs` (files, folders or globs of local text, JSONL or Parquet) into the folder `out`.
 
     Args:
-      tokenizer, vocab_size, tokenizer_path, eos_token, tiktoken_name: the tokenizer (`island_jax.tokenizer`;
+      tokenizer, vocab_size, tokenizer_path, eos_token, tiktoken_name: the tokenizer (`island_jax.data.tokenizer`;
         `vocab_size` for "bpe", trained here; `tokenizer_path` for the kinds read from a file).
       fmt, field: the inputs' format ("auto": by suffix) and the JSONL field or Parquet column of the text.
       seq_len: predictions per record (a record holds seq_len + 1 tokens): the model.seq_len that trains on it.
@@ -384,7 +334,7 @@ def prepare(
         format_version=FORMAT_VERSION, settings=settings, split_rule=SPLIT_RULE,
         tokenizer=dict(kind=tok.kind, hash=tok.hash, vocab_size=tok.vocab_size, eos_id=tok.eos_id,
                        file=os.path.basename(tok_path) if tok_path else ""),
-        token_dtype=_token_dtype(tok.vocab_size), token_bytes=TOKEN_BYTES_FILE,
+        token_dtype=token_dtype_for(tok.vocab_size), token_bytes=TOKEN_BYTES_FILE,
         eval_files=sorted({os.path.relpath(p, r) for r, p in files if _format_of(p, fmt) == "text"
                            and split_of(os.path.relpath(p, r), eval_fraction) == "eval"}),
         splits={split: dict(
@@ -419,97 +369,3 @@ def _check_settings(out: str, settings: dict) -> None:
                             "folder, or the settings it was made with")
         return
     write_json(path, settings)
-
-
-def tokenizer_flags(dataset: "PreparedDataset") -> str:
-    """The experiments/prepare_data.py flags that prepare another dataset with `dataset`'s tokenizer."""
-    settings = dataset.manifest["settings"]
-    kind = settings["tokenizer"]
-    if kind == "bytes":
-        return "--tokenizer=bytes"
-    if kind == "bpe":  # trained there, saved beside the shards
-        return f"--tokenizer=tokenizer_json --tokenizer_path={os.path.join(dataset.path, TOKENIZER_FILE)}"
-    flags = f"--tokenizer={kind} --tokenizer_path={settings['tokenizer_path']}"
-    if kind == "tokenizer_json":
-        flags += f" --eos_token={settings['eos_token']}"
-    if kind == "tiktoken":
-        flags += f" --tiktoken_name={settings['tiktoken_name']}"
-    return flags
-
-
-class PreparedDataset:
-    """A prepared folder (`prepare`'s output), opened for reading: its records as grain datasets.
-
-    An item is int32 [2, seq_len + 1]: row 0 the record's tokens, row 1 their segment ids (`pack`). Records are
-    read from the ArrayRecord shards on demand (`grain.sources.ArrayRecordDataSource`), so memory does not grow
-    with the dataset.
-
-    Args:
-      path: the folder.
-
-    Attributes:
-      path, manifest: the folder and its manifest.json.
-      seq_len: predictions per record (a record holds seq_len + 1 tokens).
-      vocab_size, eos_id, tokenizer_hash: the tokenizer's (`island_jax.tokenizer`).
-      token_bytes: int32 [vocab_size], the UTF-8 bytes of text of each token.
-
-    Raises:
-      DataError: no manifest.json in `path` (not prepared, or not finished), or one of another format version.
-    """
-
-    def __init__(self, path: str):
-        self.path = os.path.abspath(os.path.expanduser(path))
-        manifest = os.path.join(self.path, MANIFEST)
-        if not os.path.isdir(self.path):
-            raise DataError(f"the prepared dataset {path} does not exist; prepare it with experiments/prepare_data.py "
-                            f"--out={path}, or give the folder it was prepared into")
-        if not os.path.isfile(manifest):
-            raise DataError(f"{path} holds no {MANIFEST}: it is not a prepared dataset, or its preparation did not "
-                            "finish; run experiments/prepare_data.py --out=" + path)
-        with open(manifest, encoding="utf-8") as f:
-            self.manifest = json.load(f)
-        version = self.manifest.get("format_version")
-        if version != FORMAT_VERSION:
-            raise DataError(f"{path} was prepared in format {version}, and this version of island_jax reads format "
-                            f"{FORMAT_VERSION}; prepare it again into a new folder (experiments/prepare_data.py)")
-        self.seq_len = int(self.manifest["settings"]["seq_len"])
-        tok = self.manifest["tokenizer"]
-        self.vocab_size, self.eos_id, self.tokenizer_hash = int(tok["vocab_size"]), int(tok["eos_id"]), tok["hash"]
-        try:
-            self.token_bytes = np.load(os.path.join(self.path, self.manifest["token_bytes"])).astype(np.int32)
-        except (OSError, ValueError) as e:
-            raise DataError(f"{path}: its {self.manifest['token_bytes']} cannot be read ({e}); copy the whole folder, "
-                            "or prepare it again") from e
-        self._dtype = self.manifest["token_dtype"]
-
-    def records(self, split: str = "train"):
-        """`split`'s records in shard order, a `grain.MapDataset` of int32 [2, seq_len + 1] items.
-
-        Raises:
-          DataError: the split has no record, or a shard file is missing.
-        """
-        import grain
-
-        shards = self.manifest["splits"][split]["shards"]
-        paths = [os.path.join(self.path, s["file"]) for s in shards if s["records"]]
-        missing = [p for p in paths if not os.path.isfile(p)]
-        if missing:
-            raise DataError(f"{self.path} lacks its shard {missing[0]}; copy the whole folder, or prepare it again")
-        if not paths:
-            raise DataError(f"the {split} split of {self.path} has no record; prepare it with more documents"
-                            + (" or a larger --eval_fraction" if split == "eval" else ""))
-        seq_len, dtype = self.seq_len, self._dtype
-
-        def decode(data: bytes) -> np.ndarray:
-            return np.stack(decode_record(data, seq_len, dtype)).astype(np.int32)
-
-        return grain.MapDataset.source(grain.sources.ArrayRecordDataSource(paths)).map(decode)
-
-    def fingerprint(self) -> dict:
-        """What islands reading this dataset agree on: the tokenizer's hash and a hash of every shard's SHA-256,
-        with the records of each split."""
-        shards = [s["sha256"] for split in SPLITS for s in self.manifest["splits"][split]["shards"]]
-        return dict(tokenizer=self.tokenizer_hash, seq_len=self.seq_len,
-                    shards_sha256=hashlib.sha256("\n".join(shards).encode()).hexdigest()[:16],
-                    **{f"{split}_records": sum(s["records"] for s in self.manifest["splits"][split]["shards"])
-                       for split in SPLITS})
