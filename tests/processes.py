@@ -35,9 +35,9 @@ CONFIG = os.path.join(TESTS, "tiny_config.py")
 
 def role_env() -> dict:
     """The environment of a process a test starts: this one's, without the 8 virtual devices tests/conftest.py
-    forces (each role sets its own device count), with tests/ importable (tiny_config); the compilation cache
-    settings are inherited."""
-    return without_forced_device_count(os.environ) | {"PYTHONPATH": TESTS}
+    forces (each role sets its own device count), with tests/ importable (tiny_config) and island_jax imported
+    from this checkout (whichever copy is installed); the compilation cache settings are inherited."""
+    return without_forced_device_count(os.environ) | {"PYTHONPATH": os.pathsep.join([TESTS, ROOT])}
 
 
 def launch(workdir, files: str, *overrides: str, config: str = CONFIG) -> subprocess.CompletedProcess:
