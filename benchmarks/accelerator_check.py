@@ -28,6 +28,7 @@ printout in seconds, figures that are not measurements.
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import sys
 import tempfile
@@ -37,8 +38,6 @@ import _smoke
 from absl import app, flags
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
-sys.path.insert(0, os.path.join(ROOT, "tests"))  # tiny_config: the test model
 
 _STEPS = flags.DEFINE_integer("steps", 10, "Inner steps timed per `step` check, after one that compiles.")
 flags.adopt_module_key_flags(_smoke)  # --smoke, in --help
@@ -46,6 +45,19 @@ flags.adopt_module_key_flags(_smoke)  # --smoke, in --help
 BF16_RTOL = 5e-3  # docs/island.md, "Remat and precision"
 PACKED_RTOL = 2e-2  # two bfloat16 attention kernels: a few bfloat16 ulps (2^-8) apart
 CPU_DEVICES = 8
+
+
+def _load(*path: str):
+    """The module of the file at ROOT/path: tests/tiny_config.py (the test model, `get_config`, and its corpus,
+    `write_corpus`) or a config of experiments/configs/."""
+    spec = importlib.util.spec_from_file_location(os.path.splitext(path[-1])[0], os.path.join(ROOT, *path))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _tiny_config():
+    return _load("tests", "tiny_config.py")
 
 
 def check_ep_dense(devices) -> str:
@@ -94,19 +106,17 @@ def check_ep_dense(devices) -> str:
 
 def _corpus():
     import numpy as np
-    from tiny_config import write_corpus
 
     folder = tempfile.mkdtemp(prefix="accelerator-check-")
     import pathlib
 
-    write_corpus(pathlib.Path(folder))
+    _tiny_config().write_corpus(pathlib.Path(folder))
     return folder, np.frombuffer(b"".join(p.read_bytes() for p in sorted(pathlib.Path(folder).glob("*.py"))), np.uint8)
 
 
 def check_bf16(devices, steps: int) -> str:
     import jax
     import numpy as np
-    from tiny_config import get_config
 
     from island_jax import data as data_lib
     from island_jax.island.step import train_losses
@@ -114,9 +124,9 @@ def check_bf16(devices, steps: int) -> str:
 
     _, corpus = _corpus()
     mesh = island_mesh(1, min(2, len(devices)), devices[: min(2, len(devices))])
-    curves = {}
+    curves, tiny = {}, _tiny_config()
     for dtype in ("float32", "bfloat16"):
-        c = get_config()
+        c = tiny.get_config()
         c.model.compute_dtype = dtype
         with jax.default_matmul_precision("highest" if dtype == "float32" else "default"):
             curves[dtype] = np.array(train_losses(c, mesh, data_lib.train_dataset(corpus, c.model.seq_len, 8, 0),
@@ -136,12 +146,7 @@ def check_step(devices, remat: str, smoke: bool) -> str:
     from island_jax.island.island import Island
     from island_jax.model.init import init_params
 
-    if smoke:
-        from tiny_config import get_config
-    else:
-        sys.path.insert(0, os.path.join(ROOT, "experiments", "configs"))
-        from fsdp_100m import get_config
-    c = get_config()
+    c = (_tiny_config() if smoke else _load("experiments", "configs", "fsdp_100m.py")).get_config()
     n = len(devices)
     del c.islands["b"]
     c.outer.enabled = False
@@ -173,12 +178,10 @@ def check_step(devices, remat: str, smoke: bool) -> str:
 
 
 def check_mixed(accelerators, cpus) -> str:
-    from tiny_config import get_config
-
     from island_jax.run import run_in_process
 
     folder, _ = _corpus()
-    c = get_config()
+    c = _tiny_config().get_config()
     c.data.files = os.path.join(folder, "*.py")
     c.outer.rounds = 2
     c.eval.every_rounds = 2

@@ -54,11 +54,10 @@ import _children
 import _smoke
 from absl import app, flags
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
+from island_jax.comm.proxy import FaultProxy
+from island_jax.metrics import read_jsonl
 
-from island_jax.comm.proxy import FaultProxy  # noqa: E402
-from island_jax.metrics import read_jsonl  # noqa: E402
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 _ROUNDS = flags.DEFINE_integer("rounds", 30, "Rounds of the run.")
 _SEED = flags.DEFINE_integer("seed", 0, "Seed of the fault schedule.")

@@ -255,5 +255,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    sys.path.insert(0, ROOT)
     app.run(main)

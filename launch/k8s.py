@@ -60,14 +60,10 @@ import re
 import shlex
 import subprocess
 import sys
-from pathlib import Path
 from typing import Any
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
-
-from island_jax import cluster as cluster_lib  # noqa: E402
-from island_jax import hardware as hardware_lib  # noqa: E402
+from island_jax import cluster as cluster_lib
+from island_jax import hardware as hardware_lib
 
 APP = "island-jax"
 SERVICE_TYPES = ("ClusterIP", "NodePort", "LoadBalancer")

@@ -26,15 +26,11 @@ import re
 import shlex
 import subprocess
 import sys
-from pathlib import Path
 
 from absl import app
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
-
-from island_jax import cluster as cluster_lib  # noqa: E402
-from island_jax import hardware as hardware_lib  # noqa: E402
+from island_jax import cluster as cluster_lib
+from island_jax import hardware as hardware_lib
 
 _FLAGS: dict = {}  # the command line's flags (`cluster_lib.define_flags`), defined only when run as a script
 

@@ -13,12 +13,9 @@ left no summary.json (it did not finish) is an error naming its folder.
 from __future__ import annotations
 
 import sys
-from pathlib import Path
 
 from absl import app, flags
 from ml_collections import config_flags
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Path to an experiment config (a get_config() file).", lock_config=True)
 _WORKDIR = flags.DEFINE_string("workdir", None, "The run's folder.")

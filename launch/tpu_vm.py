@@ -13,11 +13,12 @@ What the script does, in order:
    (`gcloud compute tpus tpu-vm describe NAME --format='value(networkEndpoints[0].ipAddress)'`): the island's
    `jax.distributed` coordinator listens there on `island_port`. A failed lookup, or an answer that is not an IPv4
    address, ends the script before any role starts.
-2. Runs, one VM after the other, `cd REPO && PYTHON -c "import island_jax"` on the coordinator's VM and on every
-   worker of each TPU VM (`--worker=all`): a VM that cannot be reached, or lacks the checkout or the interpreter,
-   ends the script before any role starts (an island with some workers started would wait for the others until
-   `distributed.initialization_timeout_seconds`). It also lets gcloud set up its ssh key for a TPU VM in one
-   session rather than in one per worker at once.
+2. Runs, one VM after the other, `cd REPO && PYTHON -P -c "import island_jax"` on the coordinator's VM and on
+   every worker of each TPU VM (`--worker=all`): a VM that cannot be reached, or lacks the checkout, the
+   interpreter or island_jax installed for it (`-P`: found in the checkout is not enough; the message names the
+   fix, `PYTHON -m pip install -e .` in REPO), ends the script before any role starts (an island with some
+   workers started would wait for the others until `distributed.initialization_timeout_seconds`). It also lets
+   gcloud set up its ssh key for a TPU VM in one session rather than in one per worker at once.
 3. Starts, all at once in the background, one `gcloud compute ssh VM` for the coordinator (a CPU VM, field `vm`)
    and one `gcloud compute tpus tpu-vm ssh NAME --worker=W` per worker of each TPU island (the TPU runtime needs
    every worker of a slice started together). Every worker runs `experiments/train.py` with the same
@@ -46,15 +47,11 @@ import re
 import shlex
 import subprocess
 import sys
-from pathlib import Path
 from typing import Mapping
 
 from absl import app
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
-
-from island_jax import cluster as cluster_lib  # noqa: E402
+from island_jax import cluster as cluster_lib
 
 _FLAGS: dict = {}  # the command line's flags (`cluster_lib.define_flags`), defined only when run as a script
 
@@ -184,16 +181,20 @@ def render(config, cluster: cluster_lib.Cluster, config_args: list[str], workdir
                     f"(gcloud compute tpus tpu-vm describe {tpu})", var),
         ]
 
-    # Before any role starts: every VM answers, holds the checkout and the interpreter with island_jax; and
-    # gcloud's one-time ssh key set-up for a TPU VM happens in one session, not in one per worker at once.
-    check = f'cd {q(cluster.repo)} && {q(cluster.python)} -c "import island_jax"'
-    lines += ["", "# Every VM reachable, with the checkout (repo) and python with island_jax, before any role starts"]
+    # Before any role starts: every VM answers, holds the checkout and the interpreter with island_jax installed
+    # (`-P`: the working folder is not on the path, as it is not for experiments/train.py); and gcloud's one-time
+    # ssh key set-up for a TPU VM happens in one session, not in one per worker at once.
+    check = f'cd {q(cluster.repo)} && {q(cluster.python)} -P -c "import island_jax"'
+    install = f"cd {cluster.repo} && {cluster.python} -m pip install -e ."
+    lines += ["", "# Every VM reachable, with the checkout (repo) and python with island_jax installed, before any role "
+                  "starts"]
     for p in here:
         what = (f"CPU VM {p.get('vm')} (coordinator.vm)" if p.role == "coordinator"
                 else f"every worker of TPU VM {p.get('tpu')} (islands.{p.role}.tpu)")
         words = [*_ssh(gcloud_words, p, "all"), "--command=" + _single_quoted(check, {})]
-        lines.append(" ".join(words) + " || " + _fail(f"could not run {cluster.python} with island_jax in "
-                                                      f"{cluster.repo} (python, repo) on {what}; the error is above"))
+        lines.append(" ".join(words) + " || " + _fail(
+            f"could not run {cluster.python} with island_jax in {cluster.repo} (python, repo) on {what}; the error "
+            f"is above. Every VM needs the checkout and island_jax installed from it: {install}"))
 
     lines += ["", "pids=()"]
     for p in here:

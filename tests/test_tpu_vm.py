@@ -224,7 +224,7 @@ sys.exit(subprocess.run(["sh", "-c", command]).returncode)
 FAKE_PYTHON = """#!{python}
 import json, os, sys
 args = sys.argv[1:]
-if args[:1] == ["-c"]:  # the pre-flight `import island_jax`
+if args == ["-P", "-c", "import island_jax"]:  # the pre-flight: island_jax installed, not found in the checkout
     sys.exit(1 if os.environ.get("FAKE_NO_PACKAGE") else 0)
 flag = lambda name: next((a.split("=", 1)[1] for a in args if a.startswith(name + "=")), None)
 name = "coordinator" if "--role=coordinator" in args else flag("--island") + "-" + (flag("--process_id") or "0")
@@ -315,12 +315,14 @@ def test_a_failed_worker_is_named_and_its_status_is_the_scripts(tmp_path, fake):
                             "internal IP of worker 0, not an IPv4 address; is it READY?"),
     ({"FAKE_DESCRIBE": "10.0.0.1; rm -rf ~"}, "gave '10.0.0.1; rm -rf ~' as the internal IP of worker 0"),
     ({"FAKE_NO_PACKAGE": "1"}, "with island_jax in"),
+    ({"FAKE_NO_PACKAGE": "1"}, "the error is above. Every VM needs the checkout and island_jax installed from it: "
+                               "cd {repo} && {python} -m pip install -e ."),
 ])
 def test_a_failed_lookup_or_check_ends_the_script_before_any_role_starts(tmp_path, fake, setting, message):
     raw, workdir, env, calls, records = fake
     done = run_script(tmp_path, raw, workdir, dict(env, **setting))
     assert done.returncode == 1
-    assert message in done.stderr
+    assert message.format(repo=raw["repo"], python=raw["python"]) in done.stderr
     assert list(records.iterdir()) == []
     if "FAKE_NO_PACKAGE" in setting:  # the first VM checked fails: nothing more is tried
         assert [c[:2] for c in map(json.loads, calls.read_text().splitlines())] == [["compute", "tpus"],
