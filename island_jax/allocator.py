@@ -1,21 +1,15 @@
 """How a role's host memory is allocated and given back: glibc malloc's settings, in one place.
 
-A role allocates and frees arrays of megabytes all the time: activations and device buffers on an island's
-XLA:CPU devices, the shards of the global view and the decoded updates, chunk rows and payloads on the
-coordinator, checkpoint snapshots everywhere. glibc's malloc maps a request of at least `M_MMAP_THRESHOLD`
-bytes on its own and unmaps it when freed; below that it serves from its heaps (one per thread, up to 8 per
-core), which keep what is freed. Two costs pull apart (docs/benchmarks.md, "Memory allocation" and "Host
-memory per parameter", has both measured):
+A role allocates and frees arrays of megabytes all the time (activations and device buffers on XLA:CPU, view
+shards and decoded updates, chunk rows and payloads, checkpoint snapshots). glibc's malloc maps a request of at
+least `M_MMAP_THRESHOLD` bytes on its own and unmaps it when freed, which costs page faults at every first
+touch; below that it serves from its heaps, which keep what is freed in the resident set.
 
-- speed: a fresh mapping faults in zeroed pages at first touch, about a tenth of an island's CPU when
-  every large array is mapped afresh;
-- memory: what the heaps keep stays in the resident set. A coordinator, whose state is the whole model's
-  master, momentum and view, then holds buffers of past merges and saves beside its live ones.
-
-So every role takes `SPEED` (buffers up to 32 MiB from the heaps, freed memory kept) and gives its freed heap
-memory back once a round (`trim`: the coordinator after each merged round, an island after each of its rounds)
-and after each checkpoint is written, rather than at every free. A `MALLOC_*_` variable in the environment is the operator's explicit choice and
-wins over the setting it names.
+So every role `configure`s `SPEED` (`mallopt`: buffers up to 32 MiB from the heaps, freed memory kept) and gives
+its freed heap memory back with `trim` (`malloc_trim(0)`) once a round (the coordinator after each merged round,
+an island after each of its rounds) and after each checkpoint is written, rather than at every free. A
+`MALLOC_*_` variable in the environment is the operator's explicit choice and wins over the setting it names.
+Measurements: docs/benchmarks.md, "Memory allocation" and "Host memory per parameter".
 """
 
 from __future__ import annotations

@@ -1,35 +1,17 @@
-"""Orbax checkpoints of a role's state (coordinator or island), one folder per role.
+"""Orbax checkpoints of a role's state (coordinator or island), one folder per role, checked when restored.
 
-A state is a pytree of NumPy arrays (parameters, optimizer states, scalars as
-0-d arrays), saved under `directory/<round>` with orbax's `CheckpointManager`,
-where `<round>` counts completed rounds. Restoring needs a pytree of the same
-structure (for example the freshly initialised state), so optax's state
-classes come back as themselves, bit for bit.
+A state is a pytree of NumPy arrays (parameters, optimizer states, scalars as 0-d arrays), saved under
+`directory/<round>` (`<round>`: completed rounds) with orbax's `CheckpointManager`, and restored into a pytree of
+the same structure, so optax's state classes come back as themselves, bit for bit.
 
-Saves run in the background on one writer thread per process. Orbax writes a
-checkpoint into a temporary folder (`<round>.orbax-checkpoint-tmp`) and
-renames it to `<round>` when it is complete, so a save that fails (a full
-disk, say) leaves the checkpoints before it whole: a restart resumes from the
-newest complete one. The failure itself surfaces as `CheckpointError` at the
-next `save` or at `close`.
-
-Every checkpoint carries, in orbax's step metadata (written and committed with
-it), each leaf's checksum (`model.init.leaf_checksums`, whatever the layout),
-dtype and shape. `restore` checks what it read against them: a leaf that reads
-other bits, or a checkpoint orbax cannot read, is damaged (`CheckpointCorrupt`,
-naming the checkpoint's folder, the leaf and both checksums). The newest
-intact checkpoint is then restored instead, and the damaged one is moved aside
-to `<round>.damaged` (kept, never deleted). A checkpoint written before the
-checksums existed restores with a warning. Fallback reaches as far back as the
-kept checkpoints (`max_to_keep`).
-
-A process of a multi-process island (`jax.process_count() > 1`) saves its own
-shards of the island's arrays with orbax's multi-host support (every process
-writes its shards into the one folder, which all of them must see), and
-restores them straight onto its devices. Orbax's multi-host saves are
-collectives of the island's processes, so there they run on the calling
-(training) thread, at the same point on every process, and a failed save
-raises at once.
+Saves run on one background writer thread per process; orbax writes into `<round>.orbax-checkpoint-tmp` and
+renames it when complete, so a failed save leaves the older checkpoints whole and raises `CheckpointError` at the
+next `save` or at `close`. Each checkpoint's step metadata holds every leaf's checksum
+(`model.init.leaf_checksums`), dtype and shape; `restore` checks what it read against them, names a damaged
+checkpoint (`CheckpointCorrupt`: folder, leaf, both checksums), moves it aside to `<round>.damaged` and restores
+the newest intact one instead. A process of a multi-process island saves and restores its own shards (orbax's
+multi-host support, one shared folder), on the training thread: those saves are collectives of the island.
+See docs/workdir.md ("Checkpoints and resume").
 """
 
 from __future__ import annotations

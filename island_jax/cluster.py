@@ -1,28 +1,17 @@
 """Where each role of a run goes: a cluster description (a YAML file, `--cluster=FILE`), checked against the config.
 
-The launchers in `launch/` (slurm.py, tpu_vm.py, k8s.py) render the job scripts, command lines or manifests of
-a run from three things: the experiment config (with its `--config.a.b=v` overrides), the run's workdir, and
-this description. It says, per role, which scheduler starts it and on what:
+The launchers in `launch/` render a run's job scripts or manifests from its config (with overrides), its workdir
+and this description: per role, the scheduler that starts it and on what (every field: docs/launch.md).
 
-    coordinator:
-      scheduler: slurm              # slurm | tpu_vm | k8s | local
-      addresses: ["login1:50051"]   # HOST:PORT where islands reach it (a list: one address per process)
-      partition: cpu                # and the other fields of its scheduler (below)
+    coordinator: {scheduler: slurm, addresses: ["login1:50051"], partition: cpu}   # slurm | tpu_vm | k8s | local
     islands:
       a: {scheduler: slurm, nodes: 2, devices_per_node: 4, partition: gpu, account: proj}
       b: {scheduler: tpu_vm, tpu: my-v5e, zone: us-west4-a, accelerator_type: v5litepod-16}
-    tls: {ca_file: ..., client_cert_file: ..., client_key_file: ...}   # paths on the nodes, never contents
-    python: python3                 # the interpreter on the nodes (with island_jax installed)
+    python: python3                 # the interpreter on the nodes, with island_jax installed
     repo: /shared/island_jax        # the checkout on the nodes (commands run there)
 
-One process runs per node (host), as `jax.distributed` expects: an island's `nodes` must equal its
-`num_processes`, and `nodes x devices_per_node` its `num_devices`. A TPU slice's `accelerator_type` gives both:
-its suffix counts TensorCores on v4 and v5p (two per chip, one JAX device per chip) and chips on v5e and v6e,
-and a host holds 4 chips, except single-host v5e/v6e slices of up to 8 (Cloud TPU system architecture
-documentation). A mismatch is a `ClusterError` naming the field, before anything renders.
-
-Credentials go by path only (`tls`, `coordinator.cert_file`/`key_file`/`tokens_file`, `islands.NAME.token_file`):
-the rendered scripts pass the paths as config overrides, and no secret value appears in them (docs/security.md).
+One process per node: an island's `nodes` (x `devices_per_node`) must be its `num_processes` (`num_devices`), and
+a TPU slice's `accelerator_type` must give both; else a `ClusterError` names the field. Credentials go by path only.
 """
 
 from __future__ import annotations

@@ -1,24 +1,16 @@
 """An island of several processes (hosts): one `jax.distributed` job, and a check of its CPU collectives.
 
-Every process of a multi-process island calls `initialize` before JAX starts
-its backend. The island's processes then form one job of their own (each
-island has its own JAX coordinator; islands never share one): `jax.devices()`
-lists every device of the island, the mesh spans them, and the inner step is
-one SPMD program over all of them. The coordinator address, process count and
-id come from the flags (`--island_coordinator`, `--process_id`) or, when those
-are not given, from the cluster environment `jax.distributed` detects itself
-(SLURM, TPU VMs); docs/cluster.md shows both.
+Every process of a multi-process island calls `initialize` before JAX starts its backend. The island's processes
+then form one job of their own (each island has its own JAX coordinator; islands never share one):
+`jax.devices()` lists every device of the island, the mesh spans them, and the inner step is one SPMD program
+over all of them. The coordinator address, process count and id come from the flags (`--island_coordinator`,
+`--process_id`) or, without them, from the cluster environment `jax.distributed` detects (SLURM, TPU VMs). The
+runtime's heartbeat and shutdown timeouts (`config.distributed`) end a process whose peer died with an error
+rather than leaving it in a collective forever.
 
-The distributed runtime's heartbeat and shutdown timeouts
-(`config.distributed`) bound how long a process whose peer died waits:
-the runtime notices the missing heartbeats and ends the survivor with an
-error, instead of leaving it in a collective forever.
-
-`check_collectives` is the start-up self-check of a multi-process CPU island
-(gloo collectives): a reduce-scatter and an all-gather of known values, at
-the sizes the island's own programs move, compared with the exact expected
-result. It exists because a JAX release made CPU `psum_scatter` return wrong
-values at chunk ends, intermittently and with no error (jax-ml/jax#40830).
+`check_collectives` is the start-up self-check of a multi-process CPU island (gloo collectives): a
+reduce-scatter and an all-gather of known values at the sizes the island's own programs move, compared with the
+exact expected result, against silently wrong results such as jax-ml/jax#40830's (docs/cluster.md).
 """
 
 from __future__ import annotations

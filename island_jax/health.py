@@ -8,16 +8,10 @@ another status (NOT_SERVING, SERVICE_UNKNOWN, ...), no connection (nothing liste
 an untrusted certificate, a wrong server name, a missing client certificate), a service the server does not know,
 no answer within the timeout, or credential files that cannot be read. Bad arguments exit 2 (argparse).
 
-Why this exists: it is the coordinator's Kubernetes probe (launch/k8s.py renders it as an `exec` probe). The
-kubelet's built-in `grpc` probe speaks plaintext only, while the coordinator serves TLS (mutual TLS when the
-islands have client certificates) and refuses plaintext clients; a `tcpSocket` probe would only show that the
-port is open. So the probe runs this module inside the coordinator's container, with the run's CA and client
-certificate, and checks the health service the coordinator registers (island_jax/comm/grpc_server.py). The
-health service needs no island token (docs/security.md); no secret is passed on the command line, only paths.
-
-With `--ca_file` the channel uses TLS (verifying the server against that CA; `--server_name` is the name to
-check its certificate for when it differs from the host dialled, e.g. when dialling 127.0.0.1); without it,
-plaintext, as for a coordinator on loopback without TLS.
+With `--ca_file` the channel uses TLS, verifying the server against that CA (`--server_name`: the name its
+certificate is checked for, when it differs from the host dialled, e.g. 127.0.0.1); without it, plaintext. It is
+the coordinator's Kubernetes `exec` probe (launch/k8s.py; the kubelet's own gRPC probe speaks plaintext only:
+docs/launch.md). The health service needs no island token, and only paths of credentials are passed.
 """
 
 from __future__ import annotations

@@ -1,25 +1,16 @@
-"""Metrics in the workdir: JSON lines, and the same numbers for the trackers the config names.
+"""Metrics in the workdir: JSON lines, and the same numbers for the trackers the config names (docs/workdir.md).
 
-Every record is one JSON object per line in `metrics.jsonl`, the run's own
-record that summaries, the progress line and `experiment.Result` read; each
-carries `time`, when it was logged (Unix seconds, float). The
-writers of `metrics.writers` (a comma-separated list; "jsonl,tensorboard" by
-default) get every record too:
+Every record is one JSON object per line in `metrics.jsonl`, the run's own record that summaries, the progress
+line and `experiment.Result` read; each carries `time`, when it was logged (Unix seconds, float). The writers of
+`metrics.writers` (comma-separated; "jsonl,tensorboard" by default) get every record too:
 
-  tensorboard  each numeric field (nested dicts flattened with "/") as a
-               TensorBoard scalar (tensorboardX, no TensorFlow needed) named
-               `KIND/FIELD`, e.g. `inner/loss`, `round/pseudo_gradient_norm/a`,
-               `inner/moe/expert_load/0/3` (lists are indexed: MoE layer 0,
-               expert 3), at the record's `step` (inner steps) or `round`,
-               with the record's `time` as its wall time;
-  wandb        the same scalars in a Weights & Biases run per role (`pip install
-               island_jax[wandb]`; `metrics.wandb`), each kind on its own x axis
-               (`KIND/step` or `KIND/round`);
-  MODULE:CLASS any other tracker: a class importable in every role's process,
-               made as `CLASS(folder, role, config)` and called like `Writer`.
-
-A writer is a small class (`Writer`): `write(record)` with the record's plain
-values, `close()` at the end; `scalars(record)` gives the flattened numbers.
+  tensorboard  each numeric field as a TensorBoard scalar (tensorboardX) named `KIND/FIELD`, nested dicts joined
+               with "/" and lists indexed (`inner/moe/expert_load/0/3`: MoE layer 0, expert 3), at the record's
+               `step` or `round`, with its `time` as the wall time;
+  wandb        the same scalars in a Weights & Biases run per role (`metrics.wandb`), x axis `KIND/step|round`;
+  MODULE:CLASS any other tracker: a class importable in every role's process, made as
+               `CLASS(folder, role, config)` and called like `Writer`: `write(record)` with the record's plain
+               values, `close()` at the end (`scalars(record)` gives the flattened numbers).
 """
 
 from __future__ import annotations

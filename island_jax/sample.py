@@ -1,34 +1,16 @@
-"""Text from a run's model: autoregressive sampling with a KV cache.
+"""Text from a run's model: autoregressive sampling with a KV cache (docs/workdir.md, "The model").
 
   python -m island_jax.sample --workdir=DIR --prompt="def " [--round=R] [--temperature=0.8] [--top_k=0]
       [--top_p=1.0] [--max_new_tokens=64] [--seed=0] [--num_samples=1] [--export=DIR] [--mesh=DATA,EXPERT]
 
-loads the global parameters of the run in DIR (finished or running: its
-newest checkpoint, or round R's; `model.load.from_workdir`), or of an export
-(`--export`, `model.load.from_export`), and prints each sample. The same is
-`experiment.Result.sample(...)` in a notebook, or `continue_text` here.
-
-The prompt is text in the run's tokenizer (`run_tokenizer`: UTF-8 bytes on the
-byte corpus, `data.prepared`'s tokenizer on prepared records, the one an export
-carries): `continue_text` encodes it, draws from the whole vocabulary of that
-tokenizer, and decodes the prompt's ids and the drawn ones together, so a
-character split over several tokens decodes as the tokenizer library decodes
-it (a byte sequence that is not UTF-8 shows as U+FFFD). Each step feeds one
-token through `Transformer.decode`, which keeps every block's keys and values
-(a KV cache), so a step costs one position, not the whole sequence. The model
-trained on positions 0..model.seq_len-1 (learned positions stop there, and
-rotary ones are kept to them), so the prompt and the new tokens together are
-at most seq_len tokens. Sampling runs with no router jitter and
-no token dropped by expert capacity (`moe.capacity_factor` 0), on this
-process's first device, or on a (data, expert) mesh of its devices (`--mesh`:
-the KV cache and the MoE layers' tokens split over it, the experts over
-`expert`).
-
-temperature 0 is greedy decoding (the argmax at each step). Otherwise the
-logits are divided by the temperature, cut to the `top_k` most likely tokens
-(0: all) and to the smallest set whose probability reaches `top_p` (nucleus
-sampling, Holtzman et al., arXiv 1904.09751; 1.0: all), and a token is drawn
-with the PRNG key of `seed` folded with the position it is drawn for.
+loads the run's global parameters (its newest checkpoint or round R's, `model.load.from_workdir`; or an export,
+`model.load.from_export`) and prints each sample; `continue_text` (and `experiment.Result.sample`) does the same
+in a notebook. The prompt is encoded with the run's tokenizer (`run_tokenizer`), and its ids and the drawn ones
+are decoded together. Each step feeds one token through `Transformer.decode`, which keeps every block's keys and
+values (at most `model.seq_len` positions in all), with no router jitter and no capacity drops, on one device or
+a (data, expert) mesh (`--mesh`). Temperature 0 is greedy; otherwise the logits / temperature are cut to the
+`top_k` most likely tokens (0: all) and to the smallest set of probability `top_p` (nucleus sampling, Holtzman
+et al., arXiv 1904.09751), and a token is drawn with the PRNG key of `seed` folded with its position.
 """
 
 from __future__ import annotations

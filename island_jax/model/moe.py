@@ -1,43 +1,17 @@
-"""Expert-parallel Mixture-of-Experts feed-forward layer under `jax.shard_map`.
+"""Expert-parallel Mixture-of-Experts feed-forward layer under `jax.shard_map` (docs/moe.md).
 
-Router. A float32 linear router gives softmax probabilities over E experts and
-each token goes to its k most probable ones (Switch Transformer, arXiv
-2101.03961, generalised to top-k). Options: renormalising the k weights to sum
-to 1; multiplicative jitter noise U(1 - eps, 1 + eps) on the router input in
-training (Switch Transformer sec. 2.4); shared experts that every token passes
-through beside the routed ones (DeepSeekMoE, arXiv 2401.06066); and
-auxiliary-loss-free balancing (DeepSeek-V3, arXiv 2412.19437, sec. 2.1.2): a
-per-expert bias added to the probabilities for the top-k choice only (the
-weights stay the probabilities), updated outside the optimizer by
-`routing_bias_update`.
+Router: float32 softmax over E experts, each token to its top k (Switch Transformer, arXiv 2101.03961; input
+jitter, sec. 2.4); optional renormalised weights, shared experts (DeepSeekMoE, arXiv 2401.06066) and a per-expert
+bias on the top-k choice only (DeepSeek-V3, arXiv 2412.19437, sec. 2.1.2), moved by `routing_bias_update`.
 
-Dispatch (`dispatch="capacity"`, every backend). Each shard of the batch gives
-every expert C = capacity(...) slots, from static shapes. Slots go to the
-shard's assignments in token order; later ones are dropped (zero expert
-output; the token keeps its residual). Padded tokens (mask 0) take no slot. The
-buckets [E, C, D] travel to the experts' owners with `jax.lax.all_to_all` over
-the `expert` mesh axis, the local experts run as one batched einsum over the
-buckets (docs/benchmarks.md compares it with `jax.lax.ragged_dot`), and a
-second all_to_all brings the outputs home for the weighted combine.
+`dispatch="capacity"` (every backend): per batch shard, C slots per expert (static shapes) in token order (later
+assignments dropped, padded tokens take none); buckets [E, C, D] reach the experts' owners by `all_to_all` over
+`expert`, the local experts run as one batched einsum, and a second all_to_all brings them back for the weighted
+combine. `dispatch="dropless"`: `jax.lax.ragged_dot` over groups sorted by expert, moved by `ragged_all_to_all`
+(which XLA:CPU lacks: `check_dispatch`). Statistics (`LAYER_METRICS`), over the island batch's real tokens:
 
-Dispatch (`dispatch="dropless"`): assignments are sorted by expert and the
-experts run as `jax.lax.ragged_dot` over ragged groups (a grouped GEMM on
-GPU/TPU), nothing dropped. With an expert axis above 1 the ragged groups move
-with `jax.lax.ragged_all_to_all`, which XLA:CPU does not implement
-(`check_dispatch` refuses that combination).
-
-Statistics (`LAYER_METRICS`), summed over the whole island batch (every shard)
-and over real tokens only, before any product:
-  load_balancing_loss = E * sum_i f_i * P_i   (Switch Transformer eq. 4)
-     f_i: share of the top-k assignments routed to expert i (before drops),
-     P_i: mean router probability of expert i. Its gradient reaches the
-     router (and, through the router's input, earlier layers), never this
-     layer's experts.
-  router_z_loss = mean over tokens of logsumexp(router logits)^2   (ST-MoE, arXiv 2202.08906, eq. 5)
-  router_entropy = mean over tokens of -sum_i p_i log p_i (nats)
-  dropped_fraction = dropped assignments / assignments
-  capacity = C, the slots per expert and shard in use
-  expert_load = f_i, [E]
+  load_balancing_loss = E * sum_i f_i * P_i (Switch eq. 4), router_z_loss = mean logsumexp(logits)^2 (ST-MoE,
+  arXiv 2202.08906, eq. 5), router_entropy (nats), dropped_fraction, capacity (C), expert_load (f_i, [E]).
 """
 
 from __future__ import annotations
