@@ -110,6 +110,11 @@ class Sink:
         self.buffer = bytearray(num_bytes) if place else None
         self.chunks = 0
 
+    def check_island(self, island, config_fingerprint):
+        from island_jax.coordinator import handshake
+
+        handshake.check_island(island, self.islands, self.fingerprint_fields, config_fingerprint)
+
     def join(self, island, fields, params_checksum, round=0):
         return dict(round=0, checksum=self.checksum, rejoin=False)
 
