@@ -11,7 +11,7 @@ the view's update and the update's encoding. Its CPU seconds
 (`time.process_time`, every thread of the process) are timed after one
 warm-up round, for each K side by side.
 
-The planner (`island_jax/plan.py`) models a round's coordinator CPU as
+The planner (`island_jax/plan/compute.py`) models a round's coordinator CPU as
 params x (fixed + per_island x K) nanoseconds. The last lines print the two
 constants (ns per parameter) fitted to these rounds, when at least two K
 were timed, and the ratio of the largest K's CPU to the smallest's. The

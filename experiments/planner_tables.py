@@ -26,9 +26,9 @@ import math
 
 from absl import app
 
-from island_jax.plan import BACKWARD_FRACTION, Coordinator, Island, Link, Model, Outer, plan
+from island_jax.plan import BACKWARD_FRACTION, CoordinatorSpec, IslandSpec, LinkSpec, ModelSpec, OuterSpec, plan
 
-NO_COORDINATOR = Coordinator(fixed_ns_per_param=0.0, per_island_ns_per_param=0.0)  # a ring: no merge on a CPU
+NO_COORDINATOR = CoordinatorSpec(fixed_ns_per_param=0.0, per_island_ns_per_param=0.0)  # a ring: no merge on a CPU
 
 
 TARGETS = (0.5, 0.8, 0.9, 0.95, 0.99)  # the published tables' columns
@@ -50,10 +50,10 @@ class Case:
     row: str
     assumptions: str
     published: tuple
-    model: Model
+    model: ModelSpec
     islands: tuple
-    outer: Outer
-    coordinator: Coordinator
+    outer: OuterSpec
+    coordinator: CoordinatorSpec
     baseline: bool = False
 
     def planned(self) -> dict:
@@ -64,17 +64,17 @@ class Case:
 
 
 def _workers(k: int, step: float, h: int, rtt_ms: float = 0.0) -> tuple:
-    return tuple(Island(f"w{i}", step_seconds=step, inner_steps=h, link=Link(1.0, rtt_ms)) for i in range(k))
+    return tuple(IslandSpec(f"w{i}", step_seconds=step, inner_steps=h, link=LinkSpec(1.0, rtt_ms)) for i in range(k))
 
 
-def _ring(**fields) -> Outer:
+def _ring(**fields) -> OuterSpec:
     """An all-reduce among the workers, each reduction starting with the backward pass (the simulators')."""
-    return Outer(backward_overlap=BACKWARD_FRACTION, topology="ring", **fields)
+    return OuterSpec(backward_overlap=BACKWARD_FRACTION, topology="ring", **fields)
 
 
-_STREAMING = dict(source="Streaming DiLoCo, Table 4", model=Model(1e9, num_layers=24), coordinator=NO_COORDINATOR,
+_STREAMING = dict(source="Streaming DiLoCo, Table 4", model=ModelSpec(1e9, num_layers=24), coordinator=NO_COORDINATOR,
                   islands=_workers(2, 0.1, 100))
-_SCALING = dict(source="Scaling Laws for DiLoCo, Table 6", model=Model(671e9, 37e9, 61), coordinator=NO_COORDINATOR)
+_SCALING = dict(source="Scaling Laws for DiLoCo, Table 6", model=ModelSpec(671e9, 37e9, 61), coordinator=NO_COORDINATOR)
 
 PUBLISHED = (
     Case(row="1B, Data-Parallel", published=(86.8, 152.6, 184.2, 222.3, 569.0),
@@ -108,8 +108,8 @@ PUBLISHED = (
 
 # INTELLECT-1: 14 nodes in a ring of int8 pseudo-gradients (1 B/param; its 256-entry float32 lookup table per
 # chunk left out), H = 100 inner steps in 38 minutes, the all-reduce blocking; RTT 100 ms assumed.
-INTELLECT = dict(model=Model(10e9, num_layers=42), islands=_workers(14, 2280.0 / 100, 100, rtt_ms=100.0),
-                 outer=Outer(bytes_per_param=1.0, topology="ring", pipeline=False), coordinator=NO_COORDINATOR)
+INTELLECT = dict(model=ModelSpec(10e9, num_layers=42), islands=_workers(14, 2280.0 / 100, 100, rtt_ms=100.0),
+                 outer=OuterSpec(bytes_per_param=1.0, topology="ring", pipeline=False), coordinator=NO_COORDINATOR)
 INTELLECT_MEASURED = (("USA", 103.0, 0.957), ("USA and Europe", 382.0, 0.856), ("global", 469.0, 0.830))
 
 
@@ -152,8 +152,8 @@ def intellect_table() -> str:
 # 1024 H100 each, on two continents, 2048 sequences of 4096 tokens per island step at 40% MFU, each on a
 # 25 Gbit/s link to the coordinator (16 connections, no window limit), the coordinator's own link 100
 # Gbit/s and its merge spread over 512 cores (a coordinator sharded by chunk range over 8 hosts).
-SEED_MODEL = Model(671e9, 37e9, 61)
-SEED_COORDINATOR = Coordinator(gbps=100.0, cores=512)
+SEED_MODEL = ModelSpec(671e9, 37e9, 61)
+SEED_COORDINATOR = CoordinatorSpec(gbps=100.0, cores=512)
 
 
 WINDOW = 16 << 20  # bytes: a TCP window of 16 MiB per connection, as WAN-tuned hosts allow
@@ -161,8 +161,8 @@ WINDOW = 16 << 20  # bytes: a TCP window of 16 MiB per connection, as WAN-tuned 
 
 def seed_islands(h: int, rtt_ms: float, gbps: float = 25.0, window_bytes: int = 0) -> tuple:
     return tuple(
-        Island(name, num_devices=1024, hardware="h100", mfu=0.4, batch_size=2048, seq_len=4096, inner_steps=h,
-               link=Link(gbps, rtt_ms, 16, window_bytes))
+        IslandSpec(name, num_devices=1024, hardware="h100", mfu=0.4, batch_size=2048, seq_len=4096, inner_steps=h,
+               link=LinkSpec(gbps, rtt_ms, 16, window_bytes))
         for name in ("us", "eu")
     )
 
@@ -175,7 +175,7 @@ def seed_table() -> str:
     for kind, update in (("int8", ""), ("int4", ""), ("topk", "int8"), ("topk", "topk")):
         for f, tau in ((1, 0), (4, "auto")):
             for h in (30, 100, 300):
-                outer = Outer(codec=kind, update_codec=update, fragments=f, overlap_steps=tau)
+                outer = OuterSpec(codec=kind, update_codec=update, fragments=f, overlap_steps=tau)
                 near = plan(SEED_MODEL, seed_islands(h, 100.0), outer, SEED_COORDINATOR)
                 far = plan(SEED_MODEL, seed_islands(h, 200.0), outer, SEED_COORDINATOR)
                 windowed = plan(SEED_MODEL, seed_islands(h, 200.0, window_bytes=WINDOW), outer, SEED_COORDINATOR)
@@ -198,7 +198,7 @@ def main(argv):
     print("\n## The seed's setting\n")
     print(seed_table())
     print("\nOne plan of the seed's setting (int8, F=4, tau=auto, H=100, RTT 200 ms):\n")
-    print(plan(SEED_MODEL, seed_islands(100, 200.0), Outer(fragments=4, overlap_steps="auto"), SEED_COORDINATOR))
+    print(plan(SEED_MODEL, seed_islands(100, 200.0), OuterSpec(fragments=4, overlap_steps="auto"), SEED_COORDINATOR))
 
 
 if __name__ == "__main__":

@@ -13,11 +13,11 @@ from tiny_config import get_config, write_corpus
 
 from island_jax import plan as plan_lib
 from island_jax.metrics import read_jsonl
-from island_jax.plan import Coordinator, Island, Link, Model, Outer, PlanError, plan, predict
+from island_jax.plan import CoordinatorSpec, IslandSpec, LinkSpec, ModelSpec, OuterSpec, PlanError, plan, predict
 from island_jax.run import run_in_process
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-FREE_MERGE = Coordinator(fixed_ns_per_param=0.0, per_island_ns_per_param=0.0)  # the hand cases leave it out
+FREE_MERGE = CoordinatorSpec(fixed_ns_per_param=0.0, per_island_ns_per_param=0.0)  # the hand cases leave it out
 
 
 def _tables():
@@ -30,8 +30,8 @@ def _tables():
 
 def hand_case(**outer):
     """1B parameters, int8 (block 256), two islands each on its own 1 Gbit/s link, RTT 0, H = 100 steps of 0.5 s."""
-    islands = [Island(name, step_seconds=0.5, inner_steps=100, link=Link(1.0, 0.0)) for name in ("a", "b")]
-    return plan(Model(1e9), islands, Outer(codec="int8", block_size=256, **outer), FREE_MERGE)
+    islands = [IslandSpec(name, step_seconds=0.5, inner_steps=100, link=LinkSpec(1.0, 0.0)) for name in ("a", "b")]
+    return plan(ModelSpec(1e9), islands, OuterSpec(codec="int8", block_size=256, **outer), FREE_MERGE)
 
 
 def test_hand_case_the_update_waits_for_the_contribution_without_the_pipeline():
@@ -56,8 +56,8 @@ def test_hand_case_pipelined_the_two_directions_overlap():
 
 
 def test_hand_case_topk_up_and_int8_down_moves_each_codecs_bytes():
-    islands = [Island(name, step_seconds=0.5, inner_steps=100, link=Link(1.0, 0.0)) for name in ("a", "b")]
-    p = plan(Model(1e9), islands, Outer(codec="topk", update_codec="int8", pipeline=False), FREE_MERGE)
+    islands = [IslandSpec(name, step_seconds=0.5, inner_steps=100, link=LinkSpec(1.0, 0.0)) for name in ("a", "b")]
+    p = plan(ModelSpec(1e9), islands, OuterSpec(codec="topk", update_codec="int8", pipeline=False), FREE_MERGE)
     up, down = 1e9 * 116 / 4096, 1.015625e9  # 116 bytes a group of 4096; int8 with a scale per 256
     for r in p.islands:
         assert (r.bytes_up, r.bytes_down) == (pytest.approx(up, rel=1e-12), pytest.approx(down, rel=1e-12))
@@ -65,7 +65,7 @@ def test_hand_case_topk_up_and_int8_down_moves_each_codecs_bytes():
         assert r.transfer_down_seconds == pytest.approx(8.125, rel=1e-12)
         assert r.exposed_seconds == pytest.approx(up * 8 / 1e9 + 8.125, rel=1e-12)  # not pipelined: one then the other
     assert (p.payload_bytes, p.update_bytes) == (pytest.approx(up, rel=1e-12), pytest.approx(down, rel=1e-12))
-    both = plan(Model(1e9), islands, Outer(codec="topk", update_codec="topk", pipeline=False), FREE_MERGE)
+    both = plan(ModelSpec(1e9), islands, OuterSpec(codec="topk", update_codec="topk", pipeline=False), FREE_MERGE)
     assert both.islands[0].exposed_seconds == pytest.approx(2 * up * 8 / 1e9, rel=1e-12)
 
 
@@ -82,21 +82,21 @@ def test_four_fragments_with_auto_tau_hide_the_exchange(overhead, utilization):
 
 
 def test_the_required_rate_is_where_the_utilization_reaches_the_target():
-    base = [Island(n, step_seconds=0.5, inner_steps=100, link=Link(1.0, 20.0)) for n in ("a", "b")]
-    p = plan(Model(1e9), base, Outer(), FREE_MERGE)
+    base = [IslandSpec(n, step_seconds=0.5, inner_steps=100, link=LinkSpec(1.0, 20.0)) for n in ("a", "b")]
+    p = plan(ModelSpec(1e9), base, OuterSpec(), FREE_MERGE)
     for target, gbps in p.required_gbps.items():
         at = [dataclasses.replace(i, link=dataclasses.replace(i.link, gbps=gbps)) for i in base]
         below = [dataclasses.replace(i, link=dataclasses.replace(i.link, gbps=gbps * 0.999)) for i in base]
-        assert plan(Model(1e9), at, Outer(), FREE_MERGE).compute_utilization >= target
-        assert plan(Model(1e9), below, Outer(), FREE_MERGE).compute_utilization < target
+        assert plan(ModelSpec(1e9), at, OuterSpec(), FREE_MERGE).compute_utilization >= target
+        assert plan(ModelSpec(1e9), below, OuterSpec(), FREE_MERGE).compute_utilization < target
     # 95%: 50 / 0.95 - 50 = 2.6316 s exposed = 1.015625e9 x 8 (1 + 1 / 969) / rate + 20 ms of round trip
     assert p.required_gbps[0.95] == pytest.approx(8.125 * (1 + 1 / 969) / (50 / 0.95 - 50 - 0.02), rel=1e-5)
 
 
 def test_the_coordinators_memory_cpu_and_link():
-    islands = [Island(n, step_seconds=0.5, inner_steps=100, link=Link(10.0)) for n in ("a", "b", "c")]
-    coordinator = Coordinator(gbps=15.0, cores=4, fixed_ns_per_param=10.0, per_island_ns_per_param=2.0)
-    p = plan(Model(1e9), islands, Outer(codec="bf16"), coordinator)
+    islands = [IslandSpec(n, step_seconds=0.5, inner_steps=100, link=LinkSpec(10.0)) for n in ("a", "b", "c")]
+    coordinator = CoordinatorSpec(gbps=15.0, cores=4, fixed_ns_per_param=10.0, per_island_ns_per_param=2.0)
+    p = plan(ModelSpec(1e9), islands, OuterSpec(codec="bf16"), coordinator)
     assert p.coordinator_memory == dict(master=4e9, momentum=4e9, view=4e9, merged_state=12e9,
                                         buffered_contributions=6e9, kept_update=2e9, total=32e9)
     assert p.coordinator_cpu_seconds == pytest.approx(1e9 * (10 + 2 * 3) * 1e-9, rel=1e-12)  # 16 s
@@ -108,18 +108,18 @@ def test_the_coordinators_memory_cpu_and_link():
 
 
 def test_a_window_caps_the_rate_and_the_plan_says_what_would_raise_it():
-    link = Link(25.0, 100.0, connections=4, window_bytes=1 << 20)
+    link = LinkSpec(25.0, 100.0, connections=4, window_bytes=1 << 20)
     one = (1 << 20) * 8 / (0.1 + (1 << 16) * 8 / 25e9) / 1e9  # Gbit/s of one connection: a window per RTT + a segment
     assert link.rate_gbps() == pytest.approx(4 * one, rel=1e-12)
-    islands = [Island(n, step_seconds=0.05, inner_steps=30, link=link) for n in ("a", "b")]
-    p = plan(Model(1e9), islands, Outer(), FREE_MERGE)
+    islands = [IslandSpec(n, step_seconds=0.05, inner_steps=30, link=link) for n in ("a", "b")]
+    p = plan(ModelSpec(1e9), islands, OuterSpec(), FREE_MERGE)
     assert p.required_gbps[0.99] is None  # 4 x 1 MiB per 100 ms carries 0.33 Gbit/s whatever the link
     assert any("4 connections x a 1048576-byte window" in n for n in p.notes)
 
 
 def test_a_ring_moves_two_k_minus_one_over_k_of_the_payload():
-    islands = [Island(f"w{i}", step_seconds=1.0, inner_steps=10, link=Link(8.0, 10.0)) for i in range(4)]
-    p = plan(Model(1e9), islands, Outer(bytes_per_param=1.0, topology="ring"), FREE_MERGE)
+    islands = [IslandSpec(f"w{i}", step_seconds=1.0, inner_steps=10, link=LinkSpec(8.0, 10.0)) for i in range(4)]
+    p = plan(ModelSpec(1e9), islands, OuterSpec(bytes_per_param=1.0, topology="ring"), FREE_MERGE)
     r = p.islands[0]
     assert r.bytes_up == pytest.approx(1.5e9, rel=1e-12)
     assert r.fragment_exchange_seconds == pytest.approx(1.5e9 * 8 / 8e9 + 2 * 3 * 0.005, rel=1e-12)  # 1.5 s + 6 hops
@@ -127,46 +127,46 @@ def test_a_ring_moves_two_k_minus_one_over_k_of_the_payload():
 
 
 def test_shared_links_slow_both_the_outer_loop_and_data_parallel():
-    islands = [Island(f"w{i}", step_seconds=1.0, inner_steps=10, link=Link(8.0)) for i in range(4)]
-    alone = plan(Model(1e9), islands, Outer(bytes_per_param=1.0), FREE_MERGE)
-    shared = plan(Model(1e9), islands, Outer(bytes_per_param=1.0, shared_link=True), FREE_MERGE)
+    islands = [IslandSpec(f"w{i}", step_seconds=1.0, inner_steps=10, link=LinkSpec(8.0)) for i in range(4)]
+    alone = plan(ModelSpec(1e9), islands, OuterSpec(bytes_per_param=1.0), FREE_MERGE)
+    shared = plan(ModelSpec(1e9), islands, OuterSpec(bytes_per_param=1.0, shared_link=True), FREE_MERGE)
     assert (alone.islands[0].rate_gbps, shared.islands[0].rate_gbps) == (8.0, 2.0)
     assert shared.islands[0].transfer_up_seconds == 4 * alone.islands[0].transfer_up_seconds == 4.0
     assert shared.dp.comm_seconds == pytest.approx(4 * alone.dp.comm_seconds, rel=1e-12)  # 1.5e9 x 2 B at 2 Gbit/s
 
 
 def test_an_unlimited_link_needs_any_rate_and_a_ring_has_no_coordinator():
-    one = plan(Model(1e9), [Island("a", step_seconds=1.0, link=Link(math.inf, 0.0, 16, 1 << 20))], Outer())
+    one = plan(ModelSpec(1e9), [IslandSpec("a", step_seconds=1.0, link=LinkSpec(math.inf, 0.0, 16, 1 << 20))], OuterSpec())
     assert one.islands[0].rate_gbps == math.inf  # no round trip: the window holds nothing back
-    ring = plan(Model(1e9), [Island(n, step_seconds=1.0, inner_steps=1000) for n in "ab"], Outer(topology="ring"))
+    ring = plan(ModelSpec(1e9), [IslandSpec(n, step_seconds=1.0, inner_steps=1000) for n in "ab"], OuterSpec(topology="ring"))
     assert ring.coordinator_memory["total"] == 0.0 and ring.coordinator_cpu_seconds == 0.0
     assert "coordinator: none (a ring all-reduce among the islands)" in str(ring)
-    far = plan(Model(1e3), [Island("a", step_seconds=1.0, inner_steps=1000)], Outer(), FREE_MERGE)
+    far = plan(ModelSpec(1e3), [IslandSpec("a", step_seconds=1.0, inner_steps=1000)], OuterSpec(), FREE_MERGE)
     assert far.required_gbps[0.9] == 0.0 and "90% any" in str(far)  # even 1e-6 Gbit/s keeps it busy
 
 
 def test_rounds_by_time_and_by_speed():
-    fast = Island("a", step_seconds=0.2, inner_steps=50)
-    slow = Island("b", step_seconds=0.5, inner_steps=50)
-    timed = plan(Model(1e8), [fast, slow], Outer(sync="time", round_seconds=10.0), FREE_MERGE)
+    fast = IslandSpec("a", step_seconds=0.2, inner_steps=50)
+    slow = IslandSpec("b", step_seconds=0.5, inner_steps=50)
+    timed = plan(ModelSpec(1e8), [fast, slow], OuterSpec(sync="time", round_seconds=10.0), FREE_MERGE)
     exposed = 1.015625e8 * 8 / 25e9 * (1 + 1 / 97)  # 97 chunks, pipelined, at 25 Gbit/s
     assert [r.exposed_seconds for r in timed.islands] == [pytest.approx(exposed, rel=1e-12)] * 2
     assert timed.wall_seconds == 10.0  # a round lasts its seconds; the exchange takes them from the steps
     assert [r.inner_steps for r in timed.islands] == [pytest.approx((10 - exposed) / 0.2, rel=1e-12),
                                                       pytest.approx((10 - exposed) / 0.5, rel=1e-12)]
-    auto = plan(Model(1e8), [fast, slow], Outer(sync="auto"), FREE_MERGE)
+    auto = plan(ModelSpec(1e8), [fast, slow], OuterSpec(sync="auto"), FREE_MERGE)
     assert [r.inner_steps for r in auto.islands] == [50.0, 20.0]  # b takes as many steps as fit in a's round
-    by_b = plan(Model(1e8), [fast, slow], Outer(sync="auto", reference_island="b"), FREE_MERGE)
+    by_b = plan(ModelSpec(1e8), [fast, slow], OuterSpec(sync="auto", reference_island="b"), FREE_MERGE)
     assert [r.inner_steps for r in by_b.islands] == [125.0, 50.0]  # b keeps its 50 steps of 0.5 s
-    steps = plan(Model(1e8), [fast, slow], Outer(), FREE_MERGE)
+    steps = plan(ModelSpec(1e8), [fast, slow], OuterSpec(), FREE_MERGE)
     assert steps.islands[0].compute_utilization == pytest.approx(10 / 25, rel=0.01)  # a waits for b's 25 s
 
 
 def test_catalog_step_time_and_the_data_parallel_baseline():
-    isl = Island("a", num_devices=8, hardware="h100", mfu=0.5, batch_size=64, seq_len=1024, link=Link(100.0))
+    isl = IslandSpec("a", num_devices=8, hardware="h100", mfu=0.5, batch_size=64, seq_len=1024, link=LinkSpec(100.0))
     t = 6 * 1e9 * 64 * 1024 / (8 * 989e12 * 0.5)
-    assert isl.seconds_per_step(Model(2e9, 1e9)) == pytest.approx(t, rel=1e-12)
-    p = plan(Model(2e9, 1e9), [isl, dataclasses.replace(isl, name="b")], Outer(), FREE_MERGE, dp_dtype="fp32")
+    assert isl.seconds_per_step(ModelSpec(2e9, 1e9)) == pytest.approx(t, rel=1e-12)
+    p = plan(ModelSpec(2e9, 1e9), [isl, dataclasses.replace(isl, name="b")], OuterSpec(), FREE_MERGE, dp_dtype="fp32")
     assert p.dp.bytes_per_step == 8e9  # 2 (K - 1) / K x 2e9 x 4 bytes
     assert p.dp.comm_seconds == pytest.approx(8e9 * 8 / 100e9, rel=1e-12)
     assert p.dp.exposed_seconds == pytest.approx(0.64 - 2 / 3 * t, rel=1e-12)
@@ -201,32 +201,32 @@ def test_published_rows():
 
 def test_bad_input_names_the_field():
     with pytest.raises(PlanError, match="gbps is 0"):
-        plan(Model(1e9), [Island("a", step_seconds=1.0, link=Link(0.0))])
+        plan(ModelSpec(1e9), [IslandSpec("a", step_seconds=1.0, link=LinkSpec(0.0))])
     with pytest.raises(PlanError, match="two islands share a name"):
-        plan(Model(1e9), [Island("a", step_seconds=1.0)] * 2)
+        plan(ModelSpec(1e9), [IslandSpec("a", step_seconds=1.0)] * 2)
     with pytest.raises(PlanError, match="overlap_steps is 'soon'"):
-        plan(Model(1e9), [Island("a", step_seconds=1.0)], Outer(overlap_steps="soon"))
+        plan(ModelSpec(1e9), [IslandSpec("a", step_seconds=1.0)], OuterSpec(overlap_steps="soon"))
     with pytest.raises(PlanError, match="inner_steps is 4 but fragments is 8"):
-        plan(Model(1e9), [Island("a", step_seconds=1.0, inner_steps=4)], Outer(fragments=8))
+        plan(ModelSpec(1e9), [IslandSpec("a", step_seconds=1.0, inner_steps=4)], OuterSpec(fragments=8))
     with pytest.raises(PlanError, match="overlap_steps is 4 but island 'a' has inner_steps 4"):
-        plan(Model(1e9), [Island("a", step_seconds=1.0, inner_steps=4)], Outer(overlap_steps=4))
+        plan(ModelSpec(1e9), [IslandSpec("a", step_seconds=1.0, inner_steps=4)], OuterSpec(overlap_steps=4))
     with pytest.raises(PlanError, match="the coordinator's gbps is -5"):
-        plan(Model(1e9), [Island("a", step_seconds=1.0)], Outer(), Coordinator(gbps=-5.0))
+        plan(ModelSpec(1e9), [IslandSpec("a", step_seconds=1.0)], OuterSpec(), CoordinatorSpec(gbps=-5.0))
     with pytest.raises(PlanError, match="step_seconds is inf"):
-        plan(Model(1e9), [Island("a", step_seconds=math.inf)])
+        plan(ModelSpec(1e9), [IslandSpec("a", step_seconds=math.inf)])
     with pytest.raises(PlanError, match="connections is 0"):
-        plan(Model(1e9), [Island("a", step_seconds=1.0, link=Link(connections=0))])
+        plan(ModelSpec(1e9), [IslandSpec("a", step_seconds=1.0, link=LinkSpec(connections=0))])
     with pytest.raises(PlanError, match=r"targets are \(1.5,\)"):
-        plan(Model(1e9), [Island("a", step_seconds=1.0)], targets=(1.5,))
+        plan(ModelSpec(1e9), [IslandSpec("a", step_seconds=1.0)], targets=(1.5,))
     with pytest.raises(PlanError, match="'1.7' is not a whole number"):
-        plan_lib.parse_island("name=a,devices=1.7", Link())
+        plan_lib.parse_island("name=a,devices=1.7", LinkSpec())
     with pytest.raises(KeyError, match="not in the catalog"):
-        plan(Model(1e9), [Island("a", hardware="h900")])
+        plan(ModelSpec(1e9), [IslandSpec("a", hardware="h900")])
     with pytest.raises(PlanError, match="'cores=3' is not KEY=VALUE"):
-        plan_lib.parse_island("name=a,cores=3", Link())
-    isl = plan_lib.parse_island("name=us,hardware=b200,devices=512,batch=1024,seq_len=8192,gbps=10,rtt_ms=150", Link())
+        plan_lib.parse_island("name=a,cores=3", LinkSpec())
+    isl = plan_lib.parse_island("name=us,hardware=b200,devices=512,batch=1024,seq_len=8192,gbps=10,rtt_ms=150", LinkSpec())
     assert (isl.num_devices, isl.hardware, isl.tokens_per_step, isl.link) == (512, "b200", 1024 * 8192,
-                                                                               Link(10.0, 150.0, 16, 0))
+                                                                               LinkSpec(10.0, 150.0, 16, 0))
 
 
 def test_a_configs_model_counts_its_routed_experts_as_k_of_e():

@@ -8,7 +8,7 @@ from island_jax.config import default_config, fingerprint_fields, island
 from island_jax.coordinator import ContributionHeader, Coordinator
 from island_jax.hardware import CATALOG, lookup
 from island_jax.outer import codec
-from island_jax.planning import plan_inner_steps
+from island_jax.outer.inner_steps import plan_inner_steps
 
 
 def _h100_and_a100():

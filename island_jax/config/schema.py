@@ -23,7 +23,7 @@ import ml_collections
 DISPATCH = ("capacity", "dropless")  # `moe.dispatch` (island_jax/model/moe.py)
 CODEC_KINDS = ("none", "bf16", "int8", "int4", "topk")  # `codec.kind`, every codec (island_jax/outer/codec.py)
 
-SYNC = ("steps", "auto", "time")  # values of outer.sync (island_jax/planning.py)
+SYNC = ("steps", "auto", "time")  # values of outer.sync (island_jax/outer/inner_steps.py)
 AUTO_FROM = ("catalog", "measured")  # values of outer.auto_from
 WEIGHTINGS = ("tokens", "uniform")  # values of outer.weighting
 MIB = 1 << 20

@@ -32,8 +32,8 @@ import numpy as np
 from island_jax.config import fingerprint_fields
 from island_jax.coordinator import handshake
 from island_jax.coordinator.state import FragmentState
+from island_jax.outer.inner_steps import plan_from_step_times
 from island_jax.outer.optimizer import outer_hyperparams
-from island_jax.planning import plan_from_step_times
 from island_jax.protocol import ContributionError, ContributionHeader, StaleRoundError, UpdateNotReady
 
 

@@ -41,7 +41,7 @@ from island_jax.model.init import checksum
 from island_jax.model.moe import LAYER_METRICS, check_dispatch
 from island_jax.outer import codec
 from island_jax.outer import fragments as fragments_lib
-from island_jax.planning import plan_inner_steps
+from island_jax.outer.inner_steps import plan_inner_steps
 
 
 @dataclasses.dataclass(frozen=True)

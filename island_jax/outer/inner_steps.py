@@ -1,21 +1,18 @@
-"""How many inner steps each island takes per round.
+"""How many inner steps (H) each island takes per round, for `outer.sync`.
 
-`outer.sync`:
-  steps  every island takes its own `islands.NAME.inner_steps` (H).
+  steps  every island takes its own `islands.NAME.inner_steps`.
   auto   the island named by `outer.reference_island` keeps its H; every other
          island gets round(H_ref x (devices x peak) / (devices_ref x peak_ref)),
-         peaks from the hardware catalog, so that islands with equal per-device
-         batch finish a round together (Async Local-SGD, arXiv 2401.09135, sets
-         local step counts by worker speed the same way).
-         With `outer.auto_from = "measured"` the catalog only plans round 0;
-         from round 1 on the ratio of the median step times each island
-         measured in round 0 replaces the ratio of peaks (`plan_from_step_times`).
-  time   every island trains for `outer.round_seconds` of wall clock, then
-         contributes (`Island.train_round`); `inner_steps` is then only the
-         expected steps per round, which sets the learning-rate schedule's length.
+         peaks from the hardware catalog (Async Local-SGD, arXiv 2401.09135).
+         With `outer.auto_from = "measured"`, from round 1 on the ratio of the
+         median step times measured in round 0 replaces the ratio of peaks
+         (`plan_from_step_times`, which the coordinator calls).
+  time   every island trains for `outer.round_seconds` of wall clock; its
+         `inner_steps` is then the expected steps per round (the learning-rate
+         schedule's length).
 
-Whatever the plan, the coordinator weights each contribution by the tokens the
-island actually processed (Decoupled DiLoCo, arXiv 2604.21428).
+Both sides use it: the islands (their H) and the coordinator (a measured plan).
+docs/heterogeneity.md says when to use which.
 """
 
 from __future__ import annotations
