@@ -121,7 +121,7 @@ print("CHECKSUM", checksum(placed), flush=True)
 # Each process's host copy holds only its shards (half of each split leaf), checksums alike, and is never read
 # whole; to_host refuses an array shaped like a split parameter.
 import numpy as np
-from island_jax.island.island import Shardings
+from island_jax.island.placement import Shardings
 from island_jax.island.shards import HostLeaf, LeafLayout
 host = {k: HostLeaf.of(LeafLayout(v.shape, v.dtype, placed[k].sharding), placed[k]) for k, v in tree.items()}
 print("HOST", checksum(host), [host[k].nbytes for k in sorted(host)], flush=True)

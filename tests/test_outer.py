@@ -9,7 +9,7 @@ from island_jax.config import default_config, fingerprint_fields, island
 from island_jax.coordinator import (
     ContributionError,
     ContributionHeader,
-    Coordinator,
+    FragmentCoordinator,
     HandshakeError,
     UpdateNotReady,
 )
@@ -28,7 +28,7 @@ def _config(lr, momentum, nesterov, kind="none"):
 
 
 def _coordinator(config, start):
-    coord = Coordinator(config, {"w": np.asarray(start, np.float32)}, ["a", "b"])
+    coord = FragmentCoordinator(config, {"w": np.asarray(start, np.float32)}, ["a", "b"])
     for name in ("a", "b"):
         coord.join(name, fingerprint_fields(config), coord.checksum)
     return coord
@@ -99,7 +99,7 @@ def test_refuses_non_finite_and_wrong_round():
 
 def test_different_seed_is_refused_with_reason():
     config = _config(1.0, 0.0, False)
-    coord = Coordinator(config, {"w": np.ones(2, np.float32)}, ["a", "b"])
+    coord = FragmentCoordinator(config, {"w": np.ones(2, np.float32)}, ["a", "b"])
     other = checksum({"w": np.full(2, 2.0, np.float32)})
     with pytest.raises(HandshakeError, match="parameter checksum .* same config.seed"):
         coord.join("a", fingerprint_fields(config), other)
@@ -155,7 +155,7 @@ def test_view_of_bfloat16_and_float32_leaves_is_what_islands_compute(kind, chunk
         "w": rng.normal(size=(70, 300)).astype(ml_dtypes.bfloat16),  # 21,000 elements: several pieces for int8
         "b": rng.normal(size=77).astype(np.float32),
     }
-    coord = Coordinator(config, params, ["a", "b"])
+    coord = FragmentCoordinator(config, params, ["a", "b"])
     for name in ("a", "b"):
         coord.join(name, fingerprint_fields(config), coord.checksum)
     island_view = {k: np.array(v, copy=True) for k, v in params.items()}

@@ -10,7 +10,7 @@ from island_jax.comm.grpc_client import GrpcTransport
 from island_jax.comm.grpc_server import serve
 from island_jax.comm.link import LinkEmulator
 from island_jax.config import default_config, fingerprint_fields, island
-from island_jax.coordinator import ContributionError, ContributionHeader, Coordinator, FragmentedCoordinator
+from island_jax.coordinator import ContributionError, ContributionHeader, FragmentCoordinator, FragmentedCoordinator
 from island_jax.model.init import checksum
 from island_jax.outer import codec
 
@@ -119,7 +119,7 @@ def test_update_chunks_flow_back_while_contributions_still_go_out():
     assert all(s < 0.005 for s in overlapped), overlapped
 
 
-def _two_island_coordinator(kind=Coordinator, min_islands=0, grace_seconds=60.0, clock=None):
+def _two_island_coordinator(kind=FragmentCoordinator, min_islands=0, grace_seconds=60.0, clock=None):
     """A `kind` of coordinator of one leaf for islands a and b (both joined), and its parameters."""
     c = _config(pipeline=True, connections=1)
     c.codec.kind = "none"

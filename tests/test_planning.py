@@ -5,7 +5,7 @@ import pytest
 
 from island_jax import config as config_lib
 from island_jax.config import default_config, fingerprint_fields, island
-from island_jax.coordinator import ContributionHeader, Coordinator
+from island_jax.coordinator import ContributionHeader, FragmentCoordinator
 from island_jax.hardware import CATALOG, lookup
 from island_jax.outer import codec
 from island_jax.outer.inner_steps import plan_inner_steps
@@ -35,7 +35,7 @@ def test_auto_steps_scale_with_devices_times_peak_and_merge_by_tokens():
     c.outer.sync = "steps"
     assert plan_inner_steps(c) == {"fast": 50, "slow": 100}
     c.outer.sync = "auto"
-    coordinator = Coordinator(c, {"w": np.zeros(2, np.float32)}, ["fast", "slow"])
+    coordinator = FragmentCoordinator(c, {"w": np.zeros(2, np.float32)}, ["fast", "slow"])
     for name in ("fast", "slow"):
         coordinator.join(name, fingerprint_fields(c), coordinator.checksum)
     for name, pg in (("fast", [1.0, 0.0]), ("slow", [0.0, 1.0])):
@@ -89,7 +89,7 @@ def test_measured_plan_from_round_zero_step_times():
     c.outer.update(sync="auto", auto_from="measured", learning_rate=1.0, momentum=0.0, nesterov=False)
     c.codec.kind = "none"
     config_lib.validate(c)
-    coordinator = Coordinator(c, {"w": np.zeros(2, np.float32)}, ["a", "b"])
+    coordinator = FragmentCoordinator(c, {"w": np.zeros(2, np.float32)}, ["a", "b"])
     for name in ("a", "b"):
         coordinator.join(name, fingerprint_fields(c), coordinator.checksum)
     pg = codec.encode({"w": np.ones(2, np.float32)}, "none", 256)

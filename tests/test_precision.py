@@ -10,7 +10,7 @@ from tiny_config import get_config, write_corpus
 
 from island_jax import data as data_lib
 from island_jax.island import step as step_lib
-from island_jax.island.island import Shardings
+from island_jax.island.placement import Shardings
 from island_jax.mesh import island_mesh
 from island_jax.model.init import init_params
 

@@ -7,7 +7,7 @@ from island_jax.config import default_config, fingerprint_fields, island
 from island_jax.coordinator import (
     ContributionError,
     ContributionHeader,
-    Coordinator,
+    FragmentCoordinator,
     FragmentedCoordinator,
     HandshakeError,
     StaleRoundError,
@@ -25,7 +25,7 @@ class Clock:
         return self.now
 
 
-def _three_islands(min_islands=2, grace=10.0, kind=Coordinator):
+def _three_islands(min_islands=2, grace=10.0, kind=FragmentCoordinator):
     """A coordinator of one float32 parameter for islands a, b and c (all joined), and its clock."""
     c = default_config()
     for name in ("a", "b", "c"):
@@ -212,7 +212,7 @@ def test_outer_weighting_weighs_contributions_by_tokens_or_uniformly(weighting, 
         c.islands[name] = island(1, 1, 1, 1, 1)
     c.codec.kind = "none"
     c.outer.update(learning_rate=1.0, momentum=0.0, nesterov=False, weighting=weighting)
-    coordinator = Coordinator(c, {"w": np.zeros(1, np.float32)}, ["a", "b"])
+    coordinator = FragmentCoordinator(c, {"w": np.zeros(1, np.float32)}, ["a", "b"])
     for name in ("a", "b"):
         coordinator.join(name, fingerprint_fields(c), coordinator.checksum)
     coordinator.contribute(ContributionHeader(0, "a", 3000), _pg(0.4))

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from island_jax.config import default_config, fingerprint_fields, island
-from island_jax.coordinator import ContributionHeader, Coordinator, HandshakeError
+from island_jax.coordinator import ContributionHeader, FragmentCoordinator, HandshakeError
 from island_jax.model.init import checksum
 from island_jax.outer import codec, topk
 
@@ -111,7 +111,7 @@ def _rounds(config, rounds=3):
     bytes, the coordinator, the islands' parameters after the last update)."""
     rng = np.random.default_rng(5)
     params = {"w": rng.normal(size=(300, 70)).astype(np.float32), "b": rng.normal(size=600).astype(np.float32)}
-    coord = Coordinator(config, params, ["a", "b"])
+    coord = FragmentCoordinator(config, params, ["a", "b"])
     for name in ("a", "b"):
         coord.join(name, fingerprint_fields(config), coord.checksum)
     up = codec.Codec.of(config.codec)
@@ -154,7 +154,7 @@ def test_a_topk_update_keeps_every_island_on_the_view_and_carries_the_drift_into
     # A round of zero pseudo-gradients with no momentum leaves the master where it is, so its update is the top-k
     # of the drift alone: what the last update left out is sent now, not lost.
     config.outer.update(momentum=0.0, nesterov=False)
-    still = Coordinator(config, coord.view, ["a", "b"])
+    still = FragmentCoordinator(config, coord.view, ["a", "b"])
     still.load_state(dict(state, opt_state=[
         jax.tree.map(np.zeros_like, s) for s in still.state()["opt_state"]]))
     for name in ("a", "b"):
@@ -168,7 +168,7 @@ def test_a_topk_update_keeps_every_island_on_the_view_and_carries_the_drift_into
 
 def test_islands_and_a_coordinator_that_disagree_on_the_update_codec_are_refused_at_the_join():
     config = _topk_config("topk", 4096)
-    coord = Coordinator(config, {"w": np.zeros(10, np.float32)}, ["a", "b"])
+    coord = FragmentCoordinator(config, {"w": np.zeros(10, np.float32)}, ["a", "b"])
     other = _topk_config("int8", 4096)
     with pytest.raises(HandshakeError, match=r"codec.update_kind \(theirs 'int8', here 'topk'\)"):
         coord.join("a", fingerprint_fields(other), coord.checksum)
@@ -219,7 +219,7 @@ def test_a_nan_in_a_topk_pseudo_gradient_is_refused_by_the_coordinator():
     from island_jax.coordinator import ContributionError
 
     config = _topk_config("topk", 4096)
-    coord = Coordinator(config, {"w": np.zeros(5000, np.float32)}, ["a", "b"])
+    coord = FragmentCoordinator(config, {"w": np.zeros(5000, np.float32)}, ["a", "b"])
     coord.join("a", fingerprint_fields(config), coord.checksum)
     pg = {"w": np.ones(5000, np.float32)}
     pg["w"][4100] = np.nan

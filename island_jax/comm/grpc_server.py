@@ -43,7 +43,7 @@ from island_jax.outer import codec
 from island_jax.protocol import ContributionError, ContributionHeader, HandshakeError, StaleRoundError
 
 if TYPE_CHECKING:
-    from island_jax.coordinator import Coordinator, FragmentedCoordinator
+    from island_jax.coordinator import FragmentCoordinator, FragmentedCoordinator
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Exchange"].full_name
 _CHUNKS_QUEUED = 8  # per contribution stream: chunks read while the coordinator is still taking earlier ones
@@ -257,7 +257,7 @@ class _OpenContributions:
         self._forget_share(header, entry, reason, keep_complete)
 
 
-def _check_header(header: pb.PayloadHeader, c: Coordinator, layout: str) -> None:
+def _check_header(header: pb.PayloadHeader, c: FragmentCoordinator, layout: str) -> None:
     """Raises WireError (INVALID_ARGUMENT) for a header whose payload size or layout is not the fragment's."""
     if header.total_bytes != c.payload_bytes:
         raise wire.WireError(
@@ -273,7 +273,7 @@ def _check_header(header: pb.PayloadHeader, c: Coordinator, layout: str) -> None
     _share(c.plan, header)  # a share's bitmap must fit the plan
 
 
-def _check_chunk(header: pb.PayloadHeader, c: Coordinator, index: int, offset: int, crc: int, data) -> None:
+def _check_chunk(header: pb.PayloadHeader, c: FragmentCoordinator, index: int, offset: int, crc: int, data) -> None:
     """Raises WireError for a chunk off the fragment's plan (INVALID_ARGUMENT) or with a bad CRC-32C (DATA_LOSS)."""
     if not 0 <= index < len(c.plan) or c.plan[index].offset != offset or c.plan[index].nbytes != len(data):
         raise wire.WireError(
@@ -386,7 +386,7 @@ class _ContributionStream:
     def __init__(self, service: "ExchangeService", context):
         self.service, self.context = service, context
         self.header: pb.PayloadHeader | None = None
-        self.fragment: Coordinator | None = None  # set once the header names a fragment this run has
+        self.fragment: FragmentCoordinator | None = None  # set once the header names a fragment this run has
         self.entry: _Open | None = None
         self.received, self.crcs = 0, []  # chunk bytes and CRC-32Cs, in arrival order
         # `_Intake`'s: chunks queued (counted on the event loop) and taken (counted on its thread), the error for
@@ -450,7 +450,7 @@ class ExchangeService:
       chunk_bytes: `comm.chunk_bytes`.
 
     Raises:
-      TypeError: `coordinator` has no `fragments` (a single fragment's `Coordinator`).
+      TypeError: `coordinator` has no `fragments` (a single fragment's `FragmentCoordinator`).
 
     Attributes:
       lock: a threading.Condition guarding the coordinator; notified after every
@@ -532,7 +532,7 @@ class ExchangeService:
         except asyncio.TimeoutError:
             pass
 
-    def _fragment(self, fragment: int, what: str) -> Coordinator:
+    def _fragment(self, fragment: int, what: str) -> FragmentCoordinator:
         """The coordinator of `fragment`; WireError (INVALID_ARGUMENT) for one this run does not have."""
         if not 0 <= fragment < len(self.coordinator.fragments):
             raise wire.WireError(

@@ -2,8 +2,11 @@
 
   handshake.py    the checks an island passes to join
   state.py        FragmentState: one fragment's master, outer optimizer state and view, in chunk rows
-  merge.py        Coordinator: one fragment's rounds (contributions, quorum, chunk-wise merge, update)
-  coordinator.py  FragmentedCoordinator: the run's coordinator, one Coordinator per fragment
+  contribution.py Contribution: one island's contribution to a round, as its chunks arrive
+  partial_merge.py PartialMerge: a round's chunk-wise weighted merge and outer step; RoundRecord, what it logs
+  quorum.py       RoundState, Quorum: when a round may close without the islands still missing
+  fragment.py     FragmentCoordinator: one fragment's rounds (contributions, quorum, merge, update)
+  coordinator.py  FragmentedCoordinator: the run's coordinator, one FragmentCoordinator per fragment
 
 What it raises and the ContributionHeader it reads live in `island_jax.protocol`, the seam both sides
 speak (re-exported here). It knows no transport: the in-process transport and the gRPC service call the
@@ -11,13 +14,14 @@ plain methods of `FragmentedCoordinator` and of its fragments.
 """
 
 from island_jax.coordinator.coordinator import FragmentedCoordinator
-from island_jax.coordinator.merge import Coordinator, RoundRecord
+from island_jax.coordinator.fragment import FragmentCoordinator
+from island_jax.coordinator.partial_merge import RoundRecord
 from island_jax.protocol import ContributionError, ContributionHeader, HandshakeError, StaleRoundError, UpdateNotReady
 
 __all__ = [
     "ContributionError",
     "ContributionHeader",
-    "Coordinator",
+    "FragmentCoordinator",
     "FragmentedCoordinator",
     "HandshakeError",
     "RoundRecord",

@@ -1,10 +1,10 @@
-"""The coordinator of a run: one `Coordinator` per fragment, the handshake, the whole view, checkpoints.
+"""The coordinator of a run: one `FragmentCoordinator` per fragment, the handshake, the whole view, checkpoints.
 
 Streaming DiLoCo (arXiv 2501.18512) syncs the parameters in fragments, each on
-its own schedule; here each fragment has a `Coordinator` (coordinator/merge.py)
-with its own master slice, outer optimizer state, island view, chunk plan and
-rounds. With `outer.fragments = 1` there is one fragment holding every leaf:
-plain DiLoCo (arXiv 2311.08105).
+its own schedule; here each fragment has a `FragmentCoordinator`
+(coordinator/fragment.py) with its own master slice, outer optimizer state,
+island view, chunk plan and rounds. With `outer.fragments = 1` there is one
+fragment holding every leaf: plain DiLoCo (arXiv 2311.08105).
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import ml_collections
 
 from island_jax.config import fingerprint_fields
 from island_jax.coordinator import handshake
-from island_jax.coordinator.merge import Coordinator
+from island_jax.coordinator.fragment import FragmentCoordinator
 from island_jax.model.init import checksum
 from island_jax.outer import codec
 from island_jax.outer import fragments as fragments_lib
@@ -27,12 +27,12 @@ from island_jax.protocol import ContributionHeader
 
 
 class FragmentedCoordinator:
-    """The coordinator of a run: one `Coordinator` per fragment (Streaming DiLoCo, arXiv 2501.18512).
+    """The coordinator of a run: one `FragmentCoordinator` per fragment (Streaming DiLoCo, arXiv 2501.18512).
 
     The parameters are split by `fragments.partition` into `outer.fragments`
-    groups of whole leaves; fragment p has a `Coordinator` of its own over the
-    list of its leaves, so fragment p's round r merges as soon as every island
-    has contributed it, whatever the other fragments are doing. The outer step
+    groups of whole leaves; fragment p has a `FragmentCoordinator` of its own
+    over the list of its leaves, so fragment p's round r merges as soon as every
+    island has contributed it, whatever the other fragments are doing. The outer step
     is elementwise, so F fragments give the bits one coordinator over the
     whole model would, when every fragment is synced at the same step.
 
@@ -49,7 +49,7 @@ class FragmentedCoordinator:
       ValueError: more fragments than leaves, or a leaf neither float32 nor bfloat16.
 
     Attributes:
-      fragments: the per-fragment `Coordinator`s.
+      fragments: the per-fragment `FragmentCoordinator`s.
       partition: leaf indices (in `jax.tree.leaves(params)` order) of each fragment.
       incarnation: a new hex string every time a coordinator is made (so islands tell a restart from a
         dropped connection).
@@ -63,7 +63,9 @@ class FragmentedCoordinator:
         self.fingerprint_fields = fingerprint_fields(config)
         leaves = jax.tree.leaves(params)
         self.partition = fragments_lib.partition(fragments_lib.leaf_bytes(params), config.outer.fragments)
-        self.fragments = [Coordinator(config, [leaves[i] for i in idx], islands, clock) for idx in self.partition]
+        self.fragments = [
+            FragmentCoordinator(config, [leaves[i] for i in idx], islands, clock) for idx in self.partition
+        ]
         for part in self.fragments:
             part.warm_up()
         self._treedef = jax.tree.structure(params)
@@ -195,7 +197,7 @@ class FragmentedCoordinator:
 
     def admission_round(self, island: str) -> int:
         """The round a rejoining island trains first: the lowest fragment round if a fragment at it still
-        waits for the island (`Coordinator.needs`: its quorum is not reached), else the next round boundary."""
+        waits for the island (`FragmentCoordinator.needs`: its quorum is not reached), else the next round boundary."""
         rounds = [f.round for f in self.fragments]
         low, high = min(rounds), max(rounds)
         if any(f.round == low and f.needs(island) for f in self.fragments):
@@ -228,7 +230,7 @@ class FragmentedCoordinator:
 
         A round closes when every island has contributed (or been refused), or
         when `outer.min_islands` have and `outer.grace_seconds` have passed since
-        (`merge.Quorum`, checked here and by `poll`). A contribution to a round
+        (`quorum.Quorum`, checked here and by `poll`). A contribution to a round
         that has already closed is discarded and logged: the island then fetches
         that round's update, which brings it to the same global parameters as
         everyone else.
@@ -250,11 +252,11 @@ class FragmentedCoordinator:
         return self.fragments[header.fragment].contribute(header, payload)
 
     def fetch_update(self, round: int, island: str, fragment: int = 0) -> bytes:
-        """`Coordinator.fetch_update` of fragment `fragment` (raises UpdateNotReady, StaleRoundError)."""
+        """`FragmentCoordinator.fetch_update` of fragment `fragment` (raises UpdateNotReady, StaleRoundError)."""
         return self.fragments[fragment].fetch_update(round, island)
 
     def poll(self) -> bool:
-        """Polls every fragment (see `Coordinator.poll`); whether any merged."""
+        """Polls every fragment (see `FragmentCoordinator.poll`); whether any merged."""
         return any([f.poll() for f in self.fragments])
 
     def planned_inner_steps(self, island: str) -> int | None:
@@ -263,7 +265,7 @@ class FragmentedCoordinator:
 
     def fetch_view(self, island: str | None = None) -> tuple[list[int], bytes]:
         """The island view, losslessly, for an island that rejoins or fell behind (`island`, which the
-        quorum then gives a fair first round: `Coordinator.took_view`).
+        quorum then gives a fair first round: `FragmentCoordinator.took_view`).
 
         Returns:
           (each fragment's round, the whole view as a float32 "none" payload; every parameter dtype up to
@@ -277,7 +279,7 @@ class FragmentedCoordinator:
             return [f.round for f in self.fragments], codec.encode(self.view, "none")
 
     def state(self) -> dict:
-        """What a checkpoint holds: `fragments`, one `Coordinator.state()` per fragment."""
+        """What a checkpoint holds: `fragments`, one `FragmentCoordinator.state()` per fragment."""
         return dict(fragments=[f.state() for f in self.fragments])
 
     def load_state(self, state: dict) -> None:

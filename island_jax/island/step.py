@@ -19,6 +19,8 @@ import ml_collections
 import optax
 from flax import nnx
 
+from island_jax.island.placement import Shardings
+from island_jax.model.init import init_params
 from island_jax.model.moe import MEAN_METRICS
 from island_jax.model.transformer import aggregate_stats, update_routing_biases
 
@@ -246,9 +248,6 @@ def train_losses(config: ml_collections.ConfigDict, mesh: jax.sharding.Mesh, bat
     Returns:
       (the per-step cross-entropy in nats per token as floats, the parameters after the last step).
     """
-    from island_jax.island.island import Shardings
-    from island_jax.model.init import init_params
-
     graphdef, params, specs = init_params(config)
     shardings = Shardings(mesh, specs)
     tx = inner_optimizer(config, steps)

@@ -1,29 +1,17 @@
-"""One fragment's round on the coordinator: contributions as their chunks arrive, quorum, merge, update.
+"""The coordinator of one fragment (`FragmentCoordinator`): its rounds, chunk by chunk.
 
-It knows no transport: the in-process transport and the gRPC service call these
-plain methods. Per round (DiLoCo, arXiv 2311.08105, Algorithm 1):
-
-  1. collect one contribution per island: encoded pseudo-gradient + tokens;
-  2. decode each, refuse non-finite values, take the token-weighted mean;
-  3. outer step (SGD with Nesterov momentum) on the master parameters;
-  4. encode `master - view` once, apply those bytes to the view with the rule
-     of `codec.decode_and_apply` the islands use, and serve the same bytes to
-     every island. Whatever the codec loses stays in `master - view` and is
-     sent in a later round, never lost.
-
-Steps 2-4 run chunk by chunk (`codec.chunk_plan`, `outer/chunk_step.py`), as
-soon as every contributing island's chunk has arrived when `comm.pipeline` is
-on, so the update flows back while the contributions are still arriving.
-With Streaming DiLoCo (arXiv 2501.18512) every fragment has a `Coordinator` of
-its own (`FragmentedCoordinator`).
+It knows no transport: the in-process transport and the gRPC service call these plain methods, through the
+run's `FragmentedCoordinator`, which holds one per fragment (Streaming DiLoCo, arXiv 2501.18512; one fragment
+is plain DiLoCo, arXiv 2311.08105). Per round: collect one contribution per island as its chunks arrive
+(`contribution.py`), refuse non-finite values, close the round by the `Quorum` (`quorum.py`), merge chunk by
+chunk (`partial_merge.py`: token-weighted mean, outer step, `master - view` encoded once), and serve the same
+update bytes to every island.
 """
 
 from __future__ import annotations
 
-import functools
 import logging
 import time
-from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
 import ml_collections
@@ -31,271 +19,15 @@ import numpy as np
 
 from island_jax.config import fingerprint_fields
 from island_jax.coordinator import handshake
+from island_jax.coordinator.contribution import Contribution
+from island_jax.coordinator.partial_merge import PartialMerge, RoundRecord
+from island_jax.coordinator.quorum import Quorum, RoundState
 from island_jax.coordinator.state import FragmentState
 from island_jax.outer.inner_steps import plan_from_step_times
-from island_jax.outer.optimizer import outer_hyperparams
 from island_jax.protocol import ContributionError, ContributionHeader, StaleRoundError, UpdateNotReady
 
 
-@dataclass
-class Contribution:
-    """One island's contribution to the current round, as its chunks arrive.
-
-    `chunks` maps a chunk index to its rows (`chunk_step.wire_to_rows`): values
-    (codes) [R * W] and scales float32, or for topk its kept values and their positions (`FragmentState.decode`).
-    """
-
-    island: str
-    tokens: int
-    chunks: dict[int, tuple[np.ndarray, np.ndarray]] = field(default_factory=dict)
-    ended: bool = False  # its stream(s) ended well (`end_contribution`): nothing after its chunks was refused
-
-    def has_chunks(self, num_chunks: int) -> bool:
-        return len(self.chunks) == num_chunks
-
-    def complete(self, num_chunks: int) -> bool:
-        """Every chunk is in and the contribution was closed: it may be merged into a finished round."""
-        return self.ended and self.has_chunks(num_chunks)
-
-    def check_chunk(self, round: int, index: int, nbytes: int, plan: list) -> None:
-        """Raises ContributionError for an index the plan lacks or this contribution has, or a size off the plan."""
-        if not 0 <= index < len(plan) or index in self.chunks:
-            raise ContributionError(
-                f"island {self.island!r}, round {round}: chunk {index} is unknown or repeated ({len(plan)} chunks)"
-            )
-        if nbytes != plan[index].nbytes:
-            raise ContributionError(
-                f"island {self.island!r}, round {round}: chunk {index} is {nbytes} bytes, expected "
-                f"{plan[index].nbytes}; the island's comm.chunk_bytes, model or codec differs"
-            )
-
-
-@dataclass
-class RoundRecord:
-    """What the coordinator logs for a merged round (tokens are counts, weights sum to 1)."""
-
-    round: int
-    contributors: list[str] = field(default_factory=list)
-    tokens: dict[str, int] = field(default_factory=dict)
-    weights: dict[str, float] = field(default_factory=dict)
-    pseudo_gradient_norm: dict[str, float] = field(default_factory=dict)
-    cosine_similarity: dict[str, float] = field(default_factory=dict)  # "a/b": cos(pg_a, pg_b)
-    update_bytes: int = 0
-    update_codec_relative_error: float = 0.0  # ||update sent - (master - view)|| / ||master - view||
-    outer_learning_rate: float | None = None  # the outer step's learning rate (`optimizer.outer_hyperparams`)
-    outer_momentum: float | None = None  # its momentum mu_r, warmed up over rounds (`optimizer.momentum_schedule`)
-    view_checksum: Any = ""  # of the island view after the update (or a function that computes it once)
-
-    @property
-    def checksum(self) -> str:
-        """`model.init.checksum` of the island view after this round's update.
-
-        Computed when first asked for; the coordinator keeps a round's view
-        only until the next round is merged, so a checksum not asked for by
-        then is "" (both roles read it as soon as the round is merged).
-        """
-        if callable(self.view_checksum):
-            self.view_checksum = self.view_checksum()
-        return self.view_checksum
-
-
-def merge_weights(contributions: list[Contribution], weighting: str) -> dict[str, float]:
-    """Each contributor's weight in the round's average (`outer.weighting`); the weights sum to 1.
-
-    "tokens": w_k = n_k / sum_j n_j, with n_k the tokens island k trained on this
-    round (token-weighted merging for unequal learners, Decoupled DiLoCo, arXiv
-    2604.21428). "uniform": w_k = 1 / K for K contributors (DiLoCo's average,
-    arXiv 2311.08105), however many tokens each trained on.
-
-    Raises:
-      ValueError: another `weighting`, or no contributions.
-    """
-    if not contributions:
-        raise ValueError("a merge needs at least one contribution")
-    if weighting == "tokens":
-        total = sum(c.tokens for c in contributions)
-        return {c.island: c.tokens / total for c in contributions}
-    if weighting == "uniform":
-        return {c.island: 1.0 / len(contributions) for c in contributions}
-    raise ValueError(f"outer.weighting is {weighting!r}; choose 'tokens' or 'uniform'")
-
-
-@dataclass
-class PartialMerge:
-    """A round's merge in progress: the chunks merged so far, from one fixed set of contributors.
-
-    `master`, `opt` and `view` start as the fragment's rows and optimizer states
-    (one per chunk) and take each chunk's new ones as it is merged; `chunks`
-    holds the update's bytes per merged chunk; `dots` [K, K] float64, and
-    `intended_sq`, `lost_sq`, sum the chunks' stats for the round record.
-    """
-
-    contributors: list[str]
-    shares: dict[str, float]  # `merge_weights` of the contributors (what the round record logs)
-    master: list
-    opt: list
-    view: list
-    chunks: dict[int, bytes] = field(default_factory=dict)
-    dots: Any = 0.0
-    intended_sq: float = 0.0
-    lost_sq: float = 0.0
-
-    @classmethod
-    def start(cls, contributions: list[Contribution], state: FragmentState, weighting: str) -> "PartialMerge":
-        """A merge of `contributions` (in run order) from the fragment's current rows, weighted by `merge_weights`."""
-        return cls(
-            contributors=[c.island for c in contributions],
-            shares=merge_weights(contributions, weighting),
-            master=list(state.master_rows), opt=list(state.opt), view=list(state.view_rows),
-        )
-
-    @functools.cached_property
-    def weights(self) -> np.ndarray:
-        """float32 [K]: `shares` in contributor order, as the merge program takes them."""
-        return np.asarray([np.float32(self.shares[n]) for n in self.contributors], np.float32)
-
-    def merge_ready(self, contributions: list[Contribution], state: FragmentState) -> bool:
-        """Merges every chunk that all `contributions` hold and is not merged yet; whether all are merged."""
-        for chunk in state.plan:
-            k = chunk.index
-            if k in self.chunks or not all(k in c.chunks for c in contributions):
-                continue
-            values = np.stack([c.chunks[k][0] for c in contributions])
-            scales = np.stack([c.chunks[k][1] for c in contributions])
-            self.master[k], self.opt[k], self.view[k], self.chunks[k], stats = state.step(
-                k, values, scales, self.weights, self.master[k], self.opt[k], self.view[k]
-            )
-            self.dots = self.dots + stats["dots"].astype(np.float64)
-            self.intended_sq += float(stats["intended_sq"])
-            self.lost_sq += float(stats["lost_sq"])
-        return len(self.chunks) == len(state.plan)
-
-    def record(self, round: int, contributions: list[Contribution], view_checksum: Callable[[], str]) -> RoundRecord:
-        """The round's record: tokens, weights, pseudo-gradient norms and cosines, update size and codec error,
-        and the outer learning rate and momentum the step used (read from the merged optimizer state)."""
-        names = self.contributors
-        dots = np.asarray(self.dots, np.float64)
-        norms = {n: float(np.sqrt(dots[i, i])) for i, n in enumerate(names)}
-        cosine = {
-            f"{p}/{q}": float(dots[i, j] / max(norms[p] * norms[q], 1e-30))
-            for i, p in enumerate(names)
-            for j, q in enumerate(names)
-            if j > i
-        }
-        return RoundRecord(
-            round=round,
-            contributors=list(names),
-            tokens={c.island: c.tokens for c in contributions},
-            weights=dict(self.shares),
-            pseudo_gradient_norm=norms,
-            cosine_similarity=cosine,
-            update_bytes=sum(len(c) for c in self.chunks.values()),
-            update_codec_relative_error=float(np.sqrt(self.lost_sq) / max(np.sqrt(self.intended_sq), 1e-30)),
-            **(outer_hyperparams(self.opt[0]) if self.opt else {}),  # every chunk's state stepped alike
-            view_checksum=view_checksum,
-        )
-
-
-@dataclass
-class RoundState:
-    """What a fragment's coordinator holds of the round it is merging; replaced whole when the round closes."""
-
-    pending: dict[str, Contribution] = field(default_factory=dict)  # open or complete contributions
-    refused: set[str] = field(default_factory=set)  # islands whose contribution was refused (NaN, ...)
-    dropped: set[str] = field(default_factory=set)  # islands the quorum closed the round without
-    quorum_since: float | None = None  # when min_islands had complete contributions (clock seconds)
-    merge: PartialMerge | None = None
-    started_at: float = 0.0  # when the round began: the previous round merged, or the coordinator started
-    first_complete_at: float | None = None  # when the first contribution was complete (clock seconds)
-    joined_at: dict[str, float] = field(default_factory=dict)  # islands that took the view while it ran
-
-    def expected(self, islands: Sequence[str]) -> list[str]:
-        """The islands the round still waits for or has: neither refused nor dropped, in run order."""
-        return [n for n in islands if n not in self.refused and n not in self.dropped]
-
-    def complete(self, islands: Sequence[str], num_chunks: int) -> list[str]:
-        """The expected islands whose contribution has every chunk."""
-        return [n for n in self.expected(islands) if n in self.pending and self.pending[n].complete(num_chunks)]
-
-    def waiting_for(self, islands: Sequence[str], num_chunks: int) -> list[str]:
-        """The expected islands whose contribution is missing or incomplete, sorted."""
-        return sorted(set(self.expected(islands)) - set(self.complete(islands, num_chunks)))
-
-    def without(self, island: str, refused: bool = False) -> bool:
-        """Goes on without `island`'s contribution: refused (NaN, ...) or dropped by the quorum (`refused`
-        False). Returns whether the merge in progress included it (it is then void, to restart)."""
-        self.pending.pop(island, None)
-        (self.refused if refused else self.dropped).add(island)
-        return self.forget_merge_with(island)
-
-    def forget_merge_with(self, island: str) -> bool:
-        """Voids the merge in progress if it includes `island`; whether it did."""
-        if self.merge is None or island not in self.merge.contributors:
-            return False
-        self.merge = None
-        return True
-
-    def has_complete(self, island: str, num_chunks: int) -> bool:
-        """Whether `island`'s contribution is in, with every chunk."""
-        return island in self.pending and self.pending[island].complete(num_chunks)
-
-    def check_new(self, round: int, island: str, tokens: int) -> None:
-        """Raises ContributionError for an island that already contributed (or was refused), or tokens <= 0."""
-        if island in self.pending or island in self.refused:
-            raise ContributionError(f"island {island!r} already contributed to round {round}")
-        if tokens <= 0:
-            raise ContributionError(f"island {island!r} reported {tokens} tokens for round {round}; it must be > 0")
-
-
-@dataclass
-class Quorum:
-    """When a round may close without the islands still missing (Decoupled DiLoCo's quorum, arXiv 2604.21428).
-
-    A round closes once every expected island's contribution is complete, or
-    once `min_islands` are and `grace_seconds` (clock seconds) have passed
-    since they first were; a slow or dead island then does not stall the rest.
-
-    An island that rejoined while the round ran (it took the island view at
-    `RoundState.joined_at`) is given as long as the others had: the round
-    closes without it only once as much time has passed since it joined as
-    the quorum took from the round's start, plus the grace window. So a
-    restarted island is not dropped from the first round it trains whole.
-    """
-
-    min_islands: int
-    grace_seconds: float
-    clock: Callable[[], float] = time.monotonic
-
-    def closing(self, current: RoundState, islands: Sequence[str], num_chunks: int) -> list[str] | None:
-        """None while the `current` round must wait; else the expected islands it closes without ([]: all in).
-
-        Starts the grace window (`current.quorum_since`) when the quorum is first reached.
-        """
-        expected, complete = current.expected(islands), current.complete(islands, num_chunks)
-        if not complete:
-            return None
-        if len(complete) == len(expected):
-            return []
-        if not self.reached(current, islands, num_chunks):
-            return None
-        now = self.clock()
-        if current.quorum_since is None:
-            current.quorum_since = now
-        if now - current.quorum_since < self.grace_seconds:
-            return None
-        missing = [n for n in expected if n not in complete]
-        took = current.quorum_since - current.started_at  # what the quorum needed of the round
-        if any(now - current.joined_at[n] < took + self.grace_seconds for n in missing if n in current.joined_at):
-            return None
-        return missing
-
-    def reached(self, current: RoundState, islands: Sequence[str], num_chunks: int) -> bool:
-        """Whether `min_islands` contributions of the `current` round are complete (it can close without
-        the rest once the grace window passes)."""
-        return len(current.complete(islands, num_chunks)) >= self.min_islands
-
-
-class Coordinator:
+class FragmentCoordinator:
     """The coordinator of one fragment (the whole model with `outer.fragments = 1`): its rounds, chunk by chunk.
 
     Args: `config`, `islands` and `clock` as for `FragmentedCoordinator`; `params`

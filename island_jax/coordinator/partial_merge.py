@@ -1,0 +1,148 @@
+"""A round's merge on the coordinator, chunk by chunk, and the record of the merged round.
+
+Per chunk of the fragment's plan (DiLoCo, arXiv 2311.08105, Algorithm 1, the outer step): the contributors'
+decoded pseudo-gradients, their weighted mean (`merge_weights`: by tokens, or uniform), the outer step (SGD
+with Nesterov momentum) on the master rows, and the update `master - view` encoded once and applied to the
+view with the rule of `codec.decode_and_apply` the islands use (`FragmentState.step`, `outer/chunk_step.py`).
+Whatever the codec loses stays in `master - view` and is sent in a later round. A `PartialMerge` merges each
+chunk as soon as every contributor's chunk has arrived (with `comm.pipeline`), so the update flows back while
+contributions still arrive; `RoundRecord` is what the coordinator logs of the merged round.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import numpy as np
+
+from island_jax.coordinator.contribution import Contribution
+from island_jax.coordinator.state import FragmentState
+from island_jax.outer.optimizer import outer_hyperparams
+
+
+@dataclass
+class RoundRecord:
+    """What the coordinator logs for a merged round (tokens are counts, weights sum to 1)."""
+
+    round: int
+    contributors: list[str] = field(default_factory=list)
+    tokens: dict[str, int] = field(default_factory=dict)
+    weights: dict[str, float] = field(default_factory=dict)
+    pseudo_gradient_norm: dict[str, float] = field(default_factory=dict)
+    cosine_similarity: dict[str, float] = field(default_factory=dict)  # "a/b": cos(pg_a, pg_b)
+    update_bytes: int = 0
+    update_codec_relative_error: float = 0.0  # ||update sent - (master - view)|| / ||master - view||
+    outer_learning_rate: float | None = None  # the outer step's learning rate (`optimizer.outer_hyperparams`)
+    outer_momentum: float | None = None  # its momentum mu_r, warmed up over rounds (`optimizer.momentum_schedule`)
+    view_checksum: Any = ""  # of the island view after the update (or a function that computes it once)
+
+    @property
+    def checksum(self) -> str:
+        """`model.init.checksum` of the island view after this round's update.
+
+        Computed when first asked for; the coordinator keeps a round's view
+        only until the next round is merged, so a checksum not asked for by
+        then is "" (both roles read it as soon as the round is merged).
+        """
+        if callable(self.view_checksum):
+            self.view_checksum = self.view_checksum()
+        return self.view_checksum
+
+
+def merge_weights(contributions: list[Contribution], weighting: str) -> dict[str, float]:
+    """Each contributor's weight in the round's average (`outer.weighting`); the weights sum to 1.
+
+    "tokens": w_k = n_k / sum_j n_j, with n_k the tokens island k trained on this
+    round (token-weighted merging for unequal learners, Decoupled DiLoCo, arXiv
+    2604.21428). "uniform": w_k = 1 / K for K contributors (DiLoCo's average,
+    arXiv 2311.08105), however many tokens each trained on.
+
+    Raises:
+      ValueError: another `weighting`, or no contributions.
+    """
+    if not contributions:
+        raise ValueError("a merge needs at least one contribution")
+    if weighting == "tokens":
+        total = sum(c.tokens for c in contributions)
+        return {c.island: c.tokens / total for c in contributions}
+    if weighting == "uniform":
+        return {c.island: 1.0 / len(contributions) for c in contributions}
+    raise ValueError(f"outer.weighting is {weighting!r}; choose 'tokens' or 'uniform'")
+
+
+@dataclass
+class PartialMerge:
+    """A round's merge in progress: the chunks merged so far, from one fixed set of contributors.
+
+    `master`, `opt` and `view` start as the fragment's rows and optimizer states
+    (one per chunk) and take each chunk's new ones as it is merged; `chunks`
+    holds the update's bytes per merged chunk; `dots` [K, K] float64, and
+    `intended_sq`, `lost_sq`, sum the chunks' stats for the round record.
+    """
+
+    contributors: list[str]
+    shares: dict[str, float]  # `merge_weights` of the contributors (what the round record logs)
+    master: list
+    opt: list
+    view: list
+    chunks: dict[int, bytes] = field(default_factory=dict)
+    dots: Any = 0.0
+    intended_sq: float = 0.0
+    lost_sq: float = 0.0
+
+    @classmethod
+    def start(cls, contributions: list[Contribution], state: FragmentState, weighting: str) -> "PartialMerge":
+        """A merge of `contributions` (in run order) from the fragment's current rows, weighted by `merge_weights`."""
+        return cls(
+            contributors=[c.island for c in contributions],
+            shares=merge_weights(contributions, weighting),
+            master=list(state.master_rows), opt=list(state.opt), view=list(state.view_rows),
+        )
+
+    @functools.cached_property
+    def weights(self) -> np.ndarray:
+        """float32 [K]: `shares` in contributor order, as the merge program takes them."""
+        return np.asarray([np.float32(self.shares[n]) for n in self.contributors], np.float32)
+
+    def merge_ready(self, contributions: list[Contribution], state: FragmentState) -> bool:
+        """Merges every chunk that all `contributions` hold and is not merged yet; whether all are merged."""
+        for chunk in state.plan:
+            k = chunk.index
+            if k in self.chunks or not all(k in c.chunks for c in contributions):
+                continue
+            values = np.stack([c.chunks[k][0] for c in contributions])
+            scales = np.stack([c.chunks[k][1] for c in contributions])
+            self.master[k], self.opt[k], self.view[k], self.chunks[k], stats = state.step(
+                k, values, scales, self.weights, self.master[k], self.opt[k], self.view[k]
+            )
+            self.dots = self.dots + stats["dots"].astype(np.float64)
+            self.intended_sq += float(stats["intended_sq"])
+            self.lost_sq += float(stats["lost_sq"])
+        return len(self.chunks) == len(state.plan)
+
+    def record(self, round: int, contributions: list[Contribution], view_checksum: Callable[[], str]) -> RoundRecord:
+        """The round's record: tokens, weights, pseudo-gradient norms and cosines, update size and codec error,
+        and the outer learning rate and momentum the step used (read from the merged optimizer state)."""
+        names = self.contributors
+        dots = np.asarray(self.dots, np.float64)
+        norms = {n: float(np.sqrt(dots[i, i])) for i, n in enumerate(names)}
+        cosine = {
+            f"{p}/{q}": float(dots[i, j] / max(norms[p] * norms[q], 1e-30))
+            for i, p in enumerate(names)
+            for j, q in enumerate(names)
+            if j > i
+        }
+        return RoundRecord(
+            round=round,
+            contributors=list(names),
+            tokens={c.island: c.tokens for c in contributions},
+            weights=dict(self.shares),
+            pseudo_gradient_norm=norms,
+            cosine_similarity=cosine,
+            update_bytes=sum(len(c) for c in self.chunks.values()),
+            update_codec_relative_error=float(np.sqrt(self.lost_sq) / max(np.sqrt(self.intended_sq), 1e-30)),
+            **(outer_hyperparams(self.opt[0]) if self.opt else {}),  # every chunk's state stepped alike
+            view_checksum=view_checksum,
+        )
