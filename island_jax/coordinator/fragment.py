@@ -4,7 +4,7 @@ It knows no transport: the in-process transport and the gRPC service call these 
 run's `FragmentedCoordinator`, which holds one per fragment (Streaming DiLoCo, arXiv 2501.18512; one fragment
 is plain DiLoCo, arXiv 2311.08105). Per round: collect one contribution per island as its chunks arrive
 (`contribution.py`), refuse non-finite values, close the round by the `Quorum` (`quorum.py`), merge chunk by
-chunk (`partial_merge.py`: token-weighted mean, outer step, `master - view` encoded once), and serve the same
+chunk (`partial_merge.py`: weighted mean, outer step, `master - view` encoded once), and serve the same
 update bytes to every island.
 """
 

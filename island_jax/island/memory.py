@@ -1,20 +1,13 @@
 """An island's memory budget per device, from shapes before anything compiles, and from XLA after it has.
 
-What one device of island NAME holds during an inner step:
-  parameters       every leaf's bytes over the devices its sharding splits it across (`transformer.partition_specs`
-                   on the island's mesh: embed over fsdp, the routed experts over expert);
-  gradients        as the parameters (same shardings and dtypes);
-  optimizer state  AdamW's two moments, as the parameters;
-  anchor           the global parameters the round started from, as the parameters;
-  activations      what the backward pass needs of the forward, for the device's share of the batch.
-
-`state_bytes` counts the first four exactly from shapes. `estimated_activation_bytes` estimates the fifth
-from shapes (per token and layer, the tensors a block keeps for its backward pass, after Korthikanti et al.,
-arXiv 2205.05198, sec. 4, for this model's block; with `model.remat` "full" a block keeps only its input).
-`compiled_activation_bytes` reads the real figure, XLA's temporary bytes of the compiled inner step
-(`compiled.memory_analysis()`), on the island's own devices. `check_fits` compares the shape figures with
-`islands.NAME.memory_gb` (or the hardware catalog's) and refuses a config that cannot fit, before any
-parameter is made.
+One device of island NAME holds during an inner step: parameters (each leaf's bytes over the devices its
+sharding splits it across), gradients, AdamW's two moments and the anchor (each as the parameters), and the
+activations the backward pass keeps for the device's share of the batch. `state_bytes` counts the first four
+exactly from shapes; `estimated_activation_bytes` estimates the activations from shapes (after Korthikanti et
+al., arXiv 2205.05198, sec. 4; with `model.remat` "full" a block keeps only its input), and
+`compiled_activation_bytes` reads XLA's temporary bytes of the compiled inner step on the island's own
+devices. `check_fits` refuses a config whose shape figures exceed `islands.NAME.memory_gb` (or the hardware
+catalog's) before any parameter is made (docs/island.md, "The memory budget, before compiling").
 """
 
 from __future__ import annotations

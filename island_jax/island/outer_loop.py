@@ -1,30 +1,17 @@
-"""Streaming DiLoCo for one island: fragments exchanged on background threads while inner steps run.
+"""Streaming DiLoCo for one island (`StreamingSync`): fragments exchanged on background threads while inner
+steps run (Douillard et al., arXiv 2501.18512, Algorithm 1 with its overlap, Section 2.3).
 
-Douillard et al., "Streaming DiLoCo with overlapping communication" (arXiv
-2501.18512), Algorithm 1 with its overlap (Section 2.3):
+Fragment p of F (`outer/fragments.py`) is contributed after inner step o_p = (p + 1) x H // F of every round
+(`outer.sync = "steps"`), or once (p + 1) / F of `outer.round_seconds` has passed (`"time"`): its
+pseudo-gradient anchor - params, with the tokens trained since its last one. The exchange (encode, send, wait
+for the merge, receive, decode) runs on a background thread, and the update is applied at the end of inner
+step t + tau (tau = `outer.overlap_steps`; "auto" from the link and the measured exchanges): the fragment's
+anchor becomes the global value and its parameters alpha x local + (1 - alpha) x global (alpha =
+`outer.mix_alpha`). tau = 0 takes the global values at once; with F = 1 as well this is DiLoCo (arXiv
+2311.08105), by the same code (docs/streaming.md).
 
-  * The parameters are split into F fragments (`outer/fragments.py`). Under
-    `outer.sync = "steps"` fragment p is contributed after inner step
-    o_p = (p + 1) x H // F of every round; under `"time"` once (p + 1) / F of
-    the round's `outer.round_seconds` has passed. A contribution is the
-    fragment's pseudo-gradient, anchor - params, with the tokens trained
-    since its last one.
-  * The exchange (encode, send, wait for the merge, receive, decode) runs on a
-    background thread while the jitted inner steps go on. The update is
-    applied at the end of inner step t + tau (tau = `outer.overlap_steps`): the
-    fragment's anchor becomes the global value and its parameters
-    alpha x local + (1 - alpha) x global (alpha = `outer.mix_alpha`). With
-    tau = 0 the island waits for the update at once and takes the global
-    values exactly; with F = 1 as well this is DiLoCo (arXiv 2311.08105), by
-    the same code.
-  * tau = "auto" is ceil(exchange seconds / step seconds) + 1 (clipped below a
-    fragment's next contribution): before the first exchange from the emulated
-    link (bytes both ways at its rate, plus a round trip), then from the
-    slowest of the last F measured exchanges, so the exchange hides behind
-    compute.
-
-What the loop needs of an island is `OuterLoopIsland`; how it accounts for
-the island's seconds is in `accounting.py`.
+What the loop needs of an island is `OuterLoopIsland`; how it accounts for the island's seconds is in
+`accounting.py`.
 """
 
 from __future__ import annotations

@@ -1,23 +1,15 @@
-"""What one process of an island holds of the global parameters, and which chunks of the outer loop it owns.
+"""What one process of an island holds of the global parameters (`HostLeaf`), and which chunks of the outer
+loop it owns (`Ownership`).
 
-The chunk plan (`codec.chunk_plan` of the model, the codec and `comm.chunk_bytes`) is one plan for every
-island and the coordinator, whatever their layouts. Over an island's mesh each parameter leaf is a set of
-shards, boxes of it (`LeafLayout`), and each shard is a few runs of consecutive elements (`mesh.shard_runs`:
-fsdp splits a leaf on its leading non-expert dimension). So each process's part of a leaf is a set of runs in
-payload order, and a chunk of the plan lies within one process's runs except where it meets a shard's edge.
-
-Every chunk has one owner among the island's processes (`Ownership`): a process that holds the most of its
-elements; where several hold as many (replicas over `data`, or a leaf no axis splits), the chunks are dealt
-out among them by bytes, each to the one with the fewest bytes so far (the rule of `codec.deal`). The owner
-encodes the chunk's pseudo-gradient, sends it over the WAN, and fetches its update. Over the island's own
-interconnect (`distributed.exchange_rows`, a collective) travel only:
-  * to the owner, the elements of its chunks that it does not hold (from the lowest process that holds
-    them): at most a piece per shard edge;
-  * from the owner, the update's bytes of a chunk to every other process that holds any of its elements: the
-    chunks at shard edges, and every chunk of a leaf that processes hold as replicas.
-Each process then applies the update to the elements it holds, with the same arithmetic as the coordinator
-(`codec.decode_and_apply`), so every island keeps bit-identical global parameters; `HostLeaf` is its host
-copy of them, shard by shard.
+The chunk plan (`codec.chunk_plan`) is one plan for every island and the coordinator, whatever their layouts.
+Over an island's mesh a leaf is a set of shards (`LeafLayout`), each a few runs of consecutive elements
+(`mesh.shard_runs`), so a chunk lies within one process's runs except at a shard's edge. Every chunk has one
+owner, a process that holds the most of its elements (ties dealt out by bytes, the rule of `codec.deal`),
+which encodes the chunk's pseudo-gradient, sends it and fetches its update. Over the island's interconnect
+(`distributed.exchange_rows`, a collective) travel only the elements at shard edges that an owner lacks, and
+an update's bytes to the other processes that hold elements of its chunk. Each process applies the update to
+the elements it holds with the coordinator's arithmetic (`codec.decode_and_apply`), so every island keeps
+bit-identical global parameters (docs/island.md, "The outer loop, shard by shard").
 """
 
 from __future__ import annotations

@@ -1,9 +1,10 @@
-"""An island's checkpointed state: parameters, anchor, AdamW state, inner steps taken and rounds completed,
-and, with error feedback, each process's residual of the chunks it owns (one row per process).
+"""An island's checkpointed state (`state`, `load_state`): parameters, anchor, AdamW state, inner steps taken
+and rounds completed, and, with error feedback, each process's residual of the chunks it owns.
 
-Parameters, anchor and AdamW state are saved as their sharded `jax.Array`s and placed by the restoring run's
-own layout, whatever the layout that saved them. The residual belongs to the chunks a process owns, so it
-resumes only under the same processes and layout (`layout_name`), which the checkpoint records.
+The parameters, anchor and AdamW state are the island's sharded `jax.Array`s; a restored state is placed by
+this run's layout, whatever the layout that saved it. The residual is float32 [processes, elements], one row
+per process, which writes its own row; it belongs to the chunks each process owns, so it resumes only under
+the same processes and layout (`layout_name`), which the checkpoint records beside it.
 """
 
 from __future__ import annotations
