@@ -11,7 +11,8 @@ import pytest
 from island_jax.config import default_config, fingerprint_fields, island
 from island_jax.coordinator import ContributionHeader, FragmentCoordinator, HandshakeError
 from island_jax.model.init import checksum
-from island_jax.outer import codec, topk
+from island_jax.outer import codec
+from island_jax.outer.codec import topk
 
 
 @pytest.mark.parametrize("n", [1, 63, 64, 65, 4096, 4096 + 10, 3 * 4096, 3 * 4096 + 100, 10_000])

@@ -1,44 +1,16 @@
-"""The coordinator's merge, outer step and update encoding for one chunk of the payload.
+"""The coordinator's merge, outer step and update encoding for one chunk of the payload, in rows.
 
-The outer step is elementwise (Streaming DiLoCo, arXiv 2501.18512, relies on
-the same property), so the coordinator can merge, step and encode chunk k of
-the update as soon as every contributing island's chunk k has arrived, while
-later chunks are still on the wire. This module holds the per-chunk math; the
-coordinator decides when a chunk is ready.
+A chunk (`codec.Chunk`) is a float32 matrix of R rows of W elements (`codec.row_elements`: whole blocks or
+top-k groups of both codecs), each piece from a new row, zero-padded to one R for every chunk so that one
+compiled program serves all; zeros stay zero through merge, step and codec. Top-k contributions stay sparse
+(kept values, row positions) until a scatter-add. Per contributor count K, `ChunkStep` compiles (DiLoCo, arXiv
+2311.08105, Algorithm 1, lines 12-14; `outer/reference.py` shows it over whole trees):
 
-Rows. A chunk (`codec.Chunk`) is a run of pieces of leaves; here it is held as
-a float32 matrix of R rows of W elements (`codec.row_elements`: a whole number
-of both codecs' blocks or top-k groups), each piece starting on a
-new row and padded with zeros to whole rows, and all chunks padded to the same
-R so that one compiled program serves every chunk. Zero padding stays zero
-through the merge, the SGD outer step (zero gradient, zero momentum) and the
-codec, and is never put on the wire.
-
-Top-k contributions stay sparse until the merge: each island's chunk is its kept
-values and their positions in the rows (padded to the chunk's most kept values
-M, the padding pointing past the rows), and the merge adds them into the rows
-(a scatter-add). A top-k update (`codec.update_kind = "topk"`) is cut on the host
-from master - view with `topk.encode`, and the view takes its decoded values: the
-islands' `codec.decode_and_apply`, bit for bit.
-
-`ChunkStep` compiles, per number of contributors K, one XLA program
-(DiLoCo, arXiv 2311.08105, Algorithm 1, lines 12-14, for one chunk):
-
-  pseudo_gradient[k] = dequantize(codes[k], scales[k])            [K, R * W] float32
-  merged             = sum_k weight[k] * pseudo_gradient[k]       [R * W] float32
-                       (top-k: merged[positions[k]] += weight[k] * values[k])
-  master, opt_state  = optax outer step(merged)                   [R * W] float32
-  delta              = master - view                              [R * W] float32
-  update codes/scales = quantize(delta) with the update's codec
-  view               = view + dequantize(update codes, scales)    [R * W] float32
-                       (rounded to bfloat16 on the rows of bfloat16 leaves)
-
-The last line is the islands' `codec.decode_and_apply`, bit for bit. It runs
-as a second program: within one, XLA fuses the dequantizing multiply and the
-add into a fused multiply-add, which rounds once where the islands' NumPy
-rounds twice (an optimization barrier does not stop it).
-
-and the partial sums the round's log needs (squared norms, dot products).
+  merged = sum_k weight[k] * dequantize(codes[k], scales[k])     [R * W] float32, in island order
+  master, opt_state = optax outer step(merged);  delta = master - view
+  update = quantize(delta) (`codec.blocks`; a top-k update is cut on the host)
+  view = view + dequantize(update), rounded to bfloat16 on bfloat16 leaves' rows: a second program, since
+  within one XLA fuses the multiply and add that the islands' NumPy `codec.decode_and_apply` rounds twice.
 """
 
 from __future__ import annotations
@@ -52,7 +24,8 @@ import ml_dtypes
 import numpy as np
 import optax
 
-from island_jax.outer import codec, topk
+from island_jax.outer import codec
+from island_jax.outer.codec import blocks, topk
 
 _WIRE_DTYPE = {"none": np.dtype("<f4"), "bf16": np.dtype(ml_dtypes.bfloat16), "int8": np.dtype(np.int8), "int4": np.dtype(np.int8)}
 
@@ -133,7 +106,7 @@ def wire_to_rows(buf, layout: RowLayout, fmt: codec.Codec, width: int, num_rows:
         if kind == "int8":
             values[start : start + n] = np.frombuffer(buf, np.int8, n, offset)
         else:
-            values[start : start + n] = codec._unpack_int4(np.frombuffer(buf, np.uint8, code_bytes, offset), n)
+            values[start : start + n] = blocks.unpack_int4(np.frombuffer(buf, np.uint8, code_bytes, offset), n)
         num_blocks = -(-n // block_size)
         scales[row * per_row : row * per_row + num_blocks] = np.frombuffer(buf, "<f4", num_blocks, offset + code_bytes)
     return values, scales
@@ -159,7 +132,7 @@ def rows_to_wire(values: np.ndarray, scales: np.ndarray, layout: RowLayout, fmt:
         elif kind == "bf16":
             out.append(v.tobytes())
         else:
-            out.append(v.tobytes() if kind == "int8" else codec._pack_int4(v))
+            out.append(v.tobytes() if kind == "int8" else blocks.pack_int4(v))
             out.append(scales[row * per_row : row * per_row + -(-n // block_size)].astype("<f4").tobytes())
     return b"".join(out)
 
@@ -228,7 +201,7 @@ class ChunkStep:
             return merged, dots
         block = self.up.block_size
         shape = (count, n // block, block)
-        pseudo_gradients = values.astype(jnp.float32).reshape(shape) * scales.reshape(shape[:2])[:, :, None]
+        pseudo_gradients = blocks.dequantize(values.astype(jnp.float32).reshape(shape), scales.reshape(shape[:2]))
         merged = jnp.zeros(shape[1:], jnp.float32)
         for k in range(count):
             merged = merged + weights[k] * pseudo_gradients[k]
@@ -248,12 +221,9 @@ class ChunkStep:
             codes = delta.astype(jnp.bfloat16)
             update_scales, sent = jnp.ones(1, jnp.float32), codes.astype(jnp.float32)
         else:
-            max_code, block = codec.MAX_CODE[self.down.kind], self.down.block_size
-            blocks = delta.reshape(-1, block)
-            update_scales = jnp.max(jnp.abs(blocks), axis=1) / max_code
-            safe = jnp.where(update_scales > 0, update_scales, 1.0)
-            codes = jnp.clip(jnp.round(blocks / safe[:, None]), -max_code, max_code)
-            sent = (codes * update_scales[:, None]).reshape(-1)
+            rows = delta.reshape(-1, self.down.block_size)
+            codes, update_scales = blocks.quantize(rows, codec.MAX_CODE[self.down.kind], jnp)
+            sent = blocks.dequantize(codes, update_scales).reshape(-1)
             codes = codes.astype(jnp.int8).reshape(-1)
         stats = dict(dots=dots, intended_sq=jnp.sum(delta * delta), lost_sq=jnp.sum((delta - sent) ** 2))
         return master, opt_state, sent, codes, update_scales, stats

@@ -1,9 +1,6 @@
 """Top-k sparsification of a pseudo-gradient by groups, with two magnitude levels (SparseLoCo, arXiv 2508.15706).
 
-The `topk` codec's arithmetic on one flat float32 leaf (or piece of a leaf, which always holds whole groups):
-how it is cut into groups, which values a group keeps, their bytes, and decoding. `codec.py` puts it on the
-chunked wire; `chunk_step.py` merges its contributions with a sparse add and encodes the coordinator's update.
-
+The `topk` codec's arithmetic on one flat float32 leaf (or piece of a leaf, which always holds whole groups).
 For each group of `group` consecutive values (the last may be shorter), the `k` values of largest magnitude are
 kept (ties to the lower index). Each kept value is sent as its index in the group (ceil(log2(group)) bits, 12
 for 4096), its sign (1 bit) and one of two magnitudes, {s/3, s}, the nearer one (1 bit), where s is the group's
@@ -12,8 +9,9 @@ largest kept magnitude, sent once as a float32. A group of length L thus costs
     ceil(min(k, L) x (ceil(log2(group)) + 2) / 8) + 4 bytes,
 
 116 bytes for a full group of 4096 with k = 64: 0.227 bits per parameter with the scale, 0.219 without.
-The values a group does not keep decode to zero; with error feedback (`codec.ChunkEncoder`'s residual, always on
-for this codec) they are carried into the next round's input, as SparseLoCo does.
+The values a group does not keep decode to zero; with error feedback (`encoder.ChunkEncoder`'s residual, always
+on for this codec) they are carried into the next round's input, as SparseLoCo does. `encoder.py` puts it on the
+chunked wire; `chunk_step.py` merges its contributions with a sparse add and encodes the coordinator's update.
 """
 
 from __future__ import annotations
