@@ -7,8 +7,9 @@ zeros), and its codes are x / scale rounded half to even and clipped to [-max_co
 al., arXiv 2110.02861), used for DiLoCo pseudo-gradients by INTELLECT-1 (arXiv 2412.01152).
 
 `quantize` is written once over an array namespace: NumPy on the host (an island's encoder), jax.numpy inside
-the encoder's device program and the coordinator's chunk program (`chunk_step.py`), so every path runs the
-same operations in the same order. int4 codes travel two a byte (`pack_int4`).
+the encoder's device program and the coordinator's chunk program (`chunk_step.py`): the same operations in the
+same order, except that XLA computes absmax / max_code as absmax x float32(1 / max_code), so a scale from an
+XLA program may be one ulp off the host's. int4 codes travel two a byte (`pack_int4`).
 """
 
 from __future__ import annotations
