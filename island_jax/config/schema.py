@@ -18,10 +18,10 @@ from __future__ import annotations
 import ml_collections
 
 # The values two fields may take. They live here, not beside the code that implements them (island_jax/model/moe.py
-# and island_jax/outer/codec.py import them from here), so that reading and checking a config imports no JAX
+# and island_jax/outer/codec/kinds.py import them from here), so that reading and checking a config imports no JAX
 # (the launcher does only that).
 DISPATCH = ("capacity", "dropless")  # `moe.dispatch` (island_jax/model/moe.py)
-CODEC_KINDS = ("none", "bf16", "int8", "int4", "topk")  # `codec.kind`, every codec (island_jax/outer/codec.py)
+CODEC_KINDS = ("none", "bf16", "int8", "int4", "topk")  # `codec.kind`, every codec (island_jax/outer/codec/)
 
 SYNC = ("steps", "auto", "time")  # values of outer.sync (island_jax/outer/inner_steps.py)
 AUTO_FROM = ("catalog", "measured")  # values of outer.auto_from
