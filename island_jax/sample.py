@@ -48,7 +48,7 @@ def tokenizer_record(config: ml_collections.ConfigDict) -> dict:
     was prepared with.
 
     Raises:
-      SampleError: `data.prepared` names a folder that is not a prepared dataset (`prepared.PreparedDataset`).
+      SampleError: `data.prepared` names a folder that is not a prepared dataset (`data.records.PreparedDataset`).
     """
     from island_jax.data import tokenizer as tokenizer_lib
     from island_jax.data.errors import DataError
@@ -85,7 +85,7 @@ def export_tokenizer_record(folder: str) -> dict | None:
 
 
 def load_tokenizer(record: dict):
-    """The `island_jax.tokenizer.Tokenizer` of a `tokenizer_record`, checked against the hash the run recorded.
+    """The `island_jax.data.tokenizer.Tokenizer` of a `tokenizer_record`, checked against the hash the run recorded.
 
     Raises:
       SampleError: its file is missing or unreadable, or is not the tokenizer the run trained with (another hash).
@@ -282,7 +282,7 @@ def continue_text(
     Args:
       config, params: the run's config and parameters (`model.load`).
       prompt: the text to continue.
-      tokenizer: an `island_jax.tokenizer.Tokenizer`; None: `run_tokenizer(config)`.
+      tokenizer: an `island_jax.data.tokenizer.Tokenizer`; None: `run_tokenizer(config)`.
       max_new_tokens, temperature, top_k, top_p, seed, num_samples, mesh: as `generate`.
 
     Returns:

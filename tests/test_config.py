@@ -103,7 +103,7 @@ def test_an_override_of_no_field_exits_with_one_line_naming_the_nearest(tmp_path
     assert proc.returncode == 1
     assert proc.stderr.strip().splitlines() == [
         "ConfigError: outer.roundz is not a field of the config; did you mean outer.rounds? (the fields are listed "
-        "in island_jax/config.py)"
+        "in island_jax/config/schema.py)"
     ], proc.stderr
     assert not (tmp_path / "run").exists()
 

@@ -28,10 +28,10 @@ def field_paths(config: ml_collections.ConfigDict) -> list[str]:
 def unknown_field(config: ml_collections.ConfigDict, path: str) -> ConfigError:
     """The error for a dotted `path` that names no field of `config`, suggesting the nearest field's path
     (difflib's closest match of `field_paths`), e.g. "outer.roundz is not a field of the config; did you mean
-    outer.rounds? (the fields are listed in island_jax/config.py)"."""
+    outer.rounds? (the fields are listed in island_jax/config/schema.py)"."""
     near = difflib.get_close_matches(path, field_paths(config), n=1, cutoff=0.6)
     hint = f"did you mean {near[0]}?" if near else "no field is close to it"
-    return ConfigError(f"{path} is not a field of the config; {hint} (the fields are listed in island_jax/config.py)")
+    return ConfigError(f"{path} is not a field of the config; {hint} (the fields are listed in island_jax/config/schema.py)")
 
 
 def load_config(path: str) -> ml_collections.ConfigDict:

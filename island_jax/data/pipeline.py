@@ -56,7 +56,7 @@ def train_dataset(
       batch_size: sequences per batch.
       seed: shuffle seed (`config.seed`).
       rows: only these rows of every batch (a process of a multi-process island reads the rows its own
-        devices hold, `island.Shardings.local_rows`): `ds[step]` is then [rows, seq_len + 1] (records:
+        devices hold, `island.placement.Shardings.local_rows`): `ds[step]` is then [rows, seq_len + 1] (records:
         [rows, 2, seq_len + 1]), and the
         processes' rows together are the whole batch, the same one a single process reads.
 

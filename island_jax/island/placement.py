@@ -77,7 +77,7 @@ class Shardings:
 
         Args:
           windows: uint8 [b, S + 1] byte windows, or int32 [b, 2, S + 1] packed records (tokens, then segment
-            ids: `prepared.PreparedDataset`); this process's rows (`local_rows`) of a batch of `batch_size`
+            ids: `data.records.PreparedDataset`); this process's rows (`local_rows`) of a batch of `batch_size`
             (default: b, one process holds all).
         """
         windows = np.asarray(windows).astype(np.int32)

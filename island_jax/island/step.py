@@ -117,7 +117,7 @@ def packed_masks(segments: jax.Array | None, mask: jax.Array | None = None):
     segment ids: the masks float32, the segment ids int32 (None for byte windows).
 
     Args:
-      segments: int32 [B, S + 1], the segment ids of inputs and targets together (`prepared.pack`; 0 on
+      segments: int32 [B, S + 1], the segment ids of inputs and targets together (`data.records.pack`; 0 on
         padding), or None (byte windows: every token real).
       mask: optional float32 [B, S], 1 for a real row's input, 0 for a padded row.
 

@@ -60,7 +60,7 @@ def rotary(x: jax.Array, positions: jax.Array, theta: float) -> jax.Array:
 
 
 def segment_positions(segment_ids: jax.Array) -> jax.Array:
-    """Each token's position within its document: int32 [B, S] of segment ids [B, S] (`prepared.pack`; a new
+    """Each token's position within its document: int32 [B, S] of segment ids [B, S] (`data.records.pack`; a new
     document starts where the id changes), counting from 0 at each document's first token in the row."""
     s = segment_ids.shape[1]
     index = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), segment_ids.shape)
@@ -76,7 +76,7 @@ def segment_mask(segment_ids: jax.Array) -> jax.Array:
 
 class Attention(nnx.Module):
     """Causal multi-head self-attention. x [B, S, D] -> [B, S, D]; with `rope_theta`, queries and keys carry
-    rotary positions (`rotary`). With `segment_ids` [B, S] (packed documents, `prepared.pack`), a token attends
+    rotary positions (`rotary`). With `segment_ids` [B, S] (packed documents, `data.records.pack`), a token attends
     only to earlier tokens of its own document, on the XLA path and on cuDNN's (which takes the mask as a bias),
     and rotary positions count from each document's start."""
 

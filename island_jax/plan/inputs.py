@@ -45,7 +45,7 @@ def from_config(
     link: LinkSpec | None = None,
     busy_step_seconds: dict | None = None,
 ) -> tuple[ModelSpec, list[IslandSpec], OuterSpec, CoordinatorSpec]:
-    """The planner's inputs for a run's config (island_jax/config.py).
+    """The planner's inputs for a run's config (island_jax/config/schema.py).
 
     Args:
       config: the run's config: model, islands (hardware, devices, batch, H), codec, outer, comm.
