@@ -86,9 +86,9 @@ def coordinator_role() -> None:
     server, service, port = serve(FragmentedCoordinator(c, _params(), ["a"]), f"{COORD_IP}:0", c.comm.chunk_bytes,
                                   insecure=True)
     print(f"PORT {port}", flush=True)
-    service.wait_until_fetched(0, timeout=600)  # the warm-up round
+    service.session.wait_until_fetched(0, timeout=600)  # the warm-up round
     before = _children.cpu_seconds()
-    service.wait_until_fetched(_REPEATS.value, timeout=600)
+    service.session.wait_until_fetched(_REPEATS.value, timeout=600)
     print(f"CPU {(_children.cpu_seconds() - before) / _REPEATS.value}", flush=True)  # per timed round
     server.stop(1)
 

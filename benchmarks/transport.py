@@ -235,7 +235,7 @@ def _framed_seconds(transport, payload: bytes, plan) -> float:
 def _count_seconds(transport, method: str, streams: list, num_bytes: int) -> float:
     calls = [ch.stream_unary(method, bytes, bytes) for ch in transport.channels]
     start = time.perf_counter()
-    futures = [transport._pool.submit(call, stream, timeout=WAIT_SECONDS) for call, stream in zip(calls, streams)]
+    futures = [transport.pool.submit(call, stream, timeout=WAIT_SECONDS) for call, stream in zip(calls, streams)]
     if sum(int.from_bytes(f.result(WAIT_SECONDS), "little") for f in futures) != num_bytes:
         raise RuntimeError(f"the receiver's {method} counted other than the {num_bytes} bytes sent")
     return time.perf_counter() - start

@@ -158,7 +158,7 @@ class Transport(Protocol):
 
 class Endpoint(Protocol):
     """What the coordinator's round loop (`roles.coordinator.run_coordinator`) needs of the exchange it
-    serves: the gRPC service, or an `inprocess.InProcessExchange`.
+    serves: the gRPC service's `session.ExchangeSession`, or an `inprocess.InProcessExchange` (one itself).
 
     Attributes:
       lock: the Condition guarding the coordinator; whoever changes it holds the lock and calls `notify`.
@@ -177,7 +177,7 @@ class Endpoint(Protocol):
         ...
 
     def check(self) -> None:
-        """Raises `inprocess.RunAborted` once the run was aborted (never over gRPC)."""
+        """Raises `session.RunAborted` once the run was aborted (never over gRPC)."""
         ...
 
     def wait_until_fetched(self, round: int, islands, timeout: float) -> bool:

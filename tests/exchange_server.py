@@ -38,7 +38,7 @@ def main():
     c = config()
     server, service, port = serve(FragmentedCoordinator(c, params(), ["a", "b"]), "localhost:0", c.comm.chunk_bytes)
     print(f"PORT {port}", flush=True)
-    ok = service.wait_until_fetched(0, timeout=120)
+    ok = service.session.wait_until_fetched(0, timeout=120)
     server.stop(grace=2)
     sys.exit(0 if ok else 1)
 

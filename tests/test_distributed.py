@@ -137,7 +137,7 @@ def test_an_island_of_two_processes_sends_and_receives_its_shares():
             assert b.contribute(ContributionHeader(0, "b", 1000, start), codec.encode(pg["b"], "none", 256)) == "accepted"
             parts = [t.fetch_update(0, "a") for t in a]
             whole = b.fetch_update(0, "b")
-            assert service.wait_until_fetched(0, timeout=10)  # the island has its update once both shares came
+            assert service.session.wait_until_fetched(0, timeout=10)  # the island has its update once both shares came
         for t in (*a, b):
             t.close()
     finally:

@@ -331,10 +331,10 @@ def test_reconnect_attempts_double_from_half_a_second_up_to_the_backoff_cap(monk
     last one ends at `comm.reconnect_seconds` (4 s here), when the call fails naming it."""
     from types import SimpleNamespace
 
-    from island_jax.comm import grpc_client
+    from island_jax.comm import reconnect
 
     slept = []
-    monkeypatch.setattr(grpc_client, "time", SimpleNamespace(sleep=slept.append, monotonic=time.monotonic))
+    monkeypatch.setattr(reconnect, "time", SimpleNamespace(sleep=slept.append, monotonic=time.monotonic))
     t = GrpcTransport("localhost:1", 1 << 20, reconnect_seconds=4.0, backoff_cap_seconds=cap, clock=lambda: sum(slept))
     t._probe = lambda: (_ for _ in ()).throw(_Unavailable())  # the coordinator still down at every attempt
 

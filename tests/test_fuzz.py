@@ -247,7 +247,7 @@ def test_malformed_contribution_streams_are_refused_and_change_nothing(local_ser
         kind, frames, names, expected = cases.make(kind)
         outcome = _send(call, frames)
         seen[kind][outcome] += 1
-        with service.lock:
+        with service.session.lock:
             held = fragment.pending.get("a")
             held = held is not None and held.complete(len(fragment.plan))
             merged = coordinator.round != 0 or fragment.history != []

@@ -16,7 +16,8 @@ from launchers import changed, launcher
 from island_jax import cluster as cluster_lib
 from island_jax import health
 from island_jax.comm import security
-from island_jax.comm.grpc_server import SERVICE_NAME, serve
+from island_jax.comm.grpc_server import serve
+from island_jax.comm.options import SERVICE_NAME
 from island_jax.config import default_config, island
 from island_jax.coordinator import FragmentedCoordinator
 from island_jax.experiment import apply_override, load_config

@@ -40,11 +40,11 @@ SERVERS = ("matched", "default")  # the coordinator's server_options, and gRPC's
 
 def _options(server_name: str) -> dict:
     """Both ends' options for the server `server_name` (of SERVERS): {"server": ..., "client": `client_options`}."""
-    from island_jax.comm.grpc_server import _message_limits, client_options, server_options
+    from island_jax.comm.options import client_options, message_limits, server_options
 
     servers = {
         "matched": server_options(CHUNK_BYTES, keepalive_seconds=KEEPALIVE_SECONDS),
-        "default": _message_limits(CHUNK_BYTES),
+        "default": message_limits(CHUNK_BYTES),
     }
     return {"server": servers[server_name], "client": client_options(CHUNK_BYTES, keepalive_seconds=KEEPALIVE_SECONDS)}
 
@@ -108,10 +108,10 @@ def runs():
 
 def test_options_default_to_ten_seconds_and_take_an_interval():
     from island_jax import config as config_lib
-    from island_jax.comm import grpc_server
-    from island_jax.comm.grpc_server import client_options, server_options
+    from island_jax.comm import options
+    from island_jax.comm.options import client_options, server_options
 
-    assert config_lib.default_config().comm.keepalive_seconds == grpc_server.KEEPALIVE_SECONDS == 10
+    assert config_lib.default_config().comm.keepalive_seconds == options.KEEPALIVE_SECONDS == 10
     client, server = dict(client_options(CHUNK_BYTES)), dict(server_options(CHUNK_BYTES))
     assert client["grpc.keepalive_time_ms"] == 10_000
     assert server["grpc.http2.min_recv_ping_interval_without_data_ms"] == 5_000
@@ -127,7 +127,7 @@ def test_options_default_to_ten_seconds_and_take_an_interval():
 @pytest.mark.parametrize("seconds", [0, -1.0, float("nan")])
 def test_a_keepalive_that_is_not_positive_is_refused(seconds):
     from island_jax import config as config_lib
-    from island_jax.comm.grpc_server import client_options, server_options
+    from island_jax.comm.options import client_options, server_options
 
     with pytest.raises(ValueError, match="keepalive_seconds"):
         client_options(CHUNK_BYTES, keepalive_seconds=seconds)

@@ -13,7 +13,8 @@ import pytest
 from island_jax.comm import exchange_pb2 as pb
 from island_jax.comm import security, wire
 from island_jax.comm.grpc_client import GrpcTransport
-from island_jax.comm.grpc_server import SERVICE_NAME, client_options, serve
+from island_jax.comm.grpc_server import serve
+from island_jax.comm.options import SERVICE_NAME, client_options
 from island_jax.config import default_config, fingerprint_fields, island
 from island_jax.coordinator import ContributionHeader, FragmentedCoordinator
 from island_jax.outer import codec

@@ -1,46 +1,20 @@
 """The island's side of the gRPC exchange: the `Transport` calls over parallel channels.
 
-`GrpcTransport` implements join / contribute / fetch_update like the in-process
-transport, so `Island` code does not change. It opens `comm.connections`
-channels to the coordinator, each its own TCP connection (gRPC would otherwise
-multiplex every stream over one, and one TCP connection over a long path
-carries at most window / RTT), and sends chunk k of a payload on connection
-k % connections. With `comm.pipeline`, the update streams open before the
-contribution is sent, so update chunks flow back while later contribution
-chunks are still on the way. With a `LinkEmulator`, every chunk in both
-directions is held until it would have arrived over the emulated link.
-
-Status codes from the coordinator become the same exceptions the coordinator
-raises in process:
-
-  FAILED_PRECONDITION at join     -> HandshakeError
-  FAILED_PRECONDITION otherwise   -> ContributionError
-  OUT_OF_RANGE                    -> StaleRoundError (fetch the view)
-  INVALID_ARGUMENT                -> ExchangeError (mis-shaped payload)
-  DEADLINE_EXCEEDED               -> ExchangeError (the round was not merged in time)
-
-A lost connection is not an error at first. A call that fails with
-UNAVAILABLE (coordinator down, connection reset), or whose data arrived
-corrupt (DATA_LOSS, a CRC-32C mismatch; up to `CORRUPT_RETRIES` times), is
-retried with capped exponential backoff (0.5 s doubling to
-`comm.reconnect_backoff_cap_seconds`, 8 s by default) for up to `comm.reconnect_seconds`, each attempt
-logged. Before each retry the island asks the coordinator who it is (a Join
-with `reconnect`): the same incarnation means the connection merely dropped,
-and the call is made again (a contribution is resent with a new attempt
-number and counted once); a new one means the coordinator restarted, and
-`CoordinatorRestarted` tells the island to join again (ABORTED answers a
-call made for the old incarnation the same way).
-
-`stats(round, fragment)` describes one exchange (see `SyncStats`), `last_stats`
-the last one finished. Exchanges of different fragments may run at once, each
-on threads of its own (Streaming DiLoCo overlap, island_jax/island/outer_loop.py).
+`GrpcTransport` implements join / contribute / fetch_update like the in-process transport, so `Island` code
+does not change. It opens `comm.connections` channels to the coordinator, each its own TCP connection (gRPC
+would otherwise multiplex every stream over one, and one TCP connection over a long path carries at most
+window / RTT), and sends chunk k of a payload on connection k % connections (`streams`). With
+`comm.pipeline`, the update streams open before the contribution is sent, so update chunks flow back while
+later contribution chunks are still on the way. Status codes become the coordinator's exceptions, and a lost
+connection is retried (`reconnect`). `stats(round, fragment)` describes one exchange (see `SyncStats`),
+`last_stats` the last one finished. Exchanges of different fragments may run at once, each on threads of its
+own (Streaming DiLoCo overlap, island_jax/island/outer_loop.py).
 """
 
 from __future__ import annotations
 
 import json
 import logging
-import threading
 import time
 from concurrent import futures
 
@@ -48,204 +22,21 @@ import grpc
 
 from island_jax.comm import exchange_pb2 as pb
 from island_jax.comm import security, wire
-from island_jax.comm.grpc_server import KEEPALIVE_SECONDS, SERVICE_NAME, client_options
 from island_jax.comm.link import LinkEmulator
-from island_jax.comm.transport import log_barrier_wait
+from island_jax.comm.options import KEEPALIVE_SECONDS, SERVICE_NAME, client_options
+from island_jax.comm.reconnect import Reconnecting, status_error
+from island_jax.comm.session import log_barrier_wait
+from island_jax.comm.streams import Fetch, Upload, done, plan_of
 from island_jax.config import RECONNECT_BACKOFF_CAP_SECONDS
 from island_jax.outer import codec
-from island_jax.protocol import (
-    ContributionError,
-    ContributionHeader,
-    CoordinatorRestarted,
-    ExchangeError,
-    HandshakeError,
-    StaleRoundError,
-    SyncStats,
-)
-
-CORRUPT_RETRIES = 3  # a payload that arrives corrupt this many times in a row fails the call
-_UNREACHABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED, grpc.StatusCode.INTERNAL,
-                grpc.StatusCode.UNKNOWN)  # what a dropped or reset connection surfaces as
+from island_jax.protocol import ContributionHeader, ExchangeError, SyncStats
 
 
-class _Corrupt(Exception):
-    """A payload arrived corrupt (its CRC-32C failed); the call may be made again."""
+def _raw(data: bytes) -> bytes:
+    return data
 
 
-def _error(e: grpc.RpcError, what: str, address: str) -> Exception:
-    code, detail = e.code(), e.details()
-    if code == grpc.StatusCode.FAILED_PRECONDITION:
-        kind = HandshakeError if what == "join" else ContributionError
-        return kind(detail.split(": ", 1)[1] if detail.startswith(kind.__name__) else detail)
-    if code == grpc.StatusCode.OUT_OF_RANGE:
-        return StaleRoundError(detail.split(": ", 1)[1] if detail.startswith("StaleRoundError") else detail)
-    if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
-        return ExchangeError(
-            f"{what}: the coordinator at {address} did not answer in time ({code.name}: {detail}); check that it "
-            "runs and that --coordinator names its HOST:PORT"
-        )
-    return ExchangeError(f"{what}: the coordinator at {address} refused it ({code.name}: {detail})")
-
-
-def _plan(offsets, total: int) -> list[codec.Chunk]:
-    ends = [*offsets[1:], total]
-    return [codec.Chunk(i, o, e - o, ()) for i, (o, e) in enumerate(zip(offsets, ends))]
-
-
-class _Fetch:
-    """An update being received over every connection; `result()` waits for it."""
-
-    def __init__(
-        self, transport: "GrpcTransport", round: int, island: str, what: str, plan, methods: list, fragment: int = 0,
-        incarnation: str = "", min_round: int = 0, share=None, part: int = 0, parts: int = 1, bitmap: bytes = b"",
-    ):
-        self.assembler = wire.ChunkAssembler(plan, share)
-        self.lock = threading.Lock()
-        self.trailers: list[pb.PayloadHeader] = []
-        self.first_receipt: float | None = None
-        self.last_arrival = 0.0
-        self.transport, self.what = transport, what
-        self.calls: list = []  # the streams' gRPC calls, to cancel
-        self.cancelled = False
-        n = len(methods)
-        self.futures = [
-            transport._pool.submit(
-                self._receive,
-                method,
-                pb.FetchRequest(round=round, island=island, connection=i, connections=n, fragment=fragment,
-                                incarnation=incarnation, min_round=min_round, part=part,
-                                parts=parts if parts > 1 else 0, share=bitmap if parts > 1 else b""),
-                i,
-                n,
-            )
-            for i, method in enumerate(methods)
-        ]
-
-    def cancel(self) -> None:
-        """Ends every stream of this fetch (one opened for an attempt that failed, or a coordinator that restarted)."""
-        with self.lock:
-            self.cancelled = True
-            calls = list(self.calls)
-        for f in self.futures:
-            f.cancel()
-        for call in calls:
-            call.cancel()
-
-    def _receive(self, method, request: pb.FetchRequest, connection: int, connections: int) -> None:
-        t = self.transport
-        call = method(request, timeout=t.round_timeout)
-        with self.lock:
-            self.calls.append(call)
-            if self.cancelled:
-                call.cancel()
-        for frame in call:
-            receipt = t.clock()
-            kind, value = wire.parse(frame)
-            with self.lock:
-                self.assembler.wire_bytes += len(frame)
-                if self.first_receipt is None:
-                    self.first_receipt = receipt
-                if t.link is not None:
-                    self.last_arrival = max(self.last_arrival, t.link.arrival("down", connection, len(frame), now=receipt))
-                else:
-                    self.last_arrival = max(self.last_arrival, receipt)
-                if kind == wire.CHUNK:
-                    self.assembler.add(*value)
-                elif kind == wire.RESTART:  # the merge restarted: this connection's chunks so far are void
-                    self.assembler.forget(c.index for c in self.assembler.share[connection::connections])
-                elif kind == wire.TRAILER:
-                    self.trailers.append(value)
-                else:
-                    raise wire.WireError(f"a {kind!r} frame arrived in an update stream")
-
-    def result(self) -> tuple[pb.PayloadHeader, bytes]:
-        t = self.transport
-        try:
-            for f in self.futures:
-                f.result()
-            if not self.trailers:
-                raise wire.WireError("the update streams ended without a trailer", code="DATA_LOSS")
-            payload = self.assembler.finish(self.trailers[0])
-        except wire.WireError as e:
-            raise _Corrupt(f"{self.what}: {e}") from None
-        if t.link is not None:
-            t.link.sleep_until(self.last_arrival)
-        return self.trailers[0], payload
-
-
-class _Upload:
-    """One payload going out over `n` streams: chunk k on stream k % n, each stream's header first.
-
-    With a link emulator every chunk is booked on the link in chunk order (so
-    the coordinator can merge in that order) and held until it would have
-    arrived. A `codec.ChunkEncoder` payload is encoded chunk by chunk by the
-    threads that send it, while the chunks before are on the wire.
-
-    Raises:
-      ExchangeError: the encoder's chunk plan is not the coordinator's.
-    """
-
-    def __init__(
-        self, transport: "GrpcTransport", plan: list[codec.Chunk], n: int, header: bytes, payload, start: float,
-        cache: dict | None = None,
-    ):
-        self.transport, self.plan, self.n, self.header = transport, plan, n, header
-        # {chunk index: (frame, CRC-32C)}: kept for a retry, which sends the same frames (an encoder's chunks
-        # are built once: its error feedback must not be applied twice)
-        self.cache = {} if cache is None else cache
-        self.arrivals = {}
-        if transport.link is not None:
-            for position, chunk in enumerate(plan):
-                frame_bytes = wire.FRAMING_BYTES + chunk.nbytes
-                self.arrivals[chunk.index] = transport.link.arrival("up", position % n, frame_bytes, now=start)
-        self.encoder = None if isinstance(payload, (bytes, bytearray, memoryview)) else payload
-        if self.encoder is not None and [c.offset for c in self.encoder.plan] != [c.offset for c in plan]:
-            raise ExchangeError(
-                "contribute: the encoder's chunk plan differs from the coordinator's; build it with "
-                "codec.chunk_plan(params, kind, block_size, comm.chunk_bytes) of the run's config"
-            )
-        self.view = memoryview(payload) if self.encoder is None else None
-        if self.encoder is not None and not self.cache:
-            self.encoder.start()  # one thread encodes the chunks in the order they go out
-        self.bytes_sent = len(header) * n + len(payload) + wire.FRAMING_BYTES * len(plan)  # frame bytes
-        self.crcs: list[list[int]] = [[] for _ in range(n)]
-        self.last_frame_out = [start] * n  # when gRPC took each stream's last frame
-
-    def frames(self, conn: int):
-        """Stream `conn`'s frames: the header, then its chunks (each CRC-32C recorded)."""
-        t = self.transport
-        yield self.header
-        for chunk in self.plan[conn :: self.n]:
-            if chunk.index in self.cache:
-                frame, crc = self.cache[chunk.index]
-            else:
-                if self.encoder is None:
-                    parts = [self.view[chunk.offset : chunk.offset + chunk.nbytes]]
-                else:  # encoded here, while the chunks before it are on the wire
-                    parts = self.encoder.chunk(chunk.index)
-                crc = wire.crc32_parts(parts)
-                frame = wire.chunk_frame(chunk.index, chunk.offset, parts, crc)
-                if self.encoder is not None:
-                    self.cache[chunk.index] = (frame, crc)
-            self.crcs[conn].append(crc)
-            if t.link is not None:
-                t.link.sleep_until(self.arrivals[chunk.index])
-            yield frame
-        self.last_frame_out[conn] = t.clock()
-
-    def check(self, replies: list[pb.ContributeReply]) -> None:
-        """Raises ExchangeError if a stream's reply counts other bytes or another CRC-32C than it sent."""
-        for i, reply in enumerate(replies):
-            sent = sum(k.nbytes for k in self.plan[i :: self.n])
-            crc = wire.fold_crc32(self.crcs[i])
-            if reply.bytes_received != sent or reply.crc32 != crc:
-                raise ExchangeError(
-                    f"connection {i}: the coordinator took {reply.bytes_received} bytes (CRC of chunk CRCs "
-                    f"{reply.crc32:08x}) of the {sent} sent ({crc:08x})"
-                )
-
-
-class GrpcTransport:
+class GrpcTransport(Reconnecting):
     """The island's connections to the coordinator at `address` ("HOST:PORT").
 
     Args:
@@ -319,7 +110,7 @@ class GrpcTransport:
         else:
             self.channels = [grpc.insecure_channel(address, options=options) for _ in range(connections)]
         if token:  # every call carries the island's token and name (`security.AuthInterceptor` checks them)
-            stamp = _Metadata(lambda: security.call_metadata(self._island(), token))
+            stamp = security.CallMetadata(lambda: security.call_metadata(self._island(), token))
             self.channels = [grpc.intercept_channel(ch, stamp) for ch in self.channels]
         self._join = [ch.unary_unary(f"/{SERVICE_NAME}/Join", pb.JoinRequest.SerializeToString, pb.JoinReply.FromString) for ch in self.channels]
         self._contribute = [
@@ -330,7 +121,7 @@ class GrpcTransport:
         ]
         self._fetch_view = self.channels[0].unary_stream(f"/{SERVICE_NAME}/FetchView", pb.FetchRequest.SerializeToString, _raw)
         # Threads start as needed; enough for a few fragments' exchanges at once.
-        self._pool = futures.ThreadPoolExecutor(max_workers=8 * connections + 2, thread_name_prefix="exchange")
+        self.pool = futures.ThreadPoolExecutor(max_workers=8 * connections + 2, thread_name_prefix="exchange")
         self.payload_bytes: int | None = None
         self.view_bytes: int | None = None
         self.layouts: list[str] = []  # per fragment
@@ -342,7 +133,7 @@ class GrpcTransport:
         self.last_stats = SyncStats()
         self._stats: dict[tuple[int, int], SyncStats] = {}  # (fragment, round) -> its exchange
         self._planned: dict[str, int] = {}
-        self._fetches: dict[tuple[int, int, str], _Fetch] = {}
+        self._fetches: dict[tuple[int, int, str], Fetch] = {}
         self._send_spans: dict[tuple[int, int], tuple[float, float]] = {}
 
     def stats(self, round: int, fragment: int = 0) -> SyncStats:
@@ -374,7 +165,7 @@ class GrpcTransport:
                 break
             except grpc.RpcError as e:
                 if e.code() != grpc.StatusCode.DEADLINE_EXCEEDED or self.clock() >= deadline:
-                    raise _error(e, "join", self.address) from None
+                    raise status_error(e, "join", self.address) from None
                 if self.finished is not None and self.finished():
                     raise ExchangeError("join: the coordinator finished the run") from None
                 self._why_not(island, probe)
@@ -384,13 +175,13 @@ class GrpcTransport:
         self._fetches.clear()
         self.payload_bytes, self.view_bytes = reply.payload_bytes, reply.view_bytes
         self.layouts = [f.layout for f in reply.fragments]
-        self.plans = [_plan(list(f.chunk_offsets), f.payload_bytes) for f in reply.fragments]
+        self.plans = [plan_of(list(f.chunk_offsets), f.payload_bytes) for f in reply.fragments]
         self.update_plans = [
-            _plan(list(f.update_chunk_offsets), f.update_payload_bytes) if f.update_chunk_offsets else plan
+            plan_of(list(f.update_chunk_offsets), f.update_payload_bytes) if f.update_chunk_offsets else plan
             for f, plan in zip(reply.fragments, self.plans)
         ]
         self.shares, self.share_bitmaps = self._shares_of(self.plans)
-        self.view_plan = _plan(list(reply.view_chunk_offsets), reply.view_bytes)
+        self.view_plan = plan_of(list(reply.view_chunk_offsets), reply.view_bytes)
         return dict(round=reply.round, checksum=reply.params_checksum, rejoin=reply.rejoin)
 
     def _shares_of(self, plans: list[list[codec.Chunk]]) -> tuple[list[list[codec.Chunk]], list[bytes]]:
@@ -425,77 +216,6 @@ class GrpcTransport:
             logging.warning("island %s: the coordinator at %s does not answer yet (%s: %s); still trying",
                             island, self.address, e.code().name, e.details())
 
-    # -- reconnecting ------------------------------------------------------------------------------------
-
-    def _retrying(self, what: str, call):
-        """`call(incarnation)`, made again while the coordinator is unreachable or the data arrives corrupt (see
-        the module docstring); `incarnation` is the coordinator's when the call began, which every try carries.
-
-        Raises:
-          CoordinatorRestarted: the coordinator restarted meanwhile (or had before the call).
-          ExchangeError: still unreachable after `reconnect_seconds`, corrupt `CORRUPT_RETRIES` times in a
-            row, the run finished, or another failure (`_error`).
-        """
-        incarnation, start, attempt, corrupt = self.incarnation, self.clock(), 0, 0
-        while True:
-            try:
-                if incarnation != self.incarnation:
-                    raise self._restarted(what)
-                return call(incarnation)
-            except grpc.RpcError as e:
-                if e.code() == grpc.StatusCode.ABORTED:
-                    raise self._restarted(what) from None
-                if e.code() == grpc.StatusCode.DATA_LOSS:
-                    corrupt += 1
-                elif e.code() not in _UNREACHABLE:
-                    raise _error(e, what, self.address) from None
-                failure = f"{e.code().name}: {e.details()}"
-            except _Corrupt as e:
-                corrupt, failure = corrupt + 1, str(e)
-            if corrupt > CORRUPT_RETRIES:
-                raise ExchangeError(f"{what}: the data arrived corrupt {corrupt} times in a row ({failure})")
-            while True:  # back off, then ask who answers
-                elapsed = self.clock() - start
-                if self.finished is not None and self.finished():
-                    raise ExchangeError(f"{what}: the coordinator finished the run ({failure})")
-                if elapsed >= self.reconnect_seconds:
-                    raise ExchangeError(
-                        f"{what}: the coordinator at {self.address} was unreachable for {elapsed:.0f} s "
-                        f"(comm.reconnect_seconds={self.reconnect_seconds:g}; last: {failure}); check that it runs"
-                    )
-                delay = min(0.5 * 2**attempt, self.backoff_cap_seconds, max(self.reconnect_seconds - elapsed, 0.0))
-                attempt += 1
-                logging.warning("island %s: %s failed (%s); reconnect attempt %d in %.1f s (%.0f of %g s)",
-                                self._island(), what, failure, attempt, delay, elapsed, self.reconnect_seconds)
-                time.sleep(delay)
-                try:
-                    now = self._probe().incarnation
-                except grpc.RpcError as e:
-                    failure = f"{e.code().name}: {e.details()}"
-                    continue
-                if now != incarnation:
-                    raise self._restarted(what)
-                logging.warning("island %s: reconnected to the coordinator; %s again", self._island(), what)
-                break
-
-    def _island(self) -> str:
-        return self._who[0] if self._who else self._joining
-
-    def _probe(self) -> pb.JoinReply:
-        """Who the coordinator is now (a Join with `reconnect`: its incarnation and round). Raises grpc.RpcError
-        if it is unreachable."""
-        island, fingerprint = self._who
-        request = pb.JoinRequest(island=island, fingerprint_json=fingerprint, reconnect=True)
-        return self._join[0](request, timeout=10.0)
-
-    def _restarted(self, what: str) -> CoordinatorRestarted:
-        try:
-            round = self._probe().round
-        except grpc.RpcError:
-            round = -1
-        logging.warning("island %s: the coordinator restarted (at round %d); %s is void, the island joins again",
-                        self._island(), round, what)
-        return CoordinatorRestarted(round, f"{what}: the coordinator restarted at round {round}")
 
     def start_together(self, island: str, config_fingerprint: dict, params_checksum: str, round: int = 0) -> None:
         """Says the island is ready to train and waits (up to `join_timeout` seconds) until every island
@@ -514,7 +234,7 @@ class GrpcTransport:
             self._join[0](request, timeout=self.join_timeout)
         except grpc.RpcError as e:
             if e.code() != grpc.StatusCode.DEADLINE_EXCEEDED:
-                raise _error(e, "join", self.address) from None
+                raise status_error(e, "join", self.address) from None
             logging.warning("island %s: not every island was ready within %.0f s; starting anyway (the coordinator's "
                             "log names the islands it waited for)", island, self.join_timeout)
             return
@@ -548,7 +268,7 @@ class GrpcTransport:
             total = sum(c.nbytes for c in self.plans[fragment])
             fields = wire.payload_header(header, self.layouts[fragment], n, total, wire.new_attempt(), incarnation,
                                          self.part, self.parts, self.share_bitmaps[fragment])
-            upload = _Upload(self, self.shares[fragment], n, wire.header_frame(fields), payload, self.clock(), cache)
+            upload = Upload(self, self.shares[fragment], n, wire.header_frame(fields), payload, self.clock(), cache)
             sent += upload.bytes_sent
             calls = [self._contribute[i].future(upload.frames(i), timeout=self.round_timeout) for i in range(n)]
             try:
@@ -556,7 +276,7 @@ class GrpcTransport:
             except BaseException:
                 for c in calls:  # the other streams of a failed attempt end before the next one starts
                     c.cancel()
-                futures.wait([_done(c) for c in calls], timeout=30)
+                futures.wait([done(c) for c in calls], timeout=30)
                 raise
             upload.check(replies)
             return upload, replies
@@ -572,7 +292,7 @@ class GrpcTransport:
             )
         return "discarded" if discarded else "accepted"
 
-    def _sent(self, fragment: int, round: int, start: float, upload: "_Upload") -> None:
+    def _sent(self, fragment: int, round: int, start: float, upload: Upload) -> None:
         """Books a finished contribution's send span and frame bytes; keeps the last few rounds' stats."""
         self._send_spans[(fragment, round)] = (start, max(upload.last_frame_out))
         self._stats[(fragment, round)] = SyncStats(bytes_sent=upload.bytes_sent)
@@ -584,10 +304,10 @@ class GrpcTransport:
         """Connections this process's share of a payload of `fragment` uses: one per chunk, up to `connections`."""
         return wire.stream_count(self.connections, self.shares[fragment])
 
-    def _open_fetch(self, round: int, island: str, fragment: int = 0, incarnation: str | None = None) -> _Fetch:
+    def _open_fetch(self, round: int, island: str, fragment: int = 0, incarnation: str | None = None) -> Fetch:
         methods = self._fetch_update[: self._streams(fragment)]
         update_plan = self.update_plans[fragment]
-        return _Fetch(self, round, island, "fetch_update", update_plan, methods, fragment,
+        return Fetch(self, round, island, "fetch_update", update_plan, methods, fragment,
                       incarnation=self.incarnation if incarnation is None else incarnation,
                       share=[update_plan[c.index] for c in self.shares[fragment]], part=self.part, parts=self.parts,
                       bitmap=self.share_bitmaps[fragment])
@@ -646,7 +366,7 @@ class GrpcTransport:
             del incarnation  # a view is the same whoever serves it
             share = needed(self.view_plan) if needed is not None and self.parts > 1 else None
             bitmap = wire.share_bitmap(share, self.view_plan) if share is not None else b""
-            fetch = _Fetch(self, 0, island, "fetch_view", self.view_plan, [self._fetch_view], min_round=min_round,
+            fetch = Fetch(self, 0, island, "fetch_view", self.view_plan, [self._fetch_view], min_round=min_round,
                            share=share, part=self.part, parts=self.parts if share is not None else 1, bitmap=bitmap)
             return fetch.result()
 
@@ -656,38 +376,6 @@ class GrpcTransport:
     def close(self) -> None:
         for fetch in self._fetches.values():
             fetch.cancel()
-        self._pool.shutdown(wait=False, cancel_futures=True)
+        self.pool.shutdown(wait=False, cancel_futures=True)
         for ch in self.channels:
             ch.close()
-
-
-def _raw(data: bytes) -> bytes:
-    return data
-
-
-class _Metadata(
-    grpc.UnaryUnaryClientInterceptor, grpc.StreamUnaryClientInterceptor, grpc.UnaryStreamClientInterceptor
-):
-    """Adds `metadata()` to every call of a channel (the island's token and name)."""
-
-    def __init__(self, metadata):
-        self.metadata = metadata
-
-    def _details(self, details):
-        return details._replace(metadata=(*(details.metadata or ()), *self.metadata()))
-
-    def intercept_unary_unary(self, continuation, details, request):
-        return continuation(self._details(details), request)
-
-    def intercept_stream_unary(self, continuation, details, request_iterator):
-        return continuation(self._details(details), request_iterator)
-
-    def intercept_unary_stream(self, continuation, details, request):
-        return continuation(self._details(details), request)
-
-
-def _done(call) -> futures.Future:
-    """A concurrent.futures.Future that completes with the gRPC future `call` (whatever its outcome)."""
-    done = futures.Future()
-    call.add_done_callback(lambda _: done.set_result(None))
-    return done

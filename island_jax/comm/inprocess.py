@@ -1,102 +1,46 @@
 """The in-process transport: islands and the coordinator of one process, on threads, with no wire.
 
-`InProcessExchange` is the coordinator's end (what `run_coordinator` serves
-on, as it serves gRPC on an address); `InProcessTransport` is one island's end,
-with the calls of `protocol.Transport`, like the gRPC client. So a
-notebook or a test runs the same island, codec, merge, outer step and role
-drivers as a multi-process launch; only the transport differs.
+`InProcessExchange` is the coordinator's end (the `session.ExchangeSession` that `run_coordinator` serves, as
+it serves gRPC on an address); `InProcessTransport` is one island's end, with the calls of
+`protocol.Transport`, like the gRPC client. So a notebook or a test runs the same island, codec, merge, outer
+step, session and role drivers as a multi-process launch; only the transport differs.
 
-Payloads pass as immutable bytes, so nothing is shared by reference that a
-real wire would copy. Each island's `bytes_sent` and `bytes_received` count
-the frames the gRPC transport would put on the wire for the same payloads
-(`wire.contribution_frame_bytes`, `wire.update_frame_bytes`), so the figures
-of both modes mean the same. With an emulated link, each payload's chunks are
-booked on it (chunk k on connection k % `connections`) and the call returns
-when the last one would have arrived; `seconds_transferring` is that time
-(0 without a link).
+Payloads pass as immutable bytes. Byte counts are those of the frames the gRPC transport would put on the
+wire for the same payloads (`wire.contribution_frame_bytes`, `wire.update_frame_bytes`). With an emulated
+link, each payload's chunks are booked on it (chunk k on connection k % `connections`) and the call returns
+when the last one would have arrived; `seconds_transferring` is that time (0 without a link).
 """
 
 from __future__ import annotations
 
-import threading
 import time
 from typing import TYPE_CHECKING
 
-from absl import logging
-
-from island_jax.comm import exchange_pb2 as pb
 from island_jax.comm import wire
 from island_jax.comm.link import LinkEmulator
-from island_jax.comm.transport import BARRIER_LOG_SECONDS, barrier_line, log_barrier_wait
-from island_jax.outer import codec
+from island_jax.comm.session import ExchangeSession, RunAborted, log_barrier_wait
 from island_jax.protocol import ContributionHeader, SyncStats, UpdateNotReady
 
 if TYPE_CHECKING:
     from island_jax.coordinator import FragmentedCoordinator
 
 
-class RunAborted(RuntimeError):
-    """Another role of the same process failed (or the run was stopped); this one stops waiting."""
+class InProcessExchange(ExchangeSession):
+    """The coordinator's end of the in-process transport: the `ExchangeSession` itself, served to the islands'
+    threads, with no wire between.
 
-
-class InProcessExchange:
-    """The coordinator's end of the in-process transport: one coordinator served to the islands' threads.
-
-    Islands may call before the coordinator is served (`serve`): their `join`
-    waits for it. Every call into the coordinator runs under `lock`.
+    Islands may call before the coordinator is served (`serve`): their `join` waits for it. Every call into
+    the coordinator runs under `lock`.
 
     Attributes:
-      lock: a threading.Condition guarding the coordinator, notified after every change.
-      coordinator: the served `FragmentedCoordinator` (None until `serve`).
-      payload_bytes: bytes of one round of every fragment's contribution (one island's).
-      update_bytes: bytes of one round of every fragment's update.
-      wire_bytes: {island: {"received", "sent"}}, frame bytes the gRPC service would count.
-      fetched: {(fragment, round): islands that received its update}.
-      ready: islands that said they are ready to train (`start_together`).
-      layouts: `codec.layout` of each fragment's payload.
-      aborted: why the run was aborted (None while it runs).
       stopped_at: the coordinator's round when it stopped serving (None while it serves).
       where: "in process", for the coordinator's log line.
     """
 
     def __init__(self):
-        self.lock = threading.Condition()
-        self.coordinator: FragmentedCoordinator | None = None
-        self.payload_bytes = 0
-        self.update_bytes = 0
-        self.wire_bytes: dict[str, dict[str, int]] = {}
-        self.fetched: dict[tuple[int, int], set[str]] = {}
-        self.ready: set[str] = set()
-        self.layouts: list[str] = []
-        self.aborted: str | None = None
+        super().__init__()
         self.stopped_at: int | None = None
         self.where = "in process"
-
-    def serve(self, coordinator: FragmentedCoordinator) -> "InProcessExchange":
-        """Starts serving `coordinator` (wakes islands waiting to join); returns self."""
-        with self.lock:
-            self.coordinator = coordinator
-            self.payload_bytes = sum(f.payload_bytes for f in coordinator.fragments)
-            self.update_bytes = sum(f.update_bytes for f in coordinator.fragments)
-            self.layouts = [codec.layout(f.shapes, f.codec) for f in coordinator.fragments]
-            self.wire_bytes = {name: dict(received=0, sent=0) for name in coordinator.islands}
-            self.lock.notify_all()
-        return self
-
-    def notify(self) -> None:
-        """Wakes every waiter after the coordinator changed; call it holding `lock`."""
-        self.lock.notify_all()
-
-    def abort(self, reason: str) -> None:
-        """Makes every waiting and later call raise `RunAborted(reason)` (a role of the run failed)."""
-        with self.lock:
-            self.aborted = self.aborted or reason
-            self.lock.notify_all()
-
-    def check(self) -> None:
-        """Raises `RunAborted` once the exchange was aborted."""
-        if self.aborted is not None:
-            raise RunAborted(self.aborted)
 
     def stop(self, grace: float | None = None) -> None:
         """Stops serving: later calls raise at once (`grace` is the gRPC server's; nothing is in flight here)."""
@@ -106,28 +50,6 @@ class InProcessExchange:
                 self.stopped_at = self.coordinator.round
             self.coordinator = None
             self.lock.notify_all()
-
-    def wait_until_fetched(self, round: int, islands=None, timeout: float | None = None) -> bool:
-        """Blocks until `islands` (default: all) have received the update of `round` of every fragment;
-        False on timeout (seconds).
-
-        Raises:
-          RunAborted: the exchange was aborted meanwhile.
-        """
-        c = self.coordinator
-        islands = set(c.islands if islands is None else islands)
-        keys = [(f, round) for f in range(len(c.fragments))]
-        with self.lock:
-            done = self.lock.wait_for(
-                lambda: self.aborted is not None or all(self.fetched.get(k, set()) >= islands for k in keys), timeout
-            )
-            self.check()
-            return done
-
-    def fetched_by(self, fragment: int, round: int) -> set[str]:
-        """The islands that received the update of `round` of `fragment`."""
-        with self.lock:
-            return set(self.fetched.get((fragment, round), ()))
 
     def served(self, timeout: float) -> FragmentedCoordinator:
         """The coordinator, waiting up to `timeout` seconds for `serve`; call it holding `lock`.
@@ -214,44 +136,34 @@ class InProcessTransport:
         ex = self.exchange
         began = time.monotonic()
         with ex.lock:
-            c = ex.served(self.join_timeout)
-            ex.ready.add(island)
-            ex.notify()
-            while (waits := c.barrier_waits_for(ex.ready)) and ex.aborted is None:
-                left = self.join_timeout - (time.monotonic() - began)
-                if left <= 0:
-                    break
-                if not ex.lock.wait_for(lambda: not c.barrier_waits_for(ex.ready) or ex.aborted is not None,
-                                        min(left, BARRIER_LOG_SECONDS)):
-                    logging.warning("%s", barrier_line(island, c.barrier_waits_for(ex.ready),
-                                                       time.monotonic() - began))
-            ex.check()
+            ex.served(self.join_timeout)
+            waits = ex.wait_at_barrier(island, self.join_timeout)
         log_barrier_wait(island, waits, time.monotonic() - began, self.join_timeout)
 
     def contribute(self, header: ContributionHeader, payload) -> str:
-        """Hands one encoded pseudo-gradient (bytes or a `codec.ChunkEncoder`) to the coordinator; returns
-        "accepted" or "discarded". Raises what the coordinator raises (ContributionError), or RunAborted."""
-        round, island, fragment = header.round, header.island, header.fragment
+        """Hands one encoded pseudo-gradient (bytes or a `codec.ChunkEncoder`) to the coordinator as one attempt
+        of the session (`ExchangeSession.contribute`); returns "accepted" (also for a contribution already in)
+        or "discarded". Raises what the coordinator raises (ContributionError), WireError for a payload of
+        another size than the fragment's, or RunAborted."""
+        round, fragment = header.round, header.fragment
         sending = self._carry("up", fragment)
         payload = bytes(payload) if isinstance(payload, (bytes, bytearray, memoryview)) else payload.tobytes()
         ex = self.exchange
         with ex.lock:
             ex.check()
             c = ex.served(self.join_timeout)
-            try:
-                status = c.contribute(header, payload)
-            finally:
-                ex.notify()
             plan = c.fragments[fragment].plan
             n = wire.stream_count(self.connections, plan)
             frames = wire.payload_header(header, ex.layouts[fragment], n, len(payload), wire.new_attempt(), c.incarnation)
             sent = wire.contribution_frame_bytes(frames, plan, n)
-            if island in ex.wire_bytes:
-                ex.wire_bytes[island]["received"] += sent
+            try:
+                status = ex.contribute(frames, payload, sent)
+            finally:
+                ex.notify()
             self._stats[(fragment, round)] = SyncStats(bytes_sent=sent, seconds_sending=sending)
             for key in [k for k in self._stats if k[0] == fragment and k[1] < round - 1]:  # keep the last few
                 del self._stats[key]
-        return status
+        return "accepted" if status == "duplicate" else status
 
     def fetch_update(self, round: int, island: str, fragment: int = 0) -> bytes:
         """The update of `round` of `fragment`: the fragment's `codec` payload (`payload_bytes` of that
@@ -278,19 +190,11 @@ class InProcessTransport:
                     else:
                         ex.lock.wait(timeout=0.5)
             plan = c.fragments[fragment].update_plan
-            trailer = pb.PayloadHeader(
-                round=round, island=island, layout=ex.layouts[fragment],
-                inner_steps=c.planned_inner_steps(island) or 0, total_bytes=len(update),
-                crc32=wire.fold_crc32(wire.crc32(memoryview(update)[k.offset : k.offset + k.nbytes]) for k in plan),
-                fragment=fragment,
-            )
+            trailer = ex.update_trailer(fragment, round, island)
             if trailer.inner_steps:  # the plan travels with the update, as in the gRPC trailer
                 self._planned[island] = trailer.inner_steps
             received = wire.update_frame_bytes(trailer, plan, wire.stream_count(self.connections, plan))
-            if island in ex.wire_bytes:
-                ex.wire_bytes[island]["sent"] += received
-            ex.fetched.setdefault((fragment, round), set()).add(island)
-            ex.notify()
+            ex.fetched_stream(fragment, round, island, received)
         # the update is the island's once taken: its way down needs no coordinator (which may stop meanwhile,
         # the last round fetched)
         receiving = self._carry("down", fragment, plan)

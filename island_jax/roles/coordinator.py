@@ -26,31 +26,32 @@ from island_jax.workdir import RoleFolder, coordinator_dir, due, island_dir, ope
 
 
 class _GrpcEndpoint:
-    """The gRPC service and server as the `protocol.Endpoint` the round loop serves."""
+    """The gRPC server and its service's `ExchangeSession` as the `protocol.Endpoint` the round loop serves."""
 
     def __init__(self, coordinator: FragmentedCoordinator, address: str, config, insecure: bool):
         from island_jax.comm.grpc_server import serve
 
         c = config.comm
-        self.server, self.service, self.port = serve(
+        self.server, service, self.port = serve(
             coordinator, address, c.chunk_bytes, tls=c.tls, tokens_file=c.auth.tokens_file, insecure=insecure,
             keepalive_seconds=c.keepalive_seconds,
         )
-        self.lock, self.wire_bytes = self.service.lock, self.service.wire_bytes
-        self.payload_bytes, self.update_bytes = self.service.payload_bytes, self.service.update_bytes
+        self.session = session = service.session
+        self.lock, self.wire_bytes = session.lock, session.wire_bytes
+        self.payload_bytes, self.update_bytes = session.payload_bytes, session.update_bytes
         self.where = f"{address.rsplit(':', 1)[0]}:{self.port}"
 
     def notify(self) -> None:
-        self.service.notify()
+        self.session.notify()
 
     def check(self) -> None:
         """Nothing aborts a gRPC exchange from outside: islands that fail stop contributing."""
 
     def wait_until_fetched(self, round: int, islands, timeout: float) -> bool:
-        return self.service.wait_until_fetched(round, islands, timeout)
+        return self.session.wait_until_fetched(round, islands, timeout)
 
     def fetched_by(self, fragment: int, round: int) -> set[str]:
-        return self.service.fetched_by(fragment, round)
+        return self.session.fetched_by(fragment, round)
 
     def stop(self, grace: float) -> None:
         self.server.stop(grace=grace)
