@@ -43,7 +43,7 @@ setup(
         "grpcio-health-checking>=1.85.1,<2",
         "protobuf>=7.35.1,<8",
         "crc32c>=2.7,<3",  # CRC-32C of every chunk, in hardware
-        "cryptography>=42,<51",  # island_jax/comm/security.py: the run's TLS certificates (x509, ECDSA P-256)
+        "cryptography>=42,<51",  # island_jax/comm/security/credentials.py: the run's TLS certificates (x509, ECDSA P-256)
         "safetensors>=0.8,<0.9",  # island_jax/export.py: the exported weights
         # island_jax/data/tokenizer.py: byte-level BPE and tokenizer.json files, SentencePiece models, tiktoken encodings
         "tokenizers>=0.22,<0.24",

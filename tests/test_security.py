@@ -1,4 +1,4 @@
-"""island_jax/comm/security.py: tokens, the tokens table, the server's check, TLS and one run's credentials.
+"""island_jax/comm/security/: tokens, the tokens table, the server's check, TLS and one run's credentials.
 
 A tiny grpc.aio server on a thread serves the Exchange service's four method
 shapes (trivial bodies) and the health service over mutual TLS, behind

@@ -1,46 +1,14 @@
-"""An emulated WAN link between one island and the coordinator.
+"""An emulated WAN link between one island and the coordinator: bandwidth, one-way latency, per-connection window.
 
-The kernel's netem qdisc is not available where this framework runs, so the
-parts of a long-distance path that tc cannot model here, the one-way latency and
-the per-connection window, live in this module, in the sending process.
-`launch/wan_netns.sh` shapes bandwidth with a tc tbf qdisc in the kernel.
-
-Model (all times are seconds on the emulator's clock, sizes are bytes):
-
-  * Each direction, "up" (island -> coordinator) and "down" (coordinator ->
-    island), is an independent FIFO link that serialises bytes at
-    `bandwidth_gbps * 1e9 / 8` bytes/s. The link is shared by all connections
-    of the island in that direction: a byte waits for every byte reserved
-    before it.
-  * A piece of data arrives at the far end `latency_ms / 1000` s after its
-    last byte is serialised.
-  * Each connection (a parallel gRPC channel, i.e. its own TCP connection) has
-    a window of `window_bytes`: the bytes sent on that connection and not yet
-    acknowledged may not exceed it. A byte is acknowledged one round trip
-    after it was serialised: at its arrival plus one more one-way latency.
-    `window_bytes == 0` means no window.
-  * With a window, a transfer is cut into segments of a sixteenth of the
-    window (`segment_bytes`), each acknowledged on its own, as TCP acknowledges
-    its packets while a window is in flight. A segment may start once it is
-    requested, its connection's earlier segments are serialised (a connection
-    sends in order), and enough of the connection's earlier bytes are
-    acknowledged for it to fit in the window; it then takes the first idle
-    stretch of the link long enough to hold it. A connection that waits for its
-    window so leaves the link to the others, as connections sharing a path do.
-    Without a window a transfer is one segment.
-  * Calls reserve all of their segments before the next call is looked at.
-
-Consequences: one connection keeps its window in flight and sends a window per
-`RTT + segment / rate` seconds, so it is capped near `window / RTT` (a window
-of 1 MiB over a 100 ms round trip carries about 84 Mbit/s), as a single TCP
-connection on a long path is. N connections carry about N times that, up to
-the link's bandwidth. `steady_gbps`, `one_connection_gbps` and
-`connections_needed` give the steady figures of this model.
-
-The emulator is thread-safe: several connection threads may call `arrival` and
-`transfer` at once; the bookkeeping is done under a lock and the sleeping of
-`transfer` outside it. A connection keeps only its unacknowledged segments, so
-its history is bounded by its window.
+Each direction ("up": island -> coordinator, "down") is a FIFO link serialising `bandwidth_gbps * 1e9 / 8`
+bytes/s, shared by the island's connections; data arrives `latency_ms / 1000` s after its last byte is
+serialised. Each connection (its own TCP connection) may have at most `window_bytes` unacknowledged (0: no
+window), cut into segments of a sixteenth of the window, each acknowledged one round trip after it was
+serialised; a connection waiting for its window leaves the link to the others. So one connection is capped
+near window / RTT and N connections carry about N times that, up to the bandwidth (`steady_gbps`,
+`one_connection_gbps`, `connections_needed`). Times are seconds on the emulator's clock, sizes bytes.
+Thread-safe: the bookkeeping runs under a lock and `transfer`'s sleeping outside it. The whole model, and
+why it lives here rather than in the kernel: docs/wan.md.
 """
 
 from __future__ import annotations

@@ -1,43 +1,17 @@
-"""A TCP proxy that breaks the link between islands and the coordinator on demand.
+"""A TCP proxy that breaks the link between islands and the coordinator on demand (fault drills).
 
-Fault drills (tests, the soak benchmark) put a `FaultProxy` between the islands
-and the coordinator: the islands dial `proxy.address`, the proxy dials the
-coordinator (`target`) once for every connection it accepts and copies bytes
-both ways, unchanged, until a fault is injected:
+Islands dial `proxy.address`; the proxy dials the coordinator (`target`) once for every connection it
+accepts and copies bytes both ways, unchanged, until a fault is injected: `reset()` resets every live
+connection now (SO_LINGER 0: both ends see a TCP RST, not an orderly EOF); `reset_after(n)` does so once
+exactly `n` more bytes have gone upstream (island -> coordinator, over all connections); `corrupt_after(n)`
+flips one bit of the upstream byte at offset `n` from now (TCP's checksum does not see it). Armed faults are
+one-shot; `wait_fired(timeout)` blocks until every armed fault has happened, and the proxy keeps accepting
+connections after any fault. Sizes are bytes, timeouts seconds, addresses "HOST:PORT" ("[::1]:PORT").
 
-  * `reset()` resets every live connection now: both sockets of each connection
-    are closed with SO_LINGER 0, so the island and the coordinator each see a
-    TCP RST ("connection reset by peer", ECONNRESET), not an orderly EOF.
-  * `reset_after(n)` does the same once exactly `n` more bytes have gone
-    upstream (island -> coordinator), summed over all connections: the target
-    receives those `n` bytes and not one more, then the RST (mid-stream).
-  * `corrupt_after(n)` flips one bit of the upstream byte at offset `n` from
-    now (0-based: `n` bytes pass unchanged, the next one is flipped), then
-    forwards normally. TCP's checksum does not see it: the receiver gets a
-    well-formed stream with one wrong bit.
-
-The proxy keeps accepting new connections after any fault. Armed faults are
-one-shot; `wait_fired(timeout)` blocks until every armed fault has happened.
-
-Directions and units: "up" is client -> target (what the islands send), "down"
-is target -> client. Every size and counter is in bytes; timeouts are in
-seconds. Addresses are "HOST:PORT" strings ("[::1]:PORT" for IPv6).
-
-Design: one daemon thread runs a `selectors` loop over non-blocking sockets and
-owns every socket; the public methods, callable from any thread, hand work to
-it and (for `reset` and `close`) wait until it is done, so when `reset()`
-returns the RSTs have been sent. Each direction of a connection forwards
-through its own buffer of `bufsize` bytes (1 MiB by default) with `recv_into`
-and `send`; a direction stops reading while its buffer waits for the other
-side, so a slow reader slows its writer as TCP would. TCP_NODELAY is set on
-both sockets of every connection (gRPC's small frames are not delayed). One
-connection through the proxy carried 1 GiB at about 1.7 GB/s on localhost (one
-thread does all the copying: several busy connections share that rate).
-
-A connection to the target that fails (refused, unreachable) resets the
-client's connection. A reset or an error on either side of a connection is
-passed on to the other side as a RST; an orderly EOF is passed on as an EOF
-(shutdown of the writing half), so half-closed streams keep working.
+One daemon thread runs a `selectors` loop over non-blocking sockets and owns every socket; the public methods,
+callable from any thread, hand work to it (and for `reset` and `close` wait until it is done). Each direction
+forwards through a buffer of `bufsize` bytes and stops reading while it is full, so a slow reader slows its
+writer as TCP would. Resets and errors pass on as RSTs, an orderly EOF as an EOF (docs/faults.md).
 """
 
 from __future__ import annotations

@@ -1,21 +1,17 @@
 """Payloads as frames of CRC-32C-checked chunks, and their checked reassembly.
 
-A payload (an encoded pseudo-gradient or update, up to gigabytes) never travels
-as one protobuf message: protobuf caps a message at 2 GiB and gRPC's default
-receive limit is 4 MiB. It is cut by `codec.chunk_plan` into chunks of at most
-`comm.chunk_bytes` that both ends derive from the model, and sent as raw
-frames (layout in exchange.proto) over one or more streams:
+A payload (an encoded pseudo-gradient or update, up to gigabytes) is cut by `codec.chunk_plan` into chunks of
+at most `comm.chunk_bytes` that both ends derive from the model, and sent as raw frames (layout in
+exchange.proto; protobuf caps a message at 2 GiB and gRPC's default receive limit is 4 MiB):
 
-  'H' + PayloadHeader                       header (first frame of a contribution stream)
-  'C' + index u32 + offset u64 + crc32 u32  + data     one chunk
-  'R' + generation u64                      restart (update streams only)
-  'T' + PayloadHeader                       trailer (end of an update or view stream)
+  'H' + CRC-32C u32 + PayloadHeader                 header (first frame of a contribution stream)
+  'C' + index u32 + offset u64 + crc32 u32 + data   one chunk (built with one copy, read with none)
+  'R' + generation u64                              restart (update streams only)
+  'T' + CRC-32C u32 + PayloadHeader                 trailer (end of an update or view stream)
 
-A chunk frame is built with one copy of its data and read without any (a
-memoryview into the received bytes). `ChunkAssembler` takes chunks in any
-order, from any stream, checks each chunk's index, offset, size and CRC-32C, and
-the whole payload against the header's CRC of chunk CRCs, so a corrupt,
-short or misplaced transfer is refused before any of it is merged.
+`ChunkAssembler` takes chunks in any order, from any stream, checks each chunk's index, offset, size and
+CRC-32C, and the whole payload against the trailer's CRC of chunk CRCs, so a corrupt, short or misplaced
+transfer is refused before any of it is merged (docs/wire.md).
 """
 
 from __future__ import annotations
