@@ -29,8 +29,8 @@ WEIGHTINGS = ("tokens", "uniform")  # values of outer.weighting
 MIB = 1 << 20
 MAX_CHUNK_BYTES = 64 * MIB  # far below protobuf's 2 GiB message ceiling
 MAX_CONNECTIONS = 256
-KEEPALIVE_SECONDS = 10.0  # default of comm.keepalive_seconds (island_jax/comm/grpc_server.py), seconds
-RECONNECT_BACKOFF_CAP_SECONDS = 8.0  # default of comm.reconnect_backoff_cap_seconds (island_jax/comm/grpc_client.py)
+KEEPALIVE_SECONDS = 10.0  # default of comm.keepalive_seconds (island_jax/comm/options.py), seconds
+RECONNECT_BACKOFF_CAP_SECONDS = 8.0  # default of comm.reconnect_backoff_cap_seconds (island_jax/comm/reconnect.py)
 DTYPES = ("float32", "bfloat16")  # values of model.param_dtype and model.compute_dtype
 # Values of model.remat: "none" keeps every activation, "full" recomputes each block's from its input, and the
 # others are `jax.checkpoint_policies` of those names (what a block keeps; the rest is recomputed)
