@@ -39,9 +39,11 @@ def _frames(transport: GrpcTransport, island: str, payload: bytes, tokens: int =
     return [wire.header_frame(header)] + [frame for _, frame in wire.chunk_frames(payload, transport.plans[0])]
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture
 def server_process():
-    """The 5 MB coordinator of tests/exchange_server.py in a process of its own."""
+    """The 5 MB coordinator of tests/exchange_server.py in a process of its own, one per test: the process ends
+    once both islands fetched the update, so a test that runs after that one (the suite orders tests by their
+    last durations) needs its own."""
     env = without_forced_device_count(os.environ)
     proc = subprocess.Popen(
         [sys.executable, os.path.join(HERE, "exchange_server.py")], stdout=subprocess.PIPE, text=True, env=env
