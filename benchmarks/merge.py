@@ -2,7 +2,7 @@
 
   python benchmarks/merge.py [--params=16777216] [--islands=1,2,4] [--repeats=3] [--smoke]
 
-One `FragmentedCoordinator` in this process, fed through its Python methods
+One `Coordinator` in this process, fed through its Python methods
 (no transport): every island of K contributes an int8 payload (block 256) of
 a float32 pseudo-gradient of `--params` elements, and one island fetches the
 update. That is the coordinator's whole round: verify and decode each
@@ -40,7 +40,7 @@ flags.adopt_module_key_flags(_smoke)  # --smoke, in --help
 def cpu_seconds_per_round(params: int, islands: int, repeats: int) -> tuple[float, float]:
     """(median CPU seconds, median wall seconds) of a round merging `islands` int8 contributions."""
     from island_jax.config import default_config, fingerprint_fields, island
-    from island_jax.coordinator import ContributionHeader, FragmentedCoordinator
+    from island_jax.coordinator import ContributionHeader, Coordinator
     from island_jax.outer import codec
 
     config = default_config()
@@ -48,7 +48,7 @@ def cpu_seconds_per_round(params: int, islands: int, repeats: int) -> tuple[floa
     for name in names:
         config.islands[name] = island(1, 1, 1, 1, 1)
     like = {"w": np.zeros(params, np.float32)}
-    coordinator = FragmentedCoordinator(config, like, names)
+    coordinator = Coordinator(config, like, names)
     for name in names:
         coordinator.join(name, fingerprint_fields(config), coordinator.checksum)
     rng = np.random.default_rng(0)

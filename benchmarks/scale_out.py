@@ -115,12 +115,12 @@ def _wait(procs: list[subprocess.Popen], deadline: float, what: str, done) -> No
 def _run(parts: int) -> dict:
     """The island exchanged from `parts` processes: per round, the seconds and each process's CPU seconds."""
     from island_jax.comm.grpc_server import serve
-    from island_jax.coordinator import FragmentedCoordinator
+    from island_jax.coordinator import Coordinator
     from island_jax.mesh import without_forced_device_count
 
     num_bytes = _MEGABYTES.value << 20
     config = _config()
-    coordinator = FragmentedCoordinator(config, _params(num_bytes), ["a"])
+    coordinator = Coordinator(config, _params(num_bytes), ["a"])
     server, _, port = serve(coordinator, "localhost:0", config.comm.chunk_bytes)
     cpu = time.process_time()
     env = without_forced_device_count(os.environ) | {"JAX_PLATFORMS": "cpu"}

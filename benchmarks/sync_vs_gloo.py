@@ -78,12 +78,12 @@ def _params():
 
 def coordinator_role() -> None:
     from island_jax.comm.grpc_server import serve
-    from island_jax.coordinator import FragmentedCoordinator
+    from island_jax.coordinator import Coordinator
 
     _children.exit_on_thread_error()  # the server thread failing ends this role; main then stops with an error
     c = _config()
     # inside two private network namespaces: the measurement is of the exchange itself, in the clear
-    server, service, port = serve(FragmentedCoordinator(c, _params(), ["a"]), f"{COORD_IP}:0", c.comm.chunk_bytes,
+    server, service, port = serve(Coordinator(c, _params(), ["a"]), f"{COORD_IP}:0", c.comm.chunk_bytes,
                                   insecure=True)
     print(f"PORT {port}", flush=True)
     service.session.wait_until_fetched(0, timeout=600)  # the warm-up round

@@ -88,7 +88,7 @@ WAIT_SECONDS = 300.0  # the longest wait on the receiver: its start, one transfe
 
 
 class Sink:
-    """Duck-types a one-fragment `FragmentedCoordinator` (it is its own fragment) for the calls the exchange
+    """Duck-types a one-fragment `Coordinator` (it is its own fragment) for the calls the exchange
     makes. It counts each chunk handed on and lets it go, as bare gRPC's method does with its messages; with
     `place`, it first copies the chunk into one preallocated buffer, as the coordinator's decode into rows copies
     it as the first step of its merge (`benchmarks/merge.py`)."""

@@ -121,7 +121,7 @@ class Transport(Protocol):
     def join(self, island: str, config_fingerprint: dict, params_checksum: str, round: int = 0) -> dict:
         """The handshake, with the rounds the island completed: {"round": where it is admitted, "checksum": of
         the coordinator's view, "rejoin": whether it takes the view (`fetch_view`) or its own checkpoint of that
-        round rather than train on} (`FragmentedCoordinator.join`). Raises HandshakeError on a mismatch."""
+        round rather than train on} (`Coordinator.join`). Raises HandshakeError on a mismatch."""
         ...
 
     def start_together(self, island: str, config_fingerprint: dict, params_checksum: str, round: int = 0) -> None:

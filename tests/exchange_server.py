@@ -33,10 +33,10 @@ def main():
 
     jax.config.update("jax_num_cpu_devices", 1)
     from island_jax.comm.grpc_server import serve
-    from island_jax.coordinator import FragmentedCoordinator
+    from island_jax.coordinator import Coordinator
 
     c = config()
-    server, service, port = serve(FragmentedCoordinator(c, params(), ["a", "b"]), "localhost:0", c.comm.chunk_bytes)
+    server, service, port = serve(Coordinator(c, params(), ["a", "b"]), "localhost:0", c.comm.chunk_bytes)
     print(f"PORT {port}", flush=True)
     ok = service.session.wait_until_fetched(0, timeout=120)
     server.stop(grace=2)

@@ -12,7 +12,7 @@ from island_jax.comm.grpc_client import GrpcTransport
 from island_jax.comm.grpc_server import serve
 from island_jax.comm.proxy import FaultProxy
 from island_jax.config import default_config, fingerprint_fields, island
-from island_jax.coordinator import ContributionHeader, FragmentedCoordinator
+from island_jax.coordinator import ContributionHeader, Coordinator
 from island_jax.outer import codec
 
 # A task of a SLURM job step of two nodes, one task each, as srun sets it up on the second node.
@@ -95,7 +95,7 @@ def _two_process_island():
     c.comm.chunk_bytes = 64 * 1024
     c.outer.update(learning_rate=1.0, momentum=0.0, nesterov=False)
     params = {"w": np.zeros(100_000, np.float32)}
-    coordinator = FragmentedCoordinator(c, params, ["a", "b"])
+    coordinator = Coordinator(c, params, ["a", "b"])
     server, service, port = serve(coordinator, "localhost:0", c.comm.chunk_bytes)
     rng = np.random.default_rng(0)
     pg = {"a": [rng.standard_normal(100_000, dtype=np.float32)], "b": [rng.standard_normal(100_000, dtype=np.float32)]}
@@ -148,7 +148,7 @@ def test_an_island_of_two_processes_sends_and_receives_its_shares():
     assert _combine_shares([np.frombuffer(x, np.uint8) for x in parts], shares) == whole
     record = coordinator.fragments[0].history[0]
     assert record.contributors == ["a", "b"] and record.weights == {"a": 0.75, "b": 0.25}
-    reference = FragmentedCoordinator(c, params, ["a", "b"])
+    reference = Coordinator(c, params, ["a", "b"])
     for name, tokens in (("a", 3000), ("b", 1000)):
         reference.join(name, fingerprint_fields(c), start)
         reference.contribute(ContributionHeader(0, name, tokens, start), codec.encode(pg[name], "none", 256))

@@ -17,7 +17,7 @@ from island_jax.comm.grpc_client import GrpcTransport
 from island_jax.comm.grpc_server import serve
 from island_jax.comm.proxy import FaultProxy
 from island_jax.config import default_config, fingerprint_fields, island
-from island_jax.coordinator import ContributionHeader, FragmentedCoordinator, HandshakeError
+from island_jax.coordinator import ContributionHeader, Coordinator, HandshakeError
 from island_jax.mesh import without_forced_device_count
 from island_jax.model.init import checksum
 from island_jax.outer import codec
@@ -111,7 +111,7 @@ def _small_config(kind="none"):
 @pytest.fixture
 def local_server():
     c = _small_config()
-    coordinator = FragmentedCoordinator(c, {"w": np.zeros(100_000, np.float32)}, ["a", "b"])
+    coordinator = Coordinator(c, {"w": np.zeros(100_000, np.float32)}, ["a", "b"])
     server, service, port = serve(coordinator, "localhost:0", c.comm.chunk_bytes)
     yield c, coordinator, f"localhost:{port}"
     server.stop(grace=0)
@@ -283,7 +283,7 @@ def test_a_contribution_retried_after_a_dropped_connection_counts_once(values, c
     600,000 values (2.4 MB, 37 chunks of 64 KiB) travel on 16 streams, and the reset drops every one of them
     after about 1 MB in all: some streams have ended by then, some are cut mid-chunk, some have not started."""
     c = _small_config()
-    coordinator = FragmentedCoordinator(c, {"w": np.zeros(values, np.float32)}, ["a", "b"])
+    coordinator = Coordinator(c, {"w": np.zeros(values, np.float32)}, ["a", "b"])
     server, _, port = serve(coordinator, "localhost:0", c.comm.chunk_bytes)
     address = f"localhost:{port}"
     start = coordinator.checksum
@@ -306,7 +306,7 @@ def test_a_contribution_retried_after_a_dropped_connection_counts_once(values, c
         assert b.fetch_update(0, "b") == update
     record = coordinator.fragments[0].history[0]
     assert record.contributors == ["a", "b"] and record.weights == {"a": 0.75, "b": 0.25}
-    reference = FragmentedCoordinator(c, {"w": np.zeros(values, np.float32)}, ["a", "b"])
+    reference = Coordinator(c, {"w": np.zeros(values, np.float32)}, ["a", "b"])
     for name, tokens in (("a", 3000), ("b", 1000)):
         reference.join(name, fingerprint_fields(c), start)
         reference.contribute(ContributionHeader(0, name, tokens, start), payloads[name])

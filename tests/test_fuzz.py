@@ -16,7 +16,7 @@ from island_jax.comm import wire
 from island_jax.comm.grpc_client import GrpcTransport
 from island_jax.comm.grpc_server import serve
 from island_jax.config import default_config, fingerprint_fields, island
-from island_jax.coordinator import ContributionHeader, FragmentedCoordinator
+from island_jax.coordinator import ContributionHeader, Coordinator
 from island_jax.outer import codec
 
 SEED = 1729
@@ -57,7 +57,7 @@ def _small_config():
 @pytest.fixture
 def local_server():
     c = _small_config()
-    coordinator = FragmentedCoordinator(c, {"w": np.zeros(ELEMENTS, np.float32)}, ["a", "b"])
+    coordinator = Coordinator(c, {"w": np.zeros(ELEMENTS, np.float32)}, ["a", "b"])
     server, service, port = serve(coordinator, "localhost:0", c.comm.chunk_bytes)
     yield c, coordinator, service, port
     server.stop(grace=0)

@@ -19,7 +19,7 @@ from island_jax.comm import security
 from island_jax.comm.grpc_server import serve
 from island_jax.comm.options import SERVICE_NAME
 from island_jax.config import default_config, island
-from island_jax.coordinator import FragmentedCoordinator
+from island_jax.coordinator import Coordinator
 from island_jax.experiment import apply_override, load_config
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -398,7 +398,7 @@ def tls_coordinator(tmp_path):
     c.islands.b = island(1, 1, 1, 1, 1)
     c.comm.tls.update(cert_file=made["cert_file"], key_file=made["key_file"], ca_file=made["ca_file"],
                       require_client_cert=True)
-    coordinator = FragmentedCoordinator(c, {"w": np.zeros(16, np.float32)}, ["a", "b"])
+    coordinator = Coordinator(c, {"w": np.zeros(16, np.float32)}, ["a", "b"])
     server, _, port = serve(coordinator, "localhost:0", c.comm.chunk_bytes, tls=c.comm.tls,
                             tokens_file=made["tokens_file"])
     yield port, made

@@ -107,11 +107,11 @@ jax.config.update("jax_num_cpu_devices", 1)
 sys.path.insert(0, {tests!r})
 from tiny_config import get_config
 from island_jax.checkpoint import Checkpointer
-from island_jax.coordinator import FragmentedCoordinator
+from island_jax.coordinator import Coordinator
 from island_jax.model.init import checksum, init_params
 config = get_config()
 _, params, _ = init_params(config)
-like = FragmentedCoordinator(config, params, list(config.islands.keys())).state()
+like = Coordinator(config, params, list(config.islands.keys())).state()
 state = Checkpointer({folder!r}, 1, 2).restore(like)["fragments"][0]
 print(json.dumps({{k: checksum(v) for k, v in state.items()}} | {{"round_value": int(state["round"])}}))
 """

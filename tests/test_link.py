@@ -253,7 +253,7 @@ def test_the_in_process_transport_carries_payloads_over_the_emulated_link():
 
     from island_jax.comm.inprocess import InProcessExchange, InProcessTransport
     from island_jax.config import default_config, fingerprint_fields, island
-    from island_jax.coordinator import FragmentedCoordinator
+    from island_jax.coordinator import Coordinator
     from island_jax.outer import codec
 
     c = default_config()
@@ -263,7 +263,7 @@ def test_the_in_process_transport_carries_payloads_over_the_emulated_link():
     params = {"w": np.zeros(250_000, np.float32)}  # 1,000,000 bytes per payload
     clock = FakeClock()
     link = LinkEmulator(0.1, latency_ms=50.0, clock=clock, sleep=clock.sleep)
-    coordinator = FragmentedCoordinator(c, params, ["a"])
+    coordinator = Coordinator(c, params, ["a"])
     transport = InProcessTransport(InProcessExchange().serve(coordinator), link, connections=4)
     transport.join("a", fingerprint_fields(c), coordinator.checksum)
     transport.contribute(ContributionHeader(0, "a", 10), codec.encode(params, "none", 256))
@@ -279,7 +279,7 @@ def test_an_update_taken_before_the_coordinator_stops_still_arrives_over_the_lin
 
     from island_jax.comm.inprocess import InProcessExchange, InProcessTransport
     from island_jax.config import default_config, fingerprint_fields, island
-    from island_jax.coordinator import FragmentedCoordinator
+    from island_jax.coordinator import Coordinator
     from island_jax.outer import codec
 
     c = default_config()
@@ -289,7 +289,7 @@ def test_an_update_taken_before_the_coordinator_stops_still_arrives_over_the_lin
     params = {"w": np.zeros(1000, np.float32)}
     clock = FakeClock()
     link = LinkEmulator(0.1, latency_ms=50.0, clock=clock, sleep=clock.sleep)
-    coordinator = FragmentedCoordinator(c, params, ["a"])
+    coordinator = Coordinator(c, params, ["a"])
     exchange = InProcessExchange().serve(coordinator)
     transport = InProcessTransport(exchange, link, connections=1)
     transport.join("a", fingerprint_fields(c), coordinator.checksum)

@@ -10,7 +10,7 @@ from island_jax.comm.grpc_client import GrpcTransport
 from island_jax.comm.grpc_server import serve
 from island_jax.comm.link import LinkEmulator
 from island_jax.config import default_config, fingerprint_fields, island
-from island_jax.coordinator import ContributionError, ContributionHeader, FragmentCoordinator, FragmentedCoordinator
+from island_jax.coordinator import ContributionError, ContributionHeader, Coordinator, FragmentCoordinator
 from island_jax.model.init import checksum
 from island_jax.outer import codec
 
@@ -35,7 +35,7 @@ def _run(pipeline: bool, connections: int, link_gbps: float = 0.0, kind: str = "
     c = _config(pipeline, connections, kind, update_kind)
     up, down = codec.Codec.of(c.codec), codec.Codec.of(c.codec, update=True)
     params = _params()
-    coordinator = FragmentedCoordinator(c, params, ["a", "b"])
+    coordinator = Coordinator(c, params, ["a", "b"])
     server, _, port = serve(coordinator, "localhost:0", c.comm.chunk_bytes)
     islands = {}
     for name in ("a", "b"):
@@ -190,7 +190,7 @@ def test_an_island_fetching_through_a_restart_gets_the_final_update_only():
     from island_jax.comm import exchange_pb2 as pb
     from island_jax.comm import wire
 
-    run, params = _two_island_coordinator(kind=FragmentedCoordinator)
+    run, params = _two_island_coordinator(kind=Coordinator)
     coordinator, c = run.fragments[0], run.config
     server, _, port = serve(run, "localhost:0", c.comm.chunk_bytes)
     try:

@@ -7,8 +7,8 @@ from island_jax.config import default_config, fingerprint_fields, island
 from island_jax.coordinator import (
     ContributionError,
     ContributionHeader,
+    Coordinator,
     FragmentCoordinator,
-    FragmentedCoordinator,
     HandshakeError,
     StaleRoundError,
     UpdateNotReady,
@@ -91,7 +91,7 @@ def test_nan_contribution_is_refused_and_the_round_merges_the_others(caplog):
 
 
 def test_island_several_rounds_behind_rejoins_from_the_view():
-    coordinator, clock = _three_islands(min_islands=2, grace=0.0, kind=FragmentedCoordinator)
+    coordinator, clock = _three_islands(min_islands=2, grace=0.0, kind=Coordinator)
     start = coordinator.view
     for r in range(2):  # a and b close rounds 0 and 1 without c
         for name in ("a", "b"):
@@ -109,7 +109,7 @@ def test_island_several_rounds_behind_rejoins_from_the_view():
 
 def _at_round_two(min_islands=2, grace=1.0):
     """Three islands; a and b closed rounds 0 and 1 without c (c is behind, as after its restart)."""
-    coordinator, clock = _three_islands(min_islands=min_islands, grace=grace, kind=FragmentedCoordinator)
+    coordinator, clock = _three_islands(min_islands=min_islands, grace=grace, kind=Coordinator)
     fields = fingerprint_fields(coordinator.config)
     for r in range(2):
         for name in ("a", "b"):
@@ -137,7 +137,7 @@ def test_a_restarted_island_is_admitted_where_a_round_waits_for_it_else_at_the_n
     # at the coordinator's round with other parameters (a round it merged again after a restart): the view
     assert coordinator.join("c", fields, old, round=3) == dict(round=3, checksum=coordinator.checksum, rejoin=True)
     # at round 0 with other parameters: another initialisation, refused
-    fresh, _ = _three_islands(min_islands=2, grace=1.0, kind=FragmentedCoordinator)
+    fresh, _ = _three_islands(min_islands=2, grace=1.0, kind=Coordinator)
     with pytest.raises(HandshakeError, match="has parameter checksum"):
         fresh.join("c", fields, checksum({"w": np.ones(1, np.float32)}), round=0)
 
@@ -166,7 +166,7 @@ def test_an_island_that_took_the_view_mid_round_gets_as_long_as_the_others_had()
 def test_a_round_waiting_for_a_dead_island_fails_after_the_rejoin_timeout():
     from island_jax.roles.coordinator import _check_stalled
 
-    coordinator, clock = _three_islands(min_islands=0, kind=FragmentedCoordinator)
+    coordinator, clock = _three_islands(min_islands=0, kind=Coordinator)
     coordinator.config.outer.rejoin_timeout_seconds = 30.0
     for name in ("a", "b"):
         coordinator.contribute(ContributionHeader(0, name, 1000, coordinator.checksum), _pg(0.1))
@@ -179,7 +179,7 @@ def test_a_round_waiting_for_a_dead_island_fails_after_the_rejoin_timeout():
 
 
 def test_a_resent_contribution_counts_once_and_held_updates_wait_for_the_checkpoint():
-    coordinator, clock = _three_islands(min_islands=0, kind=FragmentedCoordinator)
+    coordinator, clock = _three_islands(min_islands=0, kind=Coordinator)
     start = coordinator.checksum
     assert coordinator.contribute(ContributionHeader(0, "a", 3000, start), _pg(0.4)) == "accepted"
     assert coordinator.contribute(ContributionHeader(0, "a", 3000, start), _pg(0.4)) == "accepted"  # a retry
@@ -237,7 +237,7 @@ def test_the_start_barrier_waits_for_islands_that_can_still_come_and_says_why():
         c.islands[name] = island(1, 1, 1, 1, 1)
     c.codec.kind = "none"
     clock = Clock()
-    coordinator = FragmentedCoordinator(c, {"w": np.zeros(1, np.float32)}, ["a", "b", "c"], clock=clock)
+    coordinator = Coordinator(c, {"w": np.zeros(1, np.float32)}, ["a", "b", "c"], clock=clock)
     fields = fingerprint_fields(c)
     assert coordinator.barrier_waits_for(set()) == dict.fromkeys("abc", "has not joined yet")
     coordinator.join("a", fields, coordinator.checksum)
@@ -252,7 +252,7 @@ def test_the_start_barrier_waits_for_islands_that_can_still_come_and_says_why():
 
 
 def test_resumed_with_a_quorum_the_start_barrier_waits_the_grace_window_for_the_rest():
-    coordinator, clock = _three_islands(min_islands=2, grace=10.0, kind=FragmentedCoordinator)
+    coordinator, clock = _three_islands(min_islands=2, grace=10.0, kind=Coordinator)
     clock.now += 100.0  # a new run waits for every island, however long
     assert coordinator.barrier_waits_for({"a", "b"}) == {"c": "joined, not ready yet (evaluating or compiling)"}
     for name in ("a", "b", "c"):  # round 1 merged: as after a restart from its checkpoint

@@ -14,7 +14,7 @@ import pytest
 from tiny_config import get_config
 
 from island_jax.config import fingerprint_fields, island
-from island_jax.coordinator import ContributionHeader, FragmentedCoordinator
+from island_jax.coordinator import ContributionHeader, Coordinator
 from island_jax.model.init import checksum, init_params
 from island_jax.outer import codec, reference
 from island_jax.outer.optimizer import momentum_schedule
@@ -60,7 +60,7 @@ def test_the_chunked_streamed_merge_is_the_reference_outer_step(kind):
     config = _config(kind)
     params = init_params(config)[1]
     up, down = codec.Codec.of(config.codec), codec.Codec.of(config.codec, update=True)
-    coordinator = FragmentedCoordinator(config, params, list(TOKENS))
+    coordinator = Coordinator(config, params, list(TOKENS))
     for name in TOKENS:
         coordinator.join(name, fingerprint_fields(config), checksum(params))
     assert len(coordinator.fragments) == 2 and all(len(f.plan) >= 4 for f in coordinator.fragments)

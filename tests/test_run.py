@@ -13,7 +13,7 @@ from island_jax import data as data_lib
 from island_jax.comm import exchange_pb2 as pb
 from island_jax.comm import wire
 from island_jax.config import fingerprint_fields, island
-from island_jax.coordinator import ContributionHeader, FragmentedCoordinator
+from island_jax.coordinator import ContributionHeader, Coordinator
 from island_jax.island import Island
 from island_jax.metrics import read_jsonl
 from island_jax.model.init import checksum, count, init_params
@@ -212,7 +212,7 @@ def test_one_fragment_without_overlap_is_plain_diloco(run):
     config, _, workdir = run
     assert config.outer.fragments == 1 and config.outer.overlap_steps == 0
     params, islands = _islands(config)
-    coordinator = FragmentedCoordinator(config, params, [i.name for i in islands])
+    coordinator = Coordinator(config, params, [i.name for i in islands])
     for isl in islands:
         coordinator.join(isl.name, fingerprint_fields(config), isl.global_checksum)
     by_hand = []

@@ -16,7 +16,7 @@ from island_jax.comm.grpc_client import GrpcTransport
 from island_jax.comm.grpc_server import serve
 from island_jax.comm.options import SERVICE_NAME, client_options
 from island_jax.config import default_config, fingerprint_fields, island
-from island_jax.coordinator import ContributionHeader, FragmentedCoordinator
+from island_jax.coordinator import ContributionHeader, Coordinator
 from island_jax.outer import codec
 
 
@@ -36,7 +36,7 @@ def secure(tmp_path):
     c = _config()
     made = security.make_run_credentials(str(tmp_path / "secrets"), ["a", "b"], ["localhost"])
     c.comm.tls.update(cert_file=made["cert_file"], key_file=made["key_file"], ca_file=made["ca_file"])
-    coordinator = FragmentedCoordinator(c, {"w": np.zeros(100_000, np.float32)}, ["a", "b"])
+    coordinator = Coordinator(c, {"w": np.zeros(100_000, np.float32)}, ["a", "b"])
     server, _, port = serve(coordinator, "localhost:0", c.comm.chunk_bytes, tls=c.comm.tls,
                             tokens_file=made["tokens_file"])
     yield c, coordinator, f"localhost:{port}", made
@@ -123,7 +123,7 @@ def test_a_plaintext_client_or_one_that_does_not_trust_the_ca_gets_nothing(secur
 
 def test_off_loopback_the_coordinator_needs_tls_and_tokens_or_insecure(caplog):
     c = _config()
-    coordinator = FragmentedCoordinator(c, {"w": np.zeros(10, np.float32)}, ["a", "b"])
+    coordinator = Coordinator(c, {"w": np.zeros(10, np.float32)}, ["a", "b"])
     with pytest.raises(security.SecurityError, match=r"comm.tls .*comm.auth.tokens_file.*--insecure"):
         serve(coordinator, "0.0.0.0:0", c.comm.chunk_bytes)
     with caplog.at_level(logging.WARNING):
@@ -134,7 +134,7 @@ def test_off_loopback_the_coordinator_needs_tls_and_tokens_or_insecure(caplog):
 
 def test_a_message_larger_than_the_chunk_plan_allows_is_refused_before_it_is_buffered():
     c = _config()
-    coordinator = FragmentedCoordinator(c, {"w": np.zeros(100_000, np.float32)}, ["a", "b"])
+    coordinator = Coordinator(c, {"w": np.zeros(100_000, np.float32)}, ["a", "b"])
     server, service, port = serve(coordinator, "localhost:0", c.comm.chunk_bytes)
     largest = max(k.nbytes for k in coordinator.fragments[0].plan)  # 65,536 bytes of float32 values
     assert service.receive_limit() == largest + wire.FRAMING_BYTES + 4096
@@ -204,11 +204,11 @@ def test_a_service_whose_start_fails_raises_that_error_at_once(secure, tmp_path)
     tls = ml_collections.ConfigDict({k: v for k, v in c.comm.tls.items() if k != "require_client_cert"})
     start = time.monotonic()
     with pytest.raises(AttributeError, match="require_client_cert"):
-        serve(FragmentedCoordinator(c, {"w": np.zeros(10, np.float32)}, ["a", "b"]), "localhost:0",
+        serve(Coordinator(c, {"w": np.zeros(10, np.float32)}, ["a", "b"]), "localhost:0",
               c.comm.chunk_bytes, tls=tls)
     assert time.monotonic() - start < 1.0
     # the port the fixture's coordinator listens on: refused, not shared with it
     start = time.monotonic()
     with pytest.raises(RuntimeError, match=rf"cannot listen on {address} .*pick a free port"):
-        serve(FragmentedCoordinator(c, {"w": np.zeros(10, np.float32)}, ["a", "b"]), address, c.comm.chunk_bytes)
+        serve(Coordinator(c, {"w": np.zeros(10, np.float32)}, ["a", "b"]), address, c.comm.chunk_bytes)
     assert time.monotonic() - start < 1.0

@@ -16,7 +16,7 @@ from island_jax.comm.grpc_server import serve
 from island_jax.comm.inprocess import InProcessExchange, InProcessTransport
 from island_jax.comm.options import SERVICE_NAME
 from island_jax.config import default_config, fingerprint_fields, island
-from island_jax.coordinator import FragmentedCoordinator
+from island_jax.coordinator import Coordinator
 from island_jax.model.init import checksum
 from island_jax.outer import codec
 from island_jax.protocol import ContributionHeader
@@ -113,7 +113,7 @@ class _Grpc:
 def _script(kind) -> dict:
     """Runs the sequence through one transport; returns the session state it leaves."""
     config = _config()
-    coordinator = FragmentedCoordinator(config, {"w": np.zeros(VALUES, np.float32)}, list(ISLANDS))
+    coordinator = Coordinator(config, {"w": np.zeros(VALUES, np.float32)}, list(ISLANDS))
     start, fields_of = coordinator.checksum, fingerprint_fields(config)
     pg = {"a": 3.0, "b": 1.0, "c": 5.0}
     payloads = {n: codec.encode({"w": np.full(VALUES, v, np.float32)}, "none", 256) for n, v in pg.items()}
@@ -157,7 +157,7 @@ def _script(kind) -> dict:
 @pytest.mark.parametrize("kind", [_InProcess, _Grpc], ids=["in_process", "grpc"])
 def test_both_transports_leave_the_same_session_state(kind):
     config = _config()
-    start = FragmentedCoordinator(config, {"w": np.zeros(VALUES, np.float32)}, list(ISLANDS)).checksum
+    start = Coordinator(config, {"w": np.zeros(VALUES, np.float32)}, list(ISLANDS)).checksum
     state = _script(kind)
     assert state["joins"] == [dict(round=0, checksum=start, rejoin=False)] * 3
     assert state["ready"] == set(ISLANDS)

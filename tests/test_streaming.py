@@ -12,7 +12,7 @@ from tiny_config import get_config
 from island_jax.comm.inprocess import InProcessExchange, InProcessTransport
 from island_jax.comm.link import LinkEmulator
 from island_jax.config import default_config, fingerprint_fields, island
-from island_jax.coordinator import FragmentedCoordinator
+from island_jax.coordinator import Coordinator
 from island_jax.island import EventLog, Island, OuterLoopIsland, StreamingSync
 from island_jax.model.init import checksum, init_params
 from island_jax.outer import codec
@@ -131,7 +131,7 @@ def vector_config(inner_steps, fragments, tau, alpha=0.5, kind="none"):
 
 def run_vector(config, params, rounds, link=None, **island_kwargs):
     isl = VectorIsland(config, params, **island_kwargs)
-    coordinator = FragmentedCoordinator(config, params, ["solo"])
+    coordinator = Coordinator(config, params, ["solo"])
     transport = InProcessTransport(InProcessExchange().serve(coordinator), link, config.comm.connections)
     transport.join("solo", fingerprint_fields(config), checksum(params))
     sync = StreamingSync(isl, transport, config, link=link)
@@ -204,7 +204,7 @@ def test_events_and_timeline(tmp_path):
     params = {"a": np.float32(1.0), "b": np.float32(1.0)}
     path = tmp_path / "events_solo.jsonl"
     isl = VectorIsland(config, params, step_seconds=0.005)
-    coordinator = FragmentedCoordinator(config, params, ["solo"])
+    coordinator = Coordinator(config, params, ["solo"])
     transport = InProcessTransport(InProcessExchange().serve(coordinator))
     transport.join("solo", fingerprint_fields(config), checksum(params))
     events = EventLog(str(path), "solo")
@@ -278,7 +278,7 @@ def test_an_island_rejoins_while_the_fragments_are_at_different_rounds():
     for name in "abc":
         config.islands[name] = island(1, 1, 1, 1, 4)
     params = {"a": np.float32(1.0), "b": np.float32(1.0)}
-    coordinator = FragmentedCoordinator(config, params, list("abc"))
+    coordinator = Coordinator(config, params, list("abc"))
     exchange = InProcessExchange().serve(coordinator)
     fields = fingerprint_fields(config)
 

@@ -20,7 +20,7 @@ from island_jax.comm.options import KEEPALIVE_SECONDS, SERVICE_NAME, keepalive_m
 from island_jax.comm.service import ExchangeService
 
 if TYPE_CHECKING:
-    from island_jax.coordinator import FragmentedCoordinator
+    from island_jax.coordinator import Coordinator
 
 
 class ExchangeServer:
@@ -103,13 +103,13 @@ class ExchangeServer:
 
 
 def serve(
-    coordinator: FragmentedCoordinator, address: str, chunk_bytes: int, tls=None, tokens_file: str = "",
+    coordinator: Coordinator, address: str, chunk_bytes: int, tls=None, tokens_file: str = "",
     insecure: bool = False, keepalive_seconds: float = KEEPALIVE_SECONDS,
 ) -> tuple[ExchangeServer, ExchangeService, int]:
     """Starts the exchange and health services on `address` ("HOST:PORT"; port 0 picks a free one).
 
     Args:
-      coordinator: the run's `FragmentedCoordinator`.
+      coordinator: the run's `Coordinator`.
       address: where to listen; chunk_bytes: `comm.chunk_bytes`.
       tls: `comm.tls` (TLS when its cert_file is set; mutual TLS when client certificates are set too).
       tokens_file: `comm.auth.tokens_file`: every exchange call then needs its island's bearer token.
@@ -122,7 +122,7 @@ def serve(
     Raises:
       RuntimeError: if the address cannot be bound (port in use).
       SecurityError: off loopback without TLS and tokens (and not `insecure`), or unreadable credentials.
-      TypeError: `coordinator` is not a `FragmentedCoordinator`.
+      TypeError: `coordinator` is not a `Coordinator`.
       ValueError: `keepalive_seconds` is not a positive number.
     """
     security.check_exposure(address, tls, tokens_file, insecure)

@@ -22,7 +22,7 @@ from island_jax.comm.session import ExchangeSession, RunAborted, log_barrier_wai
 from island_jax.protocol import ContributionHeader, SyncStats, UpdateNotReady
 
 if TYPE_CHECKING:
-    from island_jax.coordinator import FragmentedCoordinator
+    from island_jax.coordinator import Coordinator
 
 
 class InProcessExchange(ExchangeSession):
@@ -51,7 +51,7 @@ class InProcessExchange(ExchangeSession):
             self.coordinator = None
             self.lock.notify_all()
 
-    def served(self, timeout: float) -> FragmentedCoordinator:
+    def served(self, timeout: float) -> Coordinator:
         """The coordinator, waiting up to `timeout` seconds for `serve`; call it holding `lock`.
 
         Raises:
@@ -115,7 +115,7 @@ class InProcessTransport:
         return link.sleep_until(last)
 
     def join(self, island: str, config_fingerprint: dict, params_checksum: str, round: int = 0) -> dict:
-        """The handshake (`FragmentedCoordinator.join`: {"round", "checksum", "rejoin"}); waits up to
+        """The handshake (`Coordinator.join`: {"round", "checksum", "rejoin"}); waits up to
         `join_timeout` s for the coordinator.
 
         Raises:

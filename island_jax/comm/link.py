@@ -125,7 +125,7 @@ class LinkEmulator:
         """The emulator described by `config.comm.link`, or None when it emulates nothing.
 
         Args:
-          config: a run's ConfigDict (island_jax/config.py); reads
+          config: a run's ConfigDict (island_jax/config/schema.py); reads
             `comm.link.bandwidth_gbps` (Gbit/s), `comm.link.latency_ms` (ms,
             one way) and `comm.link.window_bytes` (bytes).
           clock, sleep: as for the constructor.

@@ -35,7 +35,7 @@ from island_jax.outer import codec
 from island_jax.protocol import ContributionError, HandshakeError, StaleRoundError
 
 if TYPE_CHECKING:
-    from island_jax.coordinator import FragmentCoordinator, FragmentedCoordinator
+    from island_jax.coordinator import Coordinator, FragmentCoordinator
 
 
 def _raw(data: bytes) -> bytes:
@@ -46,7 +46,7 @@ class ExchangeService:
     """Serves one coordinator to the islands.
 
     Args:
-      coordinator: the run's `FragmentedCoordinator` (no gRPC knowledge of its own; `outer.fragments = 1`
+      coordinator: the run's `Coordinator` (no gRPC knowledge of its own; `outer.fragments = 1`
         serves plain DiLoCo as one fragment).
       chunk_bytes: `comm.chunk_bytes`.
       authenticated: calls carry a token for the island they name (`security.AuthInterceptor`).
@@ -56,7 +56,7 @@ class ExchangeService:
         role's `poll`) holds `session.lock` and calls `session.notify()`.
     """
 
-    def __init__(self, coordinator: FragmentedCoordinator, chunk_bytes: int, authenticated: bool = False):
+    def __init__(self, coordinator: Coordinator, chunk_bytes: int, authenticated: bool = False):
         self.coordinator = c = coordinator
         self.authenticated = authenticated
         self.session = ExchangeSession().serve(c)

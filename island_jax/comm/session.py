@@ -24,7 +24,7 @@ from island_jax.outer import codec
 from island_jax.protocol import ContributionError, ContributionHeader
 
 if TYPE_CHECKING:
-    from island_jax.coordinator import FragmentCoordinator, FragmentedCoordinator
+    from island_jax.coordinator import Coordinator, FragmentCoordinator
 
 BARRIER_LOG_SECONDS = 5.0  # how often a start barrier that still waits says for whom
 
@@ -35,7 +35,7 @@ class RunAborted(RuntimeError):
 
 def barrier_line(island: str, waits: dict[str, str], seconds: float) -> str:
     """The line a start barrier logs while `island` waits: for which islands (`waits`: name -> why, from
-    `FragmentedCoordinator.barrier_waits_for`) and for how long, seconds."""
+    `Coordinator.barrier_waits_for`) and for how long, seconds."""
     return f"island {island} has waited {seconds:.0f} s at the start barrier for islands {_why(waits)}"
 
 
@@ -92,7 +92,7 @@ class ExchangeSession:
 
     Attributes:
       lock: a threading.Condition guarding the coordinator, notified after every change (`notify`).
-      coordinator: the served `FragmentedCoordinator` (None until `serve`).
+      coordinator: the served `Coordinator` (None until `serve`).
       payload_bytes: bytes of one round of every fragment's contribution (one island's).
       update_bytes: bytes of one round of every fragment's update.
       layouts: `codec.layout` of each fragment's payload.
@@ -104,7 +104,7 @@ class ExchangeSession:
 
     def __init__(self):
         self.lock = threading.Condition()
-        self.coordinator: FragmentedCoordinator | None = None
+        self.coordinator: Coordinator | None = None
         self.payload_bytes = 0
         self.update_bytes = 0
         self.layouts: list[str] = []
@@ -118,7 +118,7 @@ class ExchangeSession:
         self._streams_done: dict[tuple[int, int, str], dict[int, tuple[int, set[int]]]] = {}  # per share
         self._update_crc: dict[int, tuple[int, int]] = {}  # fragment -> (round, CRC-32C of its update's chunk CRCs)
 
-    def serve(self, coordinator: FragmentedCoordinator) -> "ExchangeSession":
+    def serve(self, coordinator: Coordinator) -> "ExchangeSession":
         """Starts the session for `coordinator` (wakes whoever waits for it); returns self."""
         with self.lock:
             self.coordinator = coordinator
@@ -159,7 +159,7 @@ class ExchangeSession:
             self.notify()
 
     def barrier_waits_for(self) -> dict[str, str]:
-        """Whom the start barrier still waits for, and why (`FragmentedCoordinator.barrier_waits_for`)."""
+        """Whom the start barrier still waits for, and why (`Coordinator.barrier_waits_for`)."""
         with self.lock:
             return self.coordinator.barrier_waits_for(set(self.ready))
 

@@ -26,7 +26,7 @@ from island_jax.outer import fragments as fragments_lib
 from island_jax.protocol import ContributionHeader
 
 
-class FragmentedCoordinator:
+class Coordinator:
     """The coordinator of a run: one `FragmentCoordinator` per fragment (Streaming DiLoCo, arXiv 2501.18512).
 
     The parameters are split by `fragments.partition` into `outer.fragments`
@@ -283,7 +283,7 @@ class FragmentedCoordinator:
         return dict(fragments=[f.state() for f in self.fragments])
 
     def load_state(self, state: dict) -> None:
-        """Continues from a checkpointed `state()`; islands at other rounds rejoin (`FragmentedCoordinator.join`)."""
+        """Continues from a checkpointed `state()`; islands at other rounds rejoin (`Coordinator.join`)."""
         for f, s in zip(self.fragments, state["fragments"]):
             f.load_state(s)
         self._checksum = None

@@ -1,7 +1,7 @@
 """The coordinator of one fragment (`FragmentCoordinator`): its rounds, chunk by chunk.
 
 It knows no transport: the in-process transport and the gRPC service call these plain methods, through the
-run's `FragmentedCoordinator`, which holds one per fragment (Streaming DiLoCo, arXiv 2501.18512; one fragment
+run's `Coordinator`, which holds one per fragment (Streaming DiLoCo, arXiv 2501.18512; one fragment
 is plain DiLoCo, arXiv 2311.08105). Per round: collect one contribution per island as its chunks arrive
 (`contribution.py`), refuse non-finite values, close the round by the `Quorum` (`quorum.py`), merge chunk by
 chunk (`partial_merge.py`: weighted mean, outer step, `master - view` encoded once), and serve the same
@@ -30,7 +30,7 @@ from island_jax.protocol import ContributionError, ContributionHeader, StaleRoun
 class FragmentCoordinator:
     """The coordinator of one fragment (the whole model with `outer.fragments = 1`): its rounds, chunk by chunk.
 
-    Args: `config`, `islands` and `clock` as for `FragmentedCoordinator`; `params`
+    Args: `config`, `islands` and `clock` as for `Coordinator`; `params`
     the fragment's initial parameters (float32 or bfloat16 NumPy arrays).
 
     A contribution arrives as chunks: `begin_contribution`, `add_chunk` per
@@ -104,7 +104,7 @@ class FragmentCoordinator:
         return dict(**self._state.state(), round=np.asarray(self.round, np.int64))
 
     def load_state(self, state: dict) -> None:
-        """Continues from a checkpointed `state()`; islands at other rounds rejoin (`FragmentedCoordinator.join`)."""
+        """Continues from a checkpointed `state()`; islands at other rounds rejoin (`Coordinator.join`)."""
         self._state.load_state(state)
         self.round = int(state["round"])
         self._updates = {}
@@ -113,7 +113,7 @@ class FragmentCoordinator:
     def join(self, island: str, config_fingerprint: dict, params_checksum: str, round: int = 0) -> dict:
         """Admits an island to this fragment's rounds at this fragment's round, from the same parameters;
         {"round", "checksum"} of this fragment's view. (A run's islands join through
-        `FragmentedCoordinator.join`, which also admits them at other rounds.)
+        `Coordinator.join`, which also admits them at other rounds.)
 
         Raises:
           HandshakeError: as `handshake.check_island`, another round, or another checksum.
@@ -160,7 +160,7 @@ class FragmentCoordinator:
 
     def contribute(self, header: ContributionHeader, payload: bytes) -> str:
         """One island's whole encoded pseudo-gradient (`payload_bytes` bytes): `begin_contribution`, every
-        chunk's `add_chunk`, `end_contribution`. Arguments and errors as for `FragmentedCoordinator.contribute`.
+        chunk's `add_chunk`, `end_contribution`. Arguments and errors as for `Coordinator.contribute`.
 
         Returns:
           "accepted" (also for a contribution already in: a retry is counted once), or "discarded" for a round

@@ -200,7 +200,7 @@ class FragmentExchange:
         return list(plan) if not self.multi_process else shards_lib.view_chunks(plan, self.layouts)
 
     def load_view(self, payload: bytes) -> None:
-        """Replaces the global parameters with the coordinator's view, sent whole (`FragmentedCoordinator.fetch_view`,
+        """Replaces the global parameters with the coordinator's view, sent whole (`Coordinator.fetch_view`,
         a float32 "none" payload); this process keeps its own shards of it, which become both anchor and
         parameters, and the error feedback starts afresh.
 

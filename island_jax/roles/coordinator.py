@@ -18,7 +18,7 @@ from absl import logging
 from island_jax import allocator
 from island_jax import config as config_lib
 from island_jax.comm.inprocess import InProcessExchange
-from island_jax.coordinator import FragmentedCoordinator, RoundRecord
+from island_jax.coordinator import Coordinator, RoundRecord
 from island_jax.metrics import write_json
 from island_jax.model.init import checksum, count, init_params
 from island_jax.protocol import Endpoint
@@ -28,7 +28,7 @@ from island_jax.workdir import RoleFolder, coordinator_dir, due, island_dir, ope
 class _GrpcEndpoint:
     """The gRPC server and its service's `ExchangeSession` as the `protocol.Endpoint` the round loop serves."""
 
-    def __init__(self, coordinator: FragmentedCoordinator, address: str, config, insecure: bool):
+    def __init__(self, coordinator: Coordinator, address: str, config, insecure: bool):
         from island_jax.comm.grpc_server import serve
 
         c = config.comm
@@ -57,7 +57,7 @@ class _GrpcEndpoint:
         self.server.stop(grace=grace)
 
 
-def _serve(coordinator: FragmentedCoordinator, exchange, config: ml_collections.ConfigDict, insecure: bool) -> Endpoint:
+def _serve(coordinator: Coordinator, exchange, config: ml_collections.ConfigDict, insecure: bool) -> Endpoint:
     """The endpoint islands reach: gRPC on `exchange` ("HOST:PORT") or the given `InProcessExchange`."""
     if isinstance(exchange, InProcessExchange):
         return exchange.serve(coordinator)
@@ -113,7 +113,7 @@ def run_coordinator(
     try:
         _, params, _ = init_params(config)
         num_params = count(params)
-        coordinator = FragmentedCoordinator(config, params, names)
+        coordinator = Coordinator(config, params, names)
         del params  # the coordinator holds them in its rows from here on
         latest = role.checkpoints.latest_round()
         if latest is not None and latest >= rounds and os.path.exists(os.path.join(role.path, "summary.json")):
@@ -158,7 +158,7 @@ def run_coordinator(
     return summary
 
 
-def _serve_rounds(config, coordinator: FragmentedCoordinator, endpoint, role: RoleFolder) -> None:
+def _serve_rounds(config, coordinator: Coordinator, endpoint, role: RoleFolder) -> None:
     """The round loop: every fragment's merge of every round, logged and checkpointed."""
     rounds, names = config.outer.rounds, list(config.islands.keys())
     every = role.checkpoints.every_rounds  # checkpoint.coordinator_every_rounds (or every_rounds)
@@ -196,7 +196,7 @@ def _serve_rounds(config, coordinator: FragmentedCoordinator, endpoint, role: Ro
                         sorted(joined - endpoint.fetched_by(0, rounds - 1)), config.outer.grace_seconds)
 
 
-def _serve_final_view(config, coordinator: FragmentedCoordinator, endpoint, workdir: str) -> None:
+def _serve_final_view(config, coordinator: Coordinator, endpoint, workdir: str) -> None:
     """A coordinator restarted after its last checkpoint: the last update is gone with the process, so islands
     still waiting for it take the final view (`fetch_view`). Serves until every island took it or finished
     (its summary is in the workdir), for up to `comm.reconnect_seconds`."""
@@ -244,7 +244,7 @@ def _wait_for_merge(config, coordinator, endpoint, r: int, p: int, role: RoleFol
         return rec, {k: v["received"] for k, v in endpoint.wire_bytes.items()}
 
 
-def _check_stalled(config, coordinator: FragmentedCoordinator) -> None:
+def _check_stalled(config, coordinator: Coordinator) -> None:
     """Raises TimeoutError once a round without its quorum has waited `outer.rejoin_timeout_seconds` for
     missing islands since its first contribution."""
     seconds, waiting, p = coordinator.stalled()
