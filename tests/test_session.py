@@ -86,7 +86,7 @@ class _Grpc:
             yield wire.header_frame(fields)
             for _, frame in list(wire.chunk_frames(payload, plan))[:chunks]:
                 yield frame
-            hold.wait(30)  # the stream stays open until it is cut
+            hold.wait(60)  # the stream stays open until it is cut
 
         contribute = self.transports["a"].channels[0].stream_unary(
             f"/{SERVICE_NAME}/Contribute", request_serializer=bytes, response_deserializer=pb.ContributeReply.FromString)
@@ -99,8 +99,10 @@ class _Grpc:
 
         _until(lambda: taken(chunks), f"{chunks} chunks of a's attempt")
         call.cancel()  # the connection drops mid-payload
-        hold.set()
-        _until(lambda: taken(None), "the cut attempt to be forgotten")
+        try:  # the request stream stays open meanwhile: had it ended, the attempt would wait for its other streams
+            _until(lambda: taken(None), "the cut attempt to be forgotten")
+        finally:
+            hold.set()
         with pytest.raises(grpc.FutureCancelledError):
             call.result()
 
