@@ -40,7 +40,10 @@ BATCH_AXES = AXES  # the batch is split over every axis
 #   expert    the routed experts, E: split over expert
 #   router    the router's output (one logit per expert) and the routing bias
 #   norm      an RMSNorm's scale, D (small: replicated)
+#   layers    the leading axis of `model.scan_layers`'s stacked parameters (one entry per repeat of the unit):
+#             never split, so each layer's slice is sharded exactly as the unstacked parameter is
 LOGICAL_RULES = (
+    ("layers", None),
     ("vocab", None),
     ("position", None),
     ("embed", FSDP_AXIS),
@@ -76,9 +79,11 @@ def _as_tuple(entry) -> tuple:
 
 def spec_of(names: Sequence[str]) -> P:
     """The PartitionSpec of a parameter whose dimensions carry the logical axis `names`: each mapped by
-    `LOGICAL_RULES`, then fsdp moved to the leading non-expert dimension (`fsdp_leading`)."""
+    `LOGICAL_RULES`, then fsdp moved to the leading non-expert dimension (`fsdp_leading`) after the leading
+    `layers` dimensions of a stacked parameter, which stay whole."""
     rules = dict(LOGICAL_RULES)
-    return fsdp_leading(P(*(rules[name] for name in names)))
+    stacked = next((d for d, name in enumerate(names) if name != "layers"), len(names))
+    return P(*(None,) * stacked, *fsdp_leading(P(*(rules[name] for name in names[stacked:]))))
 
 
 _SHARDED_INIT: contextvars.ContextVar = contextvars.ContextVar("island_jax_sharded_init", default=None)

@@ -9,6 +9,8 @@ this process has. A prepared dataset's tokenizer and records are checked when an
 
 from __future__ import annotations
 
+import logging
+
 import ml_collections
 
 from island_jax.config.mixture import parse_mixture
@@ -83,6 +85,8 @@ def _check_model(m: ml_collections.ConfigDict) -> None:
         _require(m[name] in DTYPES, f"model.{name} is {m[name]!r}; choose one of {DTYPES}")
     _require(m.mlp_hidden_dim > 0, f"model.mlp_hidden_dim is {m.mlp_hidden_dim}; it must be positive")
     _require(m.remat in REMAT, f"model.remat is {m.remat!r}; choose one of {REMAT}")
+    _require(isinstance(m.get("scan_layers", False), bool),
+             f"model.scan_layers is {m.get('scan_layers')!r}; use True (scanned blocks, stacked parameters) or False")
     _require(m.positions in POSITIONS, f"model.positions is {m.positions!r}; choose one of {POSITIONS}")
     if m.positions == "rope":
         _require(m.rope_theta > 1, f"model.rope_theta is {m.rope_theta}; use a base above 1 (10000 is usual)")
@@ -113,6 +117,14 @@ def _check_moe(moe: ml_collections.ConfigDict, m: ml_collections.ConfigDict) -> 
         f"moe.every_n_layers is {moe.every_n_layers} but model.num_layers is {m.num_layers}; use 1..num_layers "
         "so that at least one block has an MoE layer",
     )
+    tail = m.num_layers % moe.every_n_layers
+    if m.get("scan_layers", False) and tail:
+        # the MoE blocks sit at n-1, 2n-1, ...: the last L mod n blocks do not repeat the unit
+        logging.getLogger(__name__).warning(
+            "model.scan_layers: blocks 0..%d are scanned as %d units of moe.every_n_layers=%d; the last %d "
+            "(%d..%d, dense) stay unrolled because model.num_layers=%d is not a multiple of %d",
+            m.num_layers - tail - 1, m.num_layers // moe.every_n_layers, moe.every_n_layers, tail,
+            m.num_layers - tail, m.num_layers - 1, m.num_layers, moe.every_n_layers)
 
 
 def _check_codec(codec: ml_collections.ConfigDict) -> None:

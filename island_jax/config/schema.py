@@ -164,7 +164,8 @@ def _model() -> dict:
         param_dtype="float32",  # dtype the parameters are stored in: float32 | bfloat16 (routers stay float32)
         compute_dtype="float32",  # dtype of activations and matmuls: float32 | bfloat16
         mlp_hidden_dim=512,  # SwiGLU width of the dense feed-forward layers between MoE layers
-        remat="none",  # rematerialization per block (jax.checkpoint policy): none | full | dots_saveable | ...
+        remat="none",  # rematerialization per block, or per scanned unit (jax.checkpoint policy): none | full | ...
+        scan_layers=False,  # blocks as a scanned unit with stacked parameters (jax.lax.scan; MaxText's scan_layers)
         positions="learned",  # learned: a position embedding of seq_len rows; rope: rotary (RoFORMER) in attention
         rope_theta=10_000.0,  # with positions=rope: the base of the rotary frequencies
     )

@@ -407,11 +407,11 @@ def routing_bias_update(bias: jax.Array, expert_load: jax.Array, rate: float) ->
     """DeepSeek-V3's auxiliary-loss-free update: b_i += rate * sign(mean load - load_i).
 
     Args:
-      bias: [E] float32 routing bias of one layer.
-      expert_load: [E] fraction of that layer's assignments per expert this step.
+      bias: [..., E] float32 routing bias of one layer (or of several, stacked on leading axes).
+      expert_load: [..., E] fraction of each layer's assignments per expert this step.
       rate: gamma, the bias update speed (`moe.routing_bias_update_rate`).
 
     Returns:
-      The new bias, [E] float32.
+      The new bias, [..., E] float32; each layer's mean load is its own.
     """
-    return bias + rate * jnp.sign(jnp.mean(expert_load) - expert_load)
+    return bias + rate * jnp.sign(jnp.mean(expert_load, axis=-1, keepdims=True) - expert_load)

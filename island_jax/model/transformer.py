@@ -7,6 +7,12 @@ ids) attend only within themselves, their positions counted from each one's star
 all), the others a dense SwiGLU of width `model.mlp_hidden_dim`. The model
 knows nothing of rounds or islands: it only expects to run under a mesh with
 the axes of `island_jax.mesh.AXES`, batch split over both.
+
+With `model.scan_layers`, the blocks' repeating unit (n = `moe.every_n_layers` blocks, the last with the MoE
+layer) is scanned (`jax.lax.scan`) over its U = L // n repeats: each of the unit's n blocks holds its parameters
+stacked on a leading `layers` axis of U (`layers.{j}`: blocks j, n + j, ..., (U - 1) n + j), and the L mod n
+blocks left over, dense ones, follow unrolled (`tail.{k}`: block U n + k). `model.stacking` converts between
+this and the per-layer form (`blocks.{i}`); both draw the same initial values.
 """
 
 from __future__ import annotations
@@ -17,7 +23,7 @@ import ml_collections
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
-from island_jax.mesh import BATCH_AXES, LOGICAL_RULES, fsdp_leading, gathered, logical
+from island_jax.mesh import BATCH_AXES, gathered, logical, spec_of
 from island_jax.model.moe import MEAN_METRICS, MoE, SharedExperts, routing_bias_update
 
 
@@ -152,6 +158,27 @@ def _call_block(block, x, mask, key, segment_ids):
     return block(x, mask, key, segment_ids)
 
 
+def _stacked(blocks: list[nnx.Module]) -> nnx.Module:
+    """One module shaped like `blocks[0]` whose every parameter is the blocks' values stacked on a new leading
+    axis (logical name `layers`, never split: `mesh.LOGICAL_RULES`). The blocks must share one structure."""
+    template = blocks[0]
+    others = [nnx.state(b, nnx.Param) for b in blocks]
+    flat = [dict(nnx.to_flat_state(s)) for s in others]
+    for path, var in nnx.to_flat_state(nnx.state(template, nnx.Param)):
+        values = [f[path][...] for f in flat]
+        var.set_value(jnp.stack(values))
+        names = var.get_metadata("out_sharding", None)
+        if names is not None:
+            var.set_metadata("out_sharding", ("layers", *names))
+    return template
+
+
+def scan_unit(num_layers: int, every_n_layers: int) -> tuple[int, int, int]:
+    """How `model.scan_layers` lays out L = `num_layers` blocks: (n, U, T), a unit of n = `every_n_layers` blocks
+    (MoE in its last) scanned U = L // n times, then T = L mod n dense blocks unrolled."""
+    return every_n_layers, num_layers // every_n_layers, num_layers % every_n_layers
+
+
 def is_moe_layer(layer: int, every_n_layers: int) -> bool:
     """Whether block `layer` (0-based) has an MoE layer: every n-th block, the last of each n."""
     return (layer + 1) % every_n_layers == 0
@@ -234,7 +261,14 @@ class Transformer(nnx.Module):
         self.learned_positions = m.get("positions", "learned") == "learned"
         if self.learned_positions:
             self.position = nnx.Param(logical(normal, "position", "embed")(rngs.params(), (m.seq_len, m.d_model), pd))
-        self.blocks = nnx.List([Block(config, layer, rngs=rngs) for layer in range(m.num_layers)])
+        blocks = [Block(config, layer, rngs=rngs) for layer in range(m.num_layers)]
+        self.scan_layers = m.get("scan_layers", False)
+        if self.scan_layers:  # every block drawn as unrolled, then each unit position's repeats stacked
+            unit, repeats, _ = scan_unit(m.num_layers, config.moe.every_n_layers)
+            self.layers = nnx.List([_stacked(blocks[j: unit * repeats: unit]) for j in range(unit)])
+            self.tail = nnx.List(blocks[unit * repeats:])
+        else:
+            self.blocks = nnx.List(blocks)
         self.final_norm = _norm(m.d_model, pd, cd, rngs)
         # A zero output head makes the first prediction uniform: loss ln(vocab_size).
         self.head = nnx.Linear(
@@ -249,17 +283,24 @@ class Transformer(nnx.Module):
         x = one_hot @ gathered(self.embedding[...]).astype(self.compute_dtype)
         return x if positions is None else x + positions.astype(self.compute_dtype)
 
-    def init_cache(self, batch: int, length: int) -> list[tuple[jax.Array, jax.Array]]:
+    def init_cache(self, batch: int, length: int):
         """An empty KV cache for `decode`: per block, (keys, values) of zeros [batch, length, H, D / H] in the
         compute dtype, the batch split over the mesh as the activations are; `length` (tokens) at most
-        `model.seq_len`, the positions the model learned."""
-        d, heads = self.embedding.shape[1], self.blocks[0].attn.num_heads
+        `model.seq_len`, the positions the model learned. A list over blocks; with `scan_layers`, {"layers": per
+        unit position, (keys, values) [U, batch, length, H, D / H], stacked as the parameters are; "tail": a
+        list over the unrolled blocks}."""
+        d = self.embedding.shape[1]
+        heads = (self.layers[0] if self.scan_layers else self.blocks[0]).attn.num_heads
         shape = (batch, length, heads, d // heads)
 
-        def zeros():
-            return jnp.zeros(shape, self.compute_dtype, out_sharding=jax.P(BATCH_AXES))
+        def zeros(*lead):
+            return jnp.zeros((*lead, *shape), self.compute_dtype, out_sharding=jax.P(*(None,) * len(lead), BATCH_AXES))
 
-        return [(zeros(), zeros()) for _ in self.blocks]
+        if not self.scan_layers:
+            return [(zeros(), zeros()) for _ in self.blocks]
+        repeats = self.layers[0].attn_norm.scale.shape[0]
+        return {"layers": [(zeros(repeats), zeros(repeats)) for _ in self.layers],
+                "tail": [(zeros(), zeros()) for _ in self.tail]}
 
     def decode(self, tokens: jax.Array, pos: jax.Array, cache: list):
         """Logits of the next token after `tokens` at position `pos`, reusing the keys and values of positions
@@ -277,10 +318,28 @@ class Transformer(nnx.Module):
         """
         x = self._embed(tokens, jax.lax.dynamic_slice_in_dim(gathered(self.position[...]), pos, 1)[None]
                         if self.learned_positions else None)
-        new = []
-        for block, layer_cache in zip(self.blocks, cache):
-            x, layer_cache = block.decode(x, layer_cache, pos)
-            new.append(layer_cache)
+        if not self.scan_layers:
+            new = []
+            for block, layer_cache in zip(self.blocks, cache):
+                x, layer_cache = block.decode(x, layer_cache, pos)
+                new.append(layer_cache)
+        else:
+            graphdef, state = nnx.split(self.layers)
+
+            def unit(x, xs):
+                unit_state, unit_cache = xs
+                out = []
+                for block, block_cache in zip(nnx.merge(graphdef, unit_state), unit_cache):
+                    x, block_cache = block.decode(x, block_cache, pos)
+                    out.append(block_cache)
+                return x, out
+
+            x, stacked = jax.lax.scan(unit, x, (state, cache["layers"]))
+            tail = []
+            for block, block_cache in zip(self.tail, cache["tail"]):
+                x, block_cache = block.decode(x, block_cache, pos)
+                tail.append(block_cache)
+            new = {"layers": stacked, "tail": tail}
         return _linear(self.head, self.final_norm(x)).astype(jnp.float32), new
 
     def __call__(self, tokens: jax.Array, mask: jax.Array | None = None, key: jax.Array | None = None,
@@ -292,6 +351,12 @@ class Transformer(nnx.Module):
             positions = table if segment_ids is None else jax.nn.one_hot(
                 segment_positions(segment_ids), tokens.shape[1], dtype=self.compute_dtype) @ table.astype(self.compute_dtype)
         x = self._embed(tokens, positions)
+        x, stats = (self._scanned if self.scan_layers else self._unrolled)(x, mask, key, segment_ids)
+        logits = _linear(self.head, self.final_norm(x)).astype(jnp.float32)
+        return logits, stats
+
+    def _unrolled(self, x, mask, key, segment_ids):
+        """The blocks one after another: (x, the MoE layers' stats stacked [L, ...])."""
         layer_stats = []
         # model.remat: each block's activations recomputed in the backward pass, as its policy says
         call = _call_block if self.remat == "none" else nnx.remat(_call_block, policy=REMAT_POLICIES[self.remat])
@@ -299,8 +364,32 @@ class Transformer(nnx.Module):
             x, stats = call(block, x, mask, None if key is None else jax.random.fold_in(key, i), segment_ids)
             if stats is not None:
                 layer_stats.append(stats)
-        logits = _linear(self.head, self.final_norm(x)).astype(jnp.float32)
-        return logits, jax.tree.map(lambda *xs: jnp.stack(xs), *layer_stats)
+        return x, jax.tree.map(lambda *xs: jnp.stack(xs), *layer_stats)
+
+    def _scanned(self, x, mask, key, segment_ids):
+        """The unit of n blocks under `jax.lax.scan` over its U repeats, then the unrolled tail: the same values as
+        `_unrolled` (block i = u n + j draws its router jitter from fold_in(key, i) either way). With `model.remat`,
+        the unit's body is rematerialized by its policy, so under fsdp each unit's weights are gathered whole
+        (`mesh.gathered`) inside the body, once forward and again backward, and only one unit's are whole at a
+        time. Returns (x, the MoE layers' stats stacked [U, ...], one MoE layer per unit)."""
+        graphdef, state = nnx.split(self.layers)
+        n = len(self.layers)
+
+        def unit(x, xs):
+            unit_state, u = xs
+            stats = None
+            for j, block in enumerate(nnx.merge(graphdef, unit_state)):
+                x, block_stats = block(x, mask, None if key is None else jax.random.fold_in(key, u * n + j), segment_ids)
+                stats = block_stats if block_stats is not None else stats
+            return x, stats
+
+        if self.remat != "none":
+            unit = jax.checkpoint(unit, policy=REMAT_POLICIES[self.remat], prevent_cse=False)
+        repeats = self.layers[0].attn_norm.scale.shape[0]
+        x, stats = jax.lax.scan(unit, x, (state, jnp.arange(repeats, dtype=jnp.uint32)))
+        for k, block in enumerate(self.tail):  # dense blocks: no stats
+            x, _ = block(x, mask, None if key is None else jax.random.fold_in(key, n * repeats + k), segment_ids)
+        return x, stats
 
 
 def aggregate_stats(per_layer: dict) -> dict:
@@ -323,19 +412,23 @@ def update_routing_biases(params: dict, expert_load: jax.Array, rate: float) -> 
     """Applies `routing_bias_update` to every MoE layer's bias in a pure-dict `params`.
 
     Args:
-      params: `nnx.to_pure_dict` of the model's parameters.
-      expert_load: [L, E] per-MoE-layer expert load of the step.
+      params: `nnx.to_pure_dict` of the model's parameters, per layer (`blocks`) or stacked (`layers`, with
+        `model.scan_layers`: the unit's MoE block holds the U layers' biases [U, E]).
+      expert_load: [L, E] per-MoE-layer expert load of the step, in layer order.
       rate: `moe.routing_bias_update_rate`.
 
     Returns:
-      A copy of `params` with every MoE layer's `routing_bias` [E] updated.
+      A copy of `params` with every MoE layer's `routing_bias` updated.
     """
-    params = dict(params, blocks=dict(params["blocks"]))
-    moe_blocks = [i for i in sorted(params["blocks"]) if "moe" in params["blocks"][i]]
-    for layer, i in enumerate(moe_blocks):
-        block = dict(params["blocks"][i])
-        block["moe"] = dict(block["moe"], routing_bias=routing_bias_update(block["moe"]["routing_bias"], expert_load[layer], rate))
-        params["blocks"][i] = block
+    group = "layers" if "layers" in params else "blocks"
+    params = dict(params, **{group: dict(params[group])})
+    moe_blocks = [i for i in sorted(params[group]) if "moe" in params[group][i]]
+    # unrolled: one MoE block per layer; stacked: one MoE block, the unit's last, holding all L layers
+    loads = [expert_load] if group == "layers" else list(expert_load)
+    for i, load in zip(moe_blocks, loads):
+        block = dict(params[group][i])
+        block["moe"] = dict(block["moe"], routing_bias=routing_bias_update(block["moe"]["routing_bias"], load, rate))
+        params[group][i] = block
     return params
 
 
@@ -343,10 +436,14 @@ def partition_specs(params: nnx.State) -> dict:
     """PartitionSpec per parameter, as a pure dict shaped like `nnx.to_pure_dict(params)`.
 
     Each parameter's logical axis names (its `out_sharding` metadata, `mesh.logical`) go through the one rules
-    table, `mesh.LOGICAL_RULES`: the routed experts split over `expert`, and every parameter that has an
-    `embed` dimension splits over `fsdp` on its leading dimension that is not `expert` (`mesh.fsdp_leading`), so
-    that a process's part of it is a few runs of consecutive elements; the rest is replicated.
+    table, `mesh.LOGICAL_RULES` (`mesh.spec_of`): the routed experts split over `expert`, and every parameter that
+    has an `embed` dimension splits over `fsdp` on its leading dimension that is not `expert` nor the stacked
+    `layers` axis (`mesh.fsdp_leading`), so that a process's part of it is a few runs of consecutive elements; the
+    rest is replicated.
     """
-    with nnx.logical_axis_rules(LOGICAL_RULES):
-        specs = nnx.get_partition_spec(params)
-    return jax.tree.map(fsdp_leading, nnx.to_pure_dict(specs), is_leaf=lambda x: isinstance(x, P))
+    def spec(var):
+        names = var.get_metadata("out_sharding", None)
+        return spec_of(names) if names else P()
+
+    specs = jax.tree.map(spec, params, is_leaf=lambda x: isinstance(x, nnx.Variable))
+    return nnx.to_pure_dict(specs)
