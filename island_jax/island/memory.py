@@ -90,11 +90,13 @@ def estimated_activation_bytes(config: ml_collections.ConfigDict, name: str) -> 
     (2 H S), the router's logits (E, float32) and, for each of the k experts a token goes to, its input and
     output (2 D) and the SwiGLU's gate, up, activation and product (4 F); a dense block has 4 x mlp_hidden_dim
     and no router. With `model.remat` = "full" (or "nothing_saveable", the same policy), a block keeps its input
-    alone (D) and one block's worth is recomputed at a time; the policies that save some tensors ("dots_saveable"
+    alone (D) and one block's worth is recomputed at a time; with `model.scan_layers` too, the remat is per
+    scanned unit of n = `moe.every_n_layers` blocks: each of the U units and T unrolled blocks keeps its input and
+    one unit's worth is recomputed at a time (`transformer.scan_unit`); the policies that save some tensors ("dots_saveable"
     and the like) are estimated as "none", an upper bound. The head adds its logits, their softmax and their
     gradient in float32 (3 V).
     """
-    from island_jax.model.transformer import is_moe_layer
+    from island_jax.model.transformer import is_moe_layer, scan_unit
 
     isl, m, moe = config.islands[name], config.model, config.moe
     tokens = isl.batch_size * m.seq_len / isl.num_devices
@@ -108,7 +110,10 @@ def estimated_activation_bytes(config: ml_collections.ConfigDict, name: str) -> 
         else:
             ffn = 4 * m.mlp_hidden_dim * item
         per_block.append(attention + ffn)
-    if getattr(m, "remat", "none") in ("full", "nothing_saveable"):  # both recompute everything
+    if getattr(m, "remat", "none") in ("full", "nothing_saveable") and m.get("scan_layers", False):
+        n, repeats, tail = scan_unit(m.num_layers, moe.every_n_layers)
+        kept = (repeats + tail) * m.d_model * item + max(sum(per_block[:n]), max(per_block[n * repeats:], default=0))
+    elif getattr(m, "remat", "none") in ("full", "nothing_saveable"):  # both recompute everything
         kept = m.num_layers * m.d_model * item + max(per_block, default=0)
     else:
         kept = sum(per_block)

@@ -20,6 +20,7 @@ import optax
 from flax import nnx
 
 from island_jax.island.placement import Shardings
+from island_jax.model import stacking
 from island_jax.model.init import init_params
 from island_jax.model.moe import MEAN_METRICS
 from island_jax.model.transformer import aggregate_stats, update_routing_biases
@@ -61,8 +62,8 @@ def learning_rate_schedule(config: ml_collections.ConfigDict, total_steps: int) 
 def inner_optimizer(config: ml_collections.ConfigDict, total_steps: int) -> InnerOptimizer:
     """AdamW with global-norm clipping, stepping by `learning_rate_schedule(config, total_steps)`.
 
-    Weight decay applies to matrices only (rank >= 2), not to norms' scales.
-    The schedule is the result's `learning_rate` (the one object both the
+    Weight decay applies to matrices only (rank >= 2 per layer, `model.stacking.layer_ndim`: a stacked leaf's
+    `layers` axis does not count), not to norms' scales nor routing biases. The schedule is the result's `learning_rate` (the one object both the
     update and the logged learning rate read: `learning_rates`).
     """
     i = config.inner
@@ -75,7 +76,7 @@ def inner_optimizer(config: ml_collections.ConfigDict, total_steps: int) -> Inne
             b2=i.b2,
             eps=i.eps,
             weight_decay=i.weight_decay,
-            mask=lambda p: jax.tree.map(lambda x: x.ndim >= 2, p),
+            mask=lambda p: jax.tree.map(lambda rank: rank >= 2, stacking.layer_ndim(p)),
         ),
     )
     out = InnerOptimizer(tx.init, tx.update)

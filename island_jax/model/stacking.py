@@ -36,16 +36,25 @@ def num_layers(params: dict) -> int:
     return repeats * len(params["layers"]) + len(params.get("tail", {}))
 
 
-def layer_index(params: dict) -> list[tuple[str, int, int | None]]:
+def layer_ndim(params: dict) -> dict:
+    """Each leaf's rank in the per-layer form, shaped like `params` (either form): a stacked leaf's rank less
+    its leading `layers` axis. What rank-based rules (weight decay on matrices only) read."""
+    def rank(path, leaf):
+        return len(np.shape(leaf)) - (1 if getattr(path[0], "key", None) == "layers" else 0)
+
+    return jax.tree_util.tree_map_with_path(rank, params)
+
+
+def layer_index(params: dict, repeats: int | None = None) -> list[tuple[str, int, int | None]]:
     """Where each block lives in a stacked dict, in layer order: (group, key, slice of the leading axis or None
-    for an unstacked block) for blocks 0..L-1."""
+    for an unstacked block) for blocks 0..L-1. `repeats`: U, by default the leading axis of the first leaf."""
     n = len(params["layers"])
-    repeats = jax.tree.leaves(params["layers"][0])[0].shape[0]
+    repeats = repeats if repeats is not None else jax.tree.leaves(params["layers"][0])[0].shape[0]
     out = [("layers", j, u) for u in range(repeats) for j in range(n)]
     return out + [("tail", k, None) for k in range(len(params.get("tail", {})))]
 
 
-def unstack(params: dict, take: Callable[[Any, int], Any] | None = None) -> dict:
+def unstack(params: dict, take: Callable[[Any, int], Any] | None = None, repeats: int | None = None) -> dict:
     """The per-layer form of a parameter-shaped dict (returned unchanged if it has no stacked blocks).
 
     Args:
@@ -53,6 +62,7 @@ def unstack(params: dict, take: Callable[[Any, int], Any] | None = None) -> dict
         arrays, `jax.Array`s, or anything `take` reads.
       take: `take(leaf, u)`, the leaf's slice u along its leading (stacked) axis; by default `leaf[u]` (a view
         of a NumPy array; a `jax.Array`'s slice keeps its sharding on the other dimensions).
+      repeats: U, for leaves that have no shape (PartitionSpecs, with `take` dropping their first entry).
 
     Returns:
       A new dict with `blocks` {i: block i's parameters} in place of `layers` and `tail`; other entries are
@@ -62,7 +72,7 @@ def unstack(params: dict, take: Callable[[Any, int], Any] | None = None) -> dict
         return params
     take = take or (lambda leaf, u: leaf[u])
     blocks = {}
-    for i, (group, key, u) in enumerate(layer_index(params)):
+    for i, (group, key, u) in enumerate(layer_index(params, repeats)):
         block = params[group][key]
         blocks[i] = block if u is None else jax.tree.map(lambda leaf, u=u: take(leaf, u), block)
     out = {k: v for k, v in params.items() if k not in STACKED_KEYS}

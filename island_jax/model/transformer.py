@@ -387,8 +387,9 @@ class Transformer(nnx.Module):
             unit = jax.checkpoint(unit, policy=REMAT_POLICIES[self.remat], prevent_cse=False)
         repeats = self.layers[0].attn_norm.scale.shape[0]
         x, stats = jax.lax.scan(unit, x, (state, jnp.arange(repeats, dtype=jnp.uint32)))
-        for k, block in enumerate(self.tail):  # dense blocks: no stats
-            x, _ = block(x, mask, None if key is None else jax.random.fold_in(key, n * repeats + k), segment_ids)
+        call = _call_block if self.remat == "none" else nnx.remat(_call_block, policy=REMAT_POLICIES[self.remat])
+        for k, block in enumerate(self.tail):  # dense blocks, rematerialized one by one as `_unrolled`'s: no stats
+            x, _ = call(block, x, mask, None if key is None else jax.random.fold_in(key, n * repeats + k), segment_ids)
         return x, stats
 
 
