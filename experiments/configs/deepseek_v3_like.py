@@ -29,7 +29,7 @@ from island_jax.config import default_config, island
 def get_config():
     config = default_config()
     config.model.update(vocab_size=129280, seq_len=4096, num_layers=61, d_model=7168, num_heads=128, positions="rope",
-                        compute_dtype="bfloat16", mlp_hidden_dim=18432)
+                        compute_dtype="bfloat16", mlp_hidden_dim=18432, scan_layers=True)
     config.moe.update(num_experts=256, num_experts_per_token=8, expert_hidden_dim=2048, num_shared_experts=1,
                       routing_bias_update_rate=0.001)
     for name in ("us", "eu"):

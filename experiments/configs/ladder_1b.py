@@ -18,7 +18,7 @@ from island_jax.config import default_config, island
 def get_config():
     config = default_config()
     config.model.update(vocab_size=32768, seq_len=2048, num_layers=14, d_model=1280, num_heads=10, positions="rope",
-                        compute_dtype="bfloat16")
+                        compute_dtype="bfloat16", scan_layers=True)
     config.moe.update(num_experts=16, num_experts_per_token=2, expert_hidden_dim=1024)
     for name in ("a", "b"):
         config.islands[name] = island(num_devices=8, data=2, fsdp=2, expert=2, batch_size=32, inner_steps=100,

@@ -25,7 +25,8 @@ from island_jax.config import default_config, island
 
 def get_config():
     config = default_config()
-    config.model.update(vocab_size=8192, seq_len=512, num_layers=6, d_model=256, num_heads=4, positions="rope")
+    config.model.update(vocab_size=8192, seq_len=512, num_layers=6, d_model=256, num_heads=4, positions="rope",
+                        scan_layers=True)
     config.moe.update(num_experts=8, num_experts_per_token=2, expert_hidden_dim=384)
     config.islands.a = island(num_devices=4, data=2, expert=2, batch_size=8, inner_steps=25)
     config.islands.b = island(num_devices=2, data=1, expert=2, batch_size=4, inner_steps=25)
