@@ -77,3 +77,15 @@ def test_the_stacked_axis_is_never_split():
     assert jax.tree.all(jax.tree.map(np.array_equal, stacking.unstack(params), unrolled))
     assert jax.tree.all(jax.tree.map(np.array_equal, stacking.stack(unrolled, 2), params))
     assert stacking.unstack(specs, take=lambda spec, u: jax.P(*spec[1:]), repeats=2) == unrolled_specs
+
+
+def test_the_memory_budget_counts_stacked_parameters_as_their_layers():
+    from island_jax.config import island
+    from island_jax.island import memory
+
+    budgets = {}
+    for scan in (False, True):
+        c = _config(scan, 2, 1, 5)
+        c.islands = {"a": island(4, 1, 2, 8, 2, fsdp=2)}
+        budgets[scan] = memory.state_bytes(c, "a")
+    assert budgets[True] == budgets[False]
