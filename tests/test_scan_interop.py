@@ -169,6 +169,8 @@ def test_an_export_does_not_depend_on_the_layout(scanned_run, tmp_path):
     greedy = sample.generate(scan_config, stacked, PROMPT, NEW_TOKENS, temperature=0)[0]
     assert greedy.tolist() == sample.greedy_without_cache(scan_config, stacked, PROMPT, NEW_TOKENS).tolist()
     assert sample.generate(scan_config, unrolled, PROMPT, NEW_TOKENS, temperature=0)[0].tolist() == greedy.tolist()
+    meshed = sample.generate(scan_config, stacked, PROMPT, NEW_TOKENS, temperature=0, num_samples=4, mesh=(2, 2))
+    assert meshed.tolist() == [greedy.tolist()] * 4  # the cache split over data, the stacked experts over expert
     sequence = np.concatenate([PROMPT, greedy])[None]
     chosen = _logits(scan_config, stacked, sequence)[0, len(PROMPT) - 1 : -1, :256]  # each step's next-token logits
     top2 = np.sort(chosen, axis=-1)[:, -2:]
