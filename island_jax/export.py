@@ -3,12 +3,12 @@
   python -m island_jax.export --workdir=DIR [--round=R] --out=DIR
 
 writes OUT/model.safetensors (one tensor per parameter, named by its path, e.g. `blocks.0.moe.w_gate`, in the
-parameters' dtypes) and OUT/config.json (the run's config), from the checkpoint of round R (default: the newest)
-of the run's evaluating island (`model.load.from_workdir`). The safetensors header holds the round, the
-parameters' `model.init.checksum` and the run's tokenizer (`sample.tokenizer_record`), whose file is copied
-beside them, so that `python -m island_jax.sample --export=OUT` needs nothing else, and
-`island_jax.model.load.from_export(OUT)` reads it back to the same bits. Files get a new file's mode (0666 less
-the umask).
+parameters' dtypes; one per block whatever `model.scan_layers`) and OUT/config.json (the run's config), from the
+checkpoint of round R (default: the newest) of the run's evaluating island (`model.load.from_workdir`). The
+safetensors header holds the round, the parameters' `model.init.checksum` (the same for either layout) and the
+run's tokenizer (`sample.tokenizer_record`), whose file is copied beside them, so that
+`python -m island_jax.sample --export=OUT` needs nothing else, and `island_jax.model.load.from_export(OUT)` reads
+it back to the same bits, into either layout. Files get a new file's mode (0666 less the umask).
 """
 
 from __future__ import annotations

@@ -131,6 +131,13 @@ def _sampling_config(config: ml_collections.ConfigDict) -> ml_collections.Config
     return c
 
 
+def _laid_out(config: ml_collections.ConfigDict, params: dict) -> dict:
+    """`params` (either layout) in the one `config`'s model takes (`model.scan_layers`)."""
+    from island_jax.model import stacking
+
+    return stacking.to_layout(params, config.model.get("scan_layers", False), config.moe.every_n_layers)
+
+
 @functools.lru_cache(maxsize=8)
 def _programs(graphdef):
     from flax import nnx
@@ -196,7 +203,8 @@ def generate(
 
     Args:
       config: the run's config (its model and MoE shapes).
-      params: the parameters (`init_params`' pure dict; `model.load`).
+      params: the parameters (`init_params`' pure dict; `model.load`), in either layout: they are laid out as
+        `config`'s model takes them (`model.scan_layers`, `model.stacking.to_layout`).
       prompt: the ids to continue (at least one), int [P].
       max_new_tokens: tokens generated per sample.
       temperature: 0 for greedy decoding, else the softmax temperature.
@@ -232,6 +240,7 @@ def generate(
                           f"{data * expert} and moe.num_experts ({config.moe.num_experts}) by {expert}")
     vocab_size = config.model.vocab_size if vocab_size is None else vocab_size
     graphdef, _, _ = init_params(_sampling_config(config))
+    params = _laid_out(config, params)
     step, empty, _ = _programs(graphdef)
     devices = jax.devices()[: data * expert]
     with jax.set_mesh(island_mesh(data, expert, devices)):
@@ -311,8 +320,8 @@ def greedy_without_cache(config: ml_collections.ConfigDict, params: dict, prompt
     """Greedy decoding the slow way, the reference `generate` is checked against: the whole sequence through the
     model (`Transformer.__call__`, causal attention, no cache) for every new token, on one device. The sequence
     is padded to `model.seq_len` (one program for every length); causal attention and no capacity drops keep
-    the padding out of the positions read. Returns the `max_new_tokens` new ids, int32 [max_new_tokens], drawn
-    below `vocab_size` (None: `model.vocab_size`).
+    the padding out of the positions read. `params` may be in either layout (as `generate`'s). Returns the
+    `max_new_tokens` new ids, int32 [max_new_tokens], drawn below `vocab_size` (None: `model.vocab_size`).
 
     Raises:
       SampleError: as `generate`, for an empty prompt or one too long for `model.seq_len`.
@@ -323,6 +332,7 @@ def greedy_without_cache(config: ml_collections.ConfigDict, params: dict, prompt
 
     vocab_size = config.model.vocab_size if vocab_size is None else vocab_size
     graphdef, _, _ = init_params(_sampling_config(config))
+    params = _laid_out(config, params)
     _, _, full = _programs(graphdef)
     tokens = np.zeros((1, config.model.seq_len), np.int32)
     tokens[0, : len(ids)] = ids

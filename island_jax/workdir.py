@@ -228,7 +228,8 @@ def started_config(path: str) -> dict | None:
 
 def check_resume(config: ml_collections.ConfigDict, workdir: str, allow_config_change: bool = False) -> None:
     """Before any role of the run in `workdir` starts: refuses a config that differs from the one any of its
-    roles (the coordinator, every island of `config`) was started with, unless `allow_config_change`.
+    roles (the coordinator, every island of `config`) was started with, unless `allow_config_change`, and
+    another `model.scan_layers` (the parameters' layout) either way.
 
     Raises:
       ConfigChangeError: naming the role's folder and every changed field with both values
@@ -236,12 +237,10 @@ def check_resume(config: ml_collections.ConfigDict, workdir: str, allow_config_c
     """
     from island_jax.config import refuse_config_changes
 
-    if allow_config_change:
-        return
     for path in [coordinator_dir(workdir), *(island_dir(workdir, n) for n in config.islands.keys())]:
         started = started_config(path)
         if started is not None:
-            refuse_config_changes(path, started, config)
+            refuse_config_changes(path, started, config, allow_config_change)
 
 
 def open_role(
@@ -263,7 +262,8 @@ def open_role(
 
     A resumed role checks `config` against the `config.json` it started with:
     a field other than `config.RESUME_MAY_CHANGE` that differs is refused,
-    unless `allow_config_change`; then the role goes on under `config`, which
+    unless `allow_config_change` (`model.scan_layers`, the parameters'
+    layout, is refused either way); then the role goes on under `config`, which
     becomes its `config.json`, and a `config_change` record in its metrics
     and its start in `run_info.json` (`provenance.record_start`) list every
     changed field with both values (those that may change without it too,
@@ -272,7 +272,8 @@ def open_role(
     `metrics.writers` are made first: one that cannot start changes nothing.
 
     Raises:
-      ConfigChangeError: a changed field, without `allow_config_change`; nothing in the folder is changed.
+      ConfigChangeError: a changed field, without `allow_config_change` (another `model.scan_layers`, with it
+        too); nothing in the folder is changed.
       FileExistsError: the folder holds completed rounds but no checkpoint to resume from.
       CheckpointError: from orbax, for a checkpoint folder it cannot read.
       ImportError, ValueError: a tracker of `metrics.writers` that cannot be made (`metrics.make_writers`).
@@ -288,8 +289,7 @@ def open_role(
                             path, moved)
     changes = []
     if started is not None:
-        if not allow_config_change:
-            refuse_config_changes(path, started, config)
+        refuse_config_changes(path, started, config, allow_config_change)
         changes = config_changes(started, config, allowed=True)  # what config.json and the history record
     role = "coordinator" if coordinator else f"island {os.path.basename(os.path.normpath(path))}"
     spec = config.metrics.writers if "metrics" in config else "jsonl,tensorboard"

@@ -139,6 +139,13 @@ from island_jax.model.init import init_params
 from tiny_config import get_config
 _, params, _ = init_params(get_config(), mesh)
 print("INIT", checksum(params), not params["embedding"].is_fully_addressable, flush=True)
+
+# A stacked leaf (model.scan_layers) split over both processes: hashed as its per-layer slices, read in place
+from jax.sharding import PartitionSpec as P
+stacked = tree["rows"].reshape(2, 4, 5000)
+placed = jax.make_array_from_callback(stacked.shape, NamedSharding(mesh, P(None, "fsdp")), lambda i: stacked[i])
+host = HostLeaf.of(LeafLayout(stacked.shape, stacked.dtype, placed.sharding), placed)
+print("STACKED", checksum({"layers": {0: {"w": placed}}}), checksum({"layers": {0: {"w": host}}}), flush=True)
 """
 
 
@@ -154,6 +161,10 @@ def test_an_island_of_two_processes_gets_the_same_checksum_from_its_shards(tmp_p
     lines = [[line for line in out.splitlines() if line.startswith(("HOST ", "ASARRAY ", "TO_HOST ", "INIT "))]
              for out, _ in outs]
     assert [line[3] for line in lines] == [f"INIT {TINY_INIT} True"] * 2
+    rows = _tree()["rows"].reshape(2, 4, 5000)
+    per_layer = checksum({"blocks": {0: {"w": rows[0]}, 1: {"w": rows[1]}}})
+    stacked = [line for out, _ in outs for line in out.splitlines() if line.startswith("STACKED ")]
+    assert stacked == [f"STACKED {per_layer} {per_layer}"] * 2
     # bytes per leaf in sorted order (experiments, rows, small, step): halves of the split leaves, whole replicated ones
     assert [line[0] for line in lines] == ["HOST e619badef8825431 [72000, 80000, 6, 4]"] * 2
     assert [line[1] for line in lines] == ["ASARRAY a parameter leaf of shape (8, 5000) is held as this process's "

@@ -12,6 +12,7 @@ Imports no JAX, so a launcher reads and checks a config without it. Nothing here
 from island_jax.config.checks import validate
 from island_jax.config.fingerprint import (
     RESUME_MAY_CHANGE,
+    RESUME_NEVER_CHANGES,
     ConfigChangeError,
     config_changes,
     fingerprint_differences,
@@ -55,9 +56,10 @@ from island_jax.config.schema import (
 
 __all__ = [
     "AUTO_FROM", "BYTE_SYMBOLS", "CODEC_KINDS", "DISPATCH", "DTYPES", "KEEPALIVE_SECONDS", "MAX_CHUNK_BYTES",
-    "MAX_CONNECTIONS", "MIB", "POSITIONS", "RECONNECT_BACKOFF_CAP_SECONDS", "REMAT", "RESUME_MAY_CHANGE", "SYNC",
-    "WANDB_MODES", "WEIGHTINGS", "ConfigChangeError", "ConfigError", "apply_override", "config_changes",
-    "dataset_key", "default_config", "devices_per_process", "error_feedback", "evaluating_island", "field_paths",
-    "fingerprint_differences", "fingerprint_fields", "island", "load_config", "parse_mixture", "parse_override",
-    "read_json", "refuse_config_changes", "sharing", "total_devices", "unknown_field", "update_kind", "validate",
+    "MAX_CONNECTIONS", "MIB", "POSITIONS", "RECONNECT_BACKOFF_CAP_SECONDS", "REMAT", "RESUME_MAY_CHANGE",
+    "RESUME_NEVER_CHANGES", "SYNC", "WANDB_MODES", "WEIGHTINGS", "ConfigChangeError", "ConfigError",
+    "apply_override", "config_changes", "dataset_key", "default_config", "devices_per_process", "error_feedback",
+    "evaluating_island", "field_paths", "fingerprint_differences", "fingerprint_fields", "island", "load_config",
+    "parse_mixture", "parse_override", "read_json", "refuse_config_changes", "sharing", "total_devices",
+    "unknown_field", "update_kind", "validate",
 ]

@@ -52,6 +52,9 @@ def fingerprint_differences(mine: dict, theirs: dict) -> list[str]:
 # Fields a resumed role may find changed in its config without `--allow_config_change` (`config_changes`):
 # fault injection, the run extended by more rounds (never fewer), and where credentials are read from.
 RESUME_MAY_CHANGE = ("islands.*.crash_at_round", "outer.rounds", "comm.tls.*", "comm.auth.*", "metrics.*")
+# Fields a resumed role never finds changed, not even with `--allow_config_change`: its checkpoints hold the
+# parameters (and their optimizer state) in the layout the field chose.
+RESUME_NEVER_CHANGES = ("model.scan_layers",)
 
 
 class ConfigChangeError(ConfigError):
@@ -107,14 +110,30 @@ def config_changes(
     ]
 
 
-def refuse_config_changes(folder: str, started: dict, config: ml_collections.ConfigDict) -> None:
+def refuse_config_changes(folder: str, started: dict, config: ml_collections.ConfigDict,
+                          allow_config_change: bool = False) -> None:
     """Refuses to resume the role in `folder` under a config other than the one it `started` with.
+
+    A change of `RESUME_NEVER_CHANGES` (`model.scan_layers`: the parameters' layout in the checkpoints) is
+    refused even when `allow_config_change`; any other change only without it.
 
     Raises:
       ConfigChangeError: `config_changes` is not empty; the message lists every field with both values and
-        says what to do.
+        says what to do. For `model.scan_layers`, it says that the run resumes under the layout it started with.
     """
-    changes = config_changes(started, config)
+    layout = [c for c in config_changes(started, config, allowed=True) if c[0] in RESUME_NEVER_CHANGES]
+    if layout:
+        (_, before, now), = layout
+        before = bool(before)  # None: a config.json written before the field, whose blocks were unrolled
+        held = "stacked on a leading layers axis" if before else "one block at a time (blocks.{i})"
+        raise ConfigChangeError(
+            f"{folder} was started with model.scan_layers={before} but would resume with model.scan_layers="
+            f"{bool(now)}: the parameters' layout differs (its checkpoints hold them {held}), and a run resumes "
+            f"under the layout it started with, --allow_config_change or not. Resume with model.scan_layers="
+            f"{before}, or pass a new --workdir (its export, python -m island_jax.export, loads into either layout)",
+            layout,
+        )
+    changes = [] if allow_config_change else config_changes(started, config)
     if changes:
         listed = ", ".join(f"{k} (started with {a!r}, now {b!r})" for k, a, b in changes)
         raise ConfigChangeError(

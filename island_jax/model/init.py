@@ -14,6 +14,7 @@ import numpy as np
 from flax import nnx
 
 from island_jax.mesh import shard_runs, sharded_init
+from island_jax.model import stacking
 from island_jax.model.transformer import Transformer, partition_specs
 
 
@@ -67,6 +68,11 @@ def checksum(tree: Any) -> str:
     split on its leading dimension, but most of the leaf for one split on a later dimension, whose every row
     is a run of its own (sending each cut piece to one owner instead is left for later).
 
+    A parameter dict in the stacked form (`model.scan_layers`: `layers` and `tail`, `model.stacking`) is hashed
+    as its per-layer form (`stacking.unstack`): each block's slice of a stacked leaf's leading axis is a leaf of
+    its own, read in place from the stacked leaf's runs (`LayerSlice`), so a scanned and an unscanned run of the
+    same parameters have the same checksum. Other pytrees (a list of leaves, a fragment's) are hashed as given.
+
     Args:
       tree: a pytree of NumPy arrays, scalars, `jax.Array`s or `island.shards.HostLeaf`s (a process's host
         copy of its shards). A `jax.Array` is read shard by shard (one replica of each element), never gathered
@@ -76,14 +82,48 @@ def checksum(tree: Any) -> str:
     Returns:
       16 lowercase hex digits, the same on every process.
     """
-    return _combine(_leaf_digests(tree))
+    return _combine(_leaf_digests(per_layer(tree)))
+
+
+class LayerSlice:
+    """Slice `u` of a stacked leaf's leading axis, as `checksum` reads it: `shape` (the leaf's less its leading
+    axis), `dtype`, `is_fully_addressable` (the leaf's) and `checksum_runs`, with nothing copied.
+
+    Args:
+      leaf: a stacked leaf [U, ...]: a NumPy array, a `jax.Array` (sharded, maybe over processes), or anything
+        with `checksum_runs` (`island.shards.HostLeaf`, `coordinator.state.RowsLeaf`).
+      u: 0..U-1.
+    """
+
+    def __init__(self, leaf: Any, u: int):
+        self.leaf, self.u = leaf, u
+        self.shape = tuple(int(d) for d in np.shape(leaf)[1:])
+        self.dtype = _dtype(leaf)
+        self.is_fully_addressable = getattr(leaf, "is_fully_addressable", True)
+
+    def checksum_runs(self):
+        """(first flat element of the slice, uint8 bytes) of each run of the slice's elements this process reads:
+        the leaf's runs (`_runs`) cut to elements [u S, (u + 1) S) and rebased, S the slice's elements. (`checksum`
+        reads a stacked leaf's runs once for all its slices, `_sliced_runs`.)"""
+        for u, start, data in _sliced_runs(self.leaf, math.prod(self.shape), self.dtype.itemsize):
+            if u == self.u:
+                yield start, data
+
+
+def per_layer(tree: Any) -> Any:
+    """`tree` in the per-layer form when it is a parameter dict in the stacked form (`stacking.is_stacked`), each
+    slice of a stacked leaf a `LayerSlice`; otherwise `tree` itself."""
+    if not (isinstance(tree, dict) and isinstance(tree.get("layers"), dict) and stacking.is_stacked(tree)):
+        return tree
+    return stacking.unstack(tree, take=LayerSlice)
 
 
 def leaf_checksums(tree: Any) -> list[str]:
     """`checksum` of each leaf on its own, in `jax.tree.leaves` order: 16 hex digits each, whatever the layout.
 
     Computed from the same piece digests as `checksum`, in one pass (and, for leaves spread over processes,
-    one collective: every process calls it at the same point).
+    one collective: every process calls it at the same point). The leaves are `tree`'s as given, stacked ones
+    whole (a checkpoint's record of what it holds, `checkpoint.describe_leaves`).
     """
     return [_combine([leaf]) for leaf in _leaf_digests(tree)]
 
@@ -105,22 +145,26 @@ def _leaf_digests(tree: Any) -> list[tuple[bytes, list[bytes]]]:
     digests: dict[tuple[int, int], bytes] = {}  # (leaf, piece) -> the digest of a piece held whole here
     held: dict[tuple[int, int], list] = {}  # (leaf, piece) -> [(first element, elements, bytes)] of a cut piece
     heads, sizes = [], []
+    sliced: dict[int, tuple[Any, dict]] = {}  # id of a stacked leaf -> (it, {u: [leaf index of its slice u]})
     for i, leaf in enumerate(leaves):
         shape = tuple(int(d) for d in np.shape(leaf))
-        dtype = np.dtype(leaf.dtype) if hasattr(leaf, "dtype") else np.asarray(leaf).dtype
-        heads.append(f"{shape}{dtype}".encode())
+        heads.append(f"{shape}{_dtype(leaf)}".encode())
         sizes.append(math.prod(shape))
         if sizes[-1] == 0:  # an empty leaf is one empty piece, on every process and layout
             digests[(i, 0)] = hashlib.sha256(b"").digest()
-            continue
-        for start, data in _runs(leaf):
-            for piece, first, n, part in _cut(start, data, dtype.itemsize):
-                if _whole((i, piece), [(first, n, None)], sizes):  # hashed in place: no copy of the bytes
-                    digests[(i, piece)] = hashlib.sha256(part).digest()
-                else:  # shard edges cut it: its parts (views of the shards) are put together below
-                    held.setdefault((i, piece), []).append((first, n, part))
+        elif isinstance(leaf, LayerSlice):  # read below with the stacked leaf's other slices
+            sliced.setdefault(id(leaf.leaf), (leaf.leaf, {}))[1].setdefault(leaf.u, []).append(i)
+        else:
+            itemsize = _dtype(leaf).itemsize
+            for start, data in _runs(leaf):
+                _hash_run(i, start, data, itemsize, sizes, digests, held)
+    for stacked, slices in sliced.values():  # a stacked leaf's runs are read once, for all its slices
+        itemsize, size = _dtype(stacked).itemsize, sizes[next(iter(slices.values()))[0]]
+        for u, start, data in _sliced_runs(stacked, size, itemsize):
+            for i in slices.get(u, ()):
+                _hash_run(i, start, data, itemsize, sizes, digests, held)
     digests.update({key: _digest(parts) for key, parts in held.items() if _whole(key, parts, sizes)})
-    if any(not getattr(x, "is_fully_addressable", True) for x in leaves):  # spread over processes
+    if any(not getattr(x, "is_fully_addressable", True) for x in leaves):  # spread over processes (a slice: its leaf)
         from island_jax import distributed
 
         cut = {f"{i},{p}": [[first, n, base64.b64encode(part).decode()] for first, n, part in parts]
@@ -134,6 +178,16 @@ def _leaf_digests(tree: Any) -> list[tuple[bytes, list[bytes]]]:
         digests.update({key: _digest(parts) for key, parts in parts_of.items()})
     return [(heads[i], [digests[(i, piece)] for piece in range(max(1, -(-size // CHECKSUM_PIECE_ELEMENTS)))])
             for i, size in enumerate(sizes)]
+
+
+def _hash_run(i: int, start: int, data, itemsize: int, sizes: list[int], digests: dict, held: dict) -> None:
+    """Hashes the checksum pieces of leaf `i` that a run (`start`, its first element; `data`, its bytes) holds
+    whole into `digests`, and keeps the parts of those it cuts in `held` ((leaf, piece) keys both)."""
+    for piece, first, n, part in _cut(start, data, itemsize):
+        if _whole((i, piece), [(first, n, None)], sizes):  # hashed in place: no copy of the bytes
+            digests[(i, piece)] = hashlib.sha256(part).digest()
+        else:  # shard edges cut it: its parts (views of the shards) are put together below
+            held.setdefault((i, piece), []).append((first, n, part))
 
 
 def _key(text: str) -> tuple[int, int]:
@@ -157,6 +211,23 @@ def _runs(leaf):
         flat = _bytes(np.asarray(shard.data))
         for start, n, offset in shard_runs(leaf.shape, shard.index):
             yield start, flat[offset * shard.data.dtype.itemsize : (offset + n) * shard.data.dtype.itemsize]
+
+
+def _sliced_runs(leaf, size: int, itemsize: int):
+    """(u, first flat element of slice u, uint8 bytes) of each part of `leaf`'s runs (`_runs`) cut at the edges of
+    its slices of `size` elements along the leading axis, in the order the runs come."""
+    for start, data in _runs(leaf):
+        count = data.size // itemsize
+        if count == 0:
+            continue
+        for u in range(start // size, (start + count - 1) // size + 1):
+            lo, hi = max(start, u * size), min(start + count, (u + 1) * size)
+            yield u, lo - u * size, data[(lo - start) * itemsize : (hi - start) * itemsize]
+
+
+def _dtype(leaf) -> np.dtype:
+    """A leaf's dtype (a scalar's as NumPy reads it)."""
+    return np.dtype(leaf.dtype) if hasattr(leaf, "dtype") else np.asarray(leaf).dtype
 
 
 def _bytes(a: np.ndarray) -> np.ndarray:

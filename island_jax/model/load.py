@@ -19,6 +19,7 @@ import ml_collections
 import numpy as np
 
 from island_jax.config import evaluating_island, read_json
+from island_jax.model import stacking
 
 WEIGHTS_FILE = "model.safetensors"
 CONFIG_FILE = "config.json"
@@ -152,13 +153,14 @@ def from_workdir(workdir: str, round: int | None = None) -> tuple[ml_collections
 
 
 def save(folder: str, config: ml_collections.ConfigDict, params: dict, metadata: dict | None = None) -> str:
-    """Writes an export: `folder/model.safetensors` (every parameter of `params`, named by its path) and
+    """Writes an export: `folder/model.safetensors` (every parameter of `params` in the per-layer form, named by
+    its path: `blocks.{i}....`, the stacked form's leaves written slice by slice, `stacking.unstack`) and
     `folder/config.json` (`config`); returns the weights' path. `metadata` (str -> str) goes into the
     safetensors header."""
     from safetensors.numpy import save_file
 
     os.makedirs(folder, exist_ok=True)
-    tensors = {_name(path): np.ascontiguousarray(value) for path, value in _paths(params)}
+    tensors = {_name(path): np.ascontiguousarray(value) for path, value in _paths(stacking.unstack(params))}
     weights = os.path.join(folder, WEIGHTS_FILE)
     save_file(tensors, weights, metadata={k: str(v) for k, v in (metadata or {}).items()})
     with open(os.path.join(folder, CONFIG_FILE), "w", encoding="utf-8") as f:
@@ -166,8 +168,13 @@ def save(folder: str, config: ml_collections.ConfigDict, params: dict, metadata:
     return weights
 
 
-def from_export(folder: str) -> tuple[ml_collections.ConfigDict, dict]:
+def from_export(folder: str, scan_layers: bool | None = None) -> tuple[ml_collections.ConfigDict, dict]:
     """Reads an export (`save`): (its config, the parameters as `init_params`' pure dict of NumPy arrays).
+
+    Args:
+      folder: the export's folder.
+      scan_layers: the layout to load into (`model.scan_layers`, set so in the config returned); None: the
+        export's config's. The file's per-layer tensors are stacked for a scanned model (`stacking.to_layout`).
 
     Raises:
       FileNotFoundError: `folder` lacks model.safetensors or config.json.
@@ -184,9 +191,12 @@ def from_export(folder: str) -> tuple[ml_collections.ConfigDict, dict]:
     config = read_config(os.path.join(folder, CONFIG_FILE))
     tensors = load_file(weights)
     _, like, _ = _template(config)
+    like = stacking.unstack(like)  # the file's form
     params = _fill(like, tensors.get, weights)
     extra = sorted(set(tensors) - {_name(p) for p, _ in _paths(like)})
     if extra:
         raise LoadError(f"{weights} holds parameters the model of its config does not have ({', '.join(extra[:5])}); "
                         "it was written for another model config")
-    return config, params
+    if scan_layers is not None:
+        config.model.scan_layers = bool(scan_layers)
+    return config, stacking.to_layout(params, config.model.get("scan_layers", False), config.moe.every_n_layers)

@@ -173,6 +173,12 @@ def _stacked(blocks: list[nnx.Module]) -> nnx.Module:
     return template
 
 
+def _batch_split(x: jax.Array) -> jax.Array:
+    """Activations [B, ...] with the batch split over the mesh (`BATCH_AXES`), as an MoE layer returns them: a
+    scan's carry must keep one sharding, and tokens given unsplit (a sampler's, an evaluation's) would not."""
+    return jax.sharding.reshard(x, jax.P(BATCH_AXES))
+
+
 def scan_unit(num_layers: int, every_n_layers: int) -> tuple[int, int, int]:
     """How `model.scan_layers` lays out L = `num_layers` blocks: (n, U, T), a unit of n = `every_n_layers` blocks
     (MoE in its last) scanned U = L // n times, then T = L mod n dense blocks unrolled."""
@@ -334,7 +340,7 @@ class Transformer(nnx.Module):
                     out.append(block_cache)
                 return x, out
 
-            x, stacked = jax.lax.scan(unit, x, (state, cache["layers"]))
+            x, stacked = jax.lax.scan(unit, _batch_split(x), (state, cache["layers"]))
             tail = []
             for block, block_cache in zip(self.tail, cache["tail"]):
                 x, block_cache = block.decode(x, block_cache, pos)
@@ -386,7 +392,7 @@ class Transformer(nnx.Module):
         if self.remat != "none":
             unit = jax.checkpoint(unit, policy=REMAT_POLICIES[self.remat], prevent_cse=False)
         repeats = self.layers[0].attn_norm.scale.shape[0]
-        x, stats = jax.lax.scan(unit, x, (state, jnp.arange(repeats, dtype=jnp.uint32)))
+        x, stats = jax.lax.scan(unit, _batch_split(x), (state, jnp.arange(repeats, dtype=jnp.uint32)))
         call = _call_block if self.remat == "none" else nnx.remat(_call_block, policy=REMAT_POLICIES[self.remat])
         for k, block in enumerate(self.tail):  # dense blocks, rematerialized one by one as `_unrolled`'s: no stats
             x, _ = call(block, x, mask, None if key is None else jax.random.fold_in(key, n * repeats + k), segment_ids)
