@@ -20,6 +20,7 @@ import ml_collections
 from island_jax.config import fingerprint_fields
 from island_jax.coordinator import handshake
 from island_jax.coordinator.fragment import FragmentCoordinator
+from island_jax.model import stacking
 from island_jax.model.init import checksum
 from island_jax.outer import codec
 from island_jax.outer import fragments as fragments_lib
@@ -29,8 +30,9 @@ from island_jax.protocol import ContributionHeader
 class Coordinator:
     """The coordinator of a run: one `FragmentCoordinator` per fragment (Streaming DiLoCo, arXiv 2501.18512).
 
-    The parameters are split by `fragments.partition` into `outer.fragments`
-    groups of whole leaves; fragment p has a `FragmentCoordinator` of its own
+    The parameters, in their per-layer form (`model.stacking.unstack`: a stacked leaf's layer slices), are split
+    by `fragments.partition_params` into `outer.fragments` groups of whole leaves (with `model.scan_layers`,
+    ranges of layers); fragment p has a `FragmentCoordinator` of its own
     over the list of its leaves, so fragment p's round r merges as soon as every
     island has contributed it, whatever the other fragments are doing. The outer step
     is elementwise, so F fragments give the bits one coordinator over the
@@ -40,8 +42,8 @@ class Coordinator:
       config: the run's validated config (outer, codec, comm.chunk_bytes,
         comm.pipeline, model, seed).
       params: the seeded initial parameters (a pytree of float32 or bfloat16
-        NumPy arrays, as from `model.init.init_params`); the master copy is
-        float32, the view keeps the parameters' dtypes.
+        NumPy arrays, as from `model.init.init_params`, in either form); the master copy is
+        float32, the view keeps the parameters' dtypes and is laid out in the per-layer form.
       islands: names of the islands expected to contribute every round.
       clock: seconds, monotonic (injectable for the quorum's grace window).
 
@@ -50,7 +52,7 @@ class Coordinator:
 
     Attributes:
       fragments: the per-fragment `FragmentCoordinator`s.
-      partition: leaf indices (in `jax.tree.leaves(params)` order) of each fragment.
+      partition: leaf indices (in `jax.tree.leaves` order of the per-layer form) of each fragment.
       incarnation: a new hex string every time a coordinator is made (so islands tell a restart from a
         dropped connection).
     """
@@ -61,8 +63,11 @@ class Coordinator:
     ):
         self.config, self.islands = config, list(islands)
         self.fingerprint_fields = fingerprint_fields(config)
+        # the outer loop's leaves are the per-layer form's: a stacked leaf's layer slices (NumPy views)
+        by_layer = stacking.is_stacked(params)
+        params = stacking.unstack(params)
         leaves = jax.tree.leaves(params)
-        self.partition = fragments_lib.partition(fragments_lib.leaf_bytes(params), config.outer.fragments)
+        self.partition = fragments_lib.partition_params(params, config.outer.fragments, by_layer)
         self.fragments = [
             FragmentCoordinator(config, [leaves[i] for i in idx], islands, clock) for idx in self.partition
         ]

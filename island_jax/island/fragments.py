@@ -1,17 +1,21 @@
 """Streaming DiLoCo's fragments on an island (arXiv 2501.18512, Algorithm 1; one fragment is plain DiLoCo):
 the pseudo-gradient anchor - params out, the coordinator's update in, on this process's shards.
 
-A fragment is a group of whole parameter leaves (`outer.fragments.partition`; `FragmentLeaves`). Going out,
-a fragment's float32 pseudo-gradient is read from the island's devices as the values of the chunks this
-process owns (`shards.Ownership`) and encoded for the wire, with error feedback where the codec has it.
-Coming in, the update is applied to this process's host copy of the global parameters with the arithmetic of
-the shared `codec.decode_and_apply`; those exact bits become the fragment's anchor and, without overlap, its
-parameters (with overlap, Streaming DiLoCo's mix of local and global values).
+The outer loop speaks the parameters' per-layer form (`model.stacking`; `OuterLeaves`): with
+`model.scan_layers`, each stacked leaf of the island's parameters is U outer leaves, its layer slices. A fragment
+is a group of outer leaves (`outer.fragments.partition`, cut between layers: a range of layers; `FragmentLeaves`).
+Going out, a fragment's float32 pseudo-gradient is read from the island's devices as the values of the chunks
+this process owns (`shards.Ownership`) and encoded for the wire, with error feedback where the codec has it.
+Coming in, the update is applied to this process's host copy of the global parameters (per-layer form) with the
+arithmetic of the shared `codec.decode_and_apply`; those exact bits become the fragment's anchor and, without
+overlap, its parameters (with overlap, Streaming DiLoCo's mix of local and global values), written back into
+the stacked leaves on the devices.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any, Sequence
 
 import jax
@@ -20,34 +24,114 @@ import numpy as np
 from island_jax.config import error_feedback
 from island_jax.island import shards as shards_lib
 from island_jax.island import step as step_lib
+from island_jax.model import stacking
 from island_jax.model.init import checksum
 from island_jax.outer import codec
 from island_jax.outer import fragments as fragments_lib
 
 
-@dataclasses.dataclass(frozen=True)
-class FragmentLeaves:
-    """Streaming DiLoCo's fragments as leaf indices of the parameter tree.
+class _Slot:
+    """Where an outer leaf lives in the island's parameter tree: leaf `leaf` (`jax.tree.leaves` order), whole
+    (`layer` None) or its slice `layer` of the leading, stacked axis. A pytree leaf."""
+
+    __slots__ = ("leaf", "layer")
+
+    def __init__(self, leaf: int, layer: int | None = None):
+        self.leaf, self.layer = leaf, layer
+
+
+@functools.partial(jax.jit, static_argnums=2)
+def _put_layers(stacked: jax.Array, layers: list, first: int) -> jax.Array:
+    """`stacked` [U, ...] with its slices first, first + 1, ... replaced by `layers` (each [...]), its sharding kept."""
+    return jax.lax.dynamic_update_slice_in_dim(stacked, jax.numpy.stack(layers).astype(stacked.dtype), first, 0)
+
+
+class OuterLeaves:
+    """The outer loop's leaves of a parameter tree: the leaves of its per-layer form (`model.stacking.unstack`), in
+    `jax.tree.leaves` order of that form. For a per-layer tree they are its own leaves; for a stacked one
+    (`model.scan_layers`) each stacked leaf [U, ...] stands as U outer leaves, its layer slices [...].
+
+    Args:
+      params: a parameter-shaped pure dict in the island's form (arrays or shape structs).
 
     Attributes:
-      treedef: the parameter tree's structure.
-      partition: per fragment, its leaf indices in `jax.tree.leaves` order (`outer.fragments.partition`).
+      treedef: the per-layer form's structure (the outer leaves').
+      slots: per outer leaf, where it lives in `params`' leaves.
+      stacked: whether `params` is in the stacked form.
+      unit: n, the blocks of the scanned unit (1 without stacking).
     """
 
-    treedef: Any
+    def __init__(self, params: dict):
+        self.stacked = stacking.is_stacked(params)
+        self.unit = len(params["layers"]) if self.stacked else 1  # n, the scanned unit's blocks
+        leaves, self.island_treedef = jax.tree.flatten(params)
+        slots = jax.tree.unflatten(self.island_treedef, [_Slot(i) for i in range(len(leaves))])
+        repeats = jax.tree.leaves(params["layers"][0])[0].shape[0] if self.stacked else None
+        outer = stacking.unstack(slots, take=lambda slot, u: _Slot(slot.leaf, u), repeats=repeats)
+        self.slots: list[_Slot]
+        self.slots, self.treedef = jax.tree.flatten(outer)
+
+    def of(self, tree) -> list:
+        """The outer leaves of `tree` (shaped like `params`): its leaves, or their layer slices (`leaf[u]`: a view
+        of a NumPy array, a `jax.Array` laid out as the per-layer leaf, sharded as the stacked one's other
+        dimensions; call it under the island's mesh)."""
+        leaves = jax.tree.leaves(tree)
+        return [leaves[s.leaf] if s.layer is None else leaves[s.leaf][s.layer] for s in self.slots]
+
+    def put(self, tree, indices: Sequence[int], new: Sequence) -> Any:
+        """`tree` (shaped like `params`, of `jax.Array`s) with outer leaves `indices` replaced by `new` (a new tree;
+        `tree` is unchanged). The slices of one stacked leaf among `indices` must be consecutive layers (a
+        fragment's), written with one `dynamic_update_slice`."""
+        leaves = jax.tree.leaves(tree)
+        slices: dict[int, list] = {}
+        for i, leaf in zip(indices, new):
+            slot = self.slots[i]
+            if slot.layer is None:
+                leaves[slot.leaf] = leaf
+            else:
+                slices.setdefault(slot.leaf, []).append((slot.layer, leaf))
+        for k, parts in slices.items():
+            first = parts[0][0]
+            if [u for u, _ in parts] != list(range(first, first + len(parts))):
+                raise ValueError(f"the layers {[u for u, _ in parts]} of a stacked leaf are not consecutive")
+            leaves[k] = _put_layers(leaves[k], [leaf for _, leaf in parts], first)
+        return jax.tree.unflatten(self.island_treedef, leaves)
+
+    def island_tree(self, outer_leaves: Sequence) -> Any:
+        """The island's parameter tree from every outer leaf (`jax.Array`s, each laid out as its per-layer leaf):
+        the stacked leaves stacked again (`stacking.stack`), sharded on the mesh as their slices are."""
+        tree = jax.tree.unflatten(self.treedef, list(outer_leaves))
+        return stacking.stack(tree, self.unit) if self.stacked else tree
+
+
+@dataclasses.dataclass(frozen=True)
+class FragmentLeaves:
+    """Streaming DiLoCo's fragments as outer-leaf indices of the parameters (`OuterLeaves`).
+
+    Attributes:
+      outer: the parameters' outer leaves.
+      partition: per fragment, its outer-leaf indices in order (`outer.fragments.partition`).
+    """
+
+    outer: OuterLeaves
     partition: list[list[int]]
 
     def take(self, tree, fragment: int) -> list:
-        """The fragment's leaves of `tree` (a parameter-shaped pytree), in order."""
-        leaves = jax.tree.leaves(tree)
+        """The fragment's outer leaves of `tree`: a tree shaped like the island's parameters (its leaves or their
+        layer slices, `OuterLeaves.of`) or like their per-layer form (the global parameters), in order."""
+        leaves = (jax.tree.leaves(tree) if jax.tree.structure(tree) == self.outer.treedef
+                  else self.outer.of(tree))
         return [leaves[i] for i in self.partition[fragment]]
 
     def put(self, tree, fragment: int, new_leaves: Sequence) -> Any:
-        """`tree` with the fragment's leaves replaced by `new_leaves` (a new tree; `tree` is unchanged)."""
-        leaves = jax.tree.leaves(tree)
-        for i, leaf in zip(self.partition[fragment], new_leaves):
-            leaves[i] = leaf
-        return jax.tree.unflatten(self.treedef, leaves)
+        """`tree` (either shape, as `take`) with the fragment's outer leaves replaced by `new_leaves` (a new tree;
+        `tree` is unchanged)."""
+        if jax.tree.structure(tree) == self.outer.treedef:
+            leaves = jax.tree.leaves(tree)
+            for i, leaf in zip(self.partition[fragment], new_leaves):
+                leaves[i] = leaf
+            return jax.tree.unflatten(self.outer.treedef, leaves)
+        return self.outer.put(tree, self.partition[fragment], new_leaves)
 
 
 class FragmentExchange:
@@ -60,24 +144,26 @@ class FragmentExchange:
     `residual`.
     """
 
-    def _plan_fragments(self, params: dict) -> None:
-        """The fragments of `params` (the initial parameters), their chunk plans and who owns each chunk."""
+    def _plan_fragments(self) -> None:
+        """The fragments of the outer leaves (`OuterLeaves`, `layouts`), their chunk plans and who owns each chunk."""
         config = self.config
         # Error feedback's memory of what the codec lost, of the pieces this process owns: {(fragment, leaf, first
         # element): float32 [piece elements]}, made as the pieces are first encoded.
         self.residual: dict[tuple[int, int, int], np.ndarray] = {}
         self.codec = codec.Codec.of(config.codec)  # the contributions'
         self.update_codec = codec.Codec.of(config.codec, update=True)  # the coordinator's updates'
-        self.partition = fragments_lib.partition(fragments_lib.leaf_bytes(params), config.outer.fragments)
-        self.fragments = FragmentLeaves(jax.tree.structure(params), self.partition)
+        like = jax.tree.unflatten(self.outer.treedef, [jax.ShapeDtypeStruct(layout.shape, layout.dtype)
+                                                       for layout in self.layouts])  # the outer leaves' shapes
+        self.partition = fragments_lib.partition_params(like, config.outer.fragments, self.outer.stacked)
+        self.fragments = FragmentLeaves(self.outer, self.partition)
         chunk_bytes = config.comm.chunk_bytes
         # per fragment: the contribution's chunk plan, and the update's (the same elements, in its codec's bytes)
         self.fragment_plans = [
-            codec.chunk_plan(self.fragments.take(params, f), self.codec, None, chunk_bytes, self.update_codec)
+            codec.chunk_plan(self.fragments.take(like, f), self.codec, None, chunk_bytes, self.update_codec)
             for f in range(len(self.partition))
         ]
         self.update_plans = [
-            codec.chunk_plan(self.fragments.take(params, f), self.update_codec, None, chunk_bytes, self.codec)
+            codec.chunk_plan(self.fragments.take(like, f), self.update_codec, None, chunk_bytes, self.codec)
             for f in range(len(self.partition))
         ]
         # per fragment: which process owns each chunk, and what travels over the island's interconnect
@@ -95,8 +181,8 @@ class FragmentExchange:
         Runs on the calling (training) thread and waits for the result, so the
         next inner step may take (donate) the parameters.
         """
-        anchor, params = self.fragments.take(self.anchor, fragment), self.fragments.take(self.params, fragment)
         with self.device_lock, jax.set_mesh(self.mesh):
+            anchor, params = self.fragments.take(self.anchor, fragment), self.fragments.take(self.params, fragment)
             pseudo_gradient = jax.block_until_ready(step_lib.pseudo_gradient(anchor, params))
         layouts = self.ownerships[fragment].layouts
         local: dict[tuple[int, int], np.ndarray] = {}
@@ -220,5 +306,5 @@ class FragmentExchange:
         # what the codec lost of pseudo-gradients from the replaced anchors is no debt of the new ones
         self.residual = {}
         with jax.set_mesh(self.mesh):
-            self.params = jax.tree.map(shards_lib.HostLeaf.place, self.global_params)
-            self.anchor = jax.tree.map(shards_lib.HostLeaf.place, self.global_params)
+            self.params = self.outer.island_tree([leaf.place() for leaf in jax.tree.leaves(self.global_params)])
+            self.anchor = self.outer.island_tree([leaf.place() for leaf in jax.tree.leaves(self.global_params)])

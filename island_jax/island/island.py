@@ -29,7 +29,7 @@ from island_jax.config import ConfigError
 from island_jax.hardware import CATALOG, kind_of, peak_flops
 from island_jax.island import shards as shards_lib
 from island_jax.island import step as step_lib
-from island_jax.island.fragments import FragmentExchange
+from island_jax.island.fragments import FragmentExchange, OuterLeaves
 from island_jax.island.placement import Shardings
 from island_jax.island.state import CheckpointState
 from island_jax.mesh import island_mesh
@@ -126,13 +126,20 @@ class Island(FragmentExchange, CheckpointState):
         # of every payload (`ownerships`), and every process holds the same bits of the shards it holds.
         self.multi_process = self.shardings.multi_process
         self.part, self.parts = (jax.process_index(), jax.process_count()) if self.multi_process else (0, 1)
-        # Where each leaf's elements are over the island's processes, and this process's host copy of the global view
-        # (the anchor's bits): its own shards of every leaf (`shards.HostLeaf`).
-        self.layouts = [shards_lib.LeafLayout(np.shape(x), x.dtype, sharding)
-                        for x, sharding in zip(jax.tree.leaves(params), self.shardings.leaves)]
-        self.global_params = jax.tree.unflatten(jax.tree.structure(params), [
-            shards_lib.HostLeaf.of(layout, x) for layout, x in zip(self.layouts, jax.tree.leaves(params))
-        ])
+        # The outer loop's leaves (the per-layer form's: a stacked leaf's layer slices, `fragments.OuterLeaves`),
+        # where each one's elements are over the island's processes, and this process's host copy of the global
+        # view (the anchor's bits): its own shards of every outer leaf (`shards.HostLeaf`).
+        self.outer = OuterLeaves(params)
+        leaves = jax.tree.leaves(params)
+        self.layouts = []
+        for slot in self.outer.slots:
+            leaf, sharding = leaves[slot.leaf], self.shardings.leaves[slot.leaf]
+            if slot.layer is not None:  # a layer's slice: the stacked axis is never split
+                sharding = jax.sharding.NamedSharding(sharding.mesh, jax.P(*sharding.spec[1:]))
+            shape = np.shape(leaf)[0 if slot.layer is None else 1:]
+            self.layouts.append(shards_lib.LeafLayout(shape, leaf.dtype, sharding))
+        with jax.set_mesh(self.mesh):
+            self.global_params = self.host_shards(params)
         self._global_checksum: str | None = None
         self.dataset = data_lib.train_dataset(
             train, config.model.seq_len, cfg.batch_size, config.seed, rows=self.shardings.local_rows(cfg.batch_size)
@@ -146,7 +153,7 @@ class Island(FragmentExchange, CheckpointState):
             self.params = self.shardings.place(params)
             self.anchor = self.shardings.place(params, copy=True)  # the inner steps donate the parameters
             self.opt_state = jax.jit(self.tx.init)(self.params)
-        self._plan_fragments(params)
+        self._plan_fragments()
 
     def _build_train_step(self, total_steps: int) -> None:
         """The inner optimizer for `total_steps` steps in all, and the jitted step that uses it (its first
@@ -259,10 +266,13 @@ class Island(FragmentExchange, CheckpointState):
         return self.flops_per_token * self.tokens_per_step / (self.peak_flops * step_seconds) if step_seconds > 0 else 0.0
 
     def host_shards(self, tree) -> Any:
-        """This process's shards of a parameter-shaped tree of arrays on the island's devices, copied to the host
-        (`shards.HostLeaf` each): what `model.init.checksum` reads without gathering anything whole."""
-        layouts = jax.tree.unflatten(jax.tree.structure(self.global_params), self.layouts)
-        return jax.tree.map(shards_lib.HostLeaf.of, layouts, tree)
+        """This process's shards of a parameter-shaped tree of arrays (the island's form: on its devices, or NumPy),
+        copied to the host as the per-layer form's tree of `shards.HostLeaf`s (`OuterLeaves`): what
+        `model.init.checksum` reads without gathering anything whole."""
+        with jax.set_mesh(self.mesh):
+            leaves = self.outer.of(tree)
+        return jax.tree.unflatten(self.outer.treedef, [shards_lib.HostLeaf.of(layout, x)
+                                                       for layout, x in zip(self.layouts, leaves)])
 
     def replica_digests(self) -> dict[str, str]:
         """SHA-256 (16 hex digits) of each shard of the global parameters that this process holds and another

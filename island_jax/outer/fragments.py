@@ -5,7 +5,12 @@ parameters into F fragments and syncs fragment p once every H inner steps, at
 an offset of its own, so that only 1/F of the model is on the wire at a time.
 Here a fragment is a group of whole leaves, consecutive in the stable pytree
 leaf order, cut where the running byte count is nearest to p x total / F; every
-fragment therefore lies within one (largest) leaf of total / F bytes.
+fragment therefore lies within one (largest) leaf of total / F bytes. The outer
+loop's leaves are the per-layer form's (`model.stacking`): with
+`model.scan_layers` a stacked leaf counts as its U layer slices, and the cuts
+fall only between layers, so that a fragment is a range of layers, a slice of
+the stacked axis (as MaxText's streaming DiLoCo cuts them), with the
+embedding, final norm, head and positions, which follow the blocks, in the last.
 
 Fragment p (0-based) of F is contributed at the end of inner step t (1-based,
 counted over the whole run) with t mod H = ((p + 1) x H // F) mod H: with H = 4
@@ -27,40 +32,65 @@ def leaf_bytes(tree: Any) -> list[int]:
     return [int(np.prod(np.shape(x))) * np.dtype(x.dtype).itemsize for x in jax.tree.leaves(tree)]
 
 
-def partition(sizes: Sequence[int], num_fragments: int) -> list[list[int]]:
+def partition(sizes: Sequence[int], num_fragments: int, groups: Sequence | None = None) -> list[list[int]]:
     """Splits leaves into `num_fragments` groups of consecutive leaves, near-equal in bytes.
 
-    Boundary g (between fragment g - 1 and g) falls after the leaf where the
+    Boundary g (between fragment g - 1 and g) falls after the unit where the
     running total is nearest to g x total / F, and every fragment keeps at
-    least one leaf; so each fragment's bytes lie within the largest leaf of
-    total / F (a single leaf larger than total / F stays whole).
+    least one unit; so each fragment's bytes lie within the largest unit of
+    total / F (a single unit larger than total / F stays whole). A unit is one
+    leaf, or with `groups` a run of consecutive leaves of one group (a layer's).
 
     Args:
       sizes: bytes of each leaf, in the stable leaf order (`leaf_bytes`).
       num_fragments: F >= 1.
+      groups: per leaf, a label; fragments are cut only where it changes (None: between any two leaves).
 
     Returns:
       F lists of leaf indices; together they are 0 .. len(sizes) - 1 in order.
 
     Raises:
-      ValueError: F < 1, or more fragments than leaves.
+      ValueError: F < 1, or more fragments than units.
     """
     n = len(sizes)
-    if num_fragments < 1 or num_fragments > n:
-        raise ValueError(
-            f"outer.fragments is {num_fragments} but the model has {n} parameter leaves; use 1..{n} fragments"
-        )
-    ends = np.cumsum(np.asarray(sizes, np.float64))
+    # unit starts: every leaf, or where the group label changes
+    starts = [i for i in range(n) if groups is None or i == 0 or groups[i] != groups[i - 1]]
+    units = len(starts)
+    if num_fragments < 1 or num_fragments > units:
+        what = "parameter leaves" if groups is None else "layers and other parameter leaves"
+        raise ValueError(f"outer.fragments is {num_fragments} but the model has {units} {what}; use 1..{units} fragments")
+    unit_sizes = np.add.reduceat(np.asarray(sizes, np.float64), starts) if n else np.zeros(0)
+    ends = np.cumsum(unit_sizes)
     total = float(ends[-1]) if n else 0.0
     bounds = [0]
     for g in range(1, num_fragments):
         target = g * total / num_fragments
-        cut = int(np.argmin(np.abs(ends - target))) + 1  # fragment g starts after leaf `cut - 1`
-        # keep every fragment non-empty: at least one leaf before, and enough left after
-        cut = min(max(cut, bounds[-1] + 1), n - (num_fragments - g))
+        cut = int(np.argmin(np.abs(ends - target))) + 1  # fragment g starts after unit `cut - 1`
+        # keep every fragment non-empty: at least one unit before, and enough left after
+        cut = min(max(cut, bounds[-1] + 1), units - (num_fragments - g))
         bounds.append(cut)
-    bounds.append(n)
-    return [list(range(a, b)) for a, b in zip(bounds[:-1], bounds[1:])]
+    leaf_bounds = [starts[b] for b in bounds] + [n]
+    return [list(range(a, b)) for a, b in zip(leaf_bounds[:-1], leaf_bounds[1:])]
+
+
+def partition_params(params: Any, num_fragments: int, by_layer: bool) -> list[list[int]]:
+    """`partition` of a parameter tree's leaves by their bytes: the one rule islands and coordinator share.
+
+    Args:
+      params: the per-layer form's tree (`model.stacking.unstack`) of arrays or shape structs.
+      num_fragments: F.
+      by_layer: cut only between layers (`model.scan_layers`: a fragment is then a range of layers, slices of
+        the stacked axis); the leaves of block i (`blocks.{i}`) are one unit, each other leaf one of its own.
+
+    Returns:
+      F lists of leaf indices in `jax.tree.leaves(params)` order (`partition`).
+    """
+    groups = None
+    if by_layer:
+        paths = [path for path, _ in jax.tree_util.tree_flatten_with_path(params)[0]]
+        groups = [(path[0].key, path[1].key) if getattr(path[0], "key", None) == "blocks" else i
+                  for i, path in enumerate(paths)]
+    return partition(leaf_bytes(params), num_fragments, groups)
 
 
 def contribution_step(p: int, inner_steps: int, num_fragments: int) -> int:
