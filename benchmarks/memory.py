@@ -1,7 +1,7 @@
 """Peak host memory of an island's processes and of the coordinator, in bytes per parameter, for three layouts.
 
-  python benchmarks/memory.py [--d_model=768 --num_layers=6 ...] [--layouts=fsdp,two_process,replicated] [--itemize]
-      [--smoke]
+  python benchmarks/memory.py [--d_model=768 --num_layers=6 ...] [--scan_layers --remat=full]
+      [--layouts=fsdp,two_process,replicated] [--itemize] [--smoke]
 
 One island `a` of 4 devices and a coordinator, each role a process of its own started as a cluster would
 (`experiments/train.py --role=...`, gRPC over loopback), trains a MoE of about 100M parameters (by default
@@ -57,6 +57,8 @@ _SEQ_LEN = flags.DEFINE_integer("seq_len", 64, "Tokens per sequence.")
 _BATCH = flags.DEFINE_integer("batch_size", 4, "Sequences per inner step (a multiple of 4, the devices).")
 _ROUNDS = flags.DEFINE_integer("rounds", 2, "Rounds of each run.")
 _INNER_STEPS = flags.DEFINE_integer("inner_steps", 2, "Inner steps per round.")
+_SCAN_LAYERS = flags.DEFINE_bool("scan_layers", False, "model.scan_layers: the blocks scanned, parameters stacked.")
+_REMAT = flags.DEFINE_string("remat", "none", "model.remat: none | full | a jax.checkpoint policy's name.")
 _ITEMIZE = flags.DEFINE_bool("itemize", False, "Run every role under the memory probe (tracemalloc on) and print "
                              "where each process's bytes are at its peak.")
 _LAYOUTS = flags.DEFINE_list("layouts", ["fsdp", "two_process", "replicated"], "The layouts to run (the last line "
@@ -81,7 +83,8 @@ from island_jax.config import default_config, island
 
 def get_config():
     config = default_config()
-    config.model.update(seq_len={seq_len}, num_layers={num_layers}, d_model={d_model}, num_heads={num_heads})
+    config.model.update(seq_len={seq_len}, num_layers={num_layers}, d_model={d_model}, num_heads={num_heads},
+                        scan_layers={scan_layers}, remat={remat!r})
     config.moe.update(num_experts={num_experts}, expert_hidden_dim={expert_hidden_dim})
     config.islands.a = island(num_devices={devices}, data={data}, fsdp={fsdp}, expert={expert}, batch_size={batch},
                               inner_steps={inner_steps}, num_processes={processes})
@@ -166,7 +169,7 @@ def write_config(name: str, folder: str) -> str:
             devices=DEVICES, data=data, fsdp=fsdp, expert=expert, processes=processes, seq_len=_SEQ_LEN.value,
             num_layers=_NUM_LAYERS.value, d_model=_D_MODEL.value, num_heads=_NUM_HEADS.value,
             num_experts=_NUM_EXPERTS.value, expert_hidden_dim=_EXPERT_HIDDEN.value, batch=_BATCH.value,
-            inner_steps=_INNER_STEPS.value, rounds=_ROUNDS.value,
+            inner_steps=_INNER_STEPS.value, rounds=_ROUNDS.value, scan_layers=_SCAN_LAYERS.value, remat=_REMAT.value,
         ))
     return config
 
