@@ -32,10 +32,10 @@ def _config(scan: bool, every_n_layers: int, shared: int, num_layers: int, dtype
     return c
 
 
-@pytest.mark.parametrize("every_n_layers,shared,num_layers", [(1, 0, 3), (2, 1, 5)])
+@pytest.mark.parametrize("every_n_layers,shared,num_layers", [(1, 0, 3), (1, 1, 2), (2, 0, 4), (2, 1, 5)])
 def test_scanned_blocks_train_as_unrolled_ones_for_20_steps(batches, every_n_layers, shared, num_layers):
     # (2, 1, 5): units of a dense and an MoE block (with a shared expert and aux-loss-free routing biases)
-    # scanned twice, then block 4 (dense) unrolled
+    # scanned twice, then block 4 (dense) unrolled; with shared experts the routing biases move too
     mesh = island_mesh(1, 2, jax.devices()[:4], fsdp=2)
     runs = {}
     for scan in (False, True):
@@ -49,7 +49,7 @@ def test_scanned_blocks_train_as_unrolled_ones_for_20_steps(batches, every_n_lay
     for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(jax.device_get(params)), jax.tree.leaves(per_layer)):
         np.testing.assert_allclose(b, a, rtol=1e-4, atol=1e-6, err_msg=jax.tree_util.keystr(path))
     if shared:  # the routing biases moved, each layer's by its own load
-        biases = [np.asarray(params["blocks"][i]["moe"]["routing_bias"]) for i in (1, 3)]
+        biases = [np.asarray(params["blocks"][i]["moe"]["routing_bias"]) for i in (every_n_layers - 1, 2 * every_n_layers - 1)]
         assert not np.array_equal(biases[0], biases[1])
         assert np.abs(biases[0]).max() > 0
 
