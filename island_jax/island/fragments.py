@@ -46,6 +46,17 @@ def _put_layers(stacked: jax.Array, layers: list, first: int) -> jax.Array:
     return jax.lax.dynamic_update_slice_in_dim(stacked, jax.numpy.stack(layers).astype(stacked.dtype), first, 0)
 
 
+@functools.partial(jax.jit, static_argnums=2)
+def _pseudo_gradient(anchors: list, params: list, spec: tuple) -> list:
+    """`step.pseudo_gradient` of outer leaves, sliced inside the program (no copy of a slice is made first):
+    per (argument, layer or None) of `spec`, anchors[argument] - params[argument], or its slice `layer` of the
+    leading axis, in float32."""
+    def take(leaves, k, u):
+        return leaves[k] if u is None else leaves[k][u]
+
+    return step_lib.pseudo_gradient([take(anchors, k, u) for k, u in spec], [take(params, k, u) for k, u in spec])
+
+
 class OuterLeaves:
     """The outer loop's leaves of a parameter tree: the leaves of its per-layer form (`model.stacking.unstack`), in
     `jax.tree.leaves` order of that form. For a per-layer tree they are its own leaves; for a stacked one
@@ -77,6 +88,16 @@ class OuterLeaves:
         dimensions; call it under the island's mesh)."""
         leaves = jax.tree.leaves(tree)
         return [leaves[s.leaf] if s.layer is None else leaves[s.leaf][s.layer] for s in self.slots]
+
+    def pseudo_gradient(self, anchor, params, indices: Sequence[int]) -> list:
+        """anchor - params (float32) of outer leaves `indices` of two trees shaped like `params` (on the island's
+        devices; call it under the island's mesh): one program that reads each stacked leaf once and writes only
+        the slices asked for."""
+        anchors, current = jax.tree.leaves(anchor), jax.tree.leaves(params)
+        used = sorted({self.slots[i].leaf for i in indices})
+        position = {k: j for j, k in enumerate(used)}
+        spec = tuple((position[self.slots[i].leaf], self.slots[i].layer) for i in indices)
+        return _pseudo_gradient([anchors[k] for k in used], [current[k] for k in used], spec)
 
     def put(self, tree, indices: Sequence[int], new: Sequence) -> Any:
         """`tree` (shaped like `params`, of `jax.Array`s) with outer leaves `indices` replaced by `new` (a new tree;
@@ -182,8 +203,8 @@ class FragmentExchange:
         next inner step may take (donate) the parameters.
         """
         with self.device_lock, jax.set_mesh(self.mesh):
-            anchor, params = self.fragments.take(self.anchor, fragment), self.fragments.take(self.params, fragment)
-            pseudo_gradient = jax.block_until_ready(step_lib.pseudo_gradient(anchor, params))
+            pseudo_gradient = jax.block_until_ready(
+                self.outer.pseudo_gradient(self.anchor, self.params, self.partition[fragment]))
         layouts = self.ownerships[fragment].layouts
         local: dict[tuple[int, int], np.ndarray] = {}
         for i, leaf in enumerate(pseudo_gradient):

@@ -182,8 +182,8 @@ class Island(FragmentExchange, CheckpointState):
             jax.block_until_ready(self._train_step(params, opt_state, *step_lib.batch_args(batch, self.step)))
             self._compile_pending = False
             for f in range(len(self.partition)):
+                jax.block_until_ready(self.outer.pseudo_gradient(self.anchor, self.params, self.partition[f]))
                 a, p = self.fragments.take(self.anchor, f), self.fragments.take(self.params, f)
-                jax.block_until_ready(step_lib.pseudo_gradient(a, p))
                 jax.block_until_ready(step_lib.mix(p, a, np.float32(self.config.outer.mix_alpha)))
 
     def train_round(self, num_steps: int | None = None, after_step=None, seconds: float | None = None) -> dict:
