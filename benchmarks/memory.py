@@ -1,12 +1,13 @@
 """Peak host memory of an island's processes and of the coordinator, in bytes per parameter, for three layouts.
 
-  python benchmarks/memory.py [--d_model=768 --num_layers=6 ...] [--scan_layers --remat=full]
-      [--layouts=fsdp,two_process,replicated] [--itemize] [--smoke]
+  python benchmarks/memory.py [--d_model=768 --num_layers=6 ...] [--layouts=fsdp,two_process,replicated] [--itemize]
+      [--scan_layers] [--remat=full] [--smoke]
 
 One island `a` of 4 devices and a coordinator, each role a process of its own started as a cluster would
 (`experiments/train.py --role=...`, gRPC over loopback), trains a MoE of about 100M parameters (by default
 the shape of experiments/configs/fsdp_100m.py: 6 blocks of width 768, 4 experts of 1536) for `--rounds`
-rounds of `--inner_steps` steps, int8 pseudo-gradients without error feedback, in three layouts:
+rounds of `--inner_steps` steps, int8 pseudo-gradients without error feedback, in three layouts (the blocks
+unrolled and no remat unless `--scan_layers` and `--remat` say otherwise):
 
   fsdp          one process x 4 devices, mesh data=1 x fsdp=4 x expert=1;
   two_process   two processes x 2 devices, the same mesh over both (`jax.distributed`, gloo);
@@ -53,12 +54,12 @@ _NUM_LAYERS = flags.DEFINE_integer("num_layers", 6, "Blocks (each an MoE).")
 _NUM_HEADS = flags.DEFINE_integer("num_heads", 12, "Attention heads.")
 _NUM_EXPERTS = flags.DEFINE_integer("num_experts", 4, "Routed experts per block.")
 _EXPERT_HIDDEN = flags.DEFINE_integer("expert_hidden_dim", 1536, "Hidden width of an expert.")
+_SCAN_LAYERS = flags.DEFINE_bool("scan_layers", False, "model.scan_layers: the blocks scanned, parameters stacked.")
+_REMAT = flags.DEFINE_string("remat", "none", "model.remat: none | full | a jax.checkpoint policy's name.")
 _SEQ_LEN = flags.DEFINE_integer("seq_len", 64, "Tokens per sequence.")
 _BATCH = flags.DEFINE_integer("batch_size", 4, "Sequences per inner step (a multiple of 4, the devices).")
 _ROUNDS = flags.DEFINE_integer("rounds", 2, "Rounds of each run.")
 _INNER_STEPS = flags.DEFINE_integer("inner_steps", 2, "Inner steps per round.")
-_SCAN_LAYERS = flags.DEFINE_bool("scan_layers", False, "model.scan_layers: the blocks scanned, parameters stacked.")
-_REMAT = flags.DEFINE_string("remat", "none", "model.remat: none | full | a jax.checkpoint policy's name.")
 _ITEMIZE = flags.DEFINE_bool("itemize", False, "Run every role under the memory probe (tracemalloc on) and print "
                              "where each process's bytes are at its peak.")
 _LAYOUTS = flags.DEFINE_list("layouts", ["fsdp", "two_process", "replicated"], "The layouts to run (the last line "
@@ -237,7 +238,8 @@ def main_run() -> None:
 
     print(f"model: {params / 1e6:.1f}M parameters; the island's state {state / MB:.0f} MB over its {DEVICES} devices "
           f"(parameters, gradients, AdamW, anchor: {state / params:.1f} bytes per parameter); activations "
-          f"{activations / MB:.0f} MB by the estimate ({activations / state:.3f} of the state)")
+          f"{activations / MB:.0f} MB by the estimate ({activations / state:.3f} of the state); "
+          f"model.scan_layers={_SCAN_LAYERS.value}, model.remat={_REMAT.value}")
     header = f"{'layout':<12} {'process':<12} {'peak MB':>9} {'less base MB':>13} {'bytes/param':>12}"
     if itemize:
         header += f" {'devices MB':>11} {'host MB':>9} {'rest MB':>9}"

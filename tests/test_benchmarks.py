@@ -32,7 +32,8 @@ LAST_LINES = {
     "accelerator_check": ([r"check mixed: not run \(needs an accelerator beside the CPU\)",
                            r"check packed: not run \(needs a GPU \(cuDNN\)\)",
                            r"accelerator_check: ran=4 not_run=2 failed=0"], 240),
-    "compile_depth": ([rf"compile_depth: ratio={R}"], 120),
+    "compile_depth": ([r"load average \(1, 5, 15 min\): before .+; after .+; \d+ CPUs", rf"compile_depth: ratio={R}"],
+                      120),
     "memory": ([rf"memory: fsdp_bytes_per_param={F} two_process_ratio=-?{R} replicated_bytes_per_param={F} "
                 rf"coordinator_bytes_per_param={F} planner_coordinator_bytes_per_param={F}"], 240),
     "merge": ([rf"merge: ratio={R2} \(K=2 / K=1 CPU\)"], 120),
