@@ -41,9 +41,9 @@ class _Slot:
 
 
 @functools.partial(jax.jit, static_argnums=2)
-def _put_layers(stacked: jax.Array, block: jax.Array, first: int) -> jax.Array:
-    """`stacked` [U, ...] with its slices first .. first + n - 1 replaced by `block` [n, ...], its sharding kept."""
-    return jax.lax.dynamic_update_slice_in_dim(stacked, block.astype(stacked.dtype), first, 0)
+def _put_layers(stacked: jax.Array, layers: list, first: int) -> jax.Array:
+    """`stacked` [U, ...] with its slices first, first + 1, ... replaced by `layers` (each [...]), its sharding kept."""
+    return jax.lax.dynamic_update_slice_in_dim(stacked, jax.numpy.stack(layers).astype(stacked.dtype), first, 0)
 
 
 @functools.partial(jax.jit, static_argnums=2)
@@ -64,7 +64,6 @@ class OuterLeaves:
 
     Args:
       params: a parameter-shaped pure dict in the island's form (arrays or shape structs).
-      shardings: per leaf of `params`, its sharding on the island's mesh (what `place` lays blocks out by).
 
     Attributes:
       treedef: the per-layer form's structure (the outer leaves').
@@ -73,11 +72,7 @@ class OuterLeaves:
       unit: n, the blocks of the scanned unit (1 without stacking).
     """
 
-    def __init__(self, params: dict, shardings: Sequence[jax.sharding.Sharding] | None = None):
-        self.shardings = list(shardings) if shardings is not None else None  # per island leaf, for `place`
-        self.shapes = [tuple(np.shape(x)) for x in jax.tree.leaves(params)]
-        self.dtypes = [np.dtype(x.dtype) for x in jax.tree.leaves(params)]
-        self._layouts: dict[tuple[int, int], shards_lib.LeafLayout] = {}
+    def __init__(self, params: dict):
         self.stacked = stacking.is_stacked(params)
         self.unit = len(params["layers"]) if self.stacked else 1  # n, the scanned unit's blocks
         leaves, self.island_treedef = jax.tree.flatten(params)
@@ -104,60 +99,23 @@ class OuterLeaves:
         spec = tuple((position[self.slots[i].leaf], self.slots[i].layer) for i in indices)
         return _pseudo_gradient([anchors[k] for k in used], [current[k] for k in used], spec)
 
-    def blocks(self, indices: Sequence[int]) -> list[tuple[int, int | None, list[int]]]:
-        """What outer leaves `indices` (a fragment's, in order) are of the island's leaves: (island leaf, its first
-        layer, or None for a whole leaf, the positions in `indices` of its consecutive layer slices) per block."""
-        out: list[tuple[int, int | None, list[int]]] = []
-        for position, i in enumerate(indices):
+    def put(self, tree, indices: Sequence[int], new: Sequence) -> Any:
+        """`tree` (shaped like `params`, of `jax.Array`s) with outer leaves `indices` replaced by `new` (a new tree;
+        `tree` is unchanged). The slices of one stacked leaf among `indices` must be consecutive layers (a
+        fragment's), written with one `dynamic_update_slice`."""
+        leaves = jax.tree.leaves(tree)
+        slices: dict[int, list] = {}
+        for i, leaf in zip(indices, new):
             slot = self.slots[i]
-            last = out[-1] if out else None
-            if (slot.layer is not None and last is not None and last[0] == slot.leaf and last[1] is not None
-                    and last[1] + len(last[2]) == slot.layer):
-                last[2].append(position)
+            if slot.layer is None:
+                leaves[slot.leaf] = leaf
             else:
-                out.append((slot.leaf, slot.layer, [position]))
-        return out
-
-    def place(self, indices: Sequence[int], host_leaves: Sequence[shards_lib.HostLeaf]) -> list[jax.Array]:
-        """The outer leaves `indices`, this process's host copies (`HostLeaf`s, per layer), on the island's
-        devices as `blocks`: a whole leaf as itself, a stacked leaf's consecutive layers as one array [n, ...] laid
-        out as the stacked leaf (each shard's layers stacked on the host, then placed: no communication)."""
-        out = []
-        for leaf, first, positions in self.blocks(indices):
-            if first is None:
-                out.append(host_leaves[positions[0]].place())
-                continue
-            layers = [host_leaves[p] for p in positions]
-            layout = self._block_layout(leaf, len(layers))
-            if any(key[1:] != box for key, box in zip(layout.keys, layers[0].layout.keys)):
-                raise ValueError(f"the shards of a stacked leaf's block and of its layers differ: {layout.keys} and "
-                                 f"{layers[0].layout.keys}; its leading (layers) axis must not be split")
-            shards = {k: np.stack([x.shards[k] for x in layers]) for k in layers[0].shards}
-            out.append(shards_lib.HostLeaf(layout, shards).place())
-        return out
-
-    def _block_layout(self, leaf: int, n: int) -> shards_lib.LeafLayout:
-        key = (leaf, n)
-        if key not in self._layouts:
-            self._layouts[key] = shards_lib.LeafLayout((n, *self.shapes[leaf][1:]), self.dtypes[leaf],
-                                                       self.shardings[leaf])
-        return self._layouts[key]
-
-    def take_blocks(self, tree, indices: Sequence[int]) -> list:
-        """`tree`'s (shaped like `params`, on the island's devices) `blocks` of outer leaves `indices`: whole leaves,
-        and the consecutive layers [a, a + n) of stacked ones (the leaf itself when n is all of them)."""
-        leaves = jax.tree.leaves(tree)
-        return [leaves[leaf] if first is None or len(p) == self.shapes[leaf][0] else leaves[leaf][first:first + len(p)]
-                for leaf, first, p in self.blocks(indices)]
-
-    def put_blocks(self, tree, indices: Sequence[int], new: Sequence[jax.Array]) -> Any:
-        """`tree` (shaped like `params`, of `jax.Array`s) with the `blocks` of outer leaves `indices` replaced by
-        `new` (`place`'s or `take_blocks`' shapes): a new tree, `tree` unchanged. A block of some of a stacked
-        leaf's layers is written with one `dynamic_update_slice` into a copy; a whole one replaces the leaf."""
-        leaves = jax.tree.leaves(tree)
-        for (leaf, first, positions), block in zip(self.blocks(indices), new, strict=True):
-            whole = first is None or len(positions) == self.shapes[leaf][0]
-            leaves[leaf] = block if whole else _put_layers(leaves[leaf], block, first)
+                slices.setdefault(slot.leaf, []).append((slot.layer, leaf))
+        for k, parts in slices.items():
+            first = parts[0][0]
+            if [u for u, _ in parts] != list(range(first, first + len(parts))):
+                raise ValueError(f"the layers {[u for u, _ in parts]} of a stacked leaf are not consecutive")
+            leaves[k] = _put_layers(leaves[k], [leaf for _, leaf in parts], first)
         return jax.tree.unflatten(self.island_treedef, leaves)
 
     def island_tree(self, outer_leaves: Sequence) -> Any:
@@ -187,12 +145,14 @@ class FragmentLeaves:
         return [leaves[i] for i in self.partition[fragment]]
 
     def put(self, tree, fragment: int, new_leaves: Sequence) -> Any:
-        """`tree` (shaped like the per-layer form: the global parameters) with the fragment's outer leaves replaced
-        by `new_leaves` (a new tree; `tree` is unchanged). The island's device trees take `OuterLeaves.put_blocks`."""
-        leaves = jax.tree.leaves(tree)
-        for i, leaf in zip(self.partition[fragment], new_leaves):
-            leaves[i] = leaf
-        return jax.tree.unflatten(self.outer.treedef, leaves)
+        """`tree` (either shape, as `take`) with the fragment's outer leaves replaced by `new_leaves` (a new tree;
+        `tree` is unchanged)."""
+        if jax.tree.structure(tree) == self.outer.treedef:
+            leaves = jax.tree.leaves(tree)
+            for i, leaf in zip(self.partition[fragment], new_leaves):
+                leaves[i] = leaf
+            return jax.tree.unflatten(self.outer.treedef, leaves)
+        return self.outer.put(tree, self.partition[fragment], new_leaves)
 
 
 class FragmentExchange:
@@ -313,10 +273,10 @@ class FragmentExchange:
         return ownership.apply(self.fragments.take(self.global_params, fragment), update, self.update_codec)
 
     def place_fragment(self, fragment: int, global_leaves: list[shards_lib.HostLeaf], copies: int) -> list[list[jax.Array]]:
-        """`copies` placements of a fragment's new global leaves on the island's devices (`OuterLeaves.place`: a
-        stacked leaf's layers as one block), for `apply_fragment` (one for the anchor, one more for the parameters without mixing). Safe on a
+        """`copies` placements of a fragment's new global leaves on the island's devices, for
+        `apply_fragment` (one for the anchor, one more for the parameters without mixing). Safe on a
         background thread, so the training thread does not wait for the copies."""
-        placed = [self.outer.place(self.partition[fragment], global_leaves) for _ in range(copies)]
+        placed = [[leaf.place() for leaf in global_leaves] for _ in range(copies)]
         return jax.block_until_ready(placed)
 
     def apply_fragment(
@@ -336,10 +296,10 @@ class FragmentExchange:
             if mix_alpha is None:
                 new_params = placed[1]
             else:  # dispatched; the next inner step waits for it
-                local = self.outer.take_blocks(self.params, self.partition[fragment])
+                local = fragments.take(self.params, fragment)
                 new_params = step_lib.mix(local, new_anchor, np.float32(mix_alpha))
-            self.anchor = self.outer.put_blocks(self.anchor, self.partition[fragment], new_anchor)
-            self.params = self.outer.put_blocks(self.params, self.partition[fragment], new_params)
+            self.anchor = fragments.put(self.anchor, fragment, new_anchor)
+            self.params = fragments.put(self.params, fragment, new_params)
 
     def view_chunks(self, plan: list[codec.Chunk]) -> list[codec.Chunk]:
         """The chunks of the view's plan (a float32 "none" payload of every leaf) that hold elements of this

@@ -129,7 +129,7 @@ class Island(FragmentExchange, CheckpointState):
         # The outer loop's leaves (the per-layer form's: a stacked leaf's layer slices, `fragments.OuterLeaves`),
         # where each one's elements are over the island's processes, and this process's host copy of the global
         # view (the anchor's bits): its own shards of every outer leaf (`shards.HostLeaf`).
-        self.outer = OuterLeaves(params, self.shardings.leaves)
+        self.outer = OuterLeaves(params)
         leaves = jax.tree.leaves(params)
         self.layouts = []
         for slot in self.outer.slots:
@@ -183,7 +183,7 @@ class Island(FragmentExchange, CheckpointState):
             self._compile_pending = False
             for f in range(len(self.partition)):
                 jax.block_until_ready(self.outer.pseudo_gradient(self.anchor, self.params, self.partition[f]))
-                a, p = (self.outer.take_blocks(tree, self.partition[f]) for tree in (self.anchor, self.params))
+                a, p = self.fragments.take(self.anchor, f), self.fragments.take(self.params, f)
                 jax.block_until_ready(step_lib.mix(p, a, np.float32(self.config.outer.mix_alpha)))
 
     def train_round(self, num_steps: int | None = None, after_step=None, seconds: float | None = None) -> dict:
