@@ -40,7 +40,7 @@ def layer_ndim(params: dict) -> dict:
     """Each leaf's rank in the per-layer form, shaped like `params` (either form): a stacked leaf's rank less
     its leading `layers` axis. What rank-based rules (weight decay on matrices only) read."""
     def rank(path, leaf):
-        return len(np.shape(leaf)) - (1 if getattr(path[0], "key", None) == "layers" else 0)
+        return len(np.shape(leaf)) - (1 if path and getattr(path[0], "key", None) == "layers" else 0)
 
     return jax.tree_util.tree_map_with_path(rank, params)
 
