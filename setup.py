@@ -11,6 +11,14 @@ NOTEBOOK = [
     "matplotlib>=3.8,<4",
 ]
 
+# `--dry_run --target=tpu-...`: libtpu, the TPU compiler, at jax 0.10.2's own pin (its `tpu` extra); with
+# JAX_PLATFORMS=cpu it makes compile-only TPU devices and runs nothing (a 213 MB wheel, 684 MB installed).
+TPU_AOT = ["libtpu==0.0.42.1"]
+# `--dry_run --target=h100-N` / `a100-N`: the CUDA plugin (compile-only GPUs), ptxas (XLA turns PTX into
+# cubins while compiling) and cuDNN (bfloat16 attention is a cuDNN call, traced against its library):
+# about 2 GB installed. Kept out of `test`; docs/island.md, "Compiling for a target".
+GPU_AOT = ["jax-cuda12-plugin==0.10.2", "nvidia-cuda-nvcc-cu12>=12.6.85,<13", "nvidia-cudnn-cu12>=9.8,<10"]
+
 setup(
     name="island_jax",
     version="0.1.0",
@@ -63,12 +71,14 @@ setup(
         # pytest-xdist: the suite runs on one worker per CPU (pyproject.toml's addopts);
         # ruff: tests/test_lint.py runs the checks configured in pyproject.toml;
         # kubernetes-validate: tests/test_k8s.py checks launch/k8s.py's manifests against the Kubernetes API schemas;
-        # and everything of `notebook` (tests/test_experiment.py and tests/test_notebook.py) and of `wandb`
-        # (tests/test_metrics.py writes an offline W&B run).
+        # everything of `notebook` (tests/test_experiment.py and tests/test_notebook.py) and of `wandb`
+        # (tests/test_metrics.py writes an offline W&B run); and `tpu-aot` (tests/test_aot.py compiles for TPU).
         "test": [
             "pytest>=8,<10", "pytest-xdist>=3.6,<4", "tensorboard>=2.20,<3", "grpcio-tools==1.85.1", "filelock>=3.12,<5",
-            "ruff>=0.17.6,<0.18", "kubernetes-validate==1.37.0", *NOTEBOOK, *WANDB,
+            "ruff>=0.17.6,<0.18", "kubernetes-validate==1.37.0", *NOTEBOOK, *WANDB, *TPU_AOT,
         ],
+        "tpu-aot": TPU_AOT,
+        "gpu-aot": GPU_AOT,
         "wandb": WANDB,
         "notebook": NOTEBOOK,
         # Regenerates the gRPC stubs: python island_jax/comm/generate_stubs.py
@@ -76,5 +86,5 @@ setup(
         # benchmarks/sync_vs_gloo.py's baseline: torch.distributed's gloo all_reduce (CPU build).
         "bench": ["torch==2.13.0"],
     },
-    package_data={"island_jax.comm": ["exchange.proto"]},
+    package_data={"island_jax.comm": ["exchange.proto"], "island_jax": ["gpu_targets/*.txtpb"]},
 )

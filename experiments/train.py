@@ -4,8 +4,9 @@
       the coordinator and every island in this process, on threads (in-process transport);
   python experiments/train.py --config=CONFIG.py --workdir=DIR --role=coordinator --coordinator=HOST:PORT
       the coordinator, serving gRPC on HOST:PORT;
-  python experiments/train.py --config=CONFIG.py --dry_run [--role=island --island=NAME]
-      the memory budget per device of every island (or one), from shapes and then measured; trains nothing;
+  python experiments/train.py --config=CONFIG.py --dry_run [--target=tpu-v5p-16] [--role=island --island=NAME]
+      the memory per device of every island (or one), from shapes and from the compiler (for the island's devices
+      or, with --target, for an accelerator's compile-only devices); allocates and trains nothing;
   python experiments/train.py --config=CONFIG.py --workdir=DIR --role=island --island=NAME --coordinator=HOST:PORT
       island NAME, exchanging with the coordinator at HOST:PORT;
       an island of several processes (islands.NAME.num_processes) runs one such command per process, each
@@ -60,9 +61,16 @@ _ALLOW_CONFIG_CHANGE = flags.DEFINE_bool(
 )
 _DRY_RUN = flags.DEFINE_bool(
     "dry_run", False, "Train nothing: print, per island (this one with --role=island) and per device, the bytes of "
-    "parameters, gradients, optimizer state, anchor and activations, from shapes and then measured on the island's "
-    "devices (its inner step compiled, not run); a config that cannot fit fails first, naming what to change. Needs "
-    "no --workdir and writes nothing.",
+    "parameters, gradients, optimizer state, anchor and activations from shapes, and each program's bytes and FLOPs "
+    "from the compiler (the inner step, eval step and pseudo-gradient compiled from abstract shapes, on the island's "
+    "devices or for --target's; nothing is drawn or run); a config that cannot fit fails, naming what to change. "
+    "Needs no --workdir and writes nothing.",
+)
+_TARGET = flags.DEFINE_string(
+    "target", None, "With --dry_run: compile for this accelerator instead, with compile-only devices: tpu-v4-N, "
+    "tpu-v5p-N, tpu-v5e-N or tpu-v6e-N (N as Cloud TPU counts it: tpu-v5p-16 is 8 chips; needs the tpu-aot extra), "
+    "for every island, or per island as a=tpu-v5p-16,b=tpu-v6e-8. A retargeted island's hardware becomes the "
+    "target's, with the catalog's memory; its mesh must have the target's devices.",
 )
 
 
@@ -112,6 +120,32 @@ def _check_port(address: str) -> None:
                  "free port with --coordinator=HOST:PORT")
 
 
+def _dry_run(config, names) -> None:
+    """Prints `island.memory.dry_run`'s table of islands `names` and exits on a config that does not fit. The
+    process gets as many virtual CPU devices as the largest island compiled on them; with a target it uses the CPU
+    backend alone (unless JAX_PLATFORMS says otherwise): the targets' devices are compile-only."""
+    import os
+
+    from island_jax import config as config_lib
+    from island_jax.island import aot, memory
+    from island_jax.mesh import use_cpu_devices
+
+    try:
+        targets = aot.parse_targets(_TARGET.value, names) if _TARGET.value is not None else {}
+        import jax
+
+        if targets and not os.environ.get("JAX_PLATFORMS"):
+            jax.config.update("jax_platforms", "cpu")  # no local accelerator is looked for (libtpu would log that)
+        local = [config.islands[n].num_devices for n in names if n not in targets]
+        use_cpu_devices(max([n for n in local if n <= memory.SHAPES_ONLY_ABOVE], default=1))
+
+        results = memory.dry_run(config, names, jax.devices(), targets)
+        print(memory.table(results, aot.retarget(config, targets)), flush=True)
+        memory.check_compiled(results)
+    except config_lib.ConfigError as e:
+        sys.exit(str(e))
+
+
 def main(argv):
     from island_jax import allocator
     from island_jax import config as config_lib
@@ -140,24 +174,18 @@ def main(argv):
 
     from island_jax.mesh import use_cpu_devices
 
+    if _TARGET.value is not None and not _DRY_RUN.value:
+        sys.exit("--target compiles for an accelerator that is not here: give it with --dry_run")
+    if _DRY_RUN.value:
+        _dry_run(config, [name] if role == "island" else list(config.islands.keys()))
+        return
+
     island = config.islands[name] if role == "island" else None
     use_cpu_devices({"all": config_lib.total_devices(config), "coordinator": 1}.get(role) or config_lib.devices_per_process(island))
     if island is not None and island.num_processes > 1:
         from island_jax import distributed
 
         distributed.initialize(island.num_processes, _PROCESS_ID.value, _ISLAND_COORDINATOR.value, config.distributed)
-
-    if _DRY_RUN.value:
-        import jax
-
-        from island_jax.island import memory
-
-        names = [name] if role == "island" else list(config.islands.keys())
-        try:
-            print(memory.table(memory.dry_run(config, names, jax.devices()), config))
-        except config_lib.ConfigError as e:
-            sys.exit(str(e))
-        return
 
     from island_jax.checkpoint import CheckpointError
     from island_jax.comm.security import SecurityError

@@ -22,6 +22,8 @@ import re
 import shlex
 from typing import Any, Mapping, Sequence
 
+from island_jax.hardware import tpu_slice
+
 SCHEDULERS = ("slurm", "tpu_vm", "k8s", "local")
 
 # Fields every role may have, then those of each scheduler; anything else is refused (a typo costs a queue wait).
@@ -115,29 +117,17 @@ class Cluster:
 
 
 def tpu_topology(accelerator_type: str) -> tuple[int, int]:
-    """(JAX devices, hosts) of a Cloud TPU slice type: "v4-16" -> (8, 2); "v5p-8" -> (4, 1);
+    """(JAX devices, hosts) of a Cloud TPU slice type (`hardware.tpu_slice`): "v4-16" -> (8, 2); "v5p-8" -> (4, 1);
     "v5litepod-16" -> (16, 4); "v6e-8" -> (8, 1).
-
-    v4 and v5p count TensorCores (two per chip; a chip is one JAX device, megacore); v5e ("v5litepod-N",
-    "v5e-N") and v6e count chips. Hosts hold 4 chips, except single-host v5e/v6e slices of up to 8 chips.
 
     Raises:
       ClusterError: a type not of these generations, or a size that is not a whole number of chips.
     """
-    m = re.fullmatch(r"(v4|v5p|v5litepod|v5e|v6e)-(\d+)", accelerator_type.strip())
-    if not m:
-        raise ClusterError(f"accelerator_type is {accelerator_type!r}; give a Cloud TPU type such as v4-16, v5p-8, "
-                           "v5litepod-16 or v6e-8")
-    generation, size = m.group(1), int(m.group(2))
-    if generation in ("v4", "v5p"):
-        if size < 2 or size % 2:
-            raise ClusterError(f"accelerator_type {accelerator_type!r}: {generation} counts TensorCores, two per "
-                               "chip; use an even size such as 8 or 16")
-        chips = size // 2
-        return chips, max(1, -(-chips // 4))
-    if size < 1:
-        raise ClusterError(f"accelerator_type {accelerator_type!r} has no chips")
-    return size, 1 if size <= 8 else -(-size // 4)
+    try:
+        tpu = tpu_slice(accelerator_type)
+    except ValueError as e:
+        raise ClusterError(str(e)) from None
+    return tpu.devices, tpu.hosts
 
 
 def _require(ok: bool, message: str) -> None:

@@ -183,7 +183,8 @@ def without_forced_device_count(env: Mapping[str, str]) -> dict[str, str]:
 
 
 def island_mesh(data: int, expert: int, devices: Sequence[jax.Device], fsdp: int = 1) -> jax.sharding.Mesh:
-    """A (data, fsdp, expert) mesh over exactly these devices, with Explicit axis types.
+    """A (data, fsdp, expert) mesh over exactly these devices, with Explicit axis types (`jax.make_mesh`, which lays
+    a TPU slice's axes along its torus; where no whole physical axes fit a mesh axis, split ones).
 
     Args:
       data, expert: the sizes of the `DATA_AXIS` and `EXPERT_AXIS` axes.
@@ -196,7 +197,21 @@ def island_mesh(data: int, expert: int, devices: Sequence[jax.Device], fsdp: int
     if data * fsdp * expert != len(devices):
         raise ValueError(f"a mesh of data={data} x fsdp={fsdp} x expert={expert} needs {data * fsdp * expert} "
                          f"devices, got {len(devices)}")
-    return jax.make_mesh((data, fsdp, expert), AXES, axis_types=(AxisType.Explicit,) * 3, devices=devices)
+    types = (AxisType.Explicit,) * 3
+    try:
+        return jax.make_mesh((data, fsdp, expert), AXES, axis_types=types, devices=devices)
+    except NotImplementedError:  # a TPU torus whose physical axes no subset of the mesh's sizes fits whole
+        from jax.experimental import mesh_utils
+
+        grid = mesh_utils.create_device_mesh((data, fsdp, expert), devices, allow_split_physical_axes=True)
+        return jax.sharding.Mesh(grid, AXES, axis_types=types)
+
+
+def platform() -> str:
+    """The platform ("cpu", "gpu", "tpu") of the devices of the mesh in context (`jax.set_mesh`), else of JAX's
+    default backend: what a program traced now is compiled for, compile-only devices of a target included."""
+    device = getattr(jax.sharding.get_abstract_mesh(), "abstract_device", None)
+    return getattr(device, "platform", None) or jax.default_backend()
 
 
 def gathered(x: jax.Array) -> jax.Array:

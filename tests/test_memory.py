@@ -13,6 +13,7 @@ from island_jax.config import ConfigError, default_config, island
 from island_jax.island import memory
 from island_jax.mesh import without_forced_device_count
 from island_jax.model.flops import model_size
+from island_jax.model.init import abstract_params
 from island_jax.run import run_in_process
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -61,8 +62,9 @@ def test_a_run_that_cannot_fit_is_refused_before_anything_is_made(tmp_path):
 def test_remat_full_keeps_less_by_the_estimate():
     c = get_config()  # d 32, 2 heads over 32 positions, 4 experts of 32 (top-2), 256 symbols, float32
     c.model.num_layers = 4
-    # per token and block: 9 d + 2 H S for attention, 4 E of router logits, k (2 d + 4 F) for the experts
-    block = (9 * 32 + 2 * 2 * 32) * 4 + 4 * 4 + 2 * (2 * 32 + 4 * 32) * 4
+    # per token and block: 9 d and H S (4 + 2 x 4) bytes for attention, 4 E of router logits, k (2 d + 4 F) for
+    # the experts
+    block = 9 * 32 * 4 + 2 * 32 * (4 + 2 * 4) + 4 * 4 + 2 * (2 * 32 + 4 * 32) * 4
     head = 3 * 256 * 4
     tokens = 8 * 32 // 4  # island a: 8 sequences of 32 over 4 devices
     estimates = {}
@@ -73,35 +75,51 @@ def test_remat_full_keeps_less_by_the_estimate():
         "none": tokens * (4 * block + head), "dots_saveable": tokens * (4 * block + head),  # saves some: as none
         "full": tokens * (4 * 32 * 4 + block + head), "nothing_saveable": tokens * (4 * 32 * 4 + block + head),
     }
-    assert estimates["none"] == 1_019_904 and estimates["full"] == 435_200
+    assert estimates["none"] == 1_085_440 and estimates["full"] == 451_584
 
 
-def test_a_dry_run_measures_what_the_shapes_say_of_the_state():
+def test_a_dry_run_compiles_every_program_from_shapes_and_allocates_nothing():
     c = get_config()
     c.islands.a.mesh.update(data=1, fsdp=2, expert=2)
-    results = memory.dry_run(c, ["a", "b"], jax.devices()[:6])
+    before = len(jax.live_arrays())
+    results = memory.dry_run(c, ["a", "b"], jax.devices()[:4])
+    assert len(jax.live_arrays()) == before  # nothing drawn, placed or run
     for name in ("a", "b"):
-        estimate, placed = results[name]
-        assert (estimate.activations_source, placed.activations_source) == ("estimate", "compiled")
-        assert (placed.params, placed.grads, placed.anchor) == (estimate.params,) * 3
-        # the moments, and the step counts of Adam and of the schedule (int32 each, whole on every device)
-        assert placed.optimizer == estimate.optimizer + 8
-        assert placed.activations > 0
+        r = results[name]
+        assert r.estimate == memory.budget(c, name)
+        assert r.compiled.devices == f"{c.islands[name].num_devices} cpu" and r.compiled.target is None
+        inner, evaluation, pseudo_gradient = r.compiled.programs
+        params, optimizer = r.estimate.params, r.estimate.optimizer
+        # the parameters and AdamW's moments and two int32 counts, donated; the batch: two int32 [B, 32] (the step
+        # seeds no router jitter here, and jit leaves out an argument its program does not read)
+        batch = 2 * c.islands[name].batch_size * 32 * 4 // c.islands[name].num_devices
+        assert (inner.argument, inner.alias, inner.resident) == (params + optimizer + 8 + batch,
+                                                                 params + optimizer + 8, params)
+        assert (evaluation.resident, pseudo_gradient.resident) == (params + optimizer + 8, 2 * params + 8)
+        # the pseudo-gradient's float32 outer leaves, and XLA:CPU's table of their buffers (8 bytes a leaf)
+        leaves = len(jax.tree.leaves(abstract_params(c)[1]))
+        assert (pseudo_gradient.argument, pseudo_gradient.output) == (2 * params, params + 8 * leaves)
     lines = memory.table(results, c).splitlines()
-    assert lines[0].split() == ["island", "source", "params", "MB", "grads", "MB", "optimizer", "MB", "anchor", "MB",
-                                "activations", "MB", "total", "MB", "of", "GB"]
-    assert [line.split()[:2] for line in lines[1:]] == [["a", "estimate"], ["a", "compiled"], ["b", "estimate"],
-                                                        ["b", "compiled"]]
+    assert lines[0] == "island a: 4 cpu, mesh data=1 x fsdp=2 x expert=2, cpu: memory unknown"
+    assert [line.split()[0] for line in lines[2:6]] == ["inner_step", "eval_step", "pseudo_gradient", "estimate"]
+    assert lines[1].split()[:3] == ["program", "argument", "MB"]
 
 
 @pytest.mark.slow
 def test_the_dry_run_command_prints_the_budget_and_refuses_what_cannot_fit(tmp_path):
     env = without_forced_device_count(os.environ) | {"PYTHONPATH": os.path.join(ROOT, "tests")}
     cmd = [sys.executable, os.path.join(ROOT, "experiments", "train.py"), "--config=tests/tiny_config.py", "--dry_run"]
-    done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    done = subprocess.run(cmd + ["--target=a=tpu-v5p-8"], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
-    assert [line.split()[:2] for line in done.stdout.splitlines()[1:]] == [
-        ["a", "estimate"], ["a", "compiled"], ["b", "estimate"], ["b", "compiled"]]
+    lines = done.stdout.splitlines()
+    assert [lines[0], lines[6]] == ["island a: 4 TPU v5 (target tpu-v5p-8), mesh data=2 x fsdp=1 x expert=2, "
+                                    "tpu-v5p: 95 GB per device",
+                                    "island b: 2 cpu, mesh data=1 x fsdp=1 x expert=2, cpu: memory unknown"]
+    assert [line.split()[0] for line in lines[2:6]] == ["inner_step", "eval_step", "pseudo_gradient", "estimate"]
+    assert [line.split()[-1] for line in lines[2:6]] == ["yes"] * 4
+    # libtpu looks for the TPU VM it is on unless told otherwise, and logs that it found none
+    assert "TPU_WORKER_HOSTNAMES" not in done.stderr and "TPU_ACCELERATOR_TYPE" not in done.stderr
     refused = subprocess.run(cmd + ["--config.islands.b.memory_gb=1e-6"], cwd=ROOT, env=env, capture_output=True,
                              text=True, timeout=300)
     assert refused.returncode == 1

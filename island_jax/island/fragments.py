@@ -93,11 +93,27 @@ class OuterLeaves:
         """anchor - params (float32) of outer leaves `indices` of two trees shaped like `params` (on the island's
         devices; call it under the island's mesh): one program that reads each stacked leaf once and writes only
         the slices asked for."""
+        return _pseudo_gradient(*self._pseudo_gradient_args(anchor, params, indices))
+
+    def lower_pseudo_gradient(self, anchor, params, indices: Sequence[int]) -> jax.stages.Lowered:
+        """`pseudo_gradient`'s program lowered, not run, for `anchor` and `params` of any leaves its call takes or
+        their `jax.ShapeDtypeStruct`s (sharded: compiled ahead of time, `island.aot`)."""
+        return _pseudo_gradient.lower(*self._pseudo_gradient_args(anchor, params, indices))
+
+    def _pseudo_gradient_args(self, anchor, params, indices: Sequence[int]) -> tuple[list, list, tuple]:
         anchors, current = jax.tree.leaves(anchor), jax.tree.leaves(params)
         used = sorted({self.slots[i].leaf for i in indices})
         position = {k: j for j, k in enumerate(used)}
         spec = tuple((position[self.slots[i].leaf], self.slots[i].layer) for i in indices)
-        return _pseudo_gradient([anchors[k] for k in used], [current[k] for k in used], spec)
+        return [anchors[k] for k in used], [current[k] for k in used], spec
+
+    def layer_shapes(self, params) -> Any:
+        """The per-layer form's tree of `jax.ShapeDtypeStruct`s (unsharded) of `params` (shaped like the
+        island's): each outer leaf's shape and dtype."""
+        leaves = jax.tree.leaves(params)
+        return jax.tree.unflatten(self.treedef, [
+            jax.ShapeDtypeStruct(np.shape(leaves[s.leaf])[0 if s.layer is None else 1:], leaves[s.leaf].dtype)
+            for s in self.slots])
 
     def put(self, tree, indices: Sequence[int], new: Sequence) -> Any:
         """`tree` (shaped like `params`, of `jax.Array`s) with outer leaves `indices` replaced by `new` (a new tree;

@@ -1,13 +1,15 @@
-"""An island's memory budget per device, from shapes before anything compiles, and from XLA after it has.
+"""An island's memory budget per device, from shapes before anything compiles, and from the compiler (`dry_run`).
 
 One device of island NAME holds during an inner step: parameters (each leaf's bytes over the devices its
 sharding splits it across), gradients, AdamW's two moments and the anchor (each as the parameters), and the
 activations the backward pass keeps for the device's share of the batch. `state_bytes` counts the first four
 exactly from shapes; `estimated_activation_bytes` estimates the activations from shapes (after Korthikanti et
 al., arXiv 2205.05198, sec. 4; with `model.remat` "full" a block keeps only its input), and
-`compiled_activation_bytes` reads XLA's temporary bytes of the compiled inner step on the island's own
-devices. `check_fits` refuses a config whose shape figures exceed `islands.NAME.memory_gb` (or the hardware
-catalog's) before any parameter is made (docs/island.md, "The memory budget, before compiling").
+`compiled_activation_bytes` reads XLA's temporary bytes of a built island's compiled inner step. `check_fits`
+refuses a config whose shape figures exceed `islands.NAME.memory_gb` (or the hardware catalog's) before any
+parameter is made (docs/island.md, "The memory budget, before compiling"). `dry_run` compiles every program of
+an island from abstract shapes, on its own devices or for a target's (`island.aot`), and `check_compiled`
+refuses what the compiler says does not fit.
 """
 
 from __future__ import annotations
@@ -22,20 +24,19 @@ from island_jax.config import ConfigError
 from island_jax.hardware import lookup
 from island_jax.mesh import AXES
 
+MB = 1e6  # bytes, as the tables print them
 GB = 1e9  # bytes; `memory_gb` and the catalog are in GB (10^9 bytes), as vendors state them
 
 
 @dataclasses.dataclass(frozen=True)
 class DeviceBytes:
-    """Bytes one device of an island holds in an inner step (module docstring). `activations_source` says where
-    the activations' figure comes from: "estimate" (shapes) or "compiled" (XLA's memory analysis)."""
+    """Bytes one device of an island holds in an inner step (module docstring), from shapes."""
 
     params: int
     grads: int
     optimizer: int
     anchor: int
     activations: int
-    activations_source: str = "estimate"
 
     @property
     def state(self) -> int:
@@ -45,18 +46,6 @@ class DeviceBytes:
     @property
     def total(self) -> int:
         return self.state + self.activations
-
-
-def _abstract_params(config: ml_collections.ConfigDict):
-    """(leaves' ShapeDtypeStructs, their PartitionSpecs), in `jax.tree.leaves` order, of an abstract model."""
-    import jax
-    from flax import nnx
-
-    from island_jax.model.transformer import Transformer, partition_specs
-
-    abstract = nnx.eval_shape(lambda: Transformer(config, rngs=nnx.Rngs(0)))
-    state = nnx.state(abstract, nnx.Param)
-    return jax.tree.leaves(nnx.to_pure_dict(state)), jax.tree.leaves(partition_specs(state))
 
 
 def mesh_sizes(isl: ml_collections.ConfigDict) -> dict[str, int]:
@@ -72,7 +61,12 @@ def state_bytes(config: ml_collections.ConfigDict, name: str) -> tuple[int, int,
     (optax keeps them in the parameters' dtype), and its step count (a few bytes, left out).
     """
     sizes = mesh_sizes(config.islands[name])
-    leaves, specs = _abstract_params(config)
+    import jax
+
+    from island_jax.model.init import abstract_params
+
+    _, params, specs = abstract_params(config)
+    leaves, specs = jax.tree.leaves(params), jax.tree.leaves(specs)
     params = 0
     for leaf, spec in zip(leaves, specs, strict=True):
         split = math.prod(sizes[a] for entry in spec if entry is not None
@@ -86,9 +80,11 @@ def estimated_activation_bytes(config: ml_collections.ConfigDict, name: str) -> 
 
     Per token of the device's share of the batch (batch_size x seq_len / num_devices tokens), in the compute
     dtype: each of L blocks keeps its norms' inputs and outputs, q, k, v, the attention's output and its
-    projection (9 D), the attention weights of its H heads over S positions before and after the softmax
-    (2 H S), the router's logits (E, float32) and, for each of the k experts a token goes to, its input and
-    output (2 D) and the SwiGLU's gate, up, activation and product (4 F); a dense block has 4 x mlp_hidden_dim
+    projection (9 D); of its H heads' scores over S positions, the softmax's float32 output (4 H S bytes:
+    `jax.nn.dot_product_attention` computes and normalizes the scores in float32) and two more H S in the compute
+    dtype, the probabilities and one more that XLA keeps (2 H S; the TPU compiler's temporaries of `ladder_1b`,
+    docs/island.md, "Compiling for a target"); the router's logits (E, float32); and, for each of the k experts
+    a token goes to, its input and output (2 D) and the SwiGLU's gate, up, activation and product (4 F); a dense block has 4 x mlp_hidden_dim
     and no router. With `model.remat` = "full" (or "nothing_saveable", the same policy), a block keeps its input
     alone (D) and one block's worth is recomputed at a time; with `model.scan_layers` too, the remat is per
     scanned unit of n = `moe.every_n_layers` blocks: each of the U units and T unrolled blocks keeps its input and
@@ -103,7 +99,7 @@ def estimated_activation_bytes(config: ml_collections.ConfigDict, name: str) -> 
     item = np.dtype(m.compute_dtype).itemsize
     per_block = []
     for layer in range(m.num_layers):
-        attention = 9 * m.d_model * item + 2 * m.num_heads * m.seq_len * item
+        attention = 9 * m.d_model * item + m.num_heads * m.seq_len * (4 + 2 * item)
         if is_moe_layer(layer, moe.every_n_layers):
             ffn = 4 * moe.num_experts + moe.num_experts_per_token * (2 * m.d_model + 4 * moe.expert_hidden_dim) * item
             ffn += 4 * moe.num_shared_experts * moe.expert_hidden_dim * item
@@ -175,63 +171,113 @@ def compiled_activation_bytes(island) -> int:
     return int(compiled.memory_analysis().temp_size_in_bytes)
 
 
-def _device_bytes(tree) -> int:
-    """Bytes of `tree`'s arrays on one device (the first device's shard of each leaf)."""
-    import jax
-
-    return sum(leaf.addressable_shards[0].data.nbytes for leaf in jax.tree.leaves(tree) if hasattr(leaf, "addressable_shards"))
+SHAPES_ONLY_ABOVE = 64  # without a target, an island of more devices is dry-run from shapes alone (no CPU compile)
 
 
-def measured(island) -> DeviceBytes:
-    """`DeviceBytes` of a built `Island` as its first device holds them: the parameters, optimizer state and anchor
-    placed (their shards' bytes), gradients as the parameters, and the compiled inner step's temporary bytes
-    (`compiled_activation_bytes`)."""
-    params = _device_bytes(island.params)
-    return DeviceBytes(params, params, _device_bytes(island.opt_state), _device_bytes(island.anchor),
-                       compiled_activation_bytes(island), "compiled")
+@dataclasses.dataclass(frozen=True)
+class DryRun:
+    """One island's dry run (`dry_run`).
+
+    Attributes:
+      name: the island.
+      hardware: its `hardware` (a target's kind once retargeted).
+      memory_gb: GB per device (`memory_gb`; 0 unknown).
+      estimate: the budget from shapes (`budget`).
+      compiled: the compiler's figures of its programs (`aot.compile_island`), or None for an island dry-run from
+        shapes alone (more than `SHAPES_ONLY_ABOVE` devices and no target).
+    """
+
+    name: str
+    hardware: str
+    memory_gb: float
+    estimate: DeviceBytes
+    compiled: object | None
 
 
-def dry_run(config: ml_collections.ConfigDict, names, devices) -> dict[str, tuple[DeviceBytes, DeviceBytes]]:
-    """For each island in `names`: (its budget from shapes, the same measured on `devices`), without training.
+def dry_run(config: ml_collections.ConfigDict, names, devices=(), targets=None) -> dict[str, DryRun]:
+    """For each island in `names`: its budget from shapes and its programs compiled from abstract shapes
+    (`aot.compile_island`), without drawing a parameter or running anything.
 
-    The shape budget is checked first (`check_fits`), so a config that cannot fit fails before anything is
-    made. Then each island is built in turn on its own devices (`devices` dealt to `names` in order, as a run
-    deals them) and its inner step is compiled, not run.
+    An island in `targets` ({island: `hardware.Target`}) is retargeted (`aot.retarget`: its hardware becomes the
+    target's kind, its memory the catalog's) and compiled for the target's compile-only devices; the others are
+    compiled on `devices` (each island on the first `num_devices` of them), or, above `SHAPES_ONLY_ABOVE` devices,
+    estimated from shapes alone. The shape budget of the islands without a target is checked first
+    (`check_fits`), so a config that cannot fit fails before anything compiles; a targeted island is judged by the
+    compiler's figures (`check_compiled`).
 
     Raises:
-      ConfigError: an island that cannot fit (`check_fits`), or fewer `devices` than the islands need.
+      ConfigError: an island that cannot fit (`check_fits`), fewer `devices` than an island needs, or a target that
+        does not match its island or cannot be compiled for (`aot.compile_island`).
     """
-    from island_jax.island.island import Island
-    from island_jax.model.init import init_params
+    from island_jax.island import aot
 
-    check_fits(config, names)
-    need = sum(config.islands[n].num_devices for n in names)
-    if len(devices) < need:
-        raise ConfigError(f"islands {names} need {need} devices; this process has {len(devices)}")
-    graphdef, params, specs = init_params(config)
-    out, offset = {}, 0
+    targets = targets or {}
+    config = aot.retarget(config, targets)
+    check_fits(config, [n for n in names if n not in targets])
+    out = {}
     for name in names:
-        isl = config.islands[name]
-        mine, offset = devices[offset : offset + isl.num_devices], offset + isl.num_devices
-        corpus = np.zeros(config.model.seq_len * isl.batch_size + config.model.seq_len + 1, np.uint8)
-        if config.data.get("prepared", ""):  # records of one document each: the step with segment ids compiles
-            import grain
-
-            record = np.stack([np.zeros(config.model.seq_len + 1, np.int32), np.ones(config.model.seq_len + 1, np.int32)])
-            corpus = grain.MapDataset.source([record] * isl.batch_size)
-        island = Island(name, config, mine, graphdef, params, specs, corpus, config.outer.rounds)
-        out[name] = (budget(config, name), measured(island))
-        del island
+        isl, t = config.islands[name], targets.get(name)
+        compiled = None
+        if t is not None:
+            compiled = aot.compile_island(config, name, target_=t)
+        elif isl.num_devices <= SHAPES_ONLY_ABOVE:
+            if len(devices) < isl.num_devices:
+                raise ConfigError(f"islands.{name} needs {isl.num_devices} devices; this process has {len(devices)}")
+            compiled = aot.compile_island(config, name, devices)
+        out[name] = DryRun(name, isl.hardware, memory_gb(config, name), budget(config, name), compiled)
     return out
 
 
-def table(results: dict[str, tuple[DeviceBytes, DeviceBytes]], config: ml_collections.ConfigDict) -> str:
-    """`dry_run`'s results as lines of text, MB per device (10^6 bytes)."""
-    rows = ["island  source     params MB  grads MB  optimizer MB  anchor MB  activations MB  total MB  of GB"]
-    for name, pair in results.items():
-        gb = memory_gb(config, name)
-        for b in pair:
-            rows.append(f"{name:<7} {b.activations_source:<9} {b.params / 1e6:10.2f} {b.grads / 1e6:9.2f} "
-                        f"{b.optimizer / 1e6:13.2f} {b.anchor / 1e6:10.2f} {b.activations / 1e6:15.2f} "
-                        f"{b.total / 1e6:9.2f}  {gb:g}" + ("" if gb else " (unknown)"))
+def check_compiled(results: dict[str, DryRun]) -> None:
+    """Refuses an island compiled for a target (`dry_run`) whose program needs more bytes per device than the
+    target's devices have, by the compiler's figures (`aot.ProgramMemory.peak`).
+
+    Raises:
+      ConfigError: naming the island, the target, the program, its bytes (the compiler's parts and the state beside
+        them) and the device's, and what to change.
+    """
+    for r in results.values():
+        if r.compiled is None or r.compiled.target is None or not r.memory_gb:
+            continue
+        worst = max(r.compiled.programs, key=lambda p: p.peak)
+        if worst.peak > r.memory_gb * GB:
+            raise ConfigError(
+                f"islands.{r.name} compiled for {r.compiled.target} needs {worst.peak / GB:.2f} GB per device in its "
+                f"{worst.program} but its devices have {r.memory_gb:g} GB (islands.{r.name}.memory_gb, or the catalog's "
+                f"for {r.hardware!r}): the compiler's "
+                f"arguments {worst.argument / GB:.2f}, outputs {(worst.output - worst.alias) / GB:.2f} (not aliased), "
+                f"temporaries {worst.temp / GB:.2f} and code {worst.code / GB:.2f} GB, and "
+                f"{worst.resident / GB:.2f} GB of the island's state beside them. Shard the state over more devices "
+                f"(islands.{r.name}.mesh.fsdp), recompute activations (model.remat='full'), or lower "
+                f"islands.{r.name}.batch_size"
+            )
+
+
+def table(results: dict[str, DryRun], config: ml_collections.ConfigDict) -> str:
+    """`dry_run`'s results as lines of text: per island, a line saying what it was compiled for, then one row per
+    program of the compiler's bytes per device (MB, 10^6 bytes; `peak` is what a device holds while the program
+    runs, `aot.ProgramMemory.peak`) and FLOPs (GFLOP, 10^9, the compiler's cost analysis of one device's program), and a last row of the shape
+    estimate (`budget`), each against the device's GB with whether it fits (`?` of unknown memory)."""
+    def fits(total: float, gb: float) -> str:
+        return "?" if not gb else "yes" if total <= gb * GB else "NO"
+
+    rows = []
+    for r in results.values():
+        isl = config.islands[r.name]
+        of = f"{r.memory_gb:g} GB per device" if r.memory_gb else "memory unknown"
+        where = r.compiled.devices if r.compiled is not None else (
+            f"shapes alone ({isl.num_devices} devices: more than {SHAPES_ONLY_ABOVE} are not compiled without a target)")
+        rows.append(f"island {r.name}: {where}, mesh data={isl.mesh.data} x fsdp={isl.mesh.fsdp} x "
+                    f"expert={isl.mesh.expert}, {r.hardware}: {of}")
+        rows.append("  program           argument MB  output MB  aliased MB  temporary MB  code MB  resident MB  "
+                    "peak MB      GFLOP  fits")
+        for p in r.compiled.programs if r.compiled is not None else ():
+            flops = f"{p.flops / 1e9:10.4g}" if p.flops is not None else f"{'n/a':>10}"
+            rows.append(f"  {p.program:<16} {p.argument / MB:12.2f} {p.output / MB:10.2f} {p.alias / MB:11.2f} "
+                        f"{p.temp / MB:13.2f} {p.code / MB:8.2f} {p.resident / MB:12.2f} {p.peak / MB:8.2f} "
+                        f"{flops}  {fits(p.peak, r.memory_gb)}")
+        e = r.estimate
+        rows.append(f"  estimate (shapes): parameters {e.params / MB:.2f} + gradients {e.grads / MB:.2f} + optimizer "
+                    f"{e.optimizer / MB:.2f} + anchor {e.anchor / MB:.2f} + activations {e.activations / MB:.2f} = "
+                    f"{e.total / MB:.2f} MB  {fits(e.total, r.memory_gb)}")
     return "\n".join(rows)

@@ -52,6 +52,22 @@ def init_params(config: ml_collections.ConfigDict, mesh: jax.sharding.Mesh | Non
     return graphdef, params if mesh is not None else jax.tree.map(np.asarray, params), specs
 
 
+def abstract_params(config: ml_collections.ConfigDict, mesh: jax.sharding.Mesh | None = None) -> tuple[nnx.GraphDef, dict, dict]:
+    """`init_params`' (graphdef, params, specs) with nothing drawn or allocated: each parameter a
+    `jax.ShapeDtypeStruct` of its shape and dtype (`nnx.eval_shape`), placed on `mesh` by its partition spec
+    when one is given (a `NamedSharding`; any devices, compile-only ones of a target included)."""
+    graphdef, state = nnx.split(nnx.eval_shape(lambda: Transformer(config, rngs=nnx.Rngs(config.seed))), nnx.Param)
+    specs = partition_specs(state)
+    params = nnx.to_pure_dict(state)
+    if mesh is not None:
+        params = jax.tree.map(
+            lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=jax.sharding.NamedSharding(mesh, s)),
+            params, specs, is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec))
+    else:
+        params = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params)
+    return graphdef, params, specs
+
+
 CHECKSUM_PIECE_ELEMENTS = 1 << 14  # elements of one checksum piece (64 KiB of float32)
 
 

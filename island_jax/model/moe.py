@@ -25,6 +25,7 @@ from jax.sharding import PartitionSpec as P
 
 from island_jax.config import DISPATCH  # values of `moe.dispatch` (see the module docstring)
 from island_jax.mesh import BATCH_AXES, EXPERT_AXIS, gathered, logical
+from island_jax.mesh import platform as mesh_platform
 
 # The statistics an MoE layer returns; the first four are scalars whose mean over
 # MoE layers each inner step reports (`transformer.aggregate_stats`).
@@ -65,7 +66,8 @@ def check_dispatch(dispatch: str, expert_axis_size: int, platform: str) -> None:
     Args:
       dispatch: `moe.dispatch`, one of `DISPATCH`.
       expert_axis_size: the island's `mesh.expert`.
-      platform: the backend, `jax.default_backend()` ("cpu", "gpu", "tpu").
+      platform: the devices' platform ("cpu", "gpu", "tpu"): of the mesh a program is traced on
+        (`mesh.platform`), compile-only devices of a target included.
 
     Raises:
       DispatchError: `dropless` with an expert axis above 1 on CPU (XLA:CPU has
@@ -336,7 +338,7 @@ class MoE(nnx.Module):
         self.compute_dtype = compute_dtype
 
     def __call__(self, x: jax.Array, mask: jax.Array | None = None, key: jax.Array | None = None):
-        check_dispatch(self.dispatch, jax.sharding.get_abstract_mesh().shape[EXPERT_AXIS], jax.default_backend())
+        check_dispatch(self.dispatch, jax.sharding.get_abstract_mesh().shape[EXPERT_AXIS], mesh_platform())
         if mask is None:
             mask = jnp.ones(x.shape[:2], jnp.float32)
         jitter = self.jitter if key is not None else 0.0

@@ -24,6 +24,7 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 from island_jax.mesh import BATCH_AXES, gathered, logical, spec_of
+from island_jax.mesh import platform as mesh_platform
 from island_jax.model.moe import MEAN_METRICS, MoE, SharedExperts, routing_bias_update
 
 
@@ -141,9 +142,7 @@ def attention_implementation(dtype) -> str:
     """`jax.nn.dot_product_attention`'s implementation for activations of `dtype` on the devices of the current
     mesh (`jax.set_mesh`; else the default backend): "cudnn" (fused flash attention) on GPU in bfloat16 or
     float16, which cuDNN's kernel needs, "xla" otherwise."""
-    device = getattr(jax.sharding.get_abstract_mesh(), "abstract_device", None)
-    platform = getattr(device, "platform", None) or jax.default_backend()
-    return "cudnn" if platform == "gpu" and jnp.dtype(dtype) in (jnp.bfloat16, jnp.float16) else "xla"
+    return "cudnn" if mesh_platform() == "gpu" and jnp.dtype(dtype) in (jnp.bfloat16, jnp.float16) else "xla"
 
 
 # `model.remat` -> the `jax.checkpoint` policy of a block (None: recompute everything from the block's input)
