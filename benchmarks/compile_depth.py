@@ -114,19 +114,16 @@ def child() -> None:
     import jax
     import jax.numpy as jnp
     import numpy as np
-    from flax import nnx
     from jax.sharding import NamedSharding
     from jax.sharding import PartitionSpec as P
 
     from island_jax.island import step as step_lib
-    from island_jax.model.transformer import Transformer, partition_specs
+    from island_jax.model.init import abstract_params
 
     jax.config.update("jax_enable_compilation_cache", False)  # a real compile, whatever the environment says
     config = _config()
     mesh = island_mesh(1, 1, jax.devices()[:DEVICES], fsdp=DEVICES)
-    graphdef, state = nnx.split(nnx.eval_shape(lambda: Transformer(config, rngs=nnx.Rngs(config.seed))), nnx.Param)
-    params = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=NamedSharding(mesh, s)),
-                          nnx.to_pure_dict(state), partition_specs(state), is_leaf=lambda x: isinstance(x, P))
+    graphdef, params, _ = abstract_params(config, mesh)
     count = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(params))
     tx = step_lib.inner_optimizer(config, 100)
     train_step = step_lib.build_train_step(config, graphdef, tx)

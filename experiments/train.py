@@ -68,8 +68,8 @@ _DRY_RUN = flags.DEFINE_bool(
 )
 _TARGET = flags.DEFINE_string(
     "target", None, "With --dry_run: compile for this accelerator instead, with compile-only devices: tpu-v4-N, "
-    "tpu-v5p-N, tpu-v5e-N or tpu-v6e-N (N as Cloud TPU counts it: tpu-v5p-16 is 8 chips; needs the tpu-aot extra), "
-    "for every island, or per island as a=tpu-v5p-16,b=tpu-v6e-8. A retargeted island's hardware becomes the "
+    "tpu-v5p-N, tpu-v5e-N or tpu-v6e-N (N as Cloud TPU counts it: tpu-v5p-16 is 8 chips; the tpu-aot extra), h100-N or "
+    "a100-N (N GPUs, 8 a host; the gpu-aot extra), for every island, or per island as a=tpu-v5p-16,b=h100-8. A retargeted island's hardware becomes the "
     "target's, with the catalog's memory; its mesh must have the target's devices.",
 )
 

@@ -21,7 +21,7 @@ import ml_collections
 import numpy as np
 
 from island_jax.config import ConfigError
-from island_jax.hardware import lookup
+from island_jax.hardware import kind, lookup
 from island_jax.mesh import AXES
 
 MB = 1e6  # bytes, as the tables print them
@@ -83,7 +83,8 @@ def estimated_activation_bytes(config: ml_collections.ConfigDict, name: str) -> 
     projection (9 D); of its H heads' scores over S positions, the softmax's float32 output (4 H S bytes:
     `jax.nn.dot_product_attention` computes and normalizes the scores in float32) and two more H S in the compute
     dtype, the probabilities and one more that XLA keeps (2 H S; the TPU compiler's temporaries of `ladder_1b`,
-    docs/island.md, "Compiling for a target"); the router's logits (E, float32); and, for each of the k experts
+    docs/island.md, "Compiling for a target"), or, on GPU hardware in a 16-bit compute dtype, where cuDNN's fused
+    attention keeps no scores, its float32 log-sum-exp (4 H bytes); the router's logits (E, float32); and, for each of the k experts
     a token goes to, its input and output (2 D) and the SwiGLU's gate, up, activation and product (4 F); a dense block has 4 x mlp_hidden_dim
     and no router. With `model.remat` = "full" (or "nothing_saveable", the same policy), a block keeps its input
     alone (D) and one block's worth is recomputed at a time; with `model.scan_layers` too, the remat is per
@@ -97,9 +98,12 @@ def estimated_activation_bytes(config: ml_collections.ConfigDict, name: str) -> 
     isl, m, moe = config.islands[name], config.model, config.moe
     tokens = isl.batch_size * m.seq_len / isl.num_devices
     item = np.dtype(m.compute_dtype).itemsize
+    # cuDNN's fused attention (GPU, 16-bit activations: `transformer.attention_implementation`) keeps no scores
+    fused = kind(isl.hardware) == "gpu" and item == 2
+    scores = 4 * m.num_heads if fused else m.num_heads * m.seq_len * (4 + 2 * item)
     per_block = []
     for layer in range(m.num_layers):
-        attention = 9 * m.d_model * item + m.num_heads * m.seq_len * (4 + 2 * item)
+        attention = 9 * m.d_model * item + scores
         if is_moe_layer(layer, moe.every_n_layers):
             ffn = 4 * moe.num_experts + moe.num_experts_per_token * (2 * m.d_model + 4 * moe.expert_hidden_dim) * item
             ffn += 4 * moe.num_shared_experts * moe.expert_hidden_dim * item
