@@ -16,9 +16,11 @@ reasons:
 V3 also limits each token's experts to 4 nodes, which changes no count.
 
 V3's multi-token-prediction module (14B parameters) is not part of its 671B, nor of this model. Used by the
-planner and for counts from shapes (nothing is allocated):
+planner, for counts from shapes and for the compiler's memory per device (nothing is allocated; its islands
+do not fit their devices: docs/island.md, "Compiling for a target"):
 
   python -m island_jax.plan --config=experiments/configs/deepseek_v3_like.py
+  python experiments/train.py --config=experiments/configs/deepseek_v3_like.py --dry_run --target=us=tpu-v5p-2048
 
 Two islands of 1,024 H100 (data=32, fsdp=4, expert=8), as in docs/planner.md's frontier example.
 """

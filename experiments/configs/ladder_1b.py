@@ -7,8 +7,10 @@ of 32,768 tokens and 2,048-token sequences; rotary positions; bfloat16 activatio
   island_jax/model/flops.py; the output head is in N)
 
 Two islands of 8 H100 each (data=2, fsdp=2, expert=2), 32 sequences per inner step, 100 inner steps per
-round. For a dry run of the memory per device and for the planner on this machine:
+round. Its memory per device from shapes and from the compiler (on this machine's CPU devices, or for a
+TPU v5p slice or H100s it does not have: docs/island.md, "Compiling for a target"), and the planner:
 
+  python experiments/train.py --config=experiments/configs/ladder_1b.py --dry_run [--target=tpu-v5p-16]
   python -m island_jax.plan --config=experiments/configs/ladder_1b.py
 """
 

@@ -17,6 +17,7 @@ import dataclasses
 import importlib.util
 import math
 import os
+from typing import Sequence
 
 import jax
 import jax.numpy as jnp
@@ -79,7 +80,7 @@ class IslandPrograms:
       name: the island.
       devices: what the programs were compiled for, e.g. "8 TPU v5 (target tpu-v5p-16)" or "8 cpu".
       target: the target's name, or None (the island's own devices).
-      programs: one `ProgramMemory` per entry of `PROGRAMS`.
+      programs: one `ProgramMemory` per program compiled, in `PROGRAMS`' order.
     """
 
     name: str
@@ -252,8 +253,8 @@ def batch_shapes(config: ml_collections.ConfigDict, mesh: jax.sharding.Mesh, row
     return tokens, tokens, segments
 
 
-def compile_island(config: ml_collections.ConfigDict, name: str, devices=None, target_: Target | None = None
-                   ) -> IslandPrograms:
+def compile_island(config: ml_collections.ConfigDict, name: str, devices=None, target_: Target | None = None,
+                   programs: Sequence[str] = PROGRAMS) -> IslandPrograms:
     """Compiles island `name`'s programs from abstract shapes and reads the compiler's figures: for `target_`'s
     compile-only devices (`compile_only_devices`), or on `devices` (the island's own; the first
     `num_devices` of them are used), running nothing.
@@ -261,7 +262,8 @@ def compile_island(config: ml_collections.ConfigDict, name: str, devices=None, t
     The programs (`PROGRAMS`): the inner step (`step.build_train_step`, with `model.remat`; parameters and AdamW
     state donated) on a batch of `islands.NAME.batch_size`; the eval step (`step.build_eval_step`) on a batch of
     `eval.batch_size`; and the pseudo-gradient of each of the `outer.fragments` fragments
-    (`fragments.OuterLeaves.pseudo_gradient`), of which the one that needs the most bytes is kept. Tracing
+    (`fragments.OuterLeaves.pseudo_gradient`), of which the one that needs the most bytes is kept; those of them
+    named in `programs`, in `PROGRAMS`' order. Tracing
     asks the mesh's platform (`mesh.platform`), so the MoE dispatch and the attention are the target's.
 
     Raises:
@@ -292,17 +294,21 @@ def compile_island(config: ml_collections.ConfigDict, name: str, devices=None, t
     partition = fragments_lib.partition_params(outer.layer_shapes(params), config.outer.fragments, outer.stacked)
     try:
         with jax.set_mesh(mesh):
-            args = (inputs, targets, step) if segments is None else (inputs, targets, step, segments)
-            out = [_figures("inner_step", train_step.lower(params, opt_state, *args).compile(), param_bytes)]
-            args = (e_inputs, e_targets, mask) if e_segments is None else (e_inputs, e_targets, mask, e_segments)
-            out.append(_figures("eval_step", eval_step.lower(params, *args).compile(), state - param_bytes))
-            fragments = []
-            for f, indices in enumerate(partition):
-                used = sorted({outer.slots[i].leaf for i in indices})
-                passed = 2 * sum(per_device_bytes(leaves[k]) for k in used)
-                compiled = outer.lower_pseudo_gradient(params, params, indices).compile()
-                fragments.append(_figures("pseudo_gradient", compiled, state - passed, f))
-            out.append(max(fragments, key=lambda p: p.peak))
+            out = []
+            if "inner_step" in programs:
+                args = (inputs, targets, step) if segments is None else (inputs, targets, step, segments)
+                out.append(_figures("inner_step", train_step.lower(params, opt_state, *args).compile(), param_bytes))
+            if "eval_step" in programs:
+                args = (e_inputs, e_targets, mask) if e_segments is None else (e_inputs, e_targets, mask, e_segments)
+                out.append(_figures("eval_step", eval_step.lower(params, *args).compile(), state - param_bytes))
+            if "pseudo_gradient" in programs:
+                fragments = []
+                for f, indices in enumerate(partition):
+                    used = sorted({outer.slots[i].leaf for i in indices})
+                    passed = 2 * sum(per_device_bytes(leaves[k]) for k in used)
+                    compiled = outer.lower_pseudo_gradient(params, params, indices).compile()
+                    fragments.append(_figures("pseudo_gradient", compiled, state - passed, f))
+                out.append(max(fragments, key=lambda p: p.peak))
     except ConfigError:
         raise
     except Exception as e:

@@ -198,9 +198,10 @@ class DryRun:
     compiled: object | None
 
 
-def dry_run(config: ml_collections.ConfigDict, names, devices=(), targets=None) -> dict[str, DryRun]:
+def dry_run(config: ml_collections.ConfigDict, names, devices=(), targets=None, programs=None) -> dict[str, DryRun]:
     """For each island in `names`: its budget from shapes and its programs compiled from abstract shapes
-    (`aot.compile_island`), without drawing a parameter or running anything.
+    (`aot.compile_island`: all of them, or those named in `programs`), without drawing a parameter or running
+    anything.
 
     An island in `targets` ({island: `hardware.Target`}) is retargeted (`aot.retarget`: its hardware becomes the
     target's kind, its memory the catalog's) and compiled for the target's compile-only devices; the others are
@@ -215,7 +216,7 @@ def dry_run(config: ml_collections.ConfigDict, names, devices=(), targets=None) 
     """
     from island_jax.island import aot
 
-    targets = targets or {}
+    targets, programs = targets or {}, programs or aot.PROGRAMS
     config = aot.retarget(config, targets)
     check_fits(config, [n for n in names if n not in targets])
     out = {}
@@ -223,11 +224,11 @@ def dry_run(config: ml_collections.ConfigDict, names, devices=(), targets=None) 
         isl, t = config.islands[name], targets.get(name)
         compiled = None
         if t is not None:
-            compiled = aot.compile_island(config, name, target_=t)
+            compiled = aot.compile_island(config, name, target_=t, programs=programs)
         elif isl.num_devices <= SHAPES_ONLY_ABOVE:
             if len(devices) < isl.num_devices:
                 raise ConfigError(f"islands.{name} needs {isl.num_devices} devices; this process has {len(devices)}")
-            compiled = aot.compile_island(config, name, devices)
+            compiled = aot.compile_island(config, name, devices, programs=programs)
         out[name] = DryRun(name, isl.hardware, memory_gb(config, name), budget(config, name), compiled)
     return out
 
