@@ -296,7 +296,7 @@ def compile_island(config: ml_collections.ConfigDict, name: str, devices=None, t
         with jax.set_mesh(mesh):
             out = []
             if "inner_step" in programs:
-                args = (inputs, targets, step) if segments is None else (inputs, targets, step, segments)
+                args = step_lib.batch_args((inputs, targets, segments), step)
                 out.append(_figures("inner_step", train_step.lower(params, opt_state, *args).compile(), param_bytes))
             if "eval_step" in programs:
                 args = (e_inputs, e_targets, mask) if e_segments is None else (e_inputs, e_targets, mask, e_segments)
