@@ -40,7 +40,16 @@ _ROLE = flags.DEFINE_enum(
 )
 _ISLAND = flags.DEFINE_string("island", None, "With --role=island: the island's name in config.islands.")
 _COORDINATOR = flags.DEFINE_string(
-    "coordinator", "localhost:50051", "The coordinator's HOST:PORT (where it listens, or where islands reach it)."
+    "coordinator", "localhost:50051", "The coordinator's HOST:PORT (where it listens, or where islands reach it); "
+    "of a coordinator of coordinator.shards processes, every shard's, shard 0 first: HOST:PORT,HOST:PORT,...",
+)
+_SHARD = flags.DEFINE_integer(
+    "shard", 0, "With --role=coordinator and coordinator.shards > 1: the shard this process serves (0 leads; it listens "
+    "on the --coordinator list's address of that index).", lower_bound=0,
+)
+_SHARD_SERVICE = flags.DEFINE_string(
+    "shard_service", None, "With --role=coordinator and coordinator.shards > 1: HOST:PORT where shard 0 runs the "
+    "shards' jax.distributed coordination service (their contributor sets and checkpoint commits).",
 )
 _PROCESS_ID = flags.DEFINE_integer(
     "process_id", None, "With --role=island, of an island of several processes: this process's index in it (0 hosts "
@@ -165,7 +174,12 @@ def main(argv):
     if not _WORKDIR.value and not _DRY_RUN.value:
         sys.exit("--workdir is required: the run's folder (or give --dry_run, which writes nothing)")
     if role == "coordinator" and not _DRY_RUN.value:
-        _check_port(_COORDINATOR.value)
+        from island_jax.coordinator.shards import ShardError, shard_address
+
+        try:
+            _check_port(shard_address(config, _COORDINATOR.value, _SHARD.value))
+        except ShardError as e:
+            sys.exit(f"ShardError: {e}")
     try:
         # Everything that needs no backend, before JAX starts.
         config_lib.validate(config, island=name if role == "island" else None)
@@ -202,7 +216,8 @@ def main(argv):
             from island_jax.roles.coordinator import run_coordinator
 
             run_coordinator(config, _WORKDIR.value, _COORDINATOR.value, insecure=_INSECURE.value,
-                            allow_config_change=_ALLOW_CONFIG_CHANGE.value)
+                            allow_config_change=_ALLOW_CONFIG_CHANGE.value, shard=_SHARD.value,
+                            shard_service=_SHARD_SERVICE.value)
         else:
             from island_jax.roles.island import run_island
 

@@ -12,6 +12,12 @@ and this description: per role, the scheduler that starts it and on what (every 
 
 One process per node: an island's `nodes` (x `devices_per_node`) must be its `num_processes` (`num_devices`), and
 a TPU slice's `accelerator_type` must give both; else a `ClusterError` names the field. Credentials go by path only.
+
+A coordinator of K shards (`coordinator.shards` of the config) has K `addresses`, shard 0 first: where shard k
+listens (its port) and islands reach it. Its `nodes` is 1 (every shard on one host, each at its own port) or K
+(shard k on host k; under tpu_vm a list of K `vm` names); shard 0's host runs the shards' `jax.distributed`
+service at `coordinator.shard_port`. `role_command` writes a shard's `--shard`, `--shard_service` and the
+`--coordinator` list, and every island gets the whole list; with K = 1 every command is as it was.
 """
 
 from __future__ import annotations
@@ -28,7 +34,7 @@ SCHEDULERS = ("slurm", "tpu_vm", "k8s", "local")
 
 # Fields every role may have, then those of each scheduler; anything else is refused (a typo costs a queue wait).
 _COMMON = {"scheduler", "nodes", "devices_per_node", "env", "token_file"}
-_COORDINATOR = {"addresses", "cert_file", "key_file", "tokens_file", "server_name", "insecure"}
+_COORDINATOR = {"addresses", "cert_file", "key_file", "tokens_file", "server_name", "insecure", "shard_port"}
 _FIELDS = {
     "slurm": {"partition", "account", "time", "cluster", "gres", "cpus_per_task", "qos", "exclusive", "mem",
               "extra_sbatch"},
@@ -39,6 +45,13 @@ _FIELDS = {
 _TPU_VM = {"coordinator": {"vm"}, "island": {"tpu", "accelerator_type"}}  # a CPU VM; a TPU slice
 _TOP = {"coordinator", "islands", "tls", "python", "repo", "island_port"}
 _TLS = ("ca_file", "client_cert_file", "client_key_file")
+SHARD_PORT = 8477  # default `coordinator.shard_port`: the shards' jax.distributed service, on shard 0's host
+
+
+def coordinator_shards(config) -> int:
+    """K, the processes the coordinator is cut into (`coordinator.shards`); 1 for a config recorded before the
+    `coordinator` section existed."""
+    return int(config.coordinator.shards) if "coordinator" in config else 1
 
 
 class ClusterError(ValueError):
@@ -76,7 +89,9 @@ class Cluster:
     """A checked cluster description (`load`).
 
     Attributes:
-      coordinator: its placement; `addresses` (HOST:PORT, one per coordinator process) in `coordinator.fields`.
+      coordinator: its placement; `addresses` (HOST:PORT, one per coordinator shard) in `coordinator.fields`;
+        `nodes` 1 (every shard on one host) or the shards' count (one per host); under tpu_vm `vm` holds the
+        list of those hosts' names.
       islands: {name: placement}, in the config's island order.
       tls: {ca_file, client_cert_file, client_key_file}: paths on the nodes, or {} for none.
       python: the interpreter on the nodes.
@@ -93,17 +108,44 @@ class Cluster:
 
     @property
     def addresses(self) -> list[str]:
-        """Where islands reach the coordinator: HOST:PORT, one per coordinator process (one today)."""
+        """Where islands reach the coordinator: HOST:PORT, one per coordinator shard, shard 0 first."""
         return list(self.coordinator.get("addresses", []))
 
     @property
+    def shards(self) -> int:
+        """The coordinator's processes (`coordinator.shards` of the config): one per address."""
+        return len(self.addresses)
+
+    @property
+    def ports(self) -> list[int]:
+        """Each shard's port, where it listens (on every address of its host) and islands dial it."""
+        return [int(a.rsplit(":", 1)[1]) for a in self.addresses]
+
+    @property
+    def listen(self) -> list[str]:
+        """Where each shard listens: 0.0.0.0:PORT of its address (the `--coordinator` list of every shard)."""
+        return [f"0.0.0.0:{p}" for p in self.ports]
+
+    @property
+    def shard_port(self) -> int:
+        """The port of the shards' `jax.distributed` service on shard 0's host (`coordinator.shard_port`)."""
+        return int(self.coordinator.get("shard_port", SHARD_PORT))
+
+    @property
+    def vms(self) -> list[str]:
+        """The coordinator's CPU VMs under tpu_vm (`coordinator.vm`, one name or one per shard)."""
+        vm = self.coordinator.get("vm", "")
+        return list(vm) if isinstance(vm, list) else [vm]
+
+    @property
     def host(self) -> str:
-        """The host of `addresses[0]` ("auto" when the coordinator's SLURM job resolves it; IPv6 unbracketed)."""
+        """The host of shard 0's address, `addresses[0]` ("auto" when the coordinator's SLURM job resolves it; IPv6 unbracketed)."""
         return self.addresses[0].rsplit(":", 1)[0].strip("[]")
 
     @property
     def port(self) -> int:
-        """The coordinator's port: where it listens (on every address of its node) and islands dial."""
+        """Shard 0's port (the coordinator's, with one shard): where it listens (on every address of its node)
+        and islands dial it."""
         return int(self.addresses[0].rsplit(":", 1)[1])
 
     @property
@@ -163,11 +205,14 @@ def _placement(role: str, raw: Any, field: str, defaults: Mapping[str, Any]) -> 
         for key in ("vm", "zone"):
             _require(raw.get(key), f"{field}.{key} is missing; give the coordinator's CPU VM "
                                    f"{'name' if key == 'vm' else key}")
+        vm = raw["vm"]
+        _require(isinstance(vm, str) or (isinstance(vm, list) and all(isinstance(v, str) and v for v in vm)),
+                 f"{field}.vm is {vm!r}; give the CPU VM's name, or a list of names, one per coordinator shard")
     for key in ("token_file", "cert_file", "key_file", "tokens_file"):
         _require(isinstance(raw.get(key, ""), str), f"{field}.{key} is {raw.get(key)!r}; give a path on the nodes")
     _require(all(isinstance(v, (str, int, float)) and not isinstance(v, bool) for v in env.values()),
              f"{field}.env is {env!r}; give each variable a string or number")
-    for key in ("partition", "account", "time", "qos", "gres", "mem", "cluster", "zone", "project", "tpu", "vm",
+    for key in ("partition", "account", "time", "qos", "gres", "mem", "cluster", "zone", "project", "tpu",
                 "accelerator_type", "namespace", "image", "server_name"):
         _require(isinstance(raw.get(key, ""), str),
                  f"{field}.{key} is {raw.get(key)!r} ({type(raw.get(key)).__name__}); give a string"
@@ -178,6 +223,9 @@ def _placement(role: str, raw: Any, field: str, defaults: Mapping[str, Any]) -> 
              f"{field}.extra_sbatch is {extra!r}; give a list of sbatch options, e.g. [--constraint=h100]")
     for key in ("exclusive", "insecure"):
         _require(isinstance(raw.get(key, False), bool), f"{field}.{key} is {raw.get(key)!r}; give true or false")
+    shard_port = raw.get("shard_port", SHARD_PORT)
+    _require(isinstance(shard_port, int) and not isinstance(shard_port, bool) and 0 < shard_port < 65536,
+             f"{field}.shard_port is {shard_port!r}; give a port from 1 to 65535")
     fields = {k: v for k, v in raw.items() if k not in _COMMON}
     per_node = raw.get("devices_per_node", 0)
     if per_node != 0:
@@ -234,7 +282,8 @@ def check(config, raw: Mapping[str, Any]) -> Cluster:
     Raises:
       ClusterError: naming the first wrong field: an unknown key or scheduler, an island missing from one side,
         hosts or devices that do not match the island's `num_processes`/`num_devices`, a TPU type whose chips or
-        hosts do not, a missing coordinator address, or a field its scheduler needs.
+        hosts do not, a missing coordinator address (or a number of them other than `coordinator.shards`), or a
+        field its scheduler needs.
     """
     from island_jax import config as config_lib
 
@@ -252,15 +301,17 @@ def check(config, raw: Mapping[str, Any]) -> Cluster:
     _require(isinstance(addresses, list) and len(addresses) >= 1,
              "coordinator.addresses is missing; give [HOST:PORT] where islands reach the coordinator (HOST may be "
              "'auto' under slurm when the coordinator runs in the islands' job)")
-    _require(len(addresses) == 1, f"coordinator.addresses lists {len(addresses)}; the coordinator is one process "
-                                  "today, so give one HOST:PORT")
+    shards = coordinator_shards(config)
+    _require(len(addresses) == shards,
+             f"coordinator.addresses lists {len(addresses)} address{'es' if len(addresses) > 1 else ''} but "
+             f"coordinator.shards is {shards}; give one HOST:PORT per coordinator shard, shard 0 first, or set "
+             f"--config.coordinator.shards={len(addresses)}")
     for a in addresses:
         host, _, port = str(a).rpartition(":")
         _require(bool(host) and port.isdigit() and 0 < int(port) < 65536,
                  f"coordinator.addresses has {a!r}; give HOST:PORT with a port from 1 to 65535")
-    _require(coordinator.nodes == 1, f"coordinator.nodes is {coordinator.nodes}; the coordinator is one process")
+    coordinator = _check_shards(coordinator, [str(a) for a in addresses], shards)
 
-    coordinator = dataclasses.replace(coordinator, fields={**coordinator.fields, "addresses": [str(a) for a in addresses]})
     raw_islands = raw.get("islands") or {}
     _require(isinstance(raw_islands, dict), "islands is not a mapping of island names to placements")
     names = list(config.islands)
@@ -287,6 +338,34 @@ def check(config, raw: Mapping[str, Any]) -> Cluster:
                  "resolve; give the coordinator's reachable HOST:PORT")
     _check_credentials(coordinator, islands, tls, str(addresses[0]))
     return Cluster(coordinator, islands, dict(tls), raw.get("python", "python3"), raw.get("repo", "."), port)
+
+
+def _check_shards(coordinator: Placement, addresses: list[str], shards: int) -> Placement:
+    """The coordinator's hosts against `coordinator.shards` (K, as many as `addresses`): `nodes` 1 or K (under
+    tpu_vm, one `vm` or K); every address `auto:PORT` or none; distinct ports on a shared host.
+    Returns the placement with `addresses` as strings and `nodes` set."""
+    nodes = coordinator.nodes
+    if coordinator.scheduler == "tpu_vm":
+        vm = coordinator.get("vm")
+        nodes = len(vm) if isinstance(vm, list) else 1
+        _require(nodes in (1, shards), f"coordinator.vm lists {nodes} VMs but coordinator.shards is {shards}; give "
+                                       f"one VM (every shard on it) or {shards}, one per shard")
+    elif shards == 1:
+        _require(nodes == 1, f"coordinator.nodes is {nodes}; the coordinator is one process")
+    else:
+        _require(nodes in (1, shards), f"coordinator.nodes is {nodes} but coordinator.shards is {shards}; give 1 "
+                                       f"(every shard on one host) or {shards} (one shard per host)")
+    if shards > 1:
+        auto = [a.startswith("auto:") for a in addresses]
+        _require(all(auto) or not any(auto), f"coordinator.addresses mixes auto:PORT and HOST:PORT ({', '.join(addresses)}); "
+                                             "give every shard's address the same way")
+        ports = [a.rsplit(":", 1)[1] for a in addresses]
+        repeated = next((p for p in ports if ports.count(p) > 1), None)
+        _require(nodes > 1 or coordinator.scheduler == "k8s" or repeated is None,
+                 f"coordinator.addresses repeats port {repeated}, but the {shards} shards share one host "
+                 f"(coordinator.{'vm' if coordinator.scheduler == 'tpu_vm' else 'nodes'}); give each shard a port of "
+                 "its own")
+    return dataclasses.replace(coordinator, nodes=nodes, fields={**coordinator.fields, "addresses": addresses})
 
 
 def _check_credentials(coordinator: Placement, islands: Mapping[str, Placement], tls: Mapping[str, str],
@@ -381,9 +460,11 @@ def config_args(argv: Sequence[str]) -> list[str]:
     return found
 
 
-def role_command(cluster: Cluster, role: str, config_args_: Sequence[str], workdir: str, coordinator: str, *,
-                 process_id: str | None = None, island_coordinator: str | None = None,
-                 credentials: Mapping[str, str] | None = None, server_name: str | None = None) -> Command:
+def role_command(cluster: Cluster, role: str, config_args_: Sequence[str], workdir: str,
+                 coordinator: str | Sequence[str], *, process_id: str | None = None,
+                 island_coordinator: str | None = None, credentials: Mapping[str, str] | None = None,
+                 server_name: str | None = None, shard: str | None = None,
+                 shard_service: str | None = None) -> Command:
     """The `experiments/train.py` command of one process of `role` ("coordinator" or an island's name).
 
     Args:
@@ -392,13 +473,16 @@ def role_command(cluster: Cluster, role: str, config_args_: Sequence[str], workd
       config_args_: `config_args(...)`, the same for every role.
       workdir: the run's folder as the nodes see it.
       coordinator: HOST:PORT where the coordinator listens (its own command) or where islands reach it; may hold
-        a shell expression such as `$IJ_COORDINATOR`.
+        a shell expression such as `$IJ_COORDINATOR`. With coordinator shards, every shard's, shard 0 first (a
+        list, or one comma-separated string), for the shards and the islands alike.
       process_id, island_coordinator: for a process of an island of several: shell expressions (or literals)
         of its index and of its process 0's HOST:PORT.
       credentials: paths to use instead of the description's (k8s mounts them elsewhere): keys of `tls` and
         `cert_file`, `key_file`, `tokens_file`, `token_file`.
       server_name: for an island, the name to check the coordinator's certificate for, instead of
         `cluster.server_name` ("" and no `server_name` field: the host dialled).
+      shard, shard_service: for a shard of a coordinator of several: shell expressions (or literals) of its
+        index (`--shard`) and of the HOST:PORT of the shards' `jax.distributed` service (`--shard_service`).
 
     Returns:
       A `Command`; literal parts in `args`, node-side expressions in `expansions`.
@@ -413,6 +497,7 @@ def role_command(cluster: Cluster, role: str, config_args_: Sequence[str], workd
     if role != "coordinator" and (server_name or cluster.server_name) and paths.get("ca_file"):
         tls.append(f"--config.comm.tls.server_name={server_name or cluster.server_name}")
     expansions = []
+    coordinator = coordinator if isinstance(coordinator, str) else ",".join(coordinator)
     address = [("--coordinator", coordinator)] if "$" in coordinator else []
     if not address:
         args.append(f"--coordinator={coordinator}")
@@ -428,7 +513,8 @@ def role_command(cluster: Cluster, role: str, config_args_: Sequence[str], workd
         if paths.get("token_file"):
             args.append(f"--config.comm.auth.token_file={paths['token_file']}")
     expansions += address
-    for flag, value in (("--process_id", process_id), ("--island_coordinator", island_coordinator)):
+    for flag, value in (("--shard", shard), ("--shard_service", shard_service), ("--process_id", process_id),
+                        ("--island_coordinator", island_coordinator)):
         if value is None:
             continue
         if "$" in str(value):

@@ -22,6 +22,7 @@ from absl import logging
 
 from island_jax import config as config_lib
 from island_jax.comm.inprocess import InProcessExchange
+from island_jax.coordinator.shards import LocalBus
 from island_jax.comm.session import RunAborted
 from island_jax.hardware import measured_cpu_peak_flops
 from island_jax.island import memory
@@ -72,7 +73,10 @@ def run_in_process(config: ml_collections.ConfigDict, workdir: str, allow_config
     refuse_finished(workdir, config.outer.rounds)
     check_resume(config, workdir, allow_config_change)
     start = time.perf_counter()
-    exchange = InProcessExchange() if config.outer.enabled else None
+    shards = config.coordinator.shards
+    exchanges = [InProcessExchange() for _ in range(shards)] if config.outer.enabled else []
+    exchange = None if not exchanges else exchanges[0] if shards == 1 else exchanges  # K > 1: one per shard
+    bus = LocalBus() if shards > 1 else None
     # XLA:CPU's in-process collectives must not interleave: one lock for every island's device work
     cpu = any(d.platform == "cpu" for island_devices in devices.values() for d in island_devices)
     device_lock = threading.Lock() if cpu else None
@@ -80,8 +84,9 @@ def run_in_process(config: ml_collections.ConfigDict, workdir: str, allow_config
         measured_cpu_peak_flops()
     stop = threading.Event()  # set when the run is stopped: every island stops before its next round
     roles = []
-    if exchange is not None:
-        roles.append(("coordinator", run_coordinator, (config, workdir, exchange, False, allow_config_change)))
+    for k, ex in enumerate(exchanges):
+        roles.append(("coordinator" if k == 0 else f"coordinator shard {k}", run_coordinator,
+                      (config, workdir, ex, False, allow_config_change, k, None, bus)))
     for name in config.islands.keys():
         roles.append((f"island {name}", run_island,
                       (config, workdir, name, exchange, list(devices[name]), device_lock, stop, allow_config_change)))
@@ -93,8 +98,8 @@ def run_in_process(config: ml_collections.ConfigDict, workdir: str, allow_config
         except BaseException as e:  # noqa: BLE001 - reported on the caller's thread
             errors.append((role, e))
             stop.set()
-            if exchange is not None:
-                exchange.abort(f"{role} failed: {e!r}")
+            for ex in exchanges:
+                ex.abort(f"{role} failed: {e!r}")
 
     threads = [threading.Thread(target=work, args=role, name=role[0].replace(" ", "-")) for role in roles]
     progress = Progress(workdir, list(config.islands.keys()), config.outer.rounds)
@@ -107,8 +112,8 @@ def run_in_process(config: ml_collections.ConfigDict, workdir: str, allow_config
                 logging.info("%s", line)
     except BaseException as e:  # a signal or Ctrl-C: every role unwinds, saves in progress finish
         stop.set()
-        if exchange is not None:
-            exchange.abort(f"the run was stopped ({e!r})")
+        for ex in exchanges:
+            ex.abort(f"the run was stopped ({e!r})")
         for t in threads:
             if t.is_alive():
                 t.join()

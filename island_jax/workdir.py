@@ -32,9 +32,10 @@ if TYPE_CHECKING:  # imported where used: the launcher reads workdirs without im
     from island_jax.checkpoint import Checkpointer
 
 
-def coordinator_dir(workdir: str) -> str:
-    """The coordinator's folder of a workdir."""
-    return os.path.join(workdir, "coordinator")
+def coordinator_dir(workdir: str, shard: int = 0) -> str:
+    """The coordinator's folder of a workdir: `coordinator` (of several shards, shard 0's: it leads, and holds the
+    checkpoint sets' commit markers), `coordinator-shard-K` for shard K > 0."""
+    return os.path.join(workdir, "coordinator" if shard == 0 else f"coordinator-shard-{shard}")
 
 
 def island_dir(workdir: str, name: str) -> str:

@@ -21,6 +21,16 @@ every object labelled `app.kubernetes.io/name: island-jax`, `app.kubernetes.io/i
   (`ij-RUN-coordinator.NAMESPACE.svc.cluster.local:PORT`) and check the coordinator's certificate for the host of
   `coordinator.addresses` (`comm.tls.server_name`); islands elsewhere dial that address, which must lead to the
   Service (its load balancer's address, a NodePort, an ingress).
+* A coordinator of K shards (`coordinator.shards`, K `addresses`): an Indexed Job `ij-RUN-coordinator` of K
+  pods instead (completions = parallelism = K, `backoffLimit: 0`, `restartPolicy: Never`, as an island's, so
+  the shards fail and restart together), shard `--shard=$(JOB_COMPLETION_INDEX)`, every pod listening on PORT
+  (of `addresses[0]`), in the subdomain of the headless Service `ij-RUN-coordinator-pods`, so that every shard
+  finds shard 0's `jax.distributed` service at
+  `ij-RUN-coordinator-0.ij-RUN-coordinator-pods.NAMESPACE.svc.cluster.local:SHARD_PORT` (`--shard_service`,
+  `coordinator.shard_port`); one Service `ij-RUN-coordinator-k` per shard (type `service_type`, the port of
+  `addresses[k]`, selecting the pod by its `batch.kubernetes.io/job-completion-index` label: Kubernetes 1.28
+  or later), which islands in the cluster dial, one name checked for all (`server_name`, or the addresses' one
+  host); and one ReadWriteMany claim `ij-RUN-coordinator-workdir` (shard k writes inside shard 0's folder).
 * Each island: an Indexed Job (`ij-RUN-island-NAME`, completions = parallelism = `nodes`, one process per
   pod with `--process_id=$(JOB_COMPLETION_INDEX)`), its pods in the subdomain of a headless Service of the
   same name, so that an island of several processes finds its process 0 at
@@ -70,6 +80,7 @@ SERVICE_TYPES = ("ClusterIP", "NodePort", "LoadBalancer")
 DEFAULT_NAMESPACE = "default"
 DEFAULT_STORAGE = "10Gi"
 MAX_NAME = 52  # StatefulSet and Job names: their pods' names and hostnames add a suffix within 63 characters
+SHARD_INDEX_LABEL = "batch.kubernetes.io/job-completion-index"  # on an Indexed Job's pods (Kubernetes 1.28+)
 TERMINATION_GRACE_SECONDS = 120  # a stopped role finishes the checkpoint it is writing (SIGTERM, then SIGKILL)
 
 TLS_DIR = "/etc/island-jax/tls"
@@ -120,8 +131,17 @@ class Names:
 
     @property
     def coordinator_pods(self) -> str:
-        """The StatefulSet's headless Service (its `serviceName`)."""
+        """The StatefulSet's headless Service (its `serviceName`); with shards, the Job's pods' subdomain."""
         return f"{self.prefix}-coordinator-pods"
+
+    def coordinator_shard(self, k: int) -> str:
+        """With coordinator shards: the Service islands dial shard `k` at."""
+        return f"{self.prefix}-coordinator-{k}"
+
+    @property
+    def coordinator_claim(self) -> str:
+        """With coordinator shards: the volume every shard's pod mounts at the workdir."""
+        return f"{self.coordinator}-workdir"
 
     def island(self, name: str) -> str:
         """Island `name`'s Job, and the headless Service its pods' subdomain is."""
@@ -296,22 +316,34 @@ def health_command(cluster: cluster_lib.Cluster) -> list[str]:
 def _coordinator(cluster: cluster_lib.Cluster, config_args: list[str], workdir: str, n: Names) -> list[dict]:
     p = cluster.coordinator
     ns, labels = _namespace(p, "coordinator"), _labels(n, "coordinator")
-    port = cluster.port
-    command = cluster_lib.role_command(cluster, "coordinator", config_args, workdir, f"0.0.0.0:{port}",
-                                       credentials=_credentials(cluster, "coordinator"))
+    port, shards = cluster.port, cluster.shards
+    sharded = {}
+    if shards > 1:  # every shard's pod listens on PORT; shard k's Service maps its own port there
+        pod0 = f"{n.coordinator}-0.{n.coordinator_pods}.{ns}.svc.cluster.local"
+        sharded = {"shard": "$(JOB_COMPLETION_INDEX)", "shard_service": f"{pod0}:{cluster.shard_port}"}
+    command = cluster_lib.role_command(cluster, "coordinator", config_args, workdir, [f"0.0.0.0:{port}"] * shards,
+                                       credentials=_credentials(cluster, "coordinator"), **sharded)
     mounts = [{"name": "workdir", "mountPath": workdir}]
-    volumes = []
+    volumes = [{"name": "workdir", "persistentVolumeClaim": {"claimName": n.coordinator_claim}}] if sharded else []
     if cluster.tls:
         mounts.append({"name": "tls", "mountPath": TLS_DIR, "readOnly": True})
         volumes.append(_secret_volume("tls", n.tls_secret))
     mounts.append({"name": "credentials", "mountPath": COORDINATOR_DIR, "readOnly": True})
     volumes.append(_secret_volume("credentials", n.coordinator_secret))
-    container = _container("coordinator", str(p.get("image")), cluster, _k8s_argv(command), dict(p.env),
-                           [{"name": "grpc", "containerPort": port, "protocol": "TCP"}], mounts)
+    ports = [{"name": "grpc", "containerPort": port, "protocol": "TCP"}]
+    if sharded:
+        ports.append({"name": "jax", "containerPort": cluster.shard_port, "protocol": "TCP"})
+    container = _container("coordinator", str(p.get("image")), cluster, _k8s_argv(command), dict(p.env), ports, mounts)
     for key, timing in (("startupProbe", STARTUP_PROBE), ("readinessProbe", READINESS_PROBE),
                         ("livenessProbe", LIVENESS_PROBE)):
         container[key] = {"exec": {"command": health_command(cluster)}, "timeoutSeconds": PROBE_TIMEOUT_SECONDS,
                           **timing}
+    if sharded:
+        return [*(_shard_service(n, ns, labels, k, cluster.ports[k], str(p.get("service_type", "ClusterIP")))
+                  for k in range(shards)),
+                _pods_service(n.coordinator_pods, ns, labels, [("grpc", port), ("jax", cluster.shard_port)]),
+                _claim(n.coordinator_claim, ns, labels, p, True),
+                _indexed_job(n.coordinator, ns, labels, p, shards, n.coordinator_pods, container, volumes)]
     grpc_port = {"name": "grpc", "port": port, "targetPort": "grpc", "protocol": "TCP"}
     service = {"apiVersion": "v1", "kind": "Service", "metadata": _metadata(n.coordinator, ns, labels),
                "spec": {"type": p.get("service_type", "ClusterIP"), "selector": dict(labels), "ports": [grpc_port]}}
@@ -331,14 +363,37 @@ def _coordinator(cluster: cluster_lib.Cluster, config_args: list[str], workdir: 
     return [service, headless, statefulset]
 
 
+def _shard_service(n: Names, namespace: str, labels: dict[str, str], k: int, port: int, kind: str) -> dict:
+    """Shard `k`'s Service, which islands dial: `port` to its pod's gRPC port, selected by the index label the
+    Job controller gives each pod (`batch.kubernetes.io/job-completion-index`, Kubernetes 1.28 and later)."""
+    return {"apiVersion": "v1", "kind": "Service", "metadata": _metadata(n.coordinator_shard(k), namespace, labels),
+            "spec": {"type": kind, "selector": {**labels, SHARD_INDEX_LABEL: str(k)},
+                     "ports": [{"name": "grpc", "port": port, "targetPort": "grpc", "protocol": "TCP"}]}}
+
+
 def coordinator_dial(cluster: cluster_lib.Cluster, n: Names) -> tuple[str, str]:
     """(HOST:PORT that islands on Kubernetes dial, the name they check its certificate for: "" for the host
-    dialled). The Service's cluster DNS name when the coordinator is on Kubernetes too, else the address."""
+    dialled). The Service's cluster DNS name when the coordinator is on Kubernetes too, else the address; with
+    coordinator shards, every shard's, comma-separated, shard 0 first.
+
+    Raises:
+      cluster_lib.ClusterError: shards on Kubernetes with TLS, addresses of different hosts and no
+        `coordinator.server_name` (islands in the cluster check one name for every shard's Service).
+    """
     if cluster.coordinator.scheduler != "k8s":
-        return cluster.addresses[0], cluster.server_name
+        return ",".join(cluster.addresses), cluster.server_name
     ns = _namespace(cluster.coordinator, "coordinator")
-    return (f"{n.coordinator}.{ns}.svc.cluster.local:{cluster.port}",
-            (cluster.server_name or cluster.host) if cluster.tls.get("ca_file") else "")
+    hosts = sorted({a.rsplit(":", 1)[0].strip("[]") for a in cluster.addresses})
+    if cluster.tls.get("ca_file") and not cluster.server_name and len(hosts) > 1:
+        raise cluster_lib.ClusterError(
+            f"coordinator.server_name is missing: islands in the cluster dial each shard's Service and check one "
+            f"name for all {cluster.shards} shards, but coordinator.addresses has hosts {', '.join(hosts)}; give "
+            "the name every shard's certificate holds")
+    server_name = (cluster.server_name or cluster.host) if cluster.tls.get("ca_file") else ""
+    if cluster.shards == 1:
+        return f"{n.coordinator}.{ns}.svc.cluster.local:{cluster.port}", server_name
+    return ",".join(f"{n.coordinator_shard(k)}.{ns}.svc.cluster.local:{port}"
+                    for k, port in enumerate(cluster.ports)), server_name
 
 
 def _island(config, cluster: cluster_lib.Cluster, name: str, config_args: list[str], workdir: str,
@@ -369,24 +424,41 @@ def _island(config, cluster: cluster_lib.Cluster, name: str, config_args: list[s
     resource = _device_resource(config, p)
     if resource:
         container["resources"] = {"limits": {resource: p.devices_per_node}}
-    service = {"apiVersion": "v1", "kind": "Service", "metadata": _metadata(job, ns, labels),
-               "spec": {"clusterIP": "None", "publishNotReadyAddresses": True, "selector": dict(labels),
-                        "ports": [{"name": "jax", "port": cluster.island_port, "targetPort": "jax",
-                                   "protocol": "TCP"}]}}
-    claim = {"apiVersion": "v1", "kind": "PersistentVolumeClaim",
-             "metadata": _metadata(n.island_claim(name), ns, labels),
-             "spec": _claim_spec(p, "ReadWriteMany" if several else "ReadWriteOnce")}
-    job_doc = {
-        "apiVersion": "batch/v1", "kind": "Job", "metadata": _metadata(job, ns, labels),
+    service = _pods_service(job, ns, labels, [("jax", cluster.island_port)])
+    claim = _claim(n.island_claim(name), ns, labels, p, several)
+    return [service, claim, _indexed_job(job, ns, labels, p, p.nodes, job, container, volumes)]
+
+
+def _pods_service(name: str, namespace: str, labels: dict[str, str], ports: list[tuple[str, int]]) -> dict:
+    """The headless Service whose subdomain an Indexed Job's pods are in: pod I of Job J is
+    J-I.NAME.NAMESPACE.svc.cluster.local, resolvable before it is ready (`jax.distributed` starts first)."""
+    return {"apiVersion": "v1", "kind": "Service", "metadata": _metadata(name, namespace, labels),
+            "spec": {"clusterIP": "None", "publishNotReadyAddresses": True, "selector": dict(labels),
+                     "ports": [{"name": port_name, "port": port, "targetPort": port_name, "protocol": "TCP"}
+                               for port_name, port in ports]}}
+
+
+def _claim(name: str, namespace: str, labels: dict[str, str], p: cluster_lib.Placement, shared: bool) -> dict:
+    """The role's workdir volume: ReadWriteMany when several pods write into it (`shared`)."""
+    return {"apiVersion": "v1", "kind": "PersistentVolumeClaim", "metadata": _metadata(name, namespace, labels),
+            "spec": _claim_spec(p, "ReadWriteMany" if shared else "ReadWriteOnce")}
+
+
+def _indexed_job(name: str, namespace: str, labels: dict[str, str], p: cluster_lib.Placement, count: int,
+                 subdomain: str, container: dict[str, Any], volumes: list[dict[str, Any]]) -> dict:
+    """`count` pods that run and fail as one: an Indexed Job (index in `JOB_COMPLETION_INDEX`), completions =
+    parallelism = `count`, `backoffLimit: 0` and `restartPolicy: Never`, so that one failed pod fails the Job
+    and its other pods are stopped; they start again together when the Job is applied again."""
+    return {
+        "apiVersion": "batch/v1", "kind": "Job", "metadata": _metadata(name, namespace, labels),
         "spec": {
-            "completionMode": "Indexed", "completions": p.nodes, "parallelism": p.nodes, "backoffLimit": 0,
+            "completionMode": "Indexed", "completions": count, "parallelism": count, "backoffLimit": 0,
             "template": {"metadata": {"labels": dict(labels)}, "spec": {
-                **_pod_extras(p), "subdomain": job, "restartPolicy": "Never",
+                **_pod_extras(p), "subdomain": subdomain, "restartPolicy": "Never",
                 "terminationGracePeriodSeconds": TERMINATION_GRACE_SECONDS,
                 "containers": [container], "volumes": volumes}},
         },
     }
-    return [service, claim, job_doc]
 
 
 def _k8s_roles(cluster: cluster_lib.Cluster) -> list[cluster_lib.Placement]:
@@ -490,9 +562,22 @@ def header(cluster: cluster_lib.Cluster, workdir: str, kubectl: str = "kubectl")
             f"Islands in this cluster dial {dial}" + (";" if not server_name else ","),
             *([f"checking the coordinator's certificate for {server_name} (comm.tls.server_name);"] if server_name
               else []),
-            f"islands elsewhere dial {cluster.addresses[0]}, which must lead to Service {n.coordinator} (type "
-            f"{cluster.coordinator.get('service_type', 'ClusterIP')}).",
         ]
+        kind = cluster.coordinator.get('service_type', 'ClusterIP')
+        if cluster.shards == 1:
+            lines.append(f"islands elsewhere dial {cluster.addresses[0]}, which must lead to Service {n.coordinator} "
+                         f"(type {kind}).")
+        else:
+            ns = _namespace(cluster.coordinator, "coordinator")
+            lines += [f"islands elsewhere dial {','.join(cluster.addresses)}: shard k's address must lead to Service",
+                      f"{n.coordinator}-k (type {kind}), which selects the pod of index k (Kubernetes 1.28 or later).",
+                      "",
+                      f"The coordinator's {cluster.shards} shards are one Indexed Job, which fails as a whole when "
+                      "one pod fails",
+                      "(backoffLimit 0): to restart the coordinator (every shard together), delete its Job and apply "
+                      "this file",
+                      "again; it resumes from the checkpoints on its claim:",
+                      f"  {kubectl} delete job --namespace={ns} {n.coordinator}"]
     islands = {name: p for name, p in cluster.islands.items() if p.scheduler == "k8s"}
     if islands:
         lines += ["", "An island's Job fails as a whole when one of its pods fails (backoffLimit 0): to restart the",

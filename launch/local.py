@@ -27,10 +27,22 @@ multi-host island on a cluster (docs/cluster.md). They fail and restart
 together: when one of them fails, the others are stopped, and with restarts
 left all of them start again (one restart of the island).
 
-`--restart=N` starts a role that exits with a non-zero status or a signal again,
-up to N times per role, with the same command line, environment and CPUs (it
-resumes from its own checkpoints); the progress line then ends with
-`| restarts: island b 1`. A role that fails once more after its N restarts
+A coordinator of K shards (`coordinator.shards`, e.g. `--config.coordinator.shards=2`)
+is started as K processes, `[coordinator/0]` ... `[coordinator/K-1]`, each with
+`--shard=k`, the `--coordinator` list of every shard's address (shard k on port
+`--port` + k, or on free ports without `--port`) and `--shard_service` on a free
+port of localhost, where shard 0 runs their `jax.distributed` service; every
+island dials the whole list. They fail and restart together, as one unit, like
+the processes of an island. `--dial` then lists K addresses, shard 0 first;
+`--tls` makes one set of credentials, valid for every shard's address;
+`--cpus=coordinator=CPUS` keeps every shard to those CPUs, `coordinator/K=CPUS`
+one shard; with namespaces every shard runs in the coordinator's. Shard 0 writes
+WORKDIR/coordinator, as a coordinator of one process does.
+
+`--restart=N` starts a role that exits with a non-zero status or a signal again
+(island_jax/supervisor.py), up to N times per role, with the same command line,
+environment and CPUs (it resumes from its own checkpoints); the progress line
+then ends with `| restarts: island b 1`. A role that fails once more after its N restarts
 stops the run as above; a role that exits with status 0 is done; Ctrl-C stops
 everything. `--dial=HOST:PORT` is where islands reach the coordinator when
 that is not where it listens (a proxy, a NAT); it needs `--port` and is
@@ -64,11 +76,7 @@ Without these flags nothing changes: every role runs in the launcher's namespace
 
 from __future__ import annotations
 
-import ctypes
-import dataclasses
-import functools
 import os
-import selectors
 import signal
 import socket
 import subprocess
@@ -76,10 +84,11 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import TextIO
 
 from absl import app, flags
 from ml_collections import config_flags
+
+from island_jax.supervisor import Role, Supervisor
 
 _CONFIG = config_flags.DEFINE_config_file(
     "config", None, "Path to an experiment config (a get_config() file) or to a run's recorded config.json; "
@@ -87,7 +96,10 @@ _CONFIG = config_flags.DEFINE_config_file(
 )
 _WORKDIR = flags.DEFINE_string("workdir", None, "The run's folder (one subfolder per role).")
 _HOST = flags.DEFINE_string("host", "localhost", "Host the coordinator listens on.")
-_PORT = flags.DEFINE_integer("port", 0, "Port the coordinator listens on; 0 picks a free one.")
+_PORT = flags.DEFINE_integer(
+    "port", 0, "Port the coordinator listens on; 0 picks a free one. With coordinator.shards = K > 1, shard k "
+    "listens on PORT + k."
+)
 _NETNS_COORDINATOR = flags.DEFINE_string(
     "netns_coordinator", "", "Network namespace to run the coordinator in (`ip netns exec`); empty: this one."
 )
@@ -98,11 +110,13 @@ _NETNS_ISLANDS = flags.DEFINE_string(
 _CPUS = flags.DEFINE_multi_string(
     "cpus", [], "ROLE=CPUS, repeatable: run ROLE (`coordinator` or an island's name) on those CPUs only (Linux "
     "sched_setaffinity; CPUS as taskset writes them, e.g. 0 or 0,2-3), so that islands emulated on one machine do not "
-    "share cores; roles not named may run on any CPU."
+    "share cores; roles not named may run on any CPU. With coordinator shards, `coordinator` keeps every shard to "
+    "those CPUs together, `coordinator/K` shard K alone (one way or the other, not both)."
 )
 _DIAL = flags.DEFINE_string(
     "dial", "", "HOST:PORT where islands dial the coordinator when it differs from where it listens (a proxy, a "
-    "NAT); needs --port; empty: the address it listens on."
+    "NAT); needs --port; empty: the address it listens on. With coordinator.shards = K > 1, K of them, "
+    "HOST:PORT,HOST:PORT,..., shard 0 first."
 )
 _RESTART = flags.DEFINE_integer(
     "restart", 0, "Start a role that exits abnormally again, up to this many times per role; once a role has used "
@@ -135,6 +149,18 @@ def _free_port(host: str) -> int:
     with socket.socket() as s:
         s.bind((host, 0))
         return s.getsockname()[1]
+
+
+def _free_ports(host: str, n: int, avoid: tuple[int, ...] = ()) -> list[int]:
+    """`n` distinct free ports on `host`, none in `avoid` (held together while they are picked)."""
+    sockets = [socket.socket() for _ in range(n + len(avoid))]
+    try:
+        for s in sockets:
+            s.bind((host, 0))
+        return [p for p in (s.getsockname()[1] for s in sockets) if p not in avoid][:n]
+    finally:
+        for s in sockets:
+            s.close()
 
 
 _WAN_UP = "create them with `sudo launch/wan_netns.sh up RATE` (or run under `launch/wan_netns.sh run RATE -- ...`)"
@@ -178,9 +204,13 @@ def _placement(islands: list[str]) -> tuple[str, dict[str, str]]:
 def parse_cpus(specs: list[str], roles: list[str], available: set[int]) -> dict[str, set[int]]:
     """{role: CPUs} from `--cpus` values ROLE=CPUS, CPUS a comma-separated list of CPU numbers and ranges.
 
+    A role "G" places every process of the group G ("coordinator": every coordinator shard), "G/K" one of
+    them; a group is placed one way or the other.
+
     Raises:
       ValueError: a value that cannot be read, a role not in `roles`, a role
-        given twice, or a CPU not in `available` (this process's CPUs).
+        given twice, a group placed both whole and by process, or a CPU not in
+        `available` (this process's CPUs).
     """
     placed: dict[str, set[int]] = {}
     for spec in specs:
@@ -203,22 +233,32 @@ def parse_cpus(specs: list[str], roles: list[str], available: set[int]) -> dict[
             raise ValueError(f"--cpus: CPUs {missing or cpus} of {role!r} are not available here; "
                              f"this process may use {sorted(available)}")
         placed[role] = chosen
+    both = [r for r in placed if r.rpartition("/")[0] in placed]
+    if both:
+        group = both[0].rpartition("/")[0]
+        raise ValueError(f"--cpus: {group} and {both[0]} are both placed; give {group}=CPUS for all of its "
+                         f"processes, or {group}/K=CPUS for each, not both")
     return placed
 
 
-def check_dial(dial: str, port: int, namespaces: bool) -> str:
-    """`--dial` as given, after checking it: HOST:PORT (an IPv6 host in brackets), with `--port` set (whatever
-    forwards DIAL to the coordinator needs the port it listens on) and no `--netns_*` (with namespaces the
-    launcher picks the address islands dial). An empty `dial` is returned as is.
+def check_dial(dial: str, port: int, namespaces: bool, shards: int = 1) -> str:
+    """`--dial` as given, after checking it: HOST:PORT (an IPv6 host in brackets), one per coordinator shard
+    (`shards`, comma-separated, shard 0 first), with `--port` set (whatever forwards DIAL to the coordinator needs
+    the ports it listens on: PORT + k for shard k) and no `--netns_*` (with namespaces the launcher picks the
+    address islands dial). An empty `dial` is returned as is.
 
     Raises:
       ValueError: a value that cannot be read, or a combination that cannot work.
     """
     if not dial:
         return dial
-    host, sep, number = dial.rpartition(":")
-    if not sep or not host.strip("[]") or not number.isdigit() or not 0 < int(number) < 65536:
-        raise ValueError(f"--dial: cannot read {dial!r}; give HOST:PORT, e.g. --dial=proxy.example.org:50051")
+    for item in dial.split(","):
+        host, sep, number = item.rpartition(":")
+        if not sep or not host.strip("[]") or not number.isdigit() or not 0 < int(number) < 65536:
+            raise ValueError(f"--dial: cannot read {item!r}; give HOST:PORT, e.g. --dial=proxy.example.org:50051")
+    if len(dial.split(",")) != shards:
+        raise ValueError(f"--dial lists {len(dial.split(','))} address(es) but coordinator.shards is {shards}: give "
+                         "one HOST:PORT per coordinator shard, shard 0 first (comma-separated)")
     if namespaces:
         raise ValueError("--dial cannot be combined with --netns_coordinator/--netns_islands: with namespaces "
                          "islands dial the coordinator namespace's own address, which the launcher finds; drop "
@@ -240,27 +280,39 @@ def _namespace_address(ns: str) -> str | None:
 
 def _free_port_in(ns: str, host: str) -> int:
     """A free port on `host` inside namespace `ns`."""
-    code = f"import socket; s = socket.socket(); s.bind(({host!r}, 0)); print(s.getsockname()[1])"
+    return _free_ports_in(ns, host, 1)[0]
+
+
+def _free_ports_in(ns: str, host: str, n: int, avoid: tuple[int, ...] = ()) -> list[int]:
+    """`n` distinct free ports on `host` inside namespace `ns`, none in `avoid`."""
+    code = (f"import socket; s = [socket.socket() for _ in range({n + len(avoid)})]; [x.bind(({host!r}, 0)) for x "
+            "in s]; print(*[x.getsockname()[1] for x in s])")
     out = subprocess.run(["ip", "netns", "exec", ns, sys.executable, "-c", code], check=False, capture_output=True,
                          text=True, timeout=60)
     if out.returncode != 0:
         sys.exit(f"cannot pick a free port on {host} in namespace {ns}: {out.stderr.strip()[-500:]}; pass --port")
-    return int(out.stdout.split()[-1])
+    return [int(p) for p in out.stdout.split() if int(p) not in avoid][:n]
 
 
-def check_port(host: str, port: int) -> None:
+def check_port(host: str, port: int, shards: int = 1) -> None:
     """Refuses a `--port` that another process holds on `host` (or on a loopback address a server on `host`
-    also binds: `cli.port_in_use`), before any role starts; port 0 (pick one) passes.
+    also binds: `cli.port_in_use`), before any role starts; port 0 (pick one) passes. With `shards` > 1 the
+    ports PORT + k of shards k = 1 .. shards - 1 are checked too.
 
     Raises:
       ValueError: one line naming the address taken and `--port`.
     """
     from island_jax.cli import port_in_use
 
-    taken = port_in_use(host, port)
-    if taken:
-        raise ValueError(f"--port={port}: the port is in use by another process (binding {taken} fails); pass a "
-                         "free --port, or leave --port out to have a free one picked")
+    for k in range(shards if port else 0):
+        taken = port_in_use(host, port + k)
+        if taken and k == 0:
+            raise ValueError(f"--port={port}: the port is in use by another process (binding {taken} fails); pass "
+                             "a free --port, or leave --port out to have a free one picked")
+        if taken:
+            raise ValueError(f"--port={port}: coordinator shard {k} listens on --port + {k} = {port + k}, which is in "
+                             f"use by another process (binding {taken} fails); pass a --port followed by "
+                             f"{shards - 1} free ports, or leave --port out to have free ones picked")
 
 
 def config_arguments(argv: list[str]) -> list[str]:
@@ -278,17 +330,23 @@ def config_arguments(argv: list[str]) -> list[str]:
     return [a for a in argv[1:] if a.startswith("--config")]
 
 
-def _addresses(coordinator_ns: str, island_ns: dict[str, str]) -> tuple[str, str]:
-    """Where the coordinator listens and where the islands dial it (HOST:PORT each); exits on a bad placement
-    or on a `--port` in use."""
+def _addresses(coordinator_ns: str, island_ns: dict[str, str], shards: int = 1) -> tuple[list[str], list[str], str]:
+    """Where each coordinator shard listens and where the islands dial it (HOST:PORT each, shard 0 first), and,
+    with `shards` > 1, the HOST:PORT of the shards' `jax.distributed` service (localhost in the coordinator's
+    namespace; "" with one shard); exits on a bad placement or on a `--port` in use."""
     namespaces = {coordinator_ns, *island_ns.values()} - {""}
     if not namespaces:
         try:
-            check_port(_HOST.value, _PORT.value)
+            check_port(_HOST.value, _PORT.value, shards)
         except ValueError as e:
             sys.exit(str(e))
-        address = f"{_HOST.value}:{_PORT.value or _free_port(_HOST.value)}"
-        return address, _DIAL.value or address
+        if shards == 1:
+            address = f"{_HOST.value}:{_PORT.value or _free_port(_HOST.value)}"
+            return [address], [_DIAL.value or address], ""
+        ports = [_PORT.value + k for k in range(shards)] if _PORT.value else _free_ports(_HOST.value, shards)
+        listen = [f"{_HOST.value}:{p}" for p in ports]
+        service = f"localhost:{_free_ports('localhost', 1, tuple(ports))[0]}"
+        return listen, _DIAL.value.split(",") if _DIAL.value else listen, service
     if os.geteuid() != 0:
         sys.exit("running roles in network namespaces (`ip netns exec`) needs root (CAP_SYS_ADMIN); run with sudo")
     existing = {line.split()[0] for line in _ip("netns", "list").splitlines() if line.strip()}
@@ -305,23 +363,13 @@ def _addresses(coordinator_ns: str, island_ns: dict[str, str]) -> tuple[str, str
     if apart and dial in LOOPBACK:
         sys.exit(f"islands outside the coordinator's namespace cannot reach it at {dial}: drop --host (the "
                  "namespace's own address is used) or give an address of the coordinator's namespace")
-    port = _PORT.value or _free_port_in(coordinator_ns, listen.strip("[]"))
-    return f"{listen}:{port}", f"{dial}:{port}"
-
-
-def _die_with_parent() -> None:
-    """In the child: receive SIGTERM if the launcher dies, so no role outlives it (Linux)."""
-    try:
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-    except OSError:
-        pass
-
-
-def _start_role(cpus: frozenset[int] | None) -> None:
-    """In the child, before it runs the role: die with the launcher, and keep to `cpus` when given."""
-    _die_with_parent()
-    if cpus:
-        os.sched_setaffinity(0, cpus)
+    if shards == 1:
+        port = _PORT.value or _free_port_in(coordinator_ns, listen.strip("[]"))
+        return [f"{listen}:{port}"], [f"{dial}:{port}"], ""
+    ports = [_PORT.value + k for k in range(shards)] if _PORT.value else _free_ports_in(
+        coordinator_ns, listen.strip("[]"), shards)
+    service = f"localhost:{_free_ports_in(coordinator_ns, '127.0.0.1', 1, tuple(ports))[0]}"
+    return [f"{listen}:{p}" for p in ports], [f"{dial}:{p}" for p in ports], service
 
 
 def _checked(config, workdir: str, names: list[str], left: list[str]):
@@ -349,53 +397,38 @@ def _checked(config, workdir: str, names: list[str], left: list[str]):
     if not config.outer.enabled:
         sys.exit("outer.enabled is False: a run without the outer loop has no coordinator; "
                  "run it in one process with experiments/train.py")
+    from island_jax.cluster import coordinator_shards
+
+    shards = coordinator_shards(config)
     coordinator_ns, island_ns = _placement(names)
     try:
-        check_dial(_DIAL.value.strip(), _PORT.value, bool(coordinator_ns or any(island_ns.values())))
+        check_dial(_DIAL.value.strip(), _PORT.value, bool(coordinator_ns or any(island_ns.values())), shards)
     except ValueError as e:
         sys.exit(str(e))
     cpus = {}
     if _CPUS.value:
         if not hasattr(os, "sched_setaffinity"):
             sys.exit("--cpus needs Linux (sched_setaffinity); leave it out on this system")
+        shard_roles = [f"coordinator/{k}" for k in range(shards)] if shards > 1 else []
         try:
-            cpus = parse_cpus(_CPUS.value, ["coordinator", *names], os.sched_getaffinity(0))
+            cpus = parse_cpus(_CPUS.value, ["coordinator", *shard_roles, *names], os.sched_getaffinity(0))
         except ValueError as e:
             sys.exit(str(e))
     return coordinator_ns, island_ns, cpus
 
 
-@dataclasses.dataclass(frozen=True)
-class Role:
-    """One process of a run, as the supervisor starts it (and starts it again).
-
-    Attributes:
-      name: "coordinator" or "island NAME": how its lines and the launcher's lines name it.
-      command: the command line.
-      env: its environment; None: the launcher's.
-      cpus: CPUs it is kept to (Linux sched_setaffinity); None: any.
-      netns: the network namespace the command enters (shown in the started line only; `command` enters it).
-      group: the island's name for each process of an island of several processes ("" otherwise): when one of
-        them fails, the others are stopped, and they are restarted together (counted once, under the group).
-    """
-
-    name: str
-    command: list[str]
-    env: dict[str, str] | None = None
-    cpus: frozenset[int] | None = None
-    netns: str = ""
-    group: str = ""  # the processes of one island of several share it: they stop and restart together
-
-
 def _roles(workdir: str, names: list[str], coordinator_ns: str, island_ns: dict, cpus: dict) -> list[Role]:
-    """The coordinator and every island (`experiments/train.py --role=...`)."""
-    listen, dial = _addresses(coordinator_ns, island_ns)
+    """The coordinator (or its shards) and every island (`experiments/train.py --role=...`), from the flags."""
+    from island_jax.cluster import coordinator_shards
+
+    listen, dial, shard_service = _addresses(coordinator_ns, island_ns, coordinator_shards(_CONFIG.value))
     if not _TLS.value:  # refused here, before any role starts, as the coordinator would refuse it
         from island_jax.comm.security import SecurityError, check_exposure
 
         comm = _CONFIG.value.comm
         try:
-            check_exposure(listen, comm.tls, comm.auth.tokens_file, _INSECURE.value)
+            for address in listen:
+                check_exposure(address, comm.tls, comm.auth.tokens_file, _INSECURE.value)
         except SecurityError as e:
             sys.exit(f"{e}; with this launcher, --tls makes them for the run")
     from island_jax.cli import config_argv
@@ -403,31 +436,68 @@ def _roles(workdir: str, names: list[str], coordinator_ns: str, island_ns: dict,
     overrides = config_arguments(config_argv(sys.argv, from_workdir=True))  # the config and its overrides
     if _ALLOW_CONFIG_CHANGE.value:
         overrides.append("--allow_config_change")
-    env = dict(os.environ, PYTHONUNBUFFERED="1")  # each role sets glibc malloc itself (island_jax/allocator.py)
+    secure = _secure(workdir, names, [*listen, *dial]) if _TLS.value else {}  # one set, valid for every shard
+    coordinator = ["--role=coordinator", *(["--insecure"] if _INSECURE.value else []), *secure.get("coordinator", [])]
+    return plan_roles(_CONFIG.value, workdir, listen, dial, overrides, coordinator, secure,
+                      shard_service=shard_service, coordinator_ns=coordinator_ns, island_ns=island_ns, cpus=cpus)
 
-    secure = _secure(workdir, names, [listen, dial]) if _TLS.value else None
 
-    def role(name: str, ns: str, address: str, *args: str, pin: str = "", group: str = "") -> Role:
+def _island_port(ns: str) -> int:
+    """A free port for the `jax.distributed` coordinator of an island of several processes, in namespace `ns`."""
+    return _free_port_in(ns, "127.0.0.1") if ns else _free_port("localhost")
+
+
+def plan_roles(config, workdir: str, listen: list[str], dial: list[str], overrides: list[str],
+               coordinator: list[str], secure: dict[str, list[str]], *, shard_service: str = "",
+               coordinator_ns: str = "", island_ns: dict[str, str] | None = None,
+               cpus: dict[str, set[int]] | None = None, env: dict[str, str] | None = None,
+               island_port: Callable[[str], int] = _island_port) -> list[Role]:
+    """The roles of a run on this machine, in start order: the coordinator, then every island's processes.
+
+    With one coordinator shard (`listen` of one address) the role is "coordinator"; with K, the roles
+    "coordinator/0" .. "coordinator/K-1", each with `--shard=k`, the whole `--coordinator` list and
+    `--shard_service`, in the group "coordinator" (they stop and restart together, as one). An island of
+    several processes is "island NAME/I", each with `--process_id` and `--island_coordinator` on a free port
+    (`island_port(namespace)`), in the group "island NAME". Every island gets the whole `dial` list.
+
+    Args:
+      config: the run's config (`islands.NAME.num_processes`).
+      workdir: the run's folder.
+      listen, dial: HOST:PORT of each shard, shard 0 first: where it listens, where islands dial it.
+      overrides: `--config=PATH`, the overrides and what every role gets the same.
+      coordinator: the coordinator's own arguments (`--role=coordinator`, `--insecure`, its credentials).
+      secure: {island: its credential arguments} (`_secure`; {} without `--tls`).
+      shard_service: HOST:PORT of the shards' `jax.distributed` service (K > 1 only).
+      coordinator_ns, island_ns: network namespaces ("" or absent: this one).
+      cpus: {role: CPUs} from `--cpus`: "coordinator" keeps every shard, "coordinator/K" one shard.
+      env: every role's environment (default: this one's, unbuffered).
+    """
+    island_ns, cpus = island_ns or {}, cpus or {}
+    env = env or dict(os.environ, PYTHONUNBUFFERED="1")  # each role sets glibc malloc itself (allocator.py)
+
+    def role(name: str, ns: str, address: list[str], *args: str, pin: str = "", group: str = "") -> Role:
         netns = ["ip", "netns", "exec", ns] if ns else []
-        command = netns + [sys.executable, "-u", str(TRAIN), f"--workdir={workdir}", f"--coordinator={address}",
-                           *overrides, *args]
-        pinned = cpus.get(pin or name)
+        command = netns + [sys.executable, "-u", str(TRAIN), f"--workdir={workdir}",
+                           f"--coordinator={','.join(address)}", *overrides, *args]
+        pinned = cpus.get(name) or cpus.get(pin)
         return Role(name, command, env, frozenset(pinned) if pinned else None, ns, group)
 
-    coordinator = ["--role=coordinator", *(["--insecure"] if _INSECURE.value else [])]
-    if secure is not None:
-        coordinator += secure["coordinator"]
-    roles = [role("coordinator", coordinator_ns, listen, *coordinator)]
-    for n in names:
-        args = ["--role=island", f"--island={n}", *(secure or {}).get(n, [])]
-        processes = _CONFIG.value.islands[n].num_processes
+    if len(listen) == 1:
+        roles = [role("coordinator", coordinator_ns, listen, *coordinator)]
+    else:  # one jax.distributed job of CPU processes: its service on shard 0, in the coordinator's namespace
+        roles = [role(f"coordinator/{k}", coordinator_ns, listen, *coordinator, f"--shard={k}",
+                      f"--shard_service={shard_service}", pin="coordinator", group="coordinator")
+                 for k in range(len(listen))]
+    for n in config.islands:
+        args = ["--role=island", f"--island={n}", *secure.get(n, [])]
+        processes, ns = config.islands[n].num_processes, island_ns.get(n, coordinator_ns)
         if processes == 1:
-            roles.append(role(f"island {n}", island_ns[n], dial, *args, pin=n))
+            roles.append(role(f"island {n}", ns, dial, *args, pin=n))
             continue
         # one jax.distributed job: its coordinator on process 0, in the island's namespace
-        port = _free_port_in(island_ns[n], "127.0.0.1") if island_ns[n] else _free_port("localhost")
+        port = island_port(ns)
         roles += [
-            role(f"island {n}/{i}", island_ns[n], dial, *args, f"--process_id={i}",
+            role(f"island {n}/{i}", ns, dial, *args, f"--process_id={i}",
                  f"--island_coordinator=localhost:{port}", pin=n, group=f"island {n}")
             for i in range(processes)
         ]
@@ -451,178 +521,6 @@ def _secure(workdir: str, names: list[str], addresses: list[str]) -> dict[str, l
     for n in names:
         roles[n] = [*tls, f"--config.comm.auth.token_file={made['token_files'][n]}"]
     return roles
-
-
-class _Output:
-    """A role's output pipe, forwarded line by line with the role's prefix."""
-
-    def __init__(self, role: str, pipe):
-        self.role, self.pipe, self.rest = role, pipe, b""
-        os.set_blocking(pipe.fileno(), False)
-
-    def read(self, write: Callable[[str], None]) -> bool:
-        """Forwards the complete lines in the pipe now; False at its end (after the last line, if unfinished)."""
-        while True:
-            try:
-                data = os.read(self.pipe.fileno(), 1 << 16)
-            except BlockingIOError:
-                return True
-            *lines, self.rest = (self.rest + data).split(b"\n")
-            if not data and self.rest:
-                lines, self.rest = [*lines, self.rest], b""
-            for line in lines:
-                write(f"[{self.role}] {line.decode('utf-8', 'replace')}\n")
-            if not data:
-                return False
-
-
-class Supervisor:
-    """Runs the roles of a run, once: starts them, forwards their output prefixed with their names, prints the
-    progress lines, starts a role that exits abnormally again (up to `restarts` times per role) and, once
-    one fails beyond that or on Ctrl-C, stops all of them. One thread: the output pipes are read with a
-    selector between the checks, so a restarted role's output is followed like the first one's, and
-    `preexec_fn` (CPU pinning, dying with the launcher) runs in a process without threads.
-
-    Args:
-      roles: the processes to run, started in this order.
-      restarts: times each role may be started again after exiting with a non-zero status or a signal;
-        0: stop every process at the first failure. A role that exits with status 0 is done.
-      out: where the lines go (default: sys.stdout at `run`).
-      interval: seconds between the progress polls and the checks of the processes.
-      grace: seconds the stopped processes get to end after SIGTERM, before SIGKILL.
-    """
-
-    def __init__(self, roles: list[Role], restarts: int = 0, out: TextIO | None = None, interval: float = 0.5,
-                 grace: float = 10.0):
-        if restarts < 0:
-            raise ValueError(f"restarts is {restarts}; it must be 0 or more")
-        self.roles = {r.name: r for r in roles}
-        self.restarts, self.out, self.interval, self.grace = restarts, out, interval, grace
-        self.procs: dict[str, subprocess.Popen] = {}
-        self.outputs: dict[str, _Output] = {}  # the newest process's output of each role
-        self.restarted = dict.fromkeys((r.group or r.name for r in roles), 0)  # per role, or per island group
-        self.selector = selectors.DefaultSelector()
-
-    def run(self, progress: Callable[[], list[str]] = list) -> tuple[str, int] | None:
-        """Starts every role and supervises them until all have ended. `progress()` gives the progress lines
-        to print since its last call (polled every `interval` and once more at the end of a run that
-        succeeded). Returns None when every role ended with status 0, else (role, status) of the failure
-        that stopped the run: ("launch", 130) on Ctrl-C, and a negative status for a signal."""
-        self.out = self.out or sys.stdout
-        failed = None
-        try:
-            for role in self.roles.values():  # every process first, then the loop
-                proc = self._spawn(role)
-                inside = f" in namespace {role.netns}" if role.netns else ""
-                on = f" on CPUs {','.join(map(str, sorted(role.cpus)))}" if role.cpus else ""
-                self._say(f"started {role.name} (pid {proc.pid}){inside}{on}")
-            while failed is None and not all(p.poll() == 0 for p in self.procs.values()):  # a failure: to _check
-                self._pump(self.interval)
-                self._progress(progress)
-                failed = self._check()
-            if failed is None:
-                self._progress(progress)
-        except KeyboardInterrupt as e:
-            signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a second signal (schedulers repeat it) stops nothing
-            signum = e.args[0] if e.args and isinstance(e.args[0], int) else signal.SIGINT
-            failed = ("launch", 128 + signum)
-            self._say("interrupted; stopping every process" if signum == signal.SIGINT else
-                      f"{signal.Signals(signum).name}: stopping every process (each finishes the checkpoint it "
-                      f"is writing, for up to {self.grace:g} s)")
-        finally:
-            self._stop()
-            self._pump(5.0, until_quiet=True)
-            self.selector.close()
-        return failed
-
-    def _spawn(self, role: Role) -> subprocess.Popen:
-        proc = subprocess.Popen(role.command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=role.env,
-                                preexec_fn=functools.partial(_start_role, role.cpus))
-        self.procs[role.name] = proc
-        self.outputs[role.name] = _Output(role.name, proc.stdout)
-        self.selector.register(proc.stdout, selectors.EVENT_READ, self.outputs[role.name])
-        return proc
-
-    def _write(self, text: str) -> None:
-        self.out.write(text)
-        self.out.flush()
-
-    def _say(self, line: str) -> None:
-        self._write(f"[launch] {line}\n")
-
-    def _progress(self, progress: Callable[[], list[str]]) -> None:
-        counts = ", ".join(f"{role} {n}" for role, n in self.restarted.items() if n)
-        for line in progress():
-            self._say(line + (f" | restarts: {counts}" if counts else ""))
-
-    def _forward(self, output: _Output) -> bool:
-        """The pipe's complete lines now; False (and it is closed) at its end."""
-        if output.read(self._write):
-            return True
-        self.selector.unregister(output.pipe)
-        output.pipe.close()
-        return False
-
-    def _pump(self, seconds: float, until_quiet: bool = False) -> None:
-        """Forwards output for `seconds`, or until a pipe ends (a process probably did), or with
-        `until_quiet` until every pipe has ended."""
-        deadline = time.monotonic() + seconds
-        while (left := deadline - time.monotonic()) > 0:
-            if not self.selector.get_map():
-                if until_quiet:
-                    return
-                time.sleep(left)
-                return
-            ended = [key.data for key, _ in self.selector.select(left) if not self._forward(key.data)]
-            if ended and not until_quiet:
-                return
-
-    def _check(self) -> tuple[str, int] | None:
-        """Restarts the roles that failed with restarts left; the first failure beyond them, if any."""
-        exited = [(role, p.returncode) for role, p in self.procs.items() if p.poll() is not None]
-        failures = [(role, code) for role, code in exited if code != 0]
-        for role, _ in failures:  # their last lines come before the launcher's line about them
-            if not self.outputs[role].pipe.closed:
-                self._forward(self.outputs[role])
-        fatal = [(role, code) for role, code in failures if self.restarted[self._unit(role)] >= self.restarts]
-        if fatal:
-            for role, code in failures:
-                self._say(f"{role} exited with status {code}; stopping the other processes")
-            return fatal[0]
-        failed = dict(failures)
-        for unit in dict.fromkeys(self._unit(role) for role in failed):
-            self.restarted[unit] += 1
-            members = [name for name, r in self.roles.items() if (r.group or name) == unit]
-            others = [name for name in members if name not in failed]
-            if others:  # the processes of one island restart together
-                self._say(f"{', '.join(n for n in members if n in failed)} of {unit} failed; stopping its other "
-                          f"processes ({', '.join(others)})")
-                self._stop(others)
-            for name in members:
-                proc = self._spawn(self.roles[name])
-                why = f"exited with status {failed[name]}" if name in failed else "was stopped with it"
-                self._say(f"{name} {why}; restarting it (restart {self.restarted[unit]} of {self.restarts}, "
-                          f"pid {proc.pid})")
-        return None
-
-    def _unit(self, role: str) -> str:
-        """What restarts as one: the role, or the island whose process it is."""
-        return self.roles[role].group or role
-
-    def _stop(self, names: list[str] | None = None) -> None:
-        """SIGTERM to every process (of `names`, default all) still running; SIGKILL to those still running
-        `grace` seconds later."""
-        procs = [p for name, p in self.procs.items() if names is None or name in names]
-        for p in procs:
-            if p.poll() is None:
-                p.terminate()
-        deadline = time.time() + self.grace
-        for p in procs:
-            try:
-                p.wait(timeout=max(deadline - time.time(), 0.1))
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait()
 
 
 def resumed_progress(workdir: str, names: list[str], rounds: int):

@@ -17,6 +17,14 @@ every address of its node at the port of `coordinator.addresses`; islands in its
 name (`auto:PORT`, resolved from the job's environment), others by the address given. TLS files and tokens go by
 path; no secret is written into a script. The job ends when every role has; the first role to fail stops the
 others and fails the job. A job that holds every role then writes the run's summary.json.
+
+A coordinator of K shards (`coordinator.shards`; K `addresses`, shard 0 first) is one component of K tasks on
+`nodes` 1 or K (one shard per node), started by one srun: task k is shard k (`--shard=$SLURM_PROCID`), every
+shard gets the `--coordinator` list `0.0.0.0:PORT_k,...` and `--shard_service` on the component's first node at
+`coordinator.shard_port` (their `jax.distributed` service), and the islands get every shard's address in
+`$IJ_COORDINATOR` (`auto:PORT`: shard k on the component's node k, or on its one node). The shards stop
+together: their srun has `--kill-on-bad-exit=1`, so one failed shard ends the others and the srun, which ends
+the job as any role does; submitting the job again restarts every role from its checkpoints.
 """
 
 from __future__ import annotations
@@ -34,11 +42,18 @@ from island_jax import hardware as hardware_lib
 
 _FLAGS: dict = {}  # the command line's flags (`cluster_lib.define_flags`), defined only when run as a script
 
-def _directives(p: cluster_lib.Placement, hardware: str) -> list[str]:
-    """The #SBATCH lines of one component: nodes, one task per node, and the scheduler fields given. An island's
-    nodes are its own (`--exclusive`, all their memory: `--mem=0`) unless `exclusive: false`; GPUs are asked for
-    as `--gres=gpu:devices_per_node` unless `gres` says otherwise."""
-    lines = [f"--nodes={p.nodes}", f"--ntasks={p.nodes}", "--ntasks-per-node=1"]
+def _tasks(p: cluster_lib.Placement, tasks: int) -> list[str]:
+    """Nodes and tasks of one component: `tasks` spread evenly on its nodes (one per node but for the shards of
+    a coordinator on one node)."""
+    return [f"--nodes={p.nodes}", f"--ntasks={tasks}", f"--ntasks-per-node={tasks // p.nodes}"]
+
+
+def _directives(p: cluster_lib.Placement, hardware: str, tasks: int) -> list[str]:
+    """The #SBATCH lines of one component: nodes, `tasks` (one per node, or every coordinator shard on one
+    node), and the scheduler fields given. An island's nodes are its own (`--exclusive`, all their memory:
+    `--mem=0`) unless `exclusive: false`; GPUs are asked for as `--gres=gpu:devices_per_node` unless `gres` says
+    otherwise."""
+    lines = _tasks(p, tasks)
     if p.role != "coordinator" and p.get("exclusive", True):
         lines += ["--exclusive", f"--mem={p.get('mem') or 0}"]
     elif p.get("mem"):
@@ -51,6 +66,11 @@ def _directives(p: cluster_lib.Placement, hardware: str) -> list[str]:
     if gres:
         lines.append(f"--gres={gres}")
     return lines + [str(x) for x in (p.get("extra_sbatch") or [])]
+
+
+def _no_address(name: str) -> str:
+    """The line that stops the job when `${name}_HOST` came out empty."""
+    return f'[ -n "${name}_HOST" ] || {{ echo "island_jax: no address for {name} in the node list" >&2; exit 1; }}'
 
 
 def _env_name(role: str) -> str:
@@ -99,7 +119,8 @@ def render(config, cluster: cluster_lib.Cluster, config_args: list[str], workdir
 
 
 def _script(config, cluster, config_args, workdir, placements, group) -> str:
-    port = cluster.port
+    port, shards = cluster.port, cluster.shards
+    tasks = lambda p: shards if p.role == "coordinator" else p.nodes  # noqa: E731
     others = [p.role for p in cluster.placements() if p not in placements]
     lines = ["#!/bin/bash", f"# island_jax: {', '.join(p.role for p in placements)}"
              + (f" on cluster {group}" if group else "") + ", rendered by launch/slurm.py"]
@@ -113,7 +134,7 @@ def _script(config, cluster, config_args, workdir, placements, group) -> str:
         if k:
             lines.append("#SBATCH hetjob")
         hardware = "cpu" if p.role == "coordinator" else config.islands[p.role].hardware
-        lines += [f"#SBATCH {d}" for d in _directives(p, hardware)]
+        lines += [f"#SBATCH {d}" for d in _directives(p, hardware, tasks(p))]
     het = len(placements) > 1
     nodelist = (lambda k: f"$SLURM_JOB_NODELIST_HET_GROUP_{k}") if het else (lambda k: "$SLURM_JOB_NODELIST")
     first_host = lambda k: f'$(ij_first_address "{nodelist(k)}")'  # noqa: E731
@@ -123,26 +144,47 @@ def _script(config, cluster, config_args, workdir, placements, group) -> str:
         "ij_first_address() {",
         '  local node; node="$(scontrol show hostnames "$1" | head -n 1)"',
         '  scontrol show node "$node" -o | tr " " "\\n" | sed -n "s/^NodeAddr=//p"',
-        "}",
-        f"cd {shlex.quote(cluster.repo)}", "export PYTHONUNBUFFERED=1", "start=$SECONDS"]
+        "}"]
+    coordinator_here = cluster.coordinator in placements
+    spread = coordinator_here and shards > 1 and cluster.coordinator.nodes > 1 and cluster.host == "auto"
+    if spread:  # shard k on node k of the coordinator's component
+        lines += [
+            "# The address of node $2 (from 0) of a node list.",
+            "ij_node_address() {",
+            '  local node; node="$(scontrol show hostnames "$1" | sed -n "$(($2 + 1))p")"',
+            '  scontrol show node "$node" -o | tr " " "\\n" | sed -n "s/^NodeAddr=//p"',
+            "}"]
+    lines += [f"cd {shlex.quote(cluster.repo)}", "export PYTHONUNBUFFERED=1", "start=$SECONDS"]
     index = {p.role: k for k, p in enumerate(placements)}
     # Where the islands reach the coordinator, and where each island of several processes finds its process 0:
     # in the job's environment; a node list without an address stops the job before any role starts.
-    found = []
-    if cluster.host == "auto":
+    found, hosts = [], []
+    if cluster.host == "auto" and shards == 1:
         found.append(("IJ_COORDINATOR", first_host(index["coordinator"]), port))
+    elif cluster.host == "auto":  # every shard's address, from the coordinator's node list
+        each = (lambda k: f'$(ij_node_address "{nodelist(index["coordinator"])}" {k})') if spread else (
+            lambda k: first_host(index["coordinator"]))
+        hosts = [(f"IJ_COORDINATOR_{k}", each(k)) for k in range(shards if spread else 1)]
     else:
-        lines.append(f"export IJ_COORDINATOR={shlex.quote(cluster.addresses[0])}")
+        lines.append(f"export IJ_COORDINATOR={shlex.quote(','.join(cluster.addresses))}")
+    if coordinator_here and shards > 1:
+        found.append(("IJ_SHARD_SERVICE", first_host(index["coordinator"]), cluster.shard_port))
     found += [(_env_name(p.role), first_host(index[p.role]), cluster.island_port)
               for p in placements if p.role != "coordinator" and p.nodes > 1]
+    for name, expression in hosts:
+        lines += [f'{name}_HOST="{expression}"', _no_address(name)]
+    if hosts:
+        lines.append('export IJ_COORDINATOR="' + ",".join(f"${hosts[k if spread else 0][0]}_HOST:{p}"
+                                                          for k, p in enumerate(cluster.ports)) + '"')
     for name, expression, at in found:
-        lines += [f'{name}_HOST="{expression}"',
-                  f'[ -n "${name}_HOST" ] || {{ echo "island_jax: no address for {name} in the node list" >&2; exit 1; }}',
-                  f'export {name}="${name}_HOST:{at}"']
+        lines += [f'{name}_HOST="{expression}"', _no_address(name), f'export {name}="${name}_HOST:{at}"']
     dial = "$IJ_COORDINATOR"
     lines += ["", "pids=()"]
     for k, p in enumerate(placements):
-        if p.role == "coordinator":
+        if p.role == "coordinator" and shards > 1:  # one task per shard, all in one step: they end together
+            command = cluster_lib.role_command(cluster, "coordinator", config_args, workdir, cluster.listen,
+                                               shard="$SLURM_PROCID", shard_service="$IJ_SHARD_SERVICE")
+        elif p.role == "coordinator":
             command = cluster_lib.role_command(cluster, "coordinator", config_args, workdir, f"0.0.0.0:{port}")
         else:
             several = p.nodes > 1
@@ -152,8 +194,9 @@ def _script(config, cluster, config_args, workdir, placements, group) -> str:
                 island_coordinator=f"${_env_name(p.role)}" if several else None)
         env = " ".join(f"{k_}={shlex.quote(v)}" for k_, v in p.env.items())
         inner = (f"env {env} " if env else "") + command.shell()
-        srun = ["srun", *([f"--het-group={k}"] if het else []), f"--nodes={p.nodes}", f"--ntasks={p.nodes}",
-                "--ntasks-per-node=1", "--label", "bash", "-c", shlex.quote(inner)]
+        together = ["--kill-on-bad-exit=1"] if p.role == "coordinator" and shards > 1 else []
+        srun = ["srun", *([f"--het-group={k}"] if het else []), *_tasks(p, tasks(p)), *together, "--label", "bash",
+                "-c", shlex.quote(inner)]
         lines += [f"# {p.role}", " ".join(srun) + " &", "pids+=($!)"]
     lines += [
         "",

@@ -38,6 +38,15 @@ stays on its VM for the next launch to append to. The script's header shows how 
 The coordinator listens on every address of its VM at the port of `coordinator.addresses`, and the islands dial
 that address as given (a name or IP the TPU VMs can reach; docs/launch.md). TLS files and token files go by path
 (`cluster.role_command` adds them as config overrides): no secret value is written into the script.
+
+A coordinator of K shards (`coordinator.shards`, K `addresses`) runs on one CPU VM (`vm: NAME`: K processes
+there, each at the port of its address, their `jax.distributed` service on `localhost:SHARD_PORT`) or on K
+(`vm: [NAME, ...]`, shard k on VM k; step 1 also asks gcloud for VM 0's internal IP,
+`gcloud compute instances describe`, where the service listens, so `coordinator.shard_port` must be open
+between those VMs). Shard k is one more ssh session, `--shard=k` with the `--coordinator` list
+`0.0.0.0:PORT_k,...` and `--shard_service`, logging to `coordinator-k.log`; every island dials the whole list.
+The shards are one `jax.distributed` job: when one fails the others end on their own (heartbeat timeout), and
+they are started again together, by running the script again.
 """
 
 from __future__ import annotations
@@ -56,9 +65,12 @@ from island_jax import cluster as cluster_lib
 _FLAGS: dict = {}  # the command line's flags (`cluster_lib.define_flags`), defined only when run as a script
 
 DESCRIBE_FORMAT = "value(networkEndpoints[0].ipAddress)"
+VM_FORMAT = "value(networkInterfaces[0].networkIP)"  # a CPU VM's internal IP (`gcloud compute instances describe`)
 # Stands for worker 0's IP inside a remote command until the command is quoted for this machine's shell. Only
 # characters shlex.quote leaves bare, so the remote quoting never wraps it.
 _IP_MARK = "@IJ_WORKER0_IP@"
+_SHARD0_MARK = "@IJ_SHARD0_IP@"  # the same for coordinator shard 0's VM, with shards on VMs of their own
+_SHARD0_VARIABLE = "IJ_SHARD0_IP"
 
 
 def _dq(text: str) -> str:
@@ -104,14 +116,37 @@ def _remote(cluster: cluster_lib.Cluster, p: cluster_lib.Placement, command: clu
     return line, log
 
 
-def _ssh(gcloud: list[str], p: cluster_lib.Placement, worker: str | None) -> list[str]:
-    """The words of `gcloud ... ssh` to the coordinator's VM (`worker` None) or to a worker of a TPU VM."""
+def _ssh(gcloud: list[str], p: cluster_lib.Placement, worker: str | None, vm: str = "") -> list[str]:
+    """The words of `gcloud ... ssh` to a coordinator's VM (`vm`, default `vm` of the placement; `worker` None)
+    or to a worker of a TPU VM."""
     q = shlex.quote
     if p.role == "coordinator":
-        return [*gcloud, "compute", "ssh", q(p.get("vm")), *(q(w) for w in _where(p)),
+        return [*gcloud, "compute", "ssh", q(vm or p.get("vm")), *(q(w) for w in _where(p)),
                 *(q(f) for f in p.get("ssh_flags", []))]
     return [*gcloud, "compute", "tpus", "tpu-vm", "ssh", q(p.get("tpu")), *(q(w) for w in _where(p)),
             *(q(f) for f in p.get("ssh_flags", [])), f"--worker={worker}"]
+
+
+def _shards(cluster: cluster_lib.Cluster, p: cluster_lib.Placement, config_args: list[str], workdir: str,
+            folder: str, gcloud: list[str], spread: bool) -> list[str]:
+    """The lines that start each shard of a coordinator of several: one ssh session per shard, to its own VM
+    (`spread`: shard 0's IP spliced in from `_SHARD0_VARIABLE`) or all to the one VM (service on localhost)."""
+    q, vms = shlex.quote, cluster.vms
+    service = f"{_SHARD0_MARK if spread else 'localhost'}:{cluster.shard_port}"
+    lines = [f"# coordinator: {cluster.shards} shards on CPU VM{'s' if spread else ''} {', '.join(vms)}, listening "
+             f"on {', '.join(cluster.listen)}; islands dial {','.join(cluster.addresses)}"]
+    for k in range(cluster.shards):
+        command = cluster_lib.role_command(cluster, "coordinator", config_args, workdir, cluster.listen,
+                                           shard=str(k), shard_service=service)
+        remote, log = _remote(cluster, p, command, folder, f"coordinator-{k}")
+        if remote.count(_SHARD0_MARK) != (1 if spread else 0):
+            raise cluster_lib.ClusterError(f"coordinator: a path or override holds {_SHARD0_MARK}, which this "
+                                           "launcher writes for shard 0's address; rename it")
+        splice = {_SHARD0_MARK: _SHARD0_VARIABLE} if spread else {}
+        lines += [" ".join([*_ssh(gcloud, p, None, vms[k] if spread else vms[0]),
+                            "--command=" + _single_quoted(remote, splice)])
+                  + f" || failed coordinator/{k} $? {q(log)} &", "pids+=($!)"]
+    return lines
 
 
 def render(config, cluster: cluster_lib.Cluster, config_args: list[str], workdir: str, *,
@@ -138,7 +173,7 @@ def render(config, cluster: cluster_lib.Cluster, config_args: list[str], workdir
     if not here:
         raise cluster_lib.ClusterError("no role of the cluster description has scheduler: tpu_vm; nothing to render "
                                        "(launch/slurm.py and launch/k8s.py start the others)")
-    port, address = cluster.port, cluster.addresses[0]
+    port, address = cluster.port, ",".join(cluster.addresses)  # every shard's, shard 0 first
     variables = {p.role: _ip_variable(p.role) for p in here if p.role != "coordinator" and p.nodes > 1}
     if len(set(variables.values())) < len(variables):
         raise cluster_lib.ClusterError(f"islands {', '.join(variables)} make the same shell variable names; name "
@@ -181,6 +216,24 @@ def render(config, cluster: cluster_lib.Cluster, config_args: list[str], workdir
                     f"(gcloud compute tpus tpu-vm describe {tpu})", var),
         ]
 
+    shards, vms = cluster.shards, cluster.vms
+    spread = cluster.coordinator.scheduler == "tpu_vm" and shards > 1 and len(vms) > 1  # a VM per shard
+    if spread:
+        p = cluster.coordinator
+        where = f"CPU VM {vms[0]} (coordinator.vm[0]) in zone {p.get('zone')}"
+        describe = [*gcloud_words, "compute", "instances", "describe", q(vms[0]), *(q(w) for w in _where(p)),
+                    f"--format={q(VM_FORMAT)}"]
+        lines += [
+            "",
+            f"# coordinator shard 0: its VM's internal IP, where the shards' jax.distributed service listens "
+            f"(port {cluster.shard_port})",
+            f"{_SHARD0_VARIABLE}=$({' '.join(describe)}) || "
+            + _fail(f"could not describe {where}; check the name, zone and project (and gcloud auth list)"),
+            f"[[ ${_SHARD0_VARIABLE} =~ ^[0-9]+(\\.[0-9]+){{3}}$ ]] || "
+            + _fail(f"{where} gave '@VALUE@' as its internal IP, not an IPv4 address; is it RUNNING? "
+                    f"(gcloud compute instances describe {vms[0]})", _SHARD0_VARIABLE),
+        ]
+
     # Before any role starts: every VM answers, holds the checkout and the interpreter with island_jax installed
     # (`-P`: the working folder is not on the path, as it is not for experiments/train.py); and gcloud's one-time
     # ssh key set-up for a TPU VM happens in one session, not in one per worker at once.
@@ -189,15 +242,19 @@ def render(config, cluster: cluster_lib.Cluster, config_args: list[str], workdir
     lines += ["", "# Every VM reachable, with the checkout (repo) and python with island_jax installed, before any role "
                   "starts"]
     for p in here:
-        what = (f"CPU VM {p.get('vm')} (coordinator.vm)" if p.role == "coordinator"
-                else f"every worker of TPU VM {p.get('tpu')} (islands.{p.role}.tpu)")
-        words = [*_ssh(gcloud_words, p, "all"), "--command=" + _single_quoted(check, {})]
-        lines.append(" ".join(words) + " || " + _fail(
-            f"could not run {cluster.python} with island_jax in {cluster.repo} (python, repo) on {what}; the error "
-            f"is above. Every VM needs the checkout and island_jax installed from it: {install}"))
+        for vm in (dict.fromkeys(vms) if p.role == "coordinator" else [""]):
+            what = (f"CPU VM {vm} (coordinator.vm)" if p.role == "coordinator"
+                    else f"every worker of TPU VM {p.get('tpu')} (islands.{p.role}.tpu)")
+            words = [*_ssh(gcloud_words, p, "all", vm), "--command=" + _single_quoted(check, {})]
+            lines.append(" ".join(words) + " || " + _fail(
+                f"could not run {cluster.python} with island_jax in {cluster.repo} (python, repo) on {what}; the "
+                f"error is above. Every VM needs the checkout and island_jax installed from it: {install}"))
 
     lines += ["", "pids=()"]
     for p in here:
+        if p.role == "coordinator" and shards > 1:
+            lines += _shards(cluster, p, config_args, workdir, folder, gcloud_words, spread)
+            continue
         if p.role == "coordinator":
             command = cluster_lib.role_command(cluster, "coordinator", config_args, workdir, f"0.0.0.0:{port}")
             remote, log = _remote(cluster, p, command, folder, "coordinator")

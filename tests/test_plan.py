@@ -107,6 +107,72 @@ def test_the_coordinators_memory_cpu_and_link():
     assert p.coordinator_bytes_per_day == pytest.approx(2 * 3 * 2e9 * 86400 / p.wall_seconds, rel=1e-12)
 
 
+def small_coordinator(shards):
+    """1e9 parameters, bf16 (2e9 bytes each way), three islands on 10 Gbit/s links; the merge takes params x
+    (10 + 2 x 3) ns, on 4 cores and a 15 Gbit/s link a shard."""
+    islands = [IslandSpec(n, step_seconds=0.5, inner_steps=100, link=LinkSpec(10.0)) for n in ("a", "b", "c")]
+    coordinator = CoordinatorSpec(gbps=15.0, cores=4, fixed_ns_per_param=10.0, per_island_ns_per_param=2.0,
+                                  shards=shards)
+    return plan(ModelSpec(1e9), islands, OuterSpec(codec="bf16"), coordinator)
+
+
+def test_a_coordinator_cut_into_shards_gives_each_its_share():
+    one, two = small_coordinator(1), small_coordinator(2)
+    # master, momentum, view: 4 B a parameter each, the merge's new ones beside them, 3 contributions and the update
+    whole = 2 * 3 * 4 * 1e9 + 3 * 2e9 + 2e9
+    assert one.coordinator_memory["total"] == two.coordinator_memory["total"] == one.shard_memory["total"] == whole
+    assert two.shard_memory == dict(master=2e9, momentum=2e9, view=2e9, merged_state=6e9,
+                                    buffered_contributions=3e9, kept_update=1e9, total=whole / 2)
+    cpu = 1e9 * (10 + 2 * 3) * 1e-9  # 16 s a round, all shards together
+    assert two.coordinator_cpu_seconds == pytest.approx(cpu, rel=1e-12)
+    assert (one.shard_cpu_seconds, two.shard_cpu_seconds) == (pytest.approx(cpu, rel=1e-12), pytest.approx(cpu / 2, rel=1e-12))
+    assert (one.merge_seconds, two.merge_seconds) == (pytest.approx(cpu / 4, rel=1e-12), pytest.approx(cpu / 8, rel=1e-12))
+    # each shard takes its half of the 3 contributions in and of the 3 updates out, on its own 15 Gbit/s
+    assert (one.shard_bytes, two.shard_bytes) == ((6e9, 6e9), (3e9, 3e9))
+    assert two.shard_link_seconds == (pytest.approx(3e9 * 8 / 15e9, rel=1e-12),) * 2  # 1.6 s each way
+    # three islands get 15 / 3 Gbit/s of one coordinator's link; of two shards' links, their own 10
+    assert [r.rate_gbps for r in one.islands] == [5.0] * 3 and [r.rate_gbps for r in two.islands] == [10.0] * 3
+    assert "per shard" not in str(one) and "over 4 cores" in str(one)
+    assert ("over 2 x 4 cores" in str(two) and "coordinator per shard (2 shards by chunk range, each 1/2 within a "
+            "chunk per fragment): memory 16 GB (within a host's 2 TB); CPU 8 s/round, 2 s over 4 cores; 3 GB in and "
+            "3 GB out per round, 1.6 s in and 1.6 s out on its own 15 Gbit/s link;" in str(two))
+
+
+def test_a_shard_over_a_hosts_memory_names_the_fewest_shards_that_fit():
+    islands = [IslandSpec(n, step_seconds=1.0, inner_steps=100) for n in ("a", "b", "c")]
+    p = plan(ModelSpec(2e11), islands, OuterSpec(codec="bf16"), CoordinatorSpec(shards=2))
+    whole = 2 * 3 * 4 * 2e11 + 3 * 4e11 + 4e11  # 6.4e12 bytes: 3.2e12 a shard of 2
+    assert p.coordinator_memory["total"] == whole and p.shard_memory["total"] == whole / 2
+    assert p.fewest_shards == math.ceil(whole / 2e12) == 4
+    assert "memory 3.2 TB (more than a host's 2 TB: 4 shards would fit)" in str(p)
+    assert plan_lib.fewest_shards(2e12) == 1 and plan_lib.fewest_shards(2e12 + 1) == 2 and plan_lib.fewest_shards(0.0) == 1
+
+
+def _fenced(path, first):
+    """The lines of the fenced block of docs/`path` whose first line starts with `first`."""
+    with open(os.path.join(ROOT, "docs", path), encoding="utf-8") as f:
+        blocks = f.read().split("```")[1::2]
+    return next(b.strip("\n").splitlines() for b in blocks if b.lstrip("\n").startswith(first))
+
+
+def frontier(**coordinator):
+    """docs/planner.md's frontier example."""
+    isl = [IslandSpec(n, num_devices=1024, hardware="h100", batch_size=2048, seq_len=4096, inner_steps=100,
+                      link=LinkSpec(25.0, 150.0)) for n in ("us", "eu")]
+    return plan(ModelSpec(671e9, 37e9, 61), isl, OuterSpec(fragments=4, overlap_steps="auto"),
+                CoordinatorSpec(gbps=100.0, **coordinator))
+
+
+def test_the_docs_print_what_the_planner_prints_with_one_shard_and_sixteen():
+    assert str(frontier(cores=512)).splitlines() == _fenced("planner.md", "model: 671 G")
+    one, sixteen = frontier(cores=512), frontier(cores=32, shards=16)
+    assert _fenced("cluster.md", "coordinator: ") == [line for line in str(sixteen).splitlines()
+                                                      if line.startswith("coordinator")]
+    # the same 512 cores in all: the islands' rounds are those of one coordinator
+    assert str(sixteen).splitlines()[:7] == str(one).splitlines()[:7]
+    assert sixteen.shard_memory["total"] == one.coordinator_memory["total"] / 16
+
+
 def test_a_window_caps_the_rate_and_the_plan_says_what_would_raise_it():
     link = LinkSpec(25.0, 100.0, connections=4, window_bytes=1 << 20)
     one = (1 << 20) * 8 / (0.1 + (1 << 16) * 8 / 25e9) / 1e9  # Gbit/s of one connection: a window per RTT + a segment
@@ -210,6 +276,10 @@ def test_bad_input_names_the_field():
         plan(ModelSpec(1e9), [IslandSpec("a", step_seconds=1.0, inner_steps=4)], OuterSpec(fragments=8))
     with pytest.raises(PlanError, match="overlap_steps is 4 but island 'a' has inner_steps 4"):
         plan(ModelSpec(1e9), [IslandSpec("a", step_seconds=1.0, inner_steps=4)], OuterSpec(overlap_steps=4))
+    with pytest.raises(PlanError, match=r"the coordinator's shards is 0 \(--coordinator_shards, or the config's coordinator.shards\)"):
+        plan(ModelSpec(1e9), [IslandSpec("a", step_seconds=1.0)], OuterSpec(), CoordinatorSpec(shards=0))
+    with pytest.raises(PlanError, match="shards is 1.5"):
+        plan(ModelSpec(1e9), [IslandSpec("a", step_seconds=1.0)], OuterSpec(), CoordinatorSpec(shards=1.5))
     with pytest.raises(PlanError, match="the coordinator's gbps is -5"):
         plan(ModelSpec(1e9), [IslandSpec("a", step_seconds=1.0)], OuterSpec(), CoordinatorSpec(gbps=-5.0))
     with pytest.raises(PlanError, match="step_seconds is inf"):
@@ -227,6 +297,15 @@ def test_bad_input_names_the_field():
     isl = plan_lib.parse_island("name=us,hardware=b200,devices=512,batch=1024,seq_len=8192,gbps=10,rtt_ms=150", LinkSpec())
     assert (isl.num_devices, isl.hardware, isl.tokens_per_step, isl.link) == (512, "b200", 1024 * 8192,
                                                                                LinkSpec(10.0, 150.0, 16, 0))
+
+
+def test_a_configs_coordinator_shards_are_planned():
+    config = get_config()
+    assert plan_lib.from_config(config)[3].shards == 1
+    config.coordinator.shards = 3
+    assert plan_lib.from_config(config)[3].shards == 3
+    del config["coordinator"]  # a config written before coordinator.shards: one process
+    assert plan_lib.from_config(config)[3].shards == 1
 
 
 def test_a_configs_model_counts_its_routed_experts_as_k_of_e():
@@ -286,6 +365,20 @@ def test_the_command_line_plans_a_config_and_a_frontier_model():
     )
     assert frontier.returncode == 0, frontier.stderr
     assert "671 Gparameters (37 Gactive)" in frontier.stdout
+    sharded = subprocess.run(
+        [*frontier.args, "--coordinator_gbps=100", "--coordinator_cores=32", "--coordinator_shards=16"],
+        cwd=ROOT, capture_output=True, text=True, timeout=300,
+    )
+    assert sharded.returncode == 0, sharded.stderr
+    assert "coordinator per shard (16 shards by chunk range" in sharded.stdout and "26.08 s over 16 x 32 cores" in sharded.stdout
+    refused = subprocess.run([*frontier.args, "--coordinator_shards=0"], cwd=ROOT, capture_output=True, text=True,
+                             timeout=300)
+    assert refused.returncode != 0 and "shards is 0 (--coordinator_shards" in refused.stderr
+    from_config = subprocess.run([sys.executable, "-m", "island_jax.plan", "--config=experiments/configs/two_islands.py",
+                                  "--step_seconds=0.19", "--config.coordinator.shards=3"],
+                                 cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert from_config.returncode == 0, from_config.stderr
+    assert "coordinator per shard (3 shards by chunk range" in from_config.stdout
     bad = subprocess.run([sys.executable, "-m", "island_jax.plan", "--island=name=a,gpus=8"], cwd=ROOT,
                          capture_output=True, text=True, timeout=300)
     assert bad.returncode != 0 and "'gpus=8' is not KEY=VALUE" in bad.stderr

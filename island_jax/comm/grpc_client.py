@@ -60,6 +60,8 @@ class GrpcTransport(Reconnecting):
         (`island.shards.Ownership`); None: the plan dealt out by bytes (`codec.deal`).
       keepalive_seconds: seconds between keepalive pings on each idle channel (`comm.keepalive_seconds`).
       backoff_cap_seconds: the longest pause between reconnect attempts (`comm.reconnect_backoff_cap_seconds`).
+      shard: (k, K): the coordinator at `address` is shard k of K (`coordinator.shards`); this process sends and
+        fetches only the chunks of its range (`codec.chunk_ranges`), named by a share bitmap. None: one process.
 
     Raises:
       SecurityError: unreadable TLS files.
@@ -85,7 +87,9 @@ class GrpcTransport(Reconnecting):
         shares: list[list[int]] | None = None,
         keepalive_seconds: float = KEEPALIVE_SECONDS,
         backoff_cap_seconds: float = RECONNECT_BACKOFF_CAP_SECONDS,
+        shard: tuple[int, int] | None = None,
     ):
+        self.shard = shard
         self.address, self.chunk_bytes = address, chunk_bytes
         self.part, self.parts = part, parts
         self._share_indices = shares
@@ -191,11 +195,19 @@ class GrpcTransport(Reconnecting):
           ExchangeError: the island's shares do not fit the coordinator's plans (another model, codec or
             comm.chunk_bytes).
         """
-        if self.parts <= 1:
+        shards = wire.owned_ranges(plans, self.shard)
+        if self.parts <= 1 and shards is None:
             return plans, [b""] * len(plans)
-        if self._share_indices is None:
+        if self.parts <= 1:
+            shares = [[plan[i] for i in owned] for plan, owned in zip(plans, shards)]
+            return shares, [wire.share_bitmap(s, plan) for s, plan in zip(shares, plans)]
+        if self._share_indices is None and shards is None:
             shares = [codec.deal(plan, self.parts)[self.part] for plan in plans]
             return shares, [b""] * len(plans)
+        if self._share_indices is None:
+            shares = [[c for c in codec.deal(plan, self.parts)[self.part] if c.index in owned]
+                      for plan, owned in zip(plans, shards)]
+            return shares, [wire.share_bitmap(s, plan) for s, plan in zip(shares, plans)]
         if len(self._share_indices) != len(plans) or any(
             i < 0 or i >= len(plan) for plan, share in zip(plans, self._share_indices) for i in share
         ):
@@ -205,6 +217,8 @@ class GrpcTransport(Reconnecting):
                 "comm.chunk_bytes differs from the coordinator's"
             )
         shares = [[plan[i] for i in share] for plan, share in zip(plans, self._share_indices)]
+        if shards is not None:
+            shares = [[c for c in share if c.index in owned] for share, owned in zip(shares, shards)]
         return shares, [wire.share_bitmap(share, plan) for share, plan in zip(shares, plans)]
 
     def _why_not(self, island: str, probe: pb.JoinRequest) -> None:

@@ -85,6 +85,8 @@ class InProcessTransport:
       timeout: seconds `fetch_update` waits for a merge before raising `UpdateNotReady`
         (`comm.round_timeout_seconds`).
       join_timeout: seconds `join` and `start_together` wait (`comm.join_timeout_seconds`).
+      shard: (k, K): the exchange serves coordinator shard k of K; the island sends it only its range's chunks
+        (`codec.chunk_ranges`), named by a share bitmap. None: one coordinator.
     """
 
     def __init__(
@@ -94,8 +96,9 @@ class InProcessTransport:
         connections: int = 1,
         timeout: float = 3600.0,
         join_timeout: float = 600.0,
+        shard: tuple[int, int] | None = None,
     ):
-        self.exchange, self.link, self.connections = exchange, link, connections
+        self.exchange, self.link, self.connections, self.shard = exchange, link, connections, shard
         self.timeout, self.join_timeout = timeout, join_timeout
         self.pipelined = False  # the update's chunks are booked on the link after the contribution's
         self._stats: dict[tuple[int, int], SyncStats] = {}  # (fragment, round) -> its exchange; under the lock
@@ -152,9 +155,10 @@ class InProcessTransport:
         with ex.lock:
             ex.check()
             c = ex.served(self.join_timeout)
-            plan = c.fragments[fragment].plan
+            plan, bitmap = self._share(c, fragment)
             n = wire.stream_count(self.connections, plan)
-            frames = wire.payload_header(header, ex.layouts[fragment], n, len(payload), wire.new_attempt(), c.incarnation)
+            frames = wire.payload_header(header, ex.layouts[fragment], n, len(payload), wire.new_attempt(), c.incarnation,
+                                         share=bitmap)
             sent = wire.contribution_frame_bytes(frames, plan, n)
             try:
                 status = ex.contribute(frames, payload, sent)
@@ -164,6 +168,16 @@ class InProcessTransport:
             for key in [k for k in self._stats if k[0] == fragment and k[1] < round - 1]:  # keep the last few
                 del self._stats[key]
         return "accepted" if status == "duplicate" else status
+
+    def _share(self, c, fragment: int) -> tuple[list, bytes]:
+        """The chunks of `fragment`'s plan this island sends the served coordinator, and their share bitmap
+        (b"" for all of them: one coordinator process)."""
+        plan = c.fragments[fragment].plan
+        owned = wire.owned_ranges([plan], self.shard)
+        if owned is None:
+            return plan, b""
+        share = [plan[k] for k in owned[0]]
+        return share, wire.share_bitmap(share, plan)
 
     def fetch_update(self, round: int, island: str, fragment: int = 0) -> bytes:
         """The update of `round` of `fragment`: the fragment's `codec` payload (`payload_bytes` of that
@@ -189,8 +203,9 @@ class InProcessTransport:
                         ex.notify()
                     else:
                         ex.lock.wait(timeout=0.5)
-            plan = c.fragments[fragment].update_plan
-            trailer = ex.update_trailer(fragment, round, island)
+            share, bitmap = self._share(c, fragment)
+            plan = [c.fragments[fragment].update_plan[k.index] for k in share]
+            trailer = ex.update_trailer(fragment, round, island, bitmap=bitmap)
             if trailer.inner_steps:  # the plan travels with the update, as in the gRPC trailer
                 self._planned[island] = trailer.inner_steps
             received = wire.update_frame_bytes(trailer, plan, wire.stream_count(self.connections, plan))

@@ -332,7 +332,7 @@ class ExchangeSession:
         CRC-32C of its chunk CRCs, the island's planned inner steps; of share `part` of `parts`, the share's."""
         c = self.coordinator.fragments[fragment]
         _, chunks, _ = c.update_chunks(round)
-        if parts > 1:  # a share: its own bytes and CRC
+        if parts > 1 or bitmap:  # a share (of a process, or of a coordinator shard's range): its own bytes and CRC
             indices = [k.index for k in wire.share_of(c.plan, part, parts, bitmap)]
             total = sum(len(chunks[k]) for k in indices)
             crc = wire.fold_crc32(wire.crc32(chunks[k]) for k in indices)

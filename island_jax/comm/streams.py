@@ -54,7 +54,7 @@ class Fetch:
                 method,
                 pb.FetchRequest(round=round, island=island, connection=i, connections=n, fragment=fragment,
                                 incarnation=incarnation, min_round=min_round, part=part,
-                                parts=parts if parts > 1 else 0, share=bitmap if parts > 1 else b""),
+                                parts=parts if parts > 1 else 0, share=bitmap),
                 i,
                 n,
             )

@@ -113,14 +113,24 @@ def share_bitmap(share: list[codec.Chunk], plan: list[codec.Chunk]) -> bytes:
     return np.packbits(bits, bitorder="little").tobytes()
 
 
+def owned_ranges(plans: list[list[codec.Chunk]], shard: tuple[int, int] | None) -> list[range] | None:
+    """Per fragment's plan, the chunk indices coordinator shard k of K owns (`codec.chunk_ranges`), for
+    `shard` = (k, K); None for None (one coordinator process)."""
+    if shard is None:
+        return None
+    k, count = shard
+    return [codec.chunk_ranges(plan, count)[k] for plan in plans]
+
+
 def share_of(plan: list[codec.Chunk], part: int, parts: int, bitmap: bytes = b"") -> list[codec.Chunk]:
     """The chunks of `plan` in share `part` of `parts`: those `bitmap` names (`share_bitmap`), or when it is empty
-    the plan dealt out by bytes (`codec.deal`); the whole plan when `parts` <= 1.
+    the plan dealt out by bytes (`codec.deal`); the whole plan when `parts` <= 1 and no bitmap is given (an island
+    of one process sends a coordinator shard its range by a bitmap).
 
     Raises:
       WireError: a bitmap of another length than the plan's chunks need.
     """
-    if parts <= 1:
+    if parts <= 1 and not bitmap:
         return plan
     if not bitmap:
         return codec.deal(plan, parts)[part]
@@ -144,7 +154,7 @@ def payload_header(
         params_checksum=header.params_checksum or "", step_seconds=header.step_seconds or 0.0, streams=streams,
         total_bytes=total_bytes, fragment=header.fragment, attempt=attempt, incarnation=incarnation, part=part,
         parts=parts if parts > 1 else 0,  # one process: the header of before (no share fields)
-        share=share if parts > 1 else b"",
+        share=share,  # b"" but of several processes, or of a coordinator shard's range
     )
 
 

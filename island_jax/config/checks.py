@@ -65,6 +65,8 @@ def validate(
     _check_checkpoint(config.checkpoint)
     _check_eval(config.eval)
     _check_data(config)
+    if "coordinator" in config:  # a config saved before the section existed has none
+        _check_coordinator(config.coordinator)
     for key in ("initialization_timeout_seconds", "heartbeat_timeout_seconds", "shutdown_timeout_seconds"):
         _require(config.distributed[key] >= 1, f"distributed.{key} is {config.distributed[key]}; use at least 1 s")
     if "metrics" in config:  # a config saved before the section existed has none
@@ -254,6 +256,10 @@ def _check_comm(comm: ml_collections.ConfigDict) -> None:
         link.bandwidth_gbps > 0 or (link.latency_ms == 0 and link.window_bytes == 0),
         "comm.link.latency_ms and window_bytes only apply to an emulated link; set comm.link.bandwidth_gbps too",
     )
+
+
+def _check_coordinator(c: ml_collections.ConfigDict) -> None:
+    _require(c.shards >= 1, f"coordinator.shards is {c.shards}; use 1 (one process) or more")
 
 
 def _check_checkpoint(ckpt: ml_collections.ConfigDict) -> None:

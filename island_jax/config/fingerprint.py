@@ -40,6 +40,9 @@ def fingerprint_fields(config: ml_collections.ConfigDict) -> dict:
     if config.data.get("prepared", ""):
         fields["data.sharing"] = sharing(config, list(config.islands.keys()))
     fields["seed"] = config.seed
+    shards = config.coordinator.shards if "coordinator" in config else 1
+    if shards > 1:  # which shard owns which chunks (a single coordinator's fingerprint is as it was)
+        fields["coordinator.shards"] = shards
     return fields
 
 

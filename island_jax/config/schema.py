@@ -123,6 +123,7 @@ def default_config() -> ml_collections.ConfigDict:
     c.eval = _eval()
     c.comm = _comm()
     c.checkpoint = _checkpoint()
+    c.coordinator = _coordinator()
     c.distributed = _distributed()
     c.metrics = _metrics()
     return c
@@ -141,6 +142,16 @@ def _metrics() -> dict:
             entity="",  # the W&B entity (team or user); "": the account's default
             mode="",  # online | offline | disabled; "": WANDB_MODE, else online
         ),
+    )
+
+
+def _coordinator() -> dict:
+    """`coordinator`: the coordinator's processes (docs/cluster.md, "A coordinator of several hosts")."""
+    return dict(
+        # K: processes the coordinator is cut into by chunk range; shard k holds the master, outer optimizer state
+        # and island view of range k of every fragment's chunk plan. 1: one process. Their addresses are the
+        # --coordinator flag's list (HOST:PORT,..., shard 0 first; a cluster file's coordinator.addresses)
+        shards=1,
     )
 
 

@@ -26,13 +26,14 @@ class Contribution:
     tokens: int
     chunks: dict[int, tuple[np.ndarray, np.ndarray]] = field(default_factory=dict)
     ended: bool = False  # its stream(s) ended well (`end_contribution`): nothing after its chunks was refused
+    everywhere: bool = True  # on the leader of coordinator shards: complete on every other shard too
 
     def has_chunks(self, num_chunks: int) -> bool:
         return len(self.chunks) == num_chunks
 
     def complete(self, num_chunks: int) -> bool:
         """Every chunk is in and the contribution was closed: it may be merged into a finished round."""
-        return self.ended and self.has_chunks(num_chunks)
+        return self.ended and self.everywhere and self.has_chunks(num_chunks)
 
     def check_chunk(self, round: int, index: int, nbytes: int, plan: list) -> None:
         """Raises ContributionError for an index the plan lacks or this contribution has, or a size off the plan."""

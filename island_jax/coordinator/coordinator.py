@@ -20,8 +20,10 @@ import ml_collections
 from island_jax.config import fingerprint_fields
 from island_jax.coordinator import handshake
 from island_jax.coordinator.fragment import FragmentCoordinator
+from island_jax.coordinator.partial_merge import RoundRecord, merge_stats
+from island_jax.coordinator.shards import Shard, combine_stats
 from island_jax.model import stacking
-from island_jax.model.init import checksum
+from island_jax.model.init import checksum, combine_parts
 from island_jax.outer import codec
 from island_jax.outer import fragments as fragments_lib
 from island_jax.protocol import ContributionHeader
@@ -46,6 +48,8 @@ class Coordinator:
         float32, the view keeps the parameters' dtypes and is laid out in the per-layer form.
       islands: names of the islands expected to contribute every round.
       clock: seconds, monotonic (injectable for the quorum's grace window).
+      shard: of a coordinator of `coordinator.shards` processes, this shard (`shards.Shard`): it holds its range
+        of every fragment's chunks, and agrees with the others on each round's contributor set; None: one process.
 
     Raises:
       ValueError: more fragments than leaves, or a leaf neither float32 nor bfloat16.
@@ -59,9 +63,9 @@ class Coordinator:
 
     def __init__(
         self, config: ml_collections.ConfigDict, params: Any, islands: Sequence[str],
-        clock: Callable[[], float] = time.monotonic,
+        clock: Callable[[], float] = time.monotonic, shard: Shard | None = None,
     ):
-        self.config, self.islands = config, list(islands)
+        self.config, self.islands, self.shard = config, list(islands), shard
         self.fingerprint_fields = fingerprint_fields(config)
         # the outer loop's leaves are the per-layer form's: a stacked leaf's layer slices (NumPy views)
         by_layer = stacking.is_stacked(params)
@@ -69,10 +73,13 @@ class Coordinator:
         leaves = jax.tree.leaves(params)
         self.partition = fragments_lib.partition_params(params, config.outer.fragments, by_layer)
         self.fragments = [
-            FragmentCoordinator(config, [leaves[i] for i in idx], islands, clock) for idx in self.partition
+            FragmentCoordinator(config, [leaves[i] for i in idx], islands, clock, shard=shard, index=p)
+            for p, idx in enumerate(self.partition)
         ]
         for part in self.fragments:
             part.warm_up()
+            if shard is not None:
+                part.publish_view()
         self._treedef = jax.tree.structure(params)
         self._checksum: tuple[tuple, str] | None = None
         self.incarnation = uuid.uuid4().hex  # tells islands whether this coordinator restarted
@@ -115,8 +122,27 @@ class Coordinator:
         fragment merges again)."""
         key = tuple((f.round, f.generation) for f in self.fragments)
         if self._checksum is None or self._checksum[0] != key:
-            self._checksum = (key, checksum(self._whole(lambda f: f.view_leaves())))
+            if self.shard is None:
+                self._checksum = (key, checksum(self._whole(lambda f: f.view_leaves())))
+            else:  # every shard's parts of every fragment, keyed by the leaf's place in the whole tree
+                parts = [
+                    dict(digests={f"{idx[int(k.split(',')[0])]},{k.split(',')[1]}": v for k, v in part["digests"].items()},
+                         cut={f"{idx[int(k.split(',')[0])]},{k.split(',')[1]}": v for k, v in part["cut"].items()})
+                    for f, idx in zip(self.fragments, self.partition)
+                    for part in self.shard.gather("parts", f.index, f.round)
+                ]
+                self._checksum = (key, combine_parts(self.shapes, parts))
         return self._checksum[1]
+
+    def complete_record(self, record: RoundRecord, fragment: int) -> RoundRecord:
+        """Of the leader of coordinator shards: `record`'s statistics (norms, cosines, update bytes, codec error)
+        from every shard's partial sums of that round (waits for them); the record itself otherwise."""
+        if self.shard is None or not self.shard.leader:
+            return record
+        stats = combine_stats(self.shard.gather("stats", fragment, record.round + 1))
+        for key, value in merge_stats(record.contributors, **stats).items():
+            setattr(record, key, value)
+        return record
 
     def check_island(self, island: str, config_fingerprint: dict) -> None:
         """The handshake's check of a reconnecting island: its name and `config.fingerprint_fields` against ours,
@@ -156,6 +182,10 @@ class Coordinator:
         """
         handshake.check_island(island, self.islands, self.fingerprint_fields, config_fingerprint)
         handshake.check_corpus(island, config_fingerprint.get(handshake.CORPUS), self.corpus)
+        if self.shard is not None and not self.shard.leader:  # the leader admits; here the island is only known
+            for f in self.fragments:
+                f.joined.add(island)
+            return dict(round=self.round, checksum="", rejoin=False)
         rounds = [f.round for f in self.fragments]
         at_our_round = len(set(rounds)) == 1 and round == rounds[0]
         if at_our_round and (params_checksum == self.checksum or round == 0):
@@ -291,4 +321,6 @@ class Coordinator:
         """Continues from a checkpointed `state()`; islands at other rounds rejoin (`Coordinator.join`)."""
         for f, s in zip(self.fragments, state["fragments"]):
             f.load_state(s)
+            if self.shard is not None:
+                f.publish_view()
         self._checksum = None

@@ -18,10 +18,12 @@ import ml_collections
 import numpy as np
 
 from island_jax.config import fingerprint_fields
+from island_jax.model.init import combine_parts
 from island_jax.coordinator import handshake
 from island_jax.coordinator.contribution import Contribution
 from island_jax.coordinator.partial_merge import PartialMerge, RoundRecord
 from island_jax.coordinator.quorum import Quorum, RoundState
+from island_jax.coordinator.shards import Shard
 from island_jax.coordinator.state import FragmentState
 from island_jax.outer.inner_steps import plan_from_step_times
 from island_jax.protocol import ContributionError, ContributionHeader, StaleRoundError, UpdateNotReady
@@ -45,17 +47,21 @@ class FragmentCoordinator:
 
     def __init__(
         self, config: ml_collections.ConfigDict, params: Any, islands: Sequence[str],
-        clock: Callable[[], float] = time.monotonic,
+        clock: Callable[[], float] = time.monotonic, shard: Shard | None = None, index: int = 0,
     ):
         self.config = config
+        self.shard, self.index = shard, index  # of a coordinator of several shards: this one, and the fragment
         self.islands = list(islands)
         self.fingerprint_fields = fingerprint_fields(config)
-        self.pipeline = bool(config.comm.pipeline)
+        # a shard merges a round only once the leader's set is known (`poll`), so not chunk by chunk as they come
+        self.pipeline = bool(config.comm.pipeline) and shard is None
         self.weighting = config.outer.weighting
-        self._state = FragmentState(config, params)
+        self._state = FragmentState(config, params, owner=shard)
         self.codec, self.update_codec = self._state.codec, self._state.update_codec
         # one plan both ways, each in its own codec's bytes (`codec.chunk_plan`'s `other`)
         self.plan, self.payload_bytes = self._state.plan, self._state.payload_bytes
+        self.owned = self._state.owned  # the chunks whose rows this holds (all of them, but of a shard)
+        self.num_chunks = len(self.owned)
         self.update_plan, self.update_bytes = self._state.update_plan, self._state.update_bytes
         self.quorum = Quorum(config.outer.min_islands or len(self.islands), config.outer.grace_seconds, clock)
         self.joined: set[str] = set()
@@ -64,7 +70,8 @@ class FragmentCoordinator:
         self.step_seconds: dict[str, float] = {}  # median step time each island reported in round 0
         self.plan_steps: dict[str, int] = {}  # inner steps per island from round 1 on (outer.auto_from = measured)
         self.history: list[RoundRecord] = []
-        self._updates: dict[int, list[bytes]] = {}  # the latest merged round's update, chunk by chunk
+        self._updates: dict[int, dict[int, bytes]] = {}  # the latest merged round's update, chunk by chunk
+        self._checksums: dict[int, str] = {}  # of a shard: the whole view's checksum after a round, combined
         self._clock = clock
         self._round = RoundState(started_at=clock())  # replaced whole after each merge and on a restore
         self.held_from: int | None = None  # updates of this round and later are not served yet (`hold_updates`)
@@ -91,8 +98,21 @@ class FragmentCoordinator:
 
     @property
     def checksum(self) -> str:
-        """`model.init.checksum` of the island view (16 hex digits), computed when first asked for after each round."""
-        return self._state.checksum
+        """`model.init.checksum` of the island view (16 hex digits), computed when first asked for after each round
+        (of a shard: combined from every shard's part, `checksum_at`)."""
+        return self._state.checksum if self.shard is None else self.checksum_at(self.round)
+
+    def checksum_at(self, round: int) -> str:
+        """Of a coordinator shard: the checksum of the whole fragment's view after `round` rounds, from every
+        shard's `checksum_parts` (waits for them: `Shard.gather`)."""
+        if round not in self._checksums:
+            self._checksums = {r: c for r, c in self._checksums.items() if r >= round - 1}
+            self._checksums[round] = combine_parts(self._state.shapes_list(), self.shard.gather("parts", self.index, round))
+        return self._checksums[round]
+
+    def publish_view(self) -> None:
+        """Of a coordinator shard: publishes its part of the view it holds now (at start and after a restore)."""
+        self.shard.merged(self.index, self.round, self._state.checksum_parts(), None)
 
     @property
     def pending(self) -> dict[str, Contribution]:
@@ -128,8 +148,8 @@ class FragmentCoordinator:
         """Whether the current round waits for `island`: its quorum is not reached and the island has not
         contributed (so an island that joins now is admitted to this round)."""
         current = self._round
-        done = current.has_complete(island, len(self.plan))
-        return not done and not self.quorum.reached(current, self.islands, len(self.plan))
+        done = current.has_complete(island, self.num_chunks)
+        return not done and not self.quorum.reached(current, self.islands, self.num_chunks)
 
     def took_view(self, island: str) -> None:
         """Notes that `island` took the island view while the current round runs: the quorum then gives it
@@ -141,9 +161,9 @@ class FragmentCoordinator:
         """(seconds the round has waited since its first complete contribution with its quorum not reached,
         the islands it waits for); (0, []) when it is not stalled."""
         current = self._round
-        if current.first_complete_at is None or self.quorum.reached(current, self.islands, len(self.plan)):
+        if current.first_complete_at is None or self.quorum.reached(current, self.islands, self.num_chunks):
             return 0.0, []
-        waiting = current.waiting_for(self.islands, len(self.plan))
+        waiting = current.waiting_for(self.islands, self.num_chunks)
         # an island that rejoined (took the view) since is given the whole timeout from then
         since = max([current.first_complete_at, *(current.joined_at.get(n, 0.0) for n in waiting)])
         return self._clock() - since, waiting
@@ -180,14 +200,14 @@ class FragmentCoordinator:
         if status != "accepted":
             return "accepted" if status == "duplicate" else status
         view = memoryview(payload)
-        for chunk in self.plan:
+        for chunk in (self.plan[k] for k in self.owned):
             self.add_chunk(round, island, chunk.index, view[chunk.offset : chunk.offset + chunk.nbytes])
         return self.end_contribution(round, island)
 
     def _has(self, round: int, island: str) -> bool:
         """Whether the island's whole contribution to `round` is in: complete and waiting, or merged."""
         if round == self.round:
-            return self._round.has_complete(island, len(self.plan))
+            return self._round.has_complete(island, self.num_chunks)
         merged = [r for r in self.history if r.round == round]
         return bool(merged) and island in merged[-1].contributors
 
@@ -247,6 +267,10 @@ class FragmentCoordinator:
         if round != self.round or contribution is None:
             raise ContributionError(f"island {island!r} sent a chunk of round {round} without an open contribution")
         contribution.check_chunk(round, index, len(data), self.plan)
+        if index not in self.owned:
+            raise ContributionError(
+                f"island {island!r}, round {round}: chunk {index} belongs to another coordinator shard (this one owns "
+                f"chunks {self.owned.start}..{self.owned.stop - 1}); the island's coordinator.shards differs")
         values, scales = self._state.decode(index, data)
         if not self._state.finite(values, scales):
             self._refuse(island, f"round {round}'s pseudo-gradient holds NaN or Inf")
@@ -272,10 +296,12 @@ class FragmentCoordinator:
         contribution = self._round.pending.get(island)
         if contribution is None:
             raise ContributionError(f"island {island!r}'s contribution to round {round} was refused")
-        if not contribution.has_chunks(len(self.plan)):
-            missing = sorted(set(range(len(self.plan))) - set(contribution.chunks))
+        if not contribution.has_chunks(self.num_chunks):
+            missing = sorted(set(range(self.num_chunks)) - set(contribution.chunks))
             raise ContributionError(f"island {island!r}, round {round}: chunks {missing[:8]} never arrived")
         contribution.ended = True
+        if self.shard is not None:
+            self.shard.completed(self.index, round, island)
         self.poll()
         return "accepted"
 
@@ -288,7 +314,7 @@ class FragmentCoordinator:
         """Forgets chunks `indices` of an island's open contribution (one process's share, whose transfer failed:
         it sends them again), restarting the merge if it had taken any; a complete contribution is kept."""
         contribution = self._round.pending.get(island)
-        if contribution is None or self._round.has_complete(island, len(self.plan)):
+        if contribution is None or self._round.has_complete(island, self.num_chunks):
             return
         dropped = [k for k in indices if k in contribution.chunks]
         for k in dropped:
@@ -301,6 +327,8 @@ class FragmentCoordinator:
     def _refuse(self, island: str, reason: str) -> None:
         """Drops an island's contribution to the current round (logged); the round goes on without it."""
         logging.warning("island %s: %s; refused", island, reason)
+        if self.shard is not None:
+            self.shard.refused(self.index, self.round, island)
         self._restarted(island, self._round.without(island, refused=True))
         if not self.poll() and self.pipeline:
             self._merge_ready()  # merges again, without it, the chunks the others sent
@@ -308,7 +336,7 @@ class FragmentCoordinator:
     def abandon(self, island: str, reason: str, keep_complete: bool = False) -> None:
         """Forgets an island's open contribution to the current round (a transfer that failed); it may send
         again. With `keep_complete`, a contribution whose every chunk is in is kept (a retry is then a duplicate)."""
-        if keep_complete and self._round.has_complete(island, len(self.plan)):
+        if keep_complete and self._round.has_complete(island, self.num_chunks):
             return
         if island in self._round.pending:
             logging.warning("island %s: its contribution to round %d was dropped: %s", island, self.round, reason)
@@ -330,15 +358,46 @@ class FragmentCoordinator:
         Returns:
           Whether a round was merged.
         """
+        if self.shard is not None and not self.shard.leader:
+            return self._follow()
         current = self._round
-        if current.first_complete_at is None and current.complete(self.islands, len(self.plan)):
+        if self.shard is not None:
+            self._agree(current)
+            if self._round is not current:  # a refusal another shard made closed it
+                return True
+        if current.first_complete_at is None and current.complete(self.islands, self.num_chunks):
             current.first_complete_at = self._clock()
-        without = self.quorum.closing(current, self.islands, len(self.plan))
+        without = self.quorum.closing(current, self.islands, self.num_chunks)
         if without is None:
             return False
         for name in without:
             self._restarted(name, self._round.without(name))
+        if self.shard is not None:  # the leader's set, before any shard merges a chunk of the round
+            self.shard.decide(self.index, self.round, self._round.expected(self.islands))
         return self._merge_ready()
+
+    def _follow(self) -> bool:
+        """A coordinator shard other than the leader: once the leader's set of the round is known, drops every
+        island outside it and merges (when every contribution of the set is complete here). Whether it merged."""
+        decided = self.shard.decided(self.index, self.round)
+        if decided is None:
+            return False
+        for name in self._round.expected(self.islands):
+            if name not in decided:
+                self._restarted(name, self._round.without(name))
+        return self._merge_ready()
+
+    def _agree(self, current: RoundState) -> None:
+        """The leader of coordinator shards: counts a contribution complete only once it is complete on every
+        shard (`Contribution.everywhere`), and refuses one that another shard refused."""
+        complete, refused = self.shard.others_complete(self.index, self.round)
+        for name, contribution in list(current.pending.items()):
+            if name in refused:
+                self._refuse(name, "another coordinator shard refused its contribution")
+                if self._round is not current:
+                    return
+            else:
+                contribution.everywhere = name in complete
 
     def _merge_ready(self) -> bool:
         """Merges every chunk that all expected islands have sent; finishes the round when all are merged."""
@@ -346,24 +405,29 @@ class FragmentCoordinator:
         if not expected or any(n not in self._round.pending for n in expected):
             return False
         contributions = [self._round.pending[n] for n in expected]
-        if not self.pipeline and not all(c.complete(len(self.plan)) for c in contributions):
+        if not self.pipeline and not all(c.complete(self.num_chunks) for c in contributions):
             return False
         if self._round.merge is None:
             self._round.merge = PartialMerge.start(contributions, self._state, self.weighting)
         if not self._round.merge.merge_ready(contributions, self._state):
             return False
-        if not all(c.complete(len(self.plan)) for c in contributions):  # chunks merged; their streams not ended
+        if not all(c.complete(self.num_chunks) for c in contributions):  # chunks merged; their streams not ended
             return False
         self._finish_round(contributions, self._round.merge)
         return True
 
     def _finish_round(self, contributions: list[Contribution], merge: PartialMerge) -> None:
         state, rows = self._state, merge.view
+        if self.shard is not None:
+            round = self.round + 1
+            checksum_of = lambda: self.checksum_at(round)  # noqa: E731 - every shard's parts, combined
         state.commit(merge.master, merge.opt, rows)
         for record in self.history:  # a checksum nobody asked for by now is not kept (nor its rows)
             if callable(record.view_checksum):
                 record.view_checksum = ""
         record = merge.record(self.round, contributions, view_checksum=lambda: state.checksum_of(rows))
+        if self.shard is not None:
+            record.view_checksum = checksum_of
         self.history.append(record)
         missing = sorted(set(self.islands) - set(record.contributors))
         logging.info(
@@ -375,7 +439,9 @@ class FragmentCoordinator:
             logging.info(
                 "inner steps from round 1 on, from measured step times %s: %s", self.step_seconds, self.plan_steps
             )
-        self._updates = {self.round: [merge.chunks[k] for k in range(len(self.plan))]}
+        self._updates = {self.round: {k: merge.chunks[k] for k in self.owned}}
+        if self.shard is not None:  # what the other shards combine: this range's view digests and statistics
+            self.shard.merged(self.index, self.round + 1, state.checksum_parts(), merge.partial_stats())
         self.round += 1
         self._round = RoundState(started_at=self._clock())
 
@@ -391,7 +457,7 @@ class FragmentCoordinator:
         if self._held(round):
             return self.generation, {}, False
         if round in self._updates:
-            return self.generation, dict(enumerate(self._updates[round])), True
+            return self.generation, dict(self._updates[round]), True
         if round < self.round:
             raise StaleRoundError(
                 f"round {round} is older than the latest merged round {self.round - 1}; rejoin from the island view"
@@ -410,9 +476,15 @@ class FragmentCoordinator:
         if self._held(round):
             raise UpdateNotReady(f"round {round}'s update waits for the coordinator's checkpoint to be complete")
         if round in self._updates:
-            return b"".join(self._updates[round])
+            chunks = self._updates[round]
+            if self.shard is None:
+                return b"".join(chunks[k] for k in range(len(self.plan)))
+            out = bytearray(self.update_bytes)  # a shard's chunks; zeros where the other shards' go
+            for k, data in chunks.items():
+                out[self.update_plan[k].offset : self.update_plan[k].offset + len(data)] = data
+            return bytes(out)
         if round >= self.round:
-            waiting = self._round.waiting_for(self.islands, len(self.plan))
+            waiting = self._round.waiting_for(self.islands, self.num_chunks)
             raise UpdateNotReady(f"round {round} is not merged yet; waiting for {waiting}")
         raise StaleRoundError(
             f"island {island!r} asked for round {round}, older than the latest merged round {self.round - 1}; "

@@ -51,6 +51,22 @@ class RoundRecord:
         return self.view_checksum
 
 
+def merge_stats(names: list[str], dots, intended_sq: float, lost_sq: float, update_bytes: int) -> dict:
+    """A round record's statistics from the merge's sums: `pseudo_gradient_norm` (sqrt of `dots`' diagonal),
+    `cosine_similarity` ("a/b": dots[a, b] / (|a| |b|)), `update_bytes` and `update_codec_relative_error`
+    (sqrt(lost_sq / intended_sq)); `dots` [K, K] float64 in contributor order."""
+    dots = np.asarray(dots, np.float64)
+    norms = {n: float(np.sqrt(dots[i, i])) for i, n in enumerate(names)} if dots.ndim == 2 else dict.fromkeys(names, 0.0)
+    cosine = {
+        f"{p}/{q}": float(dots[i, j] / max(norms[p] * norms[q], 1e-30)) if dots.ndim == 2 else 0.0
+        for i, p in enumerate(names)
+        for j, q in enumerate(names)
+        if j > i
+    }
+    return dict(pseudo_gradient_norm=norms, cosine_similarity=cosine, update_bytes=int(update_bytes),
+                update_codec_relative_error=float(np.sqrt(lost_sq) / max(np.sqrt(intended_sq), 1e-30)))
+
+
 def merge_weights(contributions: list[Contribution], weighting: str) -> dict[str, float]:
     """Each contributor's weight in the round's average (`outer.weighting`); the weights sum to 1.
 
@@ -108,8 +124,7 @@ class PartialMerge:
 
     def merge_ready(self, contributions: list[Contribution], state: FragmentState) -> bool:
         """Merges every chunk that all `contributions` hold and is not merged yet; whether all are merged."""
-        for chunk in state.plan:
-            k = chunk.index
+        for k in state.owned:
             if k in self.chunks or not all(k in c.chunks for c in contributions):
                 continue
             values = np.stack([c.chunks[k][0] for c in contributions])
@@ -120,29 +135,24 @@ class PartialMerge:
             self.dots = self.dots + stats["dots"].astype(np.float64)
             self.intended_sq += float(stats["intended_sq"])
             self.lost_sq += float(stats["lost_sq"])
-        return len(self.chunks) == len(state.plan)
+        return len(self.chunks) == len(state.owned)
+
+    def partial_stats(self) -> dict:
+        """This shard's sums of the round's statistics (`shards.combine_stats` adds every shard's), as JSON."""
+        return dict(dots=np.asarray(self.dots, np.float64).tolist(), intended_sq=self.intended_sq, lost_sq=self.lost_sq,
+                    update_bytes=sum(len(c) for c in self.chunks.values()))
 
     def record(self, round: int, contributions: list[Contribution], view_checksum: Callable[[], str]) -> RoundRecord:
         """The round's record: tokens, weights, pseudo-gradient norms and cosines, update size and codec error,
         and the outer learning rate and momentum the step used (read from the merged optimizer state)."""
-        names = self.contributors
-        dots = np.asarray(self.dots, np.float64)
-        norms = {n: float(np.sqrt(dots[i, i])) for i, n in enumerate(names)}
-        cosine = {
-            f"{p}/{q}": float(dots[i, j] / max(norms[p] * norms[q], 1e-30))
-            for i, p in enumerate(names)
-            for j, q in enumerate(names)
-            if j > i
-        }
         return RoundRecord(
             round=round,
-            contributors=list(names),
+            contributors=list(self.contributors),
             tokens={c.island: c.tokens for c in contributions},
             weights=dict(self.shares),
-            pseudo_gradient_norm=norms,
-            cosine_similarity=cosine,
-            update_bytes=sum(len(c) for c in self.chunks.values()),
-            update_codec_relative_error=float(np.sqrt(self.lost_sq) / max(np.sqrt(self.intended_sq), 1e-30)),
-            **(outer_hyperparams(self.opt[0]) if self.opt else {}),  # every chunk's state stepped alike
+            **merge_stats(self.contributors, self.dots, self.intended_sq, self.lost_sq,
+                          sum(len(c) for c in self.chunks.values())),
+            **(outer_hyperparams(next(o for o in self.opt if o is not None))
+               if any(o is not None for o in self.opt) else {}),  # every chunk's state stepped alike
             view_checksum=view_checksum,
         )

@@ -9,7 +9,7 @@ import ml_collections
 import ml_dtypes
 import numpy as np
 
-from island_jax.model.init import checksum
+from island_jax.model.init import checksum, checksum_parts
 from island_jax.outer import chunk_step, codec
 from island_jax.outer.optimizer import outer_optimizer
 
@@ -30,12 +30,15 @@ class FragmentState:
         optimizer).
       params: the fragment's initial parameters, a pytree of float32 or
         bfloat16 NumPy arrays (the view keeps their dtypes).
+      owner: a coordinator shard (`shards.Shard`), whose range of the plan (`owned`) this holds; None: every
+        chunk. The plan, layouts and padded row count are the whole plan's either way, so each chunk's
+        program and bits are the same; rows of other chunks are None and never allocated.
 
     Raises:
       ValueError: a leaf of another dtype.
     """
 
-    def __init__(self, config: ml_collections.ConfigDict, params: Any):
+    def __init__(self, config: ml_collections.ConfigDict, params: Any, owner=None):
         self.codec = codec.Codec.of(config.codec)
         self.update_codec = codec.Codec.of(config.codec, update=True)
         self._treedef = jax.tree.structure(params)
@@ -53,12 +56,14 @@ class FragmentState:
             raise ValueError(
                 f"one chunk of the payload holds {self.num_rows * self.width:,} elements in the coordinator's rows, "
                 f"more than int32 positions reach; lower comm.chunk_bytes (now {chunk_bytes:,})")
+        self.owned = range(len(self.plan)) if owner is None else owner.owned(self.plan)
+        self.sharded = owner is not None
         self._pieces_of_leaf = self._leaf_pieces()
         self._step = chunk_step.ChunkStep(outer_optimizer(config), self.codec, self.update_codec, self.width,
                                           self.num_rows)
         self._bf16_rows = [self._bf16_mask(lay) for lay in self.layouts]
         self.master_rows = self._rows_of(params)
-        self.opt = [self._step.place(self._step.init(m)) for m in self.master_rows]
+        self.opt = [None if m is None else self._step.place(self._step.init(m)) for m in self.master_rows]
         # The view lives in rows next to the master (the merge program replaces them; `view` lays them out). At
         # the start both hold the initial parameters, so they share their (immutable) arrays until the first merge.
         self.view_rows = list(self.master_rows)
@@ -77,13 +82,16 @@ class FragmentState:
     def _rows_of(self, tree: Any) -> list:
         leaves = [np.asarray(x, np.float32) for x in jax.tree.leaves(tree)]
         return [
-            self._step.place(chunk_step.gather_rows(leaves, lay, self.width, self.num_rows)) for lay in self.layouts
+            self._step.place(chunk_step.gather_rows(leaves, lay, self.width, self.num_rows)) if k in self.owned
+            else None for k, lay in enumerate(self.layouts)
         ]
 
     def _leaf_pieces(self) -> list[list[tuple[int, codec.Piece, int]]]:
         """For each leaf, (chunk index, piece, first row) of its pieces in element order."""
         pieces: list[list] = [[] for _ in self._leaf_specs]
         for index, lay in enumerate(self.layouts):
+            if index not in self.owned:
+                continue
             for piece, row in zip(lay.chunk.pieces, lay.row_offsets):
                 pieces[piece.leaf].append((index, piece, row))
         return [sorted(p, key=lambda x: x[1].start) for p in pieces]
@@ -97,8 +105,11 @@ class FragmentState:
 
     def _tree_of(self, rows: list, dtypes: bool) -> Any:
         """A pytree of NumPy arrays from per-chunk rows, in the leaves' dtypes (or float32)."""
-        leaves = [np.empty(shape, dtype if dtypes else np.float32) for shape, dtype in self._leaf_specs]
+        empty = np.zeros if self.sharded else np.empty  # a shard's leaves hold its ranges' elements, zeros elsewhere
+        leaves = [empty(shape, dtype if dtypes else np.float32) for shape, dtype in self._leaf_specs]
         for chunk_rows, lay in zip(rows, self.layouts):
+            if chunk_rows is None:
+                continue
             chunk_step.scatter_rows(np.asarray(chunk_rows), lay, leaves, self.width)
         return jax.tree.unflatten(self._treedef, leaves)
 
@@ -130,12 +141,15 @@ class FragmentState:
 
     def warm_up(self, contributors: int) -> None:
         """Compiles the chunk program for `contributors` islands now, so the first merge does not wait for XLA."""
-        layout, k = self.layouts[0], contributors
-        values, scales = self.decode(0, bytes(layout.chunk.nbytes))
+        if not self.owned:
+            return
+        first, k = self.owned[0], contributors
+        layout = self.layouts[first]
+        values, scales = self.decode(first, bytes(layout.chunk.nbytes))
         weights = np.full(k, np.float32(1.0 / k), np.float32)
         self._step(
-            np.stack([values] * k), np.stack([scales] * k), weights, self.master_rows[0], self.opt[0],
-            self.view_rows[0], self._bf16_rows[0], layout,
+            np.stack([values] * k), np.stack([scales] * k), weights, self.master_rows[first], self.opt[first],
+            self.view_rows[first], self._bf16_rows[first], layout,
         )
 
     def commit(self, master_rows: list, opt: list, view_rows: list) -> None:
@@ -157,6 +171,10 @@ class FragmentState:
         """The parameters' pytree as `jax.ShapeDtypeStruct`s (for layouts and plans; nothing is laid out)."""
         return jax.tree.unflatten(self._treedef, [jax.ShapeDtypeStruct(shape, dtype) for shape, dtype in self._leaf_specs])
 
+    def shapes_list(self) -> list:
+        """The fragment's leaves as `jax.ShapeDtypeStruct`s, in pytree-flatten order."""
+        return [jax.ShapeDtypeStruct(shape, dtype) for shape, dtype in self._leaf_specs]
+
     def view_leaves(self) -> list["RowsLeaf"]:
         """The island view's leaves as `RowsLeaf`s, read in place from the current rows (what `checksum` reads)."""
         return self._row_leaves(self.view_rows)
@@ -169,6 +187,8 @@ class FragmentState:
         (SHA-256 over every parameter takes a while for a large model: left out
         of the merge, it never delays an update.)
         """
+        if self.sharded:
+            raise RuntimeError("a shard holds part of the view: its checksum combines every shard's checksum_parts")
         if self._checksum is None:
             self._checksum = checksum(self._row_leaves(self.view_rows))
         return self._checksum
@@ -181,7 +201,13 @@ class FragmentState:
         """`master` (float32 pytree, laid out afresh), `opt_state` (one optax state per chunk, as read-only NumPy
         views of its arrays on the CPU device, which the merge replaces and never writes or donates) and `view`
         (laid out afresh): arrays no later round writes, so a checkpoint may keep them as they are
-        (`Checkpointer.save(frozen_numpy=True)`)."""
+        (`Checkpointer.save(frozen_numpy=True)`). A shard's (`owned` given): `master`, `opt_state` and `view` of
+        its chunks only, as lists of rows [R * W] float32 in chunk order."""
+        if self.sharded:
+            owned = list(self.owned)
+            return dict(master=[np.asarray(self.master_rows[k]) for k in owned],
+                        opt_state=[jax.tree.map(np.asarray, self.opt[k]) for k in owned],
+                        view=[np.asarray(self.view_rows[k]) for k in owned])
         opt = jax.tree.map(np.asarray, self.opt)
         return dict(master=self._tree_of(self.master_rows, dtypes=False), opt_state=opt, view=self.view)
 
@@ -190,19 +216,30 @@ class FragmentState:
 
         Raises:
           ValueError: its optimizer state was saved for another chunk layout (another codec, `codec.update_kind`
-            or `comm.chunk_bytes`): its momentum would not line up with these rows.
+            or `comm.chunk_bytes`, or another shard's range): its momentum would not line up with these rows.
         """
-        ours = [jax.tree.map(np.shape, o) for o in self.opt]
+        mine = [self.opt[k] for k in self.owned]
+        ours = [jax.tree.map(np.shape, o) for o in mine]
         theirs = [jax.tree.map(np.shape, o) for o in state["opt_state"]]
         if ours != theirs:
             raise ValueError(
                 f"the checkpoint's outer optimizer state is laid out in {len(theirs)} chunks of rows that differ from "
-                f"this run's {len(ours)} (its codecs or comm.chunk_bytes changed): resume under the codec and "
-                "comm.chunk_bytes it was saved with")
-        self.view_rows = self._rows_of(state["view"])
-        self.master_rows = self._rows_of(state["master"])
-        self.opt = [self._step.place(x) for x in state["opt_state"]]
+                f"this run's {len(ours)} (its codecs, comm.chunk_bytes or coordinator.shards changed): resume under "
+                "the settings it was saved with")
+        if self.sharded:
+            self.view_rows, self.master_rows, self.opt = [None] * len(self.plan), [None] * len(self.plan), [None] * len(self.plan)
+            for k, view, master, opt in zip(self.owned, state["view"], state["master"], state["opt_state"]):
+                self.view_rows[k], self.master_rows[k] = self._step.place(view), self._step.place(master)
+                self.opt[k] = self._step.place(opt)
+        else:
+            self.view_rows = self._rows_of(state["view"])
+            self.master_rows = self._rows_of(state["master"])
+            self.opt = [self._step.place(x) for x in state["opt_state"]]
         self._checksum = None
+
+    def checksum_parts(self, view_rows: list | None = None) -> dict:
+        """This shard's `model.init.checksum_parts` of the view held in `view_rows` (default: the current view)."""
+        return checksum_parts(self._row_leaves(self.view_rows if view_rows is None else view_rows))
 
 
 class RowsLeaf:

@@ -154,10 +154,71 @@ def _combine(leaves: list[tuple[bytes, list[bytes]]]) -> str:
     return h.hexdigest()[:16]
 
 
+def checksum_parts(tree: Any) -> dict:
+    """What this holder has of `checksum`'s pieces of `tree`, as JSON: {"digests": {"LEAF,PIECE": hex SHA-256} of
+    the pieces it holds whole, "cut": {"LEAF,PIECE": [[first element, elements, base64 bytes], ...]} of the parts
+    it holds of the others}. Leaves whose `checksum_runs` yield only some of their elements (a coordinator
+    shard's rows, `coordinator.state.RowsLeaf`) give some of the pieces; `combine_parts` puts every holder's
+    together."""
+    _, _, digests, held = _local_digests(jax.tree.leaves(tree))
+    return dict(
+        digests={f"{i},{p}": d.hex() for (i, p), d in digests.items()},
+        cut={f"{i},{p}": [[first, n, base64.b64encode(part).decode()] for first, n, part in parts]
+             for (i, p), parts in held.items() if (i, p) not in digests},
+    )
+
+
+def combine_parts(tree: Any, parts: list[dict]) -> str:
+    """`checksum` of `tree` (leaves with `shape` and `dtype`; their elements are not read) from every holder's
+    `checksum_parts`, which together hold each piece whole or in parts.
+
+    Raises:
+      KeyError: a piece no holder has.
+    """
+    leaves = jax.tree.leaves(tree)
+    heads = [f"{tuple(int(d) for d in np.shape(x))}{_dtype(x)}".encode() for x in leaves]
+    sizes = [math.prod(np.shape(x)) for x in leaves]
+    digests: dict[tuple[int, int], bytes] = {}
+    for i, size in enumerate(sizes):
+        if size == 0:
+            digests[(i, 0)] = hashlib.sha256(b"").digest()
+    _add_parts(digests, [(p["digests"], p["cut"]) for p in parts])
+    return _combine(_pieces(heads, sizes, digests))
+
+
+def _add_parts(digests: dict, everyone: list) -> None:
+    """Adds every holder's (digests, cut parts) in `checksum_parts`'s JSON form to `digests`, hashing each cut
+    piece from its parts."""
+    parts_of: dict[tuple[int, int], list] = {}
+    for theirs, theirs_cut in everyone:
+        digests.update({_key(k): bytes.fromhex(v) for k, v in theirs.items()})
+        for k, parts in theirs_cut.items():
+            parts_of.setdefault(_key(k), []).extend((first, n, base64.b64decode(b)) for first, n, b in parts)
+    digests.update({key: _digest(parts) for key, parts in parts_of.items()})
+
+
+def _pieces(heads: list[bytes], sizes: list[int], digests: dict) -> list[tuple[bytes, list[bytes]]]:
+    return [(heads[i], [digests[(i, piece)] for piece in range(max(1, -(-size // CHECKSUM_PIECE_ELEMENTS)))])
+            for i, size in enumerate(sizes)]
+
+
 def _leaf_digests(tree: Any) -> list[tuple[bytes, list[bytes]]]:
     """Per leaf of `tree` (`jax.tree.leaves` order): (its shape and dtype as bytes, the SHA-256 digest of each of
     its pieces in order), as `checksum` describes; a collective over processes for leaves spread over them."""
     leaves = jax.tree.leaves(tree)
+    heads, sizes, digests, held = _local_digests(leaves)
+    if any(not getattr(x, "is_fully_addressable", True) for x in leaves):  # spread over processes (a slice: its leaf)
+        from island_jax import distributed
+
+        cut = {f"{i},{p}": [[first, n, base64.b64encode(part).decode()] for first, n, part in parts]
+               for (i, p), parts in held.items() if (i, p) not in digests}
+        everyone = distributed.allgather_json([{f"{i},{p}": d.hex() for (i, p), d in digests.items()}, cut])
+        _add_parts(digests, everyone)
+    return _pieces(heads, sizes, digests)
+
+
+def _local_digests(leaves: list) -> tuple[list[bytes], list[int], dict, dict]:
+    """(heads, sizes, digests of the pieces held whole here, parts of the pieces cut) of `leaves`."""
     digests: dict[tuple[int, int], bytes] = {}  # (leaf, piece) -> the digest of a piece held whole here
     held: dict[tuple[int, int], list] = {}  # (leaf, piece) -> [(first element, elements, bytes)] of a cut piece
     heads, sizes = [], []
@@ -180,20 +241,7 @@ def _leaf_digests(tree: Any) -> list[tuple[bytes, list[bytes]]]:
             for i in slices.get(u, ()):
                 _hash_run(i, start, data, itemsize, sizes, digests, held)
     digests.update({key: _digest(parts) for key, parts in held.items() if _whole(key, parts, sizes)})
-    if any(not getattr(x, "is_fully_addressable", True) for x in leaves):  # spread over processes (a slice: its leaf)
-        from island_jax import distributed
-
-        cut = {f"{i},{p}": [[first, n, base64.b64encode(part).decode()] for first, n, part in parts]
-               for (i, p), parts in held.items() if (i, p) not in digests}
-        everyone = distributed.allgather_json([{f"{i},{p}": d.hex() for (i, p), d in digests.items()}, cut])
-        parts_of: dict[tuple[int, int], list] = {}
-        for theirs, theirs_cut in everyone:
-            digests.update({_key(k): bytes.fromhex(v) for k, v in theirs.items()})
-            for k, parts in theirs_cut.items():
-                parts_of.setdefault(_key(k), []).extend((first, n, base64.b64decode(b)) for first, n, b in parts)
-        digests.update({key: _digest(parts) for key, parts in parts_of.items()})
-    return [(heads[i], [digests[(i, piece)] for piece in range(max(1, -(-size // CHECKSUM_PIECE_ELEMENTS)))])
-            for i, size in enumerate(sizes)]
+    return heads, sizes, digests, held
 
 
 def _hash_run(i: int, start: int, data, itemsize: int, sizes: list[int], digests: dict, held: dict) -> None:

@@ -5,6 +5,7 @@
       --island=name=us,hardware=h100,devices=1024,batch=2048,seq_len=4096 \\
       --island=name=eu,hardware=h100,devices=1024,batch=2048,seq_len=4096 --gbps=25 --rtt_ms=150
   python -m island_jax.plan --workdir=WORKDIR      # a finished run: predicted against measured
+  ... --coordinator_shards=16 --coordinator_cores=32   # a coordinator cut into 16 processes by chunk range
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ _OUTER_FLAGS = ("codec", "block_size", "update_codec", "topk_group", "topk_k", "
                 "overlap_steps", "pipeline", "chunk_bytes", "shared_link", "fragment_overhead_seconds", "backward_overlap",
                 "topology")  # flags named as OuterSpec's fields
 _PLAN_FLAGS = (*_OUTER_FLAGS, *LINK_KEYS, "total_params", "active_params", "layers", "island", "step_seconds",
-               "mfu", "inner_steps", "coordinator_gbps", "coordinator_cores", "merge_fixed_ns",
+               "mfu", "inner_steps", "coordinator_gbps", "coordinator_cores", "coordinator_shards", "merge_fixed_ns",
                "merge_per_island_ns", "dp_dtype")
 
 
@@ -103,6 +104,7 @@ def _main(argv):
     coordinator = dataclasses.replace(
         coordinator, gbps=f.coordinator_gbps or math.inf, cores=f.coordinator_cores,
         fixed_ns_per_param=f.merge_fixed_ns, per_island_ns_per_param=f.merge_per_island_ns,
+        shards=f.coordinator_shards if "coordinator_shards" in given else coordinator.shards,  # else the config's
     )
     print(plan(model, islands, outer, coordinator, dp_dtype=f.dp_dtype))
     if f.config is not None:
@@ -145,10 +147,12 @@ def _define_flags() -> None:
     flags.DEFINE_enum("topology", "coordinator", list(TOPOLOGIES), "coordinator (island_jax) or ring (all-reduce).")
     flags.DEFINE_float("backward_overlap", 0.0, "Steps that hide an exchange's start (2/3: from the backward pass).")
     flags.DEFINE_float("fragment_overhead_seconds", 0.0, "Training-thread seconds per fragment exchanged.")
-    flags.DEFINE_float("coordinator_gbps", 0.0, "The coordinator's own link, Gbit/s each way (0: unlimited).")
+    flags.DEFINE_float("coordinator_gbps", 0.0, "The coordinator's own link (each shard's), Gbit/s each way (0: unlimited).")
     flags.DEFINE_float("merge_fixed_ns", MERGE_FIXED_NS, "The coordinator's CPU ns per parameter per round.")
     flags.DEFINE_float("merge_per_island_ns", MERGE_PER_ISLAND_NS, "... and per contributing island.")
-    flags.DEFINE_integer("coordinator_cores", 64, "CPU cores the coordinator's merge spreads over.")
+    flags.DEFINE_integer("coordinator_cores", 64, "CPU cores the coordinator's merge (each shard's) spreads over.")
+    flags.DEFINE_integer("coordinator_shards", 1, "Processes the coordinator is cut into by chunk range, each on its "
+                         "own host and link (default: the config's coordinator.shards, else 1).")
     flags.DEFINE_enum("dp_dtype", "bf16", sorted(DP_BYTES), "Gradient dtype of the data-parallel baseline.")
 
 

@@ -61,6 +61,9 @@ def check_inputs(model: ModelSpec, islands: Sequence[IslandSpec], outer: OuterSp
     need(coordinator.gbps > 0, f"the coordinator's gbps is {coordinator.gbps}; give a rate > 0 Gbit/s (inf: unlimited)")
     need(isinstance(coordinator.cores, int) and coordinator.cores >= 1,
          f"the coordinator's cores is {coordinator.cores}; give 1 or more")
+    need(isinstance(coordinator.shards, int) and coordinator.shards >= 1,
+         f"the coordinator's shards is {coordinator.shards} (--coordinator_shards, or the config's coordinator.shards); "
+         "give 1 (one process) or more")
     need(all(_finite(x) and x >= 0 for x in (coordinator.fixed_ns_per_param, coordinator.per_island_ns_per_param)),
          "the coordinator's merge ns per parameter must be >= 0")
     need(all(_finite(t) and 0 < t <= 1 for t in targets), f"targets are {tuple(targets)}; give utilizations in (0, 1]")

@@ -97,13 +97,16 @@ class CoordinatorSpec:
     """Attributes: gbps (its own link each way, Gbit/s, which all islands' traffic crosses; `math.inf`:
     not a constraint); cores (CPU cores its merge spreads over); fixed_ns_per_param and
     per_island_ns_per_param (its CPU per round, params x (fixed + per_island x K) ns, from
-    benchmarks/merge.py); momentum (the outer optimizer keeps a momentum buffer)."""
+    benchmarks/merge.py); momentum (the outer optimizer keeps a momentum buffer); shards (the processes
+    it is cut into by chunk range, `coordinator.shards`, each on its own host: `gbps` and `cores` are
+    then each shard's, and each shard holds, merges and moves 1/shards of the coordinator's bytes)."""
 
     gbps: float = math.inf
     cores: int = 64
     fixed_ns_per_param: float = MERGE_FIXED_NS
     per_island_ns_per_param: float = MERGE_PER_ISLAND_NS
     momentum: bool = True
+    shards: int = 1
 
 
 def planned_steps(islands: Sequence[IslandSpec], steps: list[float], outer: OuterSpec) -> list[float]:
@@ -116,5 +119,5 @@ def planned_steps(islands: Sequence[IslandSpec], steps: list[float], outer: Oute
 
 
 def coordinator_cpu_seconds(model: ModelSpec, k: int, coordinator: CoordinatorSpec) -> float:
-    """The coordinator's CPU seconds per round: params x (fixed + per_island x K) ns."""
+    """The coordinator's CPU seconds per round, all its shards together: params x (fixed + per_island x K) ns."""
     return model.total_params * (coordinator.fixed_ns_per_param + coordinator.per_island_ns_per_param * k) * 1e-9

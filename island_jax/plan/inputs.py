@@ -48,7 +48,7 @@ def from_config(
     """The planner's inputs for a run's config (island_jax/config/schema.py).
 
     Args:
-      config: the run's config: model, islands (hardware, devices, batch, H), codec, outer, comm.
+      config: the run's config: model, islands (hardware, devices, batch, H), codec, outer, comm, coordinator.
       step_seconds: {island: measured seconds per step}; islands not in it take the catalog and `mfu`.
       mfu: the MFU of catalog step times.
       link: every island's link; None: `link_of(config)`.
@@ -81,7 +81,8 @@ def from_config(
                inner_steps=isl.inner_steps, link=link, busy_step_seconds=busy_step_seconds.get(name, 0.0))
         for name, isl in config.islands.items()
     ]
-    return model_of(config), islands, outer, CoordinatorSpec(momentum=o.momentum > 0)
+    shards = config.coordinator.shards if "coordinator" in config else 1  # a config from before coordinator.shards
+    return model_of(config), islands, outer, CoordinatorSpec(momentum=o.momentum > 0, shards=shards)
 
 
 def parse_number(text: str, kind: type, what: str):

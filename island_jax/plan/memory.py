@@ -1,12 +1,18 @@
 """What a plan says of memory: the coordinator's bytes per round (float32 master, momentum and view, the merge's
-new state beside them, buffered contributions, the kept update), and each island's bytes per device from shapes
-(`island.memory.budget`) against its hardware's."""
+new state beside them, buffered contributions, the kept update), per shard of a coordinator cut by chunk range,
+against one host's, and each island's bytes per device from shapes (`island.memory.budget`) against its hardware's."""
 
 from __future__ import annotations
+
+import math
 
 import ml_collections
 
 from island_jax.plan.compute import CoordinatorSpec, ModelSpec
+
+# One coordinator host's memory in bytes, what a shard's peak is set against. An assumption, not a measurement: a
+# large two-socket CPU server (32 DIMMs of 64 GB); memory-optimized cloud hosts offer about 1.5 to 4 TB.
+HOST_MEMORY_BYTES = 2e12
 
 
 def coordinator_memory(model: ModelSpec, k: int, payload: float, update: float, coordinator: CoordinatorSpec,
@@ -24,6 +30,12 @@ def coordinator_memory(model: ModelSpec, k: int, payload: float, update: float, 
     memory = {key: 0.0 if ring else v for key, v in memory.items()}
     memory["total"] = sum(memory.values())
     return memory
+
+
+def fewest_shards(total_bytes: float, host_bytes: float = HOST_MEMORY_BYTES) -> int:
+    """The fewest coordinator shards whose memory, `total_bytes` / shards each (the chunk ranges are near-equal
+    in bytes: within one chunk), fits a host of `host_bytes` (1 for a coordinator that fits one host)."""
+    return max(1, math.ceil(total_bytes / host_bytes))
 
 
 def memory_lines(config: ml_collections.ConfigDict) -> str:

@@ -3,8 +3,9 @@
 Per island and round: compute seconds C_i = H_i x t_i, the bytes each way, the transfer and exposed
 communication seconds (tau steps and the backward pass hide an exchange; fragments split it), the round's
 wall seconds W = max_i (H_i x busy step_i + X_i) and compute utilization C_i / W; then the lowest link
-rate that keeps every island at 90/95/99%, the coordinator's memory, CPU and bytes, and the data-parallel
-baseline. The equations and how they compare with published runs: docs/planner.md.
+rate that keeps every island at 90/95/99%, the coordinator's memory, CPU and bytes (whole, and per shard of a
+coordinator cut by chunk range), and the data-parallel baseline. The equations and how they compare with
+published runs: docs/planner.md.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from island_jax.outer.fragments import auto_overlap_steps
 from island_jax.plan.baseline import DP_BYTES, DataParallel, data_parallel
 from island_jax.plan.checks import PlanError, check_inputs
 from island_jax.plan.compute import CoordinatorSpec, IslandSpec, ModelSpec, coordinator_cpu_seconds, planned_steps
-from island_jax.plan.memory import coordinator_memory
+from island_jax.plan.memory import coordinator_memory, fewest_shards
 from island_jax.plan.report import format_plan
 from island_jax.plan.wire import (
     GBPS_RANGE,
@@ -80,8 +81,41 @@ class Plan:
 
     @property
     def merge_seconds(self) -> float:
-        """The coordinator's CPU seconds per round spread over its cores."""
-        return self.coordinator_cpu_seconds / self.coordinator.cores
+        """The coordinator's CPU seconds per round spread over its cores (its shards merge side by side, each
+        its share over its own cores)."""
+        return self.shard_cpu_seconds / self.coordinator.cores
+
+    # A coordinator cut into `coordinator.shards` by chunk range: each fragment's chunk plan is cut into ranges of
+    # near-equal bytes, one a shard, so each shard's figures are the whole's / shards (within one chunk a fragment).
+
+    @property
+    def shard_memory(self) -> dict[str, float]:
+        """Each shard's bytes, by the keys of `coordinator_memory`."""
+        return {key: v / self.coordinator.shards for key, v in self.coordinator_memory.items()}
+
+    @property
+    def shard_cpu_seconds(self) -> float:
+        """Each shard's CPU seconds per round."""
+        return self.coordinator_cpu_seconds / self.coordinator.shards
+
+    @property
+    def shard_bytes(self) -> tuple[float, float]:
+        """Bytes per round into and out of each shard over its own link: its ranges of every island's
+        contribution and of every island's update (a ring: 0, 0)."""
+        if self.outer.topology == "ring":
+            return 0.0, 0.0
+        k, n = len(self.islands), self.coordinator.shards
+        return k * self.payload_bytes / n, k * self.update_bytes / n
+
+    @property
+    def shard_link_seconds(self) -> tuple[float, float]:
+        """Seconds per round that `shard_bytes` take in and out on a shard's link (`coordinator.gbps` each way)."""
+        return tuple(transfer_seconds(b, self.coordinator.gbps) for b in self.shard_bytes)
+
+    @property
+    def fewest_shards(self) -> int:
+        """The fewest shards whose memory each fits a host (`memory.HOST_MEMORY_BYTES`)."""
+        return fewest_shards(self.coordinator_memory["total"])
 
     def __str__(self) -> str:
         return format_plan(self)
@@ -101,11 +135,11 @@ def _rounds(model, islands, outer, coordinator, payload, update, gbps=None):
     rates = []
     for link in links:
         rate = link.rate_gbps() / (k if outer.shared_link else 1)
-        rates.append(rate if ring else min(rate, coordinator.gbps / k))
+        rates.append(rate if ring else min(rate, coordinator.gbps * coordinator.shards / k))  # a link per shard
     seconds = [transfer_seconds(moved / f, r) for r in rates]
     down = [transfer_seconds(back / f, r) for r in rates]
     one_way = [link.rtt_ms / 2e3 for link in links]
-    merge = 0.0 if ring else coordinator_cpu_seconds(model, k, coordinator) / coordinator.cores / f
+    merge = 0.0 if ring else coordinator_cpu_seconds(model, k, coordinator) / coordinator.shards / coordinator.cores / f
     chunks = max(1, math.ceil(max(payload, update) / f / outer.chunk_bytes))  # one plan, cut by the costlier codec
     exchanges, taus, exposed = [], [], []
     for t, h, s, lat in zip(steps, planned, down, one_way):
@@ -151,7 +185,7 @@ def plan(
       model: parameter counts and layers.
       islands: each island's hardware, step and link.
       outer: the outer loop and the exchange (codec, H or sync, fragments, tau, pipeline, shared link).
-      coordinator: its link, cores and merge cost (left out of a ring).
+      coordinator: its link, cores and merge cost, and its shards (left out of a ring).
       dp_dtype: "bf16" or "fp32" gradients for the data-parallel baseline.
       targets: compute utilizations in (0, 1] to give the required link rate for.
 

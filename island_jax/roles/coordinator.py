@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import time
+from typing import Any
 
 import ml_collections
 from absl import logging
@@ -19,9 +20,12 @@ from island_jax import allocator
 from island_jax import config as config_lib
 from island_jax.comm.inprocess import InProcessExchange
 from island_jax.coordinator import Coordinator, RoundRecord
+from island_jax.coordinator.shards import ServiceBus, Shard, ShardError, shard_address
 from island_jax.metrics import write_json
 from island_jax.model.init import checksum, count, init_params
 from island_jax.protocol import Endpoint
+from island_jax.roles.checkpoint_sets import SHARD_POLL_SECONDS, CheckpointSets, restorable
+from island_jax.roles.checkpoint_sets import hold as hold_past
 from island_jax.workdir import RoleFolder, coordinator_dir, due, island_dir, open_role, set_aside_summary
 
 
@@ -64,9 +68,41 @@ def _serve(coordinator: Coordinator, exchange, config: ml_collections.ConfigDict
     return _GrpcEndpoint(coordinator, exchange, config, insecure)
 
 
+def _shard(config, exchange, shard: int, shard_service: str | None, bus) -> tuple[Shard | None, Any]:
+    """Of a coordinator of `coordinator.shards` > 1: this process's `Shard` and the exchange it serves (its own
+    address of the --coordinator list, or the given `InProcessExchange`); (None, exchange) for one process.
+
+    Raises:
+      ShardError: an address list of another length than `coordinator.shards`, or `shard` not below it, or no
+        `shard_service` for shards in processes of their own.
+    """
+    count = config.coordinator.shards
+    if count == 1 and shard == 0:
+        return None, exchange
+    if isinstance(exchange, str):
+        exchange = shard_address(config, exchange, shard)
+    elif not 0 <= shard < count:
+        raise ShardError(f"shard {shard} but coordinator.shards is {count}; give a shard from 0 to {count - 1}")
+    if bus is None:
+        if not shard_service:
+            raise ShardError("coordinator.shards is %d: give --shard_service=HOST:PORT, where shard 0 runs the shards' "
+                             "jax.distributed coordination service" % count)
+        import jax
+
+        jax.distributed.initialize(
+            coordinator_address=shard_service, num_processes=count, process_id=shard,
+            cluster_detection_method="deactivate",
+            initialization_timeout=int(config.distributed.initialization_timeout_seconds),
+            heartbeat_timeout_seconds=int(config.distributed.heartbeat_timeout_seconds),
+            shutdown_timeout_seconds=int(config.distributed.shutdown_timeout_seconds),
+        )
+        bus = ServiceBus()
+    return Shard(shard, count, bus, config.comm.round_timeout_seconds), exchange
+
+
 def run_coordinator(
     config: ml_collections.ConfigDict, workdir: str, exchange: str | InProcessExchange, insecure: bool = False,
-    allow_config_change: bool = False,
+    allow_config_change: bool = False, shard: int = 0, shard_service: str | None = None, bus=None,
 ) -> dict:
     """Serves the exchange until every island has the last round's update.
 
@@ -86,6 +122,13 @@ def run_coordinator(
       insecure: serve gRPC off loopback without TLS and tokens (`security.check_exposure`).
       allow_config_change: resume under a config that differs from the one the coordinator started with
         (`workdir.open_role`); otherwise that is refused.
+      shard: of a coordinator of `coordinator.shards` processes, the shard this one is (`coordinator/shards.py`);
+        `exchange` is then the list of every shard's HOST:PORT (this one listens on item `shard`), or shard
+        `shard`'s `InProcessExchange`. It writes under `workdir/coordinator-shard-K` (shard 0 under
+        `workdir/coordinator`).
+      shard_service: HOST:PORT of the shards' jax.distributed coordination service (shard 0 runs it), through
+        which they agree (`shards.ServiceBus`); not needed with `bus`.
+      bus: the shards' `shards.Bus` when they run in one process (`shards.LocalBus`).
 
     Returns:
       The role's summary (also `coordinator/summary.json`): `rounds`, `params`,
@@ -108,18 +151,24 @@ def run_coordinator(
             "trained badly or diverged in docs/results.md (section 9); SparseLoCo's outer step is "
             "outer.momentum=0, outer.learning_rate=1, codec.error_feedback_decay=0.95", config.outer.momentum)
     start = time.perf_counter()
-    role = open_role(config, coordinator_dir(workdir), coordinator=True, allow_config_change=allow_config_change)
+    spec, exchange = _shard(config, exchange, shard, shard_service, bus)  # before the folder: bad input changes nothing
+    role = open_role(config, coordinator_dir(workdir, shard), coordinator=True, allow_config_change=allow_config_change)
     names, rounds = list(config.islands.keys()), config.outer.rounds
     try:
         _, params, _ = init_params(config)
         num_params = count(params)
-        coordinator = Coordinator(config, params, names)
+        coordinator = Coordinator(config, params, names, shard=spec)
         del params  # the coordinator holds them in its rows from here on
-        latest = role.checkpoints.latest_round()
+        latest = role.checkpoints.latest_round() if spec is None else restorable(spec, role, workdir, config.distributed.initialization_timeout_seconds)
         if latest is not None and latest >= rounds and os.path.exists(os.path.join(role.path, "summary.json")):
             logging.info("the run is complete (%d of %d rounds); nothing to do", latest, rounds)
             return {}
-        if latest is not None:
+        if latest is not None and spec is not None:
+            coordinator.load_state(role.checkpoints.restore(coordinator.state(), round=latest))
+            logging.info("shard %d of %d resumed from the checkpoint set of round %d", shard, spec.count, latest)
+            if coordinator.round < rounds:
+                set_aside_summary(role.path, latest)
+        elif latest is not None:
             coordinator.load_state(role.checkpoints.restore(coordinator.state()))  # the newest intact one
             logging.info("resumed from the checkpoint of round %d (view checksum %s); islands past it roll back",
                          coordinator.round, coordinator.checksum)
@@ -128,7 +177,9 @@ def run_coordinator(
         finished = coordinator.round >= rounds
         endpoint = _serve(coordinator, exchange, config, insecure)
         role.begin()  # the config and the port are checked: the run has started (config.json, run_info.json)
-        if role.checkpoints.latest_round() is None:  # so that a coordinator that dies early can restart too
+        # so that a coordinator that dies early can restart too (shards start again from the seed: nothing commits
+        # a round-0 set)
+        if spec is None and role.checkpoints.latest_round() is None:
             with endpoint.lock:  # taken before any merge can change it
                 state = coordinator.state()
             role.checkpoints.save(0, state, force=True, frozen_numpy=True)
@@ -142,7 +193,7 @@ def run_coordinator(
             if finished:  # it died after its last checkpoint: islands still waiting take the final view
                 _serve_final_view(config, coordinator, endpoint, workdir)
             else:
-                _serve_rounds(config, coordinator, endpoint, role)
+                _serve_rounds(config, coordinator, endpoint, role, workdir)
         finally:
             endpoint.stop(grace=5.0)
     finally:
@@ -158,15 +209,17 @@ def run_coordinator(
     return summary
 
 
-def _serve_rounds(config, coordinator: Coordinator, endpoint, role: RoleFolder) -> None:
+def _serve_rounds(config, coordinator: Coordinator, endpoint, role: RoleFolder, workdir: str) -> None:
     """The round loop: every fragment's merge of every round, logged and checkpointed."""
     rounds, names = config.outer.rounds, list(config.islands.keys())
     every = role.checkpoints.every_rounds  # checkpoint.coordinator_every_rounds (or every_rounds)
     saving: set[int] = set()  # rounds whose checkpoint is being written (their updates + 2 are held)
+    sets = None if coordinator.shard is None else CheckpointSets(coordinator.shard, workdir, coordinator, saving)
     last = time.perf_counter()
     for r in range(coordinator.round, rounds):
         for p in range(len(coordinator.fragments)):
-            rec, received = _wait_for_merge(config, coordinator, endpoint, r, p, role)
+            rec, received = _wait_for_merge(config, coordinator, endpoint, r, p, role, sets)
+            rec = coordinator.complete_record(rec, p)  # of the leader of shards: every shard's sums
             now = time.perf_counter()
             role.metrics.write(_round_record(rec, r, p, received, now - last))
             last = now
@@ -179,7 +232,9 @@ def _serve_rounds(config, coordinator: Coordinator, endpoint, role: RoleFolder) 
             )
         allocator.trim()  # the merge's old state and the round's contributions go back to the kernel
         if due(r + 1, every, rounds):
-            _checkpoint(coordinator, endpoint, role, r + 1, force=r + 1 == rounds, saving=saving)
+            _checkpoint(coordinator, endpoint, role, r + 1, force=r + 1 == rounds, saving=saving, sets=sets)
+    if sets is not None:  # the last set is committed before any shard stops
+        sets.finish(rounds, config.comm.round_timeout_seconds, endpoint)
     # Every island that contributed to the last round receives its update (a quorum may have left some out).
     last_contributors = {n for f in coordinator.fragments for n in f.history[-1].contributors}
     if not endpoint.wait_until_fetched(rounds - 1, last_contributors, timeout=config.comm.round_timeout_seconds):
@@ -216,7 +271,8 @@ def _serve_final_view(config, coordinator: Coordinator, endpoint, workdir: str) 
                             sorted(n for n in names if n not in coordinator.viewed), config.comm.reconnect_seconds)
 
 
-def _wait_for_merge(config, coordinator, endpoint, r: int, p: int, role: RoleFolder) -> tuple[RoundRecord, dict]:
+def _wait_for_merge(config, coordinator, endpoint, r: int, p: int, role: RoleFolder,
+                    sets: CheckpointSets | None = None) -> tuple[RoundRecord, dict]:
     """Waits until fragment `p` merged round `r` (0-based); its record and the frame bytes received so far.
 
     Raises:
@@ -229,8 +285,10 @@ def _wait_for_merge(config, coordinator, endpoint, r: int, p: int, role: RoleFol
             endpoint.check()
             if coordinator.poll():  # closes a round once a quorum's grace window has passed
                 endpoint.notify()
-            else:
-                endpoint.lock.wait(timeout=0.5)
+            else:  # shards poll the others' progress, which wakes nobody here
+                endpoint.lock.wait(timeout=0.5 if sets is None else SHARD_POLL_SECONDS)
+            if sets is not None and sets.poll():
+                endpoint.notify()
             _check_stalled(config, coordinator)
             role.checkpoints.check()  # a failed save ends the role now (its updates stay held)
         endpoint.check()
@@ -273,7 +331,8 @@ def _round_record(rec: RoundRecord, r: int, p: int, received: dict, seconds: flo
     )
 
 
-def _checkpoint(coordinator, endpoint, role: RoleFolder, rounds_done: int, force: bool, saving: set[int]) -> None:
+def _checkpoint(coordinator, endpoint, role: RoleFolder, rounds_done: int, force: bool, saving: set[int],
+                sets: CheckpointSets | None = None) -> None:
     """Saves the coordinator's state after `rounds_done` rounds, with the checksums of what it holds.
 
     From the moment the state is taken until the checkpoint is complete, the update that completes round
@@ -283,7 +342,7 @@ def _checkpoint(coordinator, endpoint, role: RoleFolder, rounds_done: int, force
     """
 
     def hold() -> None:  # under the lock
-        coordinator.hold_updates(min(saving) + 1 if saving else None)  # 0-based: the update of index R + 1
+        hold_past(coordinator, saving)
         endpoint.notify()
 
     with endpoint.lock:
@@ -305,7 +364,9 @@ def _checkpoint(coordinator, endpoint, role: RoleFolder, rounds_done: int, force
         return
 
     def release(future) -> None:
-        if future.exception() is None:
+        if future.exception() is None and sets is not None:  # held until every shard's part is durable
+            sets.saved(rounds_done)
+        elif future.exception() is None:
             with endpoint.lock:
                 saving.discard(rounds_done)
                 hold()

@@ -28,6 +28,8 @@ from island_jax import config as config_lib
 from island_jax import data as data_lib
 from island_jax.checkpoint import CheckpointCorrupt
 from island_jax.comm.inprocess import InProcessExchange, InProcessTransport
+from island_jax.comm.sharded import ShardedTransport
+from island_jax.coordinator.shards import ShardError, parse_addresses
 from island_jax.comm.link import LinkEmulator
 from island_jax.comm.session import RunAborted
 from island_jax.island import ACCOUNTING_FIELDS, STEP_METRICS, EventLog, Island, StreamingSync, memory
@@ -56,24 +58,39 @@ def connect(
     parts: int = 1, shares: list[list[int]] | None = None,
 ):
     """Island's transport to `exchange`: gRPC to "HOST:PORT", in process to an `InProcessExchange`, or None
-    (no outer loop). An emulated link (`comm.link` in the config) sits under either transport. `finished`
+    (no outer loop). To a coordinator of `coordinator.shards` K > 1: "HOST:PORT,..." (every shard's, shard 0
+    first) or a list of K `InProcessExchange`s, over a `ShardedTransport` of one transport per shard. An emulated link (`comm.link` in the config) sits under either transport. `finished`
     (gRPC): called while the coordinator is unreachable; True ends the retries (the run is over). `part`,
     `parts`: this process of an island of several (gRPC), which moves its share of every payload: `shares`, per
     fragment the indices of the chunks it owns (`island.shards.Ownership`)."""
     if exchange is None:
         return None
     link, c = LinkEmulator.from_config(config), config.comm
+    count = config.coordinator.shards
+    if isinstance(exchange, (list, tuple)):  # the in-process exchanges of every shard
+        if len(exchange) != count:
+            raise ShardError(f"{len(exchange)} in-process exchanges but coordinator.shards is {count}")
+        return ShardedTransport([
+            InProcessTransport(ex, link, c.connections, c.round_timeout_seconds, c.join_timeout_seconds,
+                               shard=(k, count)) for k, ex in enumerate(exchange)])
     if isinstance(exchange, InProcessExchange):
         return InProcessTransport(exchange, link, c.connections, c.round_timeout_seconds, c.join_timeout_seconds)
     from island_jax.comm import security
     from island_jax.comm.grpc_client import GrpcTransport
 
-    return GrpcTransport(
-        exchange, c.chunk_bytes, c.join_timeout_seconds, c.round_timeout_seconds, connections=c.connections,
+    addresses = parse_addresses(exchange)
+    if len(addresses) != count:
+        raise ShardError(f"--coordinator lists {len(addresses)} addresses ({exchange}) but coordinator.shards is "
+                         f"{count}; give every shard's HOST:PORT, shard 0 first")
+    token = security.read_token(c.auth.token_file, c.auth.token_env)
+    transports = [GrpcTransport(
+        address, c.chunk_bytes, c.join_timeout_seconds, c.round_timeout_seconds, connections=c.connections,
         pipeline=c.pipeline, link=link, reconnect_seconds=c.reconnect_seconds, finished=finished, tls=c.tls,
-        token=security.read_token(c.auth.token_file, c.auth.token_env), part=part, parts=parts, shares=shares,
+        token=token, part=part, parts=parts, shares=shares,
         keepalive_seconds=c.keepalive_seconds, backoff_cap_seconds=c.reconnect_backoff_cap_seconds,
-    )
+        shard=(k, count) if count > 1 else None,
+    ) for k, address in enumerate(addresses)]
+    return transports[0] if count == 1 else ShardedTransport(transports, encoded_once=True)
 
 
 def run_finished(workdir: str, rounds: int) -> bool:

@@ -21,7 +21,7 @@ from island_jax.outer.codec.blocks import (
     quantize_blocks,
     unpack_int4,
 )
-from island_jax.outer.codec.chunks import Chunk, Piece, chunk_plan, deal, layout, payload_bytes, pieces
+from island_jax.outer.codec.chunks import Chunk, Piece, chunk_plan, chunk_ranges, deal, layout, payload_bytes, pieces
 from island_jax.outer.codec.decoder import decode, decode_and_apply, decode_piece, decode_view
 from island_jax.outer.codec.encoder import ChunkEncoder, encode
 from island_jax.outer.codec.kinds import (
@@ -54,6 +54,7 @@ __all__ = [
     "as_codec",
     "bytes_per_element",
     "chunk_plan",
+    "chunk_ranges",
     "deal",
     "decode",
     "decode_and_apply",

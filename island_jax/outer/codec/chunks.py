@@ -129,6 +129,27 @@ def deal(plan: list[Chunk], parts: int) -> list[list[Chunk]]:
     return shares
 
 
+def chunk_ranges(plan: list[Chunk], parts: int) -> list[range]:
+    """The chunk indices of `plan` cut into `parts` contiguous ranges of near-equal bytes (a coordinator of
+    `coordinator.shards` processes: shard k owns range k of every fragment's plan).
+
+    Range k ends after the first chunk whose payload end reaches k + 1 parts of the total bytes, so each range's
+    bytes are within one chunk of total / parts. Every end derives the same cut from the plan alone.
+
+    Returns:
+      `parts` ranges covering 0..len(plan) - 1 in order (a range is empty when there are fewer chunks than parts).
+    """
+    total = sum(c.nbytes for c in plan)
+    bounds, end, at = [0], 0, 0
+    for k in range(1, parts):
+        while at < len(plan) and end * parts < total * k:
+            end += plan[at].nbytes
+            at += 1
+        bounds.append(at)
+    bounds.append(len(plan))
+    return [range(a, b) for a, b in zip(bounds, bounds[1:])]
+
+
 def payload_bytes(like: Any, kind: "str | Codec", block_size: int | None = None) -> int:
     """Bytes of a whole payload for a pytree shaped like `like` (arrays or ShapeDtypeStructs).
 
