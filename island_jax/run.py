@@ -22,8 +22,8 @@ from absl import logging
 
 from island_jax import config as config_lib
 from island_jax.comm.inprocess import InProcessExchange
-from island_jax.coordinator.shards import LocalBus
 from island_jax.comm.session import RunAborted
+from island_jax.coordinator.shards import LocalBus
 from island_jax.hardware import measured_cpu_peak_flops
 from island_jax.island import memory
 from island_jax.progress import Progress

@@ -64,7 +64,6 @@ Errors are `cluster_lib.ClusterError`s naming the field and the fix (the command
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import re
 import shlex
@@ -74,14 +73,11 @@ from typing import Any
 
 from island_jax import cluster as cluster_lib
 from island_jax import hardware as hardware_lib
+from island_jax import k8s_objects as objects
+from island_jax.k8s_objects import Names, names
 
-APP = "island-jax"
 SERVICE_TYPES = ("ClusterIP", "NodePort", "LoadBalancer")
 DEFAULT_NAMESPACE = "default"
-DEFAULT_STORAGE = "10Gi"
-MAX_NAME = 52  # StatefulSet and Job names: their pods' names and hostnames add a suffix within 63 characters
-SHARD_INDEX_LABEL = "batch.kubernetes.io/job-completion-index"  # on an Indexed Job's pods (Kubernetes 1.28+)
-TERMINATION_GRACE_SECONDS = 120  # a stopped role finishes the checkpoint it is writing (SIGTERM, then SIGKILL)
 
 TLS_DIR = "/etc/island-jax/tls"
 COORDINATOR_DIR = "/etc/island-jax/coordinator"
@@ -102,109 +98,6 @@ _LABEL = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?")
 _QUANTITY = re.compile(r"[0-9]+(\.[0-9]+)?(Ki|Mi|Gi|Ti|Pi|Ei|k|M|G|T|P|E)?")
 
 
-def dns_label(text: str) -> str:
-    """`text` as a DNS label: lowercase, runs of anything but letters and digits as one '-', none at the ends
-    ("two_islands" -> "two-islands"); "" when nothing is left."""
-    return re.sub(r"[^a-z0-9]+", "-", text.lower()).strip("-")
-
-
-@dataclasses.dataclass(frozen=True)
-class Names:
-    """The names of a run's Kubernetes objects.
-
-    Attributes:
-      run: the run's name (a DNS label), from its workdir's last folder; the `app.kubernetes.io/instance` label.
-      islands: {island name in the config: its DNS label}.
-    """
-
-    run: str
-    islands: dict[str, str]
-
-    @property
-    def prefix(self) -> str:
-        return f"ij-{self.run}"
-
-    @property
-    def coordinator(self) -> str:
-        """The StatefulSet, and the Service islands dial."""
-        return f"{self.prefix}-coordinator"
-
-    @property
-    def coordinator_pods(self) -> str:
-        """The StatefulSet's headless Service (its `serviceName`); with shards, the Job's pods' subdomain."""
-        return f"{self.prefix}-coordinator-pods"
-
-    def coordinator_shard(self, k: int) -> str:
-        """With coordinator shards: the Service islands dial shard `k` at."""
-        return f"{self.prefix}-coordinator-{k}"
-
-    @property
-    def coordinator_claim(self) -> str:
-        """With coordinator shards: the volume every shard's pod mounts at the workdir."""
-        return f"{self.coordinator}-workdir"
-
-    def island(self, name: str) -> str:
-        """Island `name`'s Job, and the headless Service its pods' subdomain is."""
-        return f"{self.prefix}-island-{self.islands[name]}"
-
-    def island_claim(self, name: str) -> str:
-        return f"{self.island(name)}-workdir"
-
-    @property
-    def tls_secret(self) -> str:
-        return f"{self.prefix}-tls"
-
-    @property
-    def coordinator_secret(self) -> str:
-        return f"{self.prefix}-coordinator-credentials"
-
-    def token_secret(self, name: str) -> str:
-        return f"{self.prefix}-token-{self.islands[name]}"
-
-
-def names(cluster: cluster_lib.Cluster, workdir: str) -> Names:
-    """The object names of the run in `workdir` (its last folder names the run).
-
-    Raises:
-      cluster_lib.ClusterError: the workdir's last folder or an island name has no letter or digit, two islands
-        map to one name, or a name is longer than `MAX_NAME` characters.
-    """
-    run = dns_label(os.path.basename(os.path.normpath(workdir)))
-    if not run:
-        raise cluster_lib.ClusterError(f"--workdir={workdir}: its last folder names the run's Kubernetes objects; "
-                                       "give a folder whose name has letters or digits")
-    islands: dict[str, str] = {}
-    for name in cluster.islands:
-        label = dns_label(name)
-        if not label:
-            raise cluster_lib.ClusterError(f"islands.{name}: the island's name has no letter or digit to name its "
-                                           "Kubernetes objects; rename the island")
-        other = next((n for n, lab in islands.items() if lab == label), None)
-        if other is not None:
-            raise cluster_lib.ClusterError(
-                f"islands {other} and {name} both become {label!r} in Kubernetes names (lowercase letters, digits "
-                "and '-'); rename one of them")
-        islands[name] = label
-    result = Names(run, islands)
-    longest = [result.coordinator_pods] if cluster.coordinator.scheduler == "k8s" else []
-    longest += [result.island(n) for n, p in cluster.islands.items() if p.scheduler == "k8s"]
-    for name in longest:
-        if len(name) > MAX_NAME:
-            raise cluster_lib.ClusterError(
-                f"the Kubernetes name {name} is {len(name)} characters, more than {MAX_NAME} (its pods' names and "
-                "host names must stay within 63); give a shorter --workdir folder name or island name")
-    return result
-
-
-def _labels(n: Names, role: str) -> dict[str, str]:
-    """The labels of `role`'s objects ("coordinator" or an island's name); also its pods' selector."""
-    labels = {"app.kubernetes.io/name": APP, "app.kubernetes.io/instance": n.run,
-              "app.kubernetes.io/component": "coordinator" if role == "coordinator" else "island"}
-    if role != "coordinator":
-        labels["island-jax/island"] = n.islands[role]
-    return labels
-
-
 def _namespace(p: cluster_lib.Placement, field: str) -> str:
     ns = str(p.get("namespace", DEFAULT_NAMESPACE) or DEFAULT_NAMESPACE)
     if not (_LABEL.fullmatch(ns) and len(ns) <= 63):
@@ -221,7 +114,7 @@ def _check_placement(config, cluster: cluster_lib.Cluster, p: cluster_lib.Placem
     """The k8s fields of one role, and the credentials a role on Kubernetes needs."""
     field = _field(p)
     _namespace(p, field)
-    storage = str(p.get("storage", DEFAULT_STORAGE))
+    storage = str(p.get("storage", objects.DEFAULT_STORAGE))
     if not _QUANTITY.fullmatch(storage):
         raise cluster_lib.ClusterError(f"{field}.storage is {storage!r}; give a size such as 10Gi or 500Gi")
     selector = p.get("node_selector", {}) or {}
@@ -271,40 +164,6 @@ def _k8s_argv(command: cluster_lib.Command) -> list[str]:
     return [a.replace("$(", "$$(") if i < literal else a for i, a in enumerate(argv)]
 
 
-def _metadata(name: str, namespace: str, labels: dict[str, str]) -> dict[str, Any]:
-    return {"name": name, "namespace": namespace, "labels": dict(labels)}
-
-
-def _secret_volume(volume: str, secret: str) -> dict[str, Any]:
-    return {"name": volume, "secret": {"secretName": secret}}
-
-
-def _container(name: str, image: str, cluster: cluster_lib.Cluster, argv: list[str], env: dict[str, str],
-               ports: list[dict[str, Any]], mounts: list[dict[str, Any]]) -> dict[str, Any]:
-    container: dict[str, Any] = {"name": name, "image": image}
-    if os.path.isabs(cluster.repo):
-        container["workingDir"] = cluster.repo
-    container.update({
-        "command": argv[:1], "args": argv[1:],
-        "env": [{"name": k, "value": v} for k, v in {"PYTHONUNBUFFERED": "1", **env}.items()],
-        "ports": ports, "volumeMounts": mounts,
-    })
-    return container
-
-
-def _pod_extras(p: cluster_lib.Placement) -> dict[str, Any]:
-    selector = p.get("node_selector", {}) or {}
-    return {"nodeSelector": {k: str(v) for k, v in selector.items()}} if selector else {}
-
-
-def _claim_spec(p: cluster_lib.Placement, access_mode: str) -> dict[str, Any]:
-    spec: dict[str, Any] = {"accessModes": [access_mode],
-                            "resources": {"requests": {"storage": str(p.get("storage", DEFAULT_STORAGE))}}}
-    if p.get("storage_class"):
-        spec["storageClassName"] = str(p.get("storage_class"))
-    return spec
-
-
 def health_command(cluster: cluster_lib.Cluster) -> list[str]:
     """The coordinator's probe: `python -m island_jax.health` against 127.0.0.1:PORT with the mounted CA and
     client certificate, checking the certificate for the host of `coordinator.addresses`."""
@@ -315,7 +174,7 @@ def health_command(cluster: cluster_lib.Cluster) -> list[str]:
 
 def _coordinator(cluster: cluster_lib.Cluster, config_args: list[str], workdir: str, n: Names) -> list[dict]:
     p = cluster.coordinator
-    ns, labels = _namespace(p, "coordinator"), _labels(n, "coordinator")
+    ns, labels = _namespace(p, "coordinator"), objects.role_labels(n, "coordinator")
     port, shards = cluster.port, cluster.shards
     sharded = {}
     if shards > 1:  # every shard's pod listens on PORT; shard k's Service maps its own port there
@@ -327,48 +186,41 @@ def _coordinator(cluster: cluster_lib.Cluster, config_args: list[str], workdir: 
     volumes = [{"name": "workdir", "persistentVolumeClaim": {"claimName": n.coordinator_claim}}] if sharded else []
     if cluster.tls:
         mounts.append({"name": "tls", "mountPath": TLS_DIR, "readOnly": True})
-        volumes.append(_secret_volume("tls", n.tls_secret))
+        volumes.append(objects.secret_volume("tls", n.tls_secret))
     mounts.append({"name": "credentials", "mountPath": COORDINATOR_DIR, "readOnly": True})
-    volumes.append(_secret_volume("credentials", n.coordinator_secret))
+    volumes.append(objects.secret_volume("credentials", n.coordinator_secret))
     ports = [{"name": "grpc", "containerPort": port, "protocol": "TCP"}]
     if sharded:
         ports.append({"name": "jax", "containerPort": cluster.shard_port, "protocol": "TCP"})
-    container = _container("coordinator", str(p.get("image")), cluster, _k8s_argv(command), dict(p.env), ports, mounts)
+    container = objects.container("coordinator", str(p.get("image")), cluster, _k8s_argv(command), dict(p.env),
+                                  ports, mounts)
     for key, timing in (("startupProbe", STARTUP_PROBE), ("readinessProbe", READINESS_PROBE),
                         ("livenessProbe", LIVENESS_PROBE)):
         container[key] = {"exec": {"command": health_command(cluster)}, "timeoutSeconds": PROBE_TIMEOUT_SECONDS,
                           **timing}
     if sharded:
-        return [*(_shard_service(n, ns, labels, k, cluster.ports[k], str(p.get("service_type", "ClusterIP")))
-                  for k in range(shards)),
-                _pods_service(n.coordinator_pods, ns, labels, [("grpc", port), ("jax", cluster.shard_port)]),
-                _claim(n.coordinator_claim, ns, labels, p, True),
-                _indexed_job(n.coordinator, ns, labels, p, shards, n.coordinator_pods, container, volumes)]
+        kind = str(p.get("service_type", "ClusterIP"))
+        return [*(objects.shard_service(n, ns, labels, k, cluster.ports[k], kind) for k in range(shards)),
+                objects.pods_service(n.coordinator_pods, ns, labels, [("grpc", port), ("jax", cluster.shard_port)]),
+                objects.claim(n.coordinator_claim, ns, labels, p, True),
+                objects.indexed_job(n.coordinator, ns, labels, p, shards, n.coordinator_pods, container, volumes)]
     grpc_port = {"name": "grpc", "port": port, "targetPort": "grpc", "protocol": "TCP"}
-    service = {"apiVersion": "v1", "kind": "Service", "metadata": _metadata(n.coordinator, ns, labels),
+    service = {"apiVersion": "v1", "kind": "Service", "metadata": objects.metadata(n.coordinator, ns, labels),
                "spec": {"type": p.get("service_type", "ClusterIP"), "selector": dict(labels), "ports": [grpc_port]}}
-    headless = {"apiVersion": "v1", "kind": "Service", "metadata": _metadata(n.coordinator_pods, ns, labels),
+    headless = {"apiVersion": "v1", "kind": "Service", "metadata": objects.metadata(n.coordinator_pods, ns, labels),
                 "spec": {"clusterIP": "None", "selector": dict(labels), "ports": [grpc_port]}}
     statefulset = {
-        "apiVersion": "apps/v1", "kind": "StatefulSet", "metadata": _metadata(n.coordinator, ns, labels),
+        "apiVersion": "apps/v1", "kind": "StatefulSet", "metadata": objects.metadata(n.coordinator, ns, labels),
         "spec": {
             "serviceName": n.coordinator_pods, "replicas": 1, "selector": {"matchLabels": dict(labels)},
             "template": {"metadata": {"labels": dict(labels)}, "spec": {
-                **_pod_extras(p), "terminationGracePeriodSeconds": TERMINATION_GRACE_SECONDS,
+                **objects.pod_extras(p), "terminationGracePeriodSeconds": objects.TERMINATION_GRACE_SECONDS,
                 "containers": [container], "volumes": volumes}},
             "volumeClaimTemplates": [{"metadata": {"name": "workdir", "labels": dict(labels)},
-                                      "spec": _claim_spec(p, "ReadWriteOnce")}],
+                                      "spec": objects.claim_spec(p, "ReadWriteOnce")}],
         },
     }
     return [service, headless, statefulset]
-
-
-def _shard_service(n: Names, namespace: str, labels: dict[str, str], k: int, port: int, kind: str) -> dict:
-    """Shard `k`'s Service, which islands dial: `port` to its pod's gRPC port, selected by the index label the
-    Job controller gives each pod (`batch.kubernetes.io/job-completion-index`, Kubernetes 1.28 and later)."""
-    return {"apiVersion": "v1", "kind": "Service", "metadata": _metadata(n.coordinator_shard(k), namespace, labels),
-            "spec": {"type": kind, "selector": {**labels, SHARD_INDEX_LABEL: str(k)},
-                     "ports": [{"name": "grpc", "port": port, "targetPort": "grpc", "protocol": "TCP"}]}}
 
 
 def coordinator_dial(cluster: cluster_lib.Cluster, n: Names) -> tuple[str, str]:
@@ -399,7 +251,7 @@ def coordinator_dial(cluster: cluster_lib.Cluster, n: Names) -> tuple[str, str]:
 def _island(config, cluster: cluster_lib.Cluster, name: str, config_args: list[str], workdir: str,
             n: Names) -> list[dict]:
     p = cluster.islands[name]
-    ns, labels, job = _namespace(p, f"islands.{name}"), _labels(n, name), n.island(name)
+    ns, labels, job = _namespace(p, f"islands.{name}"), objects.role_labels(n, name), n.island(name)
     dial, server_name = coordinator_dial(cluster, n)
     several = p.nodes > 1
     command = cluster_lib.role_command(
@@ -415,50 +267,18 @@ def _island(config, cluster: cluster_lib.Cluster, name: str, config_args: list[s
     ]
     if cluster.tls:
         mounts.append({"name": "tls", "mountPath": TLS_DIR, "readOnly": True})
-        volumes.append(_secret_volume("tls", n.tls_secret))
+        volumes.append(objects.secret_volume("tls", n.tls_secret))
     if p.token_file:
         mounts.append({"name": "token", "mountPath": TOKEN_DIR, "readOnly": True})
-        volumes.append(_secret_volume("token", n.token_secret(name)))
+        volumes.append(objects.secret_volume("token", n.token_secret(name)))
     ports = [{"name": "jax", "containerPort": cluster.island_port, "protocol": "TCP"}]
-    container = _container("island", str(p.get("image")), cluster, argv, dict(p.env), ports, mounts)
+    container = objects.container("island", str(p.get("image")), cluster, argv, dict(p.env), ports, mounts)
     resource = _device_resource(config, p)
     if resource:
         container["resources"] = {"limits": {resource: p.devices_per_node}}
-    service = _pods_service(job, ns, labels, [("jax", cluster.island_port)])
-    claim = _claim(n.island_claim(name), ns, labels, p, several)
-    return [service, claim, _indexed_job(job, ns, labels, p, p.nodes, job, container, volumes)]
-
-
-def _pods_service(name: str, namespace: str, labels: dict[str, str], ports: list[tuple[str, int]]) -> dict:
-    """The headless Service whose subdomain an Indexed Job's pods are in: pod I of Job J is
-    J-I.NAME.NAMESPACE.svc.cluster.local, resolvable before it is ready (`jax.distributed` starts first)."""
-    return {"apiVersion": "v1", "kind": "Service", "metadata": _metadata(name, namespace, labels),
-            "spec": {"clusterIP": "None", "publishNotReadyAddresses": True, "selector": dict(labels),
-                     "ports": [{"name": port_name, "port": port, "targetPort": port_name, "protocol": "TCP"}
-                               for port_name, port in ports]}}
-
-
-def _claim(name: str, namespace: str, labels: dict[str, str], p: cluster_lib.Placement, shared: bool) -> dict:
-    """The role's workdir volume: ReadWriteMany when several pods write into it (`shared`)."""
-    return {"apiVersion": "v1", "kind": "PersistentVolumeClaim", "metadata": _metadata(name, namespace, labels),
-            "spec": _claim_spec(p, "ReadWriteMany" if shared else "ReadWriteOnce")}
-
-
-def _indexed_job(name: str, namespace: str, labels: dict[str, str], p: cluster_lib.Placement, count: int,
-                 subdomain: str, container: dict[str, Any], volumes: list[dict[str, Any]]) -> dict:
-    """`count` pods that run and fail as one: an Indexed Job (index in `JOB_COMPLETION_INDEX`), completions =
-    parallelism = `count`, `backoffLimit: 0` and `restartPolicy: Never`, so that one failed pod fails the Job
-    and its other pods are stopped; they start again together when the Job is applied again."""
-    return {
-        "apiVersion": "batch/v1", "kind": "Job", "metadata": _metadata(name, namespace, labels),
-        "spec": {
-            "completionMode": "Indexed", "completions": count, "parallelism": count, "backoffLimit": 0,
-            "template": {"metadata": {"labels": dict(labels)}, "spec": {
-                **_pod_extras(p), "subdomain": subdomain, "restartPolicy": "Never",
-                "terminationGracePeriodSeconds": TERMINATION_GRACE_SECONDS,
-                "containers": [container], "volumes": volumes}},
-        },
-    }
+    service = objects.pods_service(job, ns, labels, [("jax", cluster.island_port)])
+    claim = objects.claim(n.island_claim(name), ns, labels, p, several)
+    return [service, claim, objects.indexed_job(job, ns, labels, p, p.nodes, job, container, volumes)]
 
 
 def _k8s_roles(cluster: cluster_lib.Cluster) -> list[cluster_lib.Placement]:

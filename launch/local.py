@@ -473,7 +473,8 @@ def plan_roles(config, workdir: str, listen: list[str], dial: list[str], overrid
       env: every role's environment (default: this one's, unbuffered).
     """
     island_ns, cpus = island_ns or {}, cpus or {}
-    env = env or dict(os.environ, PYTHONUNBUFFERED="1")  # each role sets glibc malloc itself (allocator.py)
+    if env is None:  # each role sets glibc malloc itself (island_jax/allocator.py)
+        env = dict(os.environ, PYTHONUNBUFFERED="1")
 
     def role(name: str, ns: str, address: list[str], *args: str, pin: str = "", group: str = "") -> Role:
         netns = ["ip", "netns", "exec", ns] if ns else []

@@ -444,3 +444,74 @@ def test_the_health_check_fails_against_a_closed_port_or_unreadable_files(tmp_pa
     with pytest.raises(SystemExit) as exit_:
         health.main(["--address=127.0.0.1:1", "--timeout_seconds=0"])
     assert exit_.value.code == 2
+
+
+def sharded(tmp_path, made, **changes):
+    """The description with a coordinator of two shards (their Services on ports 50051 and 50052)."""
+    config = gpu_config()
+    apply_override(config, "coordinator.shards", 2)
+    changes = {"coordinator.addresses": ["coord.example.org:50051", "coord.example.org:50052"], **changes}
+    return config, cluster_lib.load(description(tmp_path, made, **changes), config)
+
+
+def test_a_coordinator_of_two_shards_is_an_indexed_job_with_a_service_per_shard(tmp_path, made):
+    config, cluster = sharded(tmp_path, made, **{"coordinator.service_type": "LoadBalancer"})
+    docs = k8s.render(config, cluster, CONFIG_ARGS, WORKDIR)
+    assert [(d["kind"], d["metadata"]["name"]) for d in docs][:5] == [
+        ("Service", "ij-two-islands-coordinator-0"), ("Service", "ij-two-islands-coordinator-1"),
+        ("Service", "ij-two-islands-coordinator-pods"), ("PersistentVolumeClaim", "ij-two-islands-coordinator-workdir"),
+        ("Job", "ij-two-islands-coordinator")]
+    assert "StatefulSet" not in [d["kind"] for d in docs]
+    job = by_kind(docs, "Job", "ij-two-islands-coordinator")
+    spec, pod = job["spec"], job["spec"]["template"]["spec"]
+    labels = job["spec"]["template"]["metadata"]["labels"]
+    assert {k: spec[k] for k in ("completionMode", "completions", "parallelism", "backoffLimit")} == {
+        "completionMode": "Indexed", "completions": 2, "parallelism": 2, "backoffLimit": 0}
+    assert pod["restartPolicy"] == "Never" and pod["subdomain"] == "ij-two-islands-coordinator-pods"
+    (c,) = pod["containers"]
+    assert c["args"][c["args"].index(f"--workdir={WORKDIR}"):] == [
+        f"--workdir={WORKDIR}", "--coordinator=0.0.0.0:50051,0.0.0.0:50051", "--role=coordinator",
+        "--config.comm.tls.ca_file=/etc/island-jax/tls/ca.pem",
+        "--config.comm.tls.cert_file=/etc/island-jax/coordinator/server.pem",
+        "--config.comm.tls.key_file=/etc/island-jax/coordinator/server.key",
+        "--config.comm.tls.require_client_cert=True",
+        "--config.comm.auth.tokens_file=/etc/island-jax/coordinator/tokens.json",
+        "--shard_service=ij-two-islands-coordinator-0.ij-two-islands-coordinator-pods.training.svc.cluster.local:8477",
+        "--shard=$(JOB_COMPLETION_INDEX)"]
+    assert c["ports"] == [{"name": "grpc", "containerPort": 50051, "protocol": "TCP"},
+                          {"name": "jax", "containerPort": 8477, "protocol": "TCP"}]
+    assert c["readinessProbe"]["exec"]["command"] == PROBE
+    assert pod["volumes"][0] == {"name": "workdir",
+                                 "persistentVolumeClaim": {"claimName": "ij-two-islands-coordinator-workdir"}}
+    for k, port in ((0, 50051), (1, 50052)):
+        assert by_kind(docs, "Service", f"ij-two-islands-coordinator-{k}")["spec"] == {
+            "type": "LoadBalancer", "selector": {**labels, "batch.kubernetes.io/job-completion-index": str(k)},
+            "ports": [{"name": "grpc", "port": port, "targetPort": "grpc", "protocol": "TCP"}]}
+    assert by_kind(docs, "Service", "ij-two-islands-coordinator-pods")["spec"] == {
+        "clusterIP": "None", "publishNotReadyAddresses": True, "selector": labels,
+        "ports": [{"name": "grpc", "port": 50051, "targetPort": "grpc", "protocol": "TCP"},
+                  {"name": "jax", "port": 8477, "targetPort": "jax", "protocol": "TCP"}]}
+    assert by_kind(docs, "PersistentVolumeClaim", "ij-two-islands-coordinator-workdir")["spec"]["accessModes"] == [
+        "ReadWriteMany"]
+    for name in ("a", "b"):  # every island dials every shard's Service, one name checked for all
+        args = containers(docs)[name]["args"]
+        assert ("--coordinator=ij-two-islands-coordinator-0.training.svc.cluster.local:50051,"
+                "ij-two-islands-coordinator-1.training.svc.cluster.local:50052") in args
+        assert "--config.comm.tls.server_name=coord.example.org" in args
+    for doc in docs:
+        assert kubernetes_validate.validate(doc, KUBERNETES, strict=True) == "1.30"
+    head = k8s.header(cluster, WORKDIR)
+    assert "# The coordinator's 2 shards are one Indexed Job, which fails as a whole when one pod fails\n" in head
+    assert "#   kubectl delete job --namespace=training ij-two-islands-coordinator\n" in head
+
+
+def test_shards_on_kubernetes_with_hosts_that_differ_need_one_server_name(tmp_path, made):
+    addresses = ["c0.example.org:50051", "c1.example.org:50051"]
+    config, cluster = sharded(tmp_path, made, **{"coordinator.addresses": addresses})
+    with pytest.raises(cluster_lib.ClusterError, match=r"coordinator\.server_name is missing: islands in the cluster "
+                                                       r"dial each shard's Service and check one name for all 2 shards"):
+        k8s.render(config, cluster, CONFIG_ARGS, WORKDIR)
+    config, cluster = sharded(tmp_path, made, **{"coordinator.addresses": addresses,
+                                                 "coordinator.server_name": "coordinator.island-jax"})
+    args = containers(k8s.render(config, cluster, CONFIG_ARGS, WORKDIR))["a"]["args"]
+    assert "--config.comm.tls.server_name=coordinator.island-jax" in args

@@ -291,3 +291,93 @@ def test_an_insecure_coordinator_is_said_so_and_listens_without_credentials():
     commands = srun_commands(script)
     assert commands["coordinator"][-3:] == ["--coordinator=0.0.0.0:50051", "--role=coordinator", "--insecure"]
     assert commands["b"][-3:] == ["--role=island", "--island=b", "--coordinator=$IJ_COORDINATOR"]
+
+
+def sharded_config(shards=2):
+    config = gpu_config()
+    apply_override(config, "coordinator.shards", shards)
+    return config
+
+
+SHARDED_ARGS = [*CONFIG_ARGS, "--config.coordinator.shards=2"]
+
+
+def test_a_coordinator_of_two_shards_is_one_component_of_two_tasks_and_islands_dial_both():
+    config = sharded_config()
+    raw = description(**{"coordinator.addresses": ["auto:50051", "auto:50061"], "coordinator.nodes": 2})
+    script = slurm.render(config, cluster_lib.check(config, raw), SHARDED_ARGS, "/shared/runs/gpu")["slurm-job.sbatch"]
+    assert components(script)[0] == ["--nodes=2", "--ntasks=2", "--ntasks-per-node=1", "--partition=cpu"]
+    assert re.findall(r"^srun (--het-group=\d) --nodes=(\d) --ntasks=(\d) --ntasks-per-node=(\d) (\S+)", script,
+                      flags=re.M) == [("--het-group=0", "2", "2", "1", "--kill-on-bad-exit=1"),
+                                      ("--het-group=1", "2", "2", "1", "--label"),
+                                      ("--het-group=2", "1", "1", "1", "--label")]
+    commands = srun_commands(script)
+    coordinator, a, b = commands["coordinator"], commands["a"], commands["b"]
+    assert "--coordinator=0.0.0.0:50051,0.0.0.0:50061" in coordinator
+    assert coordinator[-2:] == ["--shard=$SLURM_PROCID", "--shard_service=$IJ_SHARD_SERVICE"]
+    assert a[-3:] == ["--coordinator=$IJ_COORDINATOR", "--process_id=$SLURM_PROCID", "--island_coordinator=$IJ_ISLAND_A"]
+    assert b[-1] == "--coordinator=$IJ_COORDINATOR"
+    lines = script.splitlines()
+    found = lines.index('IJ_COORDINATOR_0_HOST="$(ij_node_address "$SLURM_JOB_NODELIST_HET_GROUP_0" 0)"')
+    assert lines[found + 2:found + 7] == [
+        'IJ_COORDINATOR_1_HOST="$(ij_node_address "$SLURM_JOB_NODELIST_HET_GROUP_0" 1)"',
+        '[ -n "$IJ_COORDINATOR_1_HOST" ] || { echo "island_jax: no address for IJ_COORDINATOR_1 in the node list" '
+        '>&2; exit 1; }',
+        'export IJ_COORDINATOR="$IJ_COORDINATOR_0_HOST:50051,$IJ_COORDINATOR_1_HOST:50061"',
+        'IJ_SHARD_SERVICE_HOST="$(ij_first_address "$SLURM_JOB_NODELIST_HET_GROUP_0")"',
+        '[ -n "$IJ_SHARD_SERVICE_HOST" ] || { echo "island_jax: no address for IJ_SHARD_SERVICE in the node list" '
+        '>&2; exit 1; }']
+    assert lines[found + 7] == 'export IJ_SHARD_SERVICE="$IJ_SHARD_SERVICE_HOST:8477"'
+    subprocess.run(["bash", "-n"], input=script, text=True, check=True)
+
+
+def test_shards_on_one_node_share_it_at_their_own_ports():
+    config = sharded_config()
+    raw = description(**{"coordinator.addresses": ["coord.example.org:50051", "coord.example.org:50052"],
+                         "coordinator.shard_port": 9000, "islands.b.cluster": "asia"})
+    scripts = slurm.render(config, cluster_lib.check(config, raw), SHARDED_ARGS, "/shared/runs/gpu")
+    home, asia = scripts["slurm-job.sbatch"], scripts["slurm-asia.sbatch"]
+    assert components(home)[0] == ["--nodes=1", "--ntasks=2", "--ntasks-per-node=2", "--partition=cpu"]
+    assert "srun --het-group=0 --nodes=1 --ntasks=2 --ntasks-per-node=2 --kill-on-bad-exit=1 --label" in home
+    assert "export IJ_SHARD_SERVICE=\"$IJ_SHARD_SERVICE_HOST:9000\"" in home.splitlines()
+    for script in (home, asia):  # the islands of both jobs dial every shard
+        assert "export IJ_COORDINATOR=coord.example.org:50051,coord.example.org:50052" in script.splitlines()
+    assert "IJ_SHARD_SERVICE" not in asia and "ij_node_address" not in home + asia
+    coordinator = srun_commands(home)["coordinator"]
+    assert "--coordinator=0.0.0.0:50051,0.0.0.0:50052" in coordinator
+    assert coordinator[-2:] == ["--shard=$SLURM_PROCID", "--shard_service=$IJ_SHARD_SERVICE"]
+
+
+@pytest.mark.parametrize("shards, changes, message", [
+    (2, {}, r"coordinator\.addresses lists 1 address but coordinator\.shards is 2; give one HOST:PORT per coordinator "
+            r"shard, shard 0 first, or set --config\.coordinator\.shards=1"),
+    (1, {"coordinator.addresses": ["auto:50051", "auto:50052"]},
+     r"coordinator\.addresses lists 2 addresses but coordinator\.shards is 1; give one HOST:PORT per coordinator "
+     r"shard, shard 0 first, or set --config\.coordinator\.shards=2"),
+    (2, {"coordinator.addresses": ["auto:50051", "auto:50052"], "coordinator.nodes": 3},
+     r"coordinator\.nodes is 3 but coordinator\.shards is 2; give 1 \(every shard on one host\) or 2"),
+    (2, {"coordinator.addresses": ["auto:50051", "auto:50051"]},
+     r"coordinator\.addresses repeats port 50051, but the 2 shards share one host \(coordinator\.nodes\); give each "
+     r"shard a port of its own"),
+    (2, {"coordinator.addresses": ["auto:50051", "c:50052"]}, r"coordinator\.addresses mixes auto:PORT and HOST:PORT"),
+    (2, {"coordinator.addresses": ["auto:50051", "auto:50052"], "coordinator.shard_port": "x"},
+     r"coordinator\.shard_port is 'x'; give a port from 1 to 65535"),
+])
+def test_a_description_whose_addresses_do_not_fit_the_shards_is_refused(shards, changes, message):
+    with pytest.raises(cluster_lib.ClusterError, match=message):
+        cluster_lib.check(sharded_config(shards), description(**changes))
+
+
+def test_role_command_of_a_shard_and_of_an_island_with_the_whole_list():
+    config = sharded_config()
+    raw = description(**{"coordinator.addresses": ["c0:50051", "c1:50051"], "coordinator.nodes": 2})
+    cluster = cluster_lib.check(config, raw)
+    assert (cluster.shards, cluster.ports, cluster.listen, cluster.shard_port) == (
+        2, [50051, 50051], ["0.0.0.0:50051", "0.0.0.0:50051"], 8477)
+    shard = cluster_lib.role_command(cluster, "coordinator", ["--config=c.py"], "/w", cluster.listen, shard="1",
+                                     shard_service="c0:8477")
+    assert shard.args[3:6] == ("--config=c.py", "--workdir=/w", "--coordinator=0.0.0.0:50051,0.0.0.0:50051")
+    assert shard.args[-2:] == ("--shard=1", "--shard_service=c0:8477") and shard.expansions == ()
+    island = cluster_lib.role_command(cluster, "b", ["--config=c.py"], "/w", cluster.addresses)
+    assert "--coordinator=c0:50051,c1:50051" in island.args
+    assert not [a for a in island.args if a.startswith("--shard")]

@@ -189,3 +189,73 @@ def test_cpus_takes_lists_and_ranges():
     first = min(available)
     assert local.parse_cpus([f"a={first}", f"coordinator={first}-{first}"], ["coordinator", "a", "b"], available) == {
         "a": {first}, "coordinator": {first}}
+
+
+# The roles of a run (`plan_roles`): render only, nothing started.
+ISLANDS = {"islands": {"a": {"num_processes": 1}, "b": {"num_processes": 2}}}
+OVERRIDES = ["--config=/cfg/two_islands.py", "--config.coordinator.shards=3"]
+
+
+def plan(listen, dial, **kwargs):
+    from ml_collections import ConfigDict
+
+    roles = local.plan_roles(ConfigDict(ISLANDS), "/w", listen, dial, OVERRIDES, ["--role=coordinator"],
+                             {"a": ["--config.comm.auth.token_file=/s/token_a"]}, env={}, island_port=lambda ns: 7000,
+                             **kwargs)
+    found = []
+    for r in roles:  # (name, group, the arguments after --workdir, CPUs, namespace)
+        head = [*(["ip", "netns", "exec", r.netns] if r.netns else []), sys.executable, "-u", str(local.TRAIN), "--workdir=/w"]
+        assert r.command[:len(head)] == head and r.env == {}
+        found.append((r.name, r.group, r.command[len(head):], sorted(r.cpus) if r.cpus else None, r.netns))
+    return found
+
+
+def test_one_coordinator_is_the_role_coordinator_with_one_address():
+    roles = plan(["localhost:5000"], ["localhost:5000"], cpus={"coordinator": {0}, "b": {1}})
+    assert roles == [
+        ("coordinator", "", ["--coordinator=localhost:5000", *OVERRIDES, "--role=coordinator"], [0], ""),
+        ("island a", "", ["--coordinator=localhost:5000", *OVERRIDES, "--role=island", "--island=a",
+                          "--config.comm.auth.token_file=/s/token_a"], None, ""),
+        *((f"island b/{i}", "island b", ["--coordinator=localhost:5000", *OVERRIDES, "--role=island", "--island=b",
+                                         f"--process_id={i}", "--island_coordinator=localhost:7000"], [1], "")
+          for i in (0, 1)),
+    ]
+
+
+def test_a_coordinator_of_three_shards_is_three_roles_that_restart_as_one():
+    listen = ["localhost:5000", "localhost:5001", "localhost:5002"]
+    dial = ["proxy:6000", "proxy:6001", "proxy:6002"]
+    roles = plan(listen, dial, shard_service="localhost:5100", coordinator_ns="ij-coord",
+                 island_ns={"a": "ij-island"}, cpus={"coordinator": {0}, "coordinator/2": {3}})
+    assert roles[:3] == [
+        (f"coordinator/{k}", "coordinator",
+         ["--coordinator=localhost:5000,localhost:5001,localhost:5002", *OVERRIDES, "--role=coordinator",
+          f"--shard={k}", "--shard_service=localhost:5100"], [3] if k == 2 else [0], "ij-coord")
+        for k in range(3)]
+    assert [(name, group, netns) for name, group, _, _, netns in roles[3:]] == [
+        ("island a", "", "ij-island"), ("island b/0", "island b", "ij-coord"), ("island b/1", "island b", "ij-coord")]
+    for _, _, command, _, _ in roles[3:]:  # every island dials every shard, shard 0 first
+        assert command[0] == "--coordinator=proxy:6000,proxy:6001,proxy:6002"
+        assert not [a for a in command if a.startswith(("--shard", "--role=coordinator"))]
+    # the supervisor counts the shards' restarts once, under their group
+    assert local.Supervisor([local.Role(n, ["true"], group=g) for n, g, *_ in roles]).restarted == {
+        "coordinator": 0, "island a": 0, "island b": 0}
+
+
+def test_dial_lists_one_address_per_shard():
+    assert local.check_dial("p:1,p:2", 50051, namespaces=False, shards=2) == "p:1,p:2"
+    with pytest.raises(ValueError, match=r"^--dial lists 1 address\(es\) but coordinator\.shards is 2: give one "
+                                         r"HOST:PORT per coordinator shard, shard 0 first"):
+        local.check_dial("p:1", 50051, namespaces=False, shards=2)
+    with pytest.raises(ValueError, match=r"^--dial: cannot read 'p'; give HOST:PORT"):
+        local.check_dial("p:1,p", 50051, namespaces=False, shards=2)
+
+
+def test_cpus_places_the_shards_together_or_one_by_one_but_not_both():
+    roles = ["coordinator", "coordinator/0", "coordinator/1", "a"]
+    first = min(os.sched_getaffinity(0))
+    assert local.parse_cpus([f"coordinator/1={first}"], roles, os.sched_getaffinity(0)) == {"coordinator/1": {first}}
+    with pytest.raises(ValueError) as e:
+        local.parse_cpus([f"coordinator={first}", f"coordinator/1={first}"], roles, os.sched_getaffinity(0))
+    assert str(e.value) == ("--cpus: coordinator and coordinator/1 are both placed; give coordinator=CPUS for all of "
+                            "its processes, or coordinator/K=CPUS for each, not both")

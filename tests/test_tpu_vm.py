@@ -361,3 +361,64 @@ def test_ssh_flags_reach_every_ssh_line_of_their_role(tmp_path):
     for words, _ in calls:
         assert ("--internal-ip" in words) == (words[2] == "tpus")
         assert ("--tunnel-through-iap" in words) == (words[2] != "tpus")
+
+
+def expected_shard(workdir, k, listen, service):
+    return ["-u", "experiments/train.py", *CONFIG_ARGS, "--config.coordinator.shards=2", f"--workdir={workdir}",
+            f"--coordinator={listen}", "--role=coordinator", TLS[0], "--config.comm.tls.cert_file=/secrets/server.pem",
+            "--config.comm.tls.key_file=/secrets/server.key", "--config.comm.tls.require_client_cert=True",
+            "--config.comm.auth.tokens_file=/secrets/tokens.json", f"--shard={k}", f"--shard_service={service}"]
+
+
+def test_two_shards_on_one_vm_are_two_sessions_there_at_their_own_ports(tmp_path):
+    config = tpu_config(**{"coordinator.shards": 2})
+    raw = description(**{"coordinator.addresses": ["10.128.0.5:50051", "10.128.0.5:50052"]})
+    lines = tpu_vm.render(config, load(tmp_path, raw, config), [*CONFIG_ARGS, "--config.coordinator.shards=2"],
+                          "/shared/runs/tpu")
+    calls = ssh_calls(lines)
+    assert [words[3] for words, _ in calls[:2]] == ["coord-vm", "coord-vm"]
+    for k in (0, 1):
+        remote = calls[k][1]
+        assert python_argv(remote) == ["python3", *expected_shard("/shared/runs/tpu", k, "0.0.0.0:50051,0.0.0.0:50052",
+                                                                 "localhost:8477")]
+        assert f">> /shared/runs/tpu/launch/coordinator-{k}.log 2>&1" in remote
+    for _, remote in calls[2:]:  # island b's workers dial both shards
+        assert "--coordinator=10.128.0.5:50051,10.128.0.5:50052" in python_argv(remote)
+    assert [line.split("=")[0] for line in lines if line.startswith("IJ_")] == ["IJ_WORKER0_b"]  # no VM looked up
+    assert sum(" compute ssh coord-vm " in line and "import island_jax" in line for line in lines) == 1
+    assert any(line.endswith("|| failed coordinator/1 $? /shared/runs/tpu/launch/coordinator-1.log &") for line in lines)
+    subprocess.run(["bash", "-n"], input="\n".join(lines) + "\n", text=True, check=True)
+
+
+def test_two_shards_on_two_vms_find_shard_0_at_its_internal_ip(tmp_path):
+    config = tpu_config(**{"coordinator.shards": 2})
+    raw = description(**{"coordinator.addresses": ["10.128.0.5:50051", "10.128.0.6:50051"],
+                         "coordinator.vm": ["coord-0", "coord-1"], "coordinator.shard_port": 9000})
+    lines = tpu_vm.render(config, load(tmp_path, raw, config), [*CONFIG_ARGS, "--config.coordinator.shards=2"],
+                          "/shared/runs/tpu")
+    lookup = [line for line in lines if line.startswith("IJ_SHARD0_IP=")]
+    assert [line.split(" || ")[0] for line in lookup] == [
+        "IJ_SHARD0_IP=$(gcloud compute instances describe coord-0 --zone=us-central1-a --project=proj "
+        "--format='value(networkInterfaces[0].networkIP)')"]
+    checks = [shlex.split(line)[3] for line in lines if " compute ssh " in line and "import island_jax" in line]
+    assert checks == ["coord-0", "coord-1"]  # each VM checked before any role starts
+    calls = ssh_calls(lines)
+    assert [words[3] for words, _ in calls[:2]] == ["coord-0", "coord-1"]
+    for k in (0, 1):  # the IP stays a shell expansion of this machine's until the script runs
+        assert python_argv(calls[k][1]) == ["python3", *expected_shard(
+            "/shared/runs/tpu", k, "0.0.0.0:50051,0.0.0.0:50051", "${IJ_SHARD0_IP}:9000")]
+    assert "--coordinator=10.128.0.5:50051,10.128.0.6:50051" in python_argv(calls[2][1])
+    subprocess.run(["bash", "-n"], input="\n".join(lines) + "\n", text=True, check=True)
+
+
+@pytest.mark.parametrize("changes, message", [
+    ({"coordinator.addresses": ["10.128.0.5:50051", "10.128.0.5:50051"]},
+     r"coordinator\.addresses repeats port 50051, but the 2 shards share one host \(coordinator\.vm\)"),
+    ({"coordinator.addresses": ["a:1", "b:1"], "coordinator.vm": ["v0", "v1", "v2"]},
+     r"coordinator\.vm lists 3 VMs but coordinator\.shards is 2; give one VM \(every shard on it\) or 2, one per shard"),
+    ({"coordinator.addresses": ["a:1", "b:1"], "coordinator.vm": ["v0", 7]},
+     r"coordinator\.vm is \['v0', 7\]; give the CPU VM's name, or a list of names, one per coordinator shard"),
+])
+def test_shards_on_vms_that_cannot_hold_them_are_refused_naming_the_field(changes, message):
+    with pytest.raises(cluster_lib.ClusterError, match=message):
+        cluster_lib.check(tpu_config(**{"coordinator.shards": 2}), description(**changes))

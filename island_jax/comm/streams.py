@@ -139,7 +139,7 @@ class Upload:
                 frame_bytes = wire.FRAMING_BYTES + chunk.nbytes
                 self.arrivals[chunk.index] = transport.link.arrival("up", position % n, frame_bytes, now=start)
         self.encoder = None if isinstance(payload, (bytes, bytearray, memoryview)) else payload
-        if self.encoder is not None and [c.offset for c in self.encoder.plan] != [c.offset for c in plan]:
+        if self.encoder is not None and not {c.offset for c in plan} <= {c.offset for c in self.encoder.plan}:
             raise ExchangeError(
                 "contribute: the encoder's chunk plan differs from the coordinator's; build it with "
                 "codec.chunk_plan(params, kind, block_size, comm.chunk_bytes) of the run's config"

@@ -310,7 +310,7 @@ class Coordinator:
             self.viewed.add(island)
             for f in self.fragments:
                 f.took_view(island)
-        with jax.default_device(jax.devices("cpu")[0]):
+        with jax.default_device(jax.local_devices(backend="cpu")[0]):
             return [f.round for f in self.fragments], codec.encode(self.view, "none")
 
     def state(self) -> dict:

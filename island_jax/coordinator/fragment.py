@@ -18,13 +18,13 @@ import ml_collections
 import numpy as np
 
 from island_jax.config import fingerprint_fields
-from island_jax.model.init import combine_parts
 from island_jax.coordinator import handshake
 from island_jax.coordinator.contribution import Contribution
 from island_jax.coordinator.partial_merge import PartialMerge, RoundRecord
 from island_jax.coordinator.quorum import Quorum, RoundState
 from island_jax.coordinator.shards import Shard
 from island_jax.coordinator.state import FragmentState
+from island_jax.model.init import combine_parts
 from island_jax.outer.inner_steps import plan_from_step_times
 from island_jax.protocol import ContributionError, ContributionHeader, StaleRoundError, UpdateNotReady
 

@@ -174,7 +174,7 @@ class ChunkStep:
     def __init__(self, tx: optax.GradientTransformation, up: codec.Codec, down: codec.Codec, width: int,
                  num_rows: int):
         self.tx, self.up, self.down, self.width, self.num_rows = tx, up, down, width, num_rows
-        self.cpu = jax.devices("cpu")[0]
+        self.cpu = jax.local_devices(backend="cpu")[0]  # of a coordinator shard's jax.distributed job: its own
         self._step = jax.jit(self._program)
         self._apply = jax.jit(_apply_update)
 

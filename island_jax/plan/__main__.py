@@ -5,7 +5,7 @@
       --island=name=us,hardware=h100,devices=1024,batch=2048,seq_len=4096 \\
       --island=name=eu,hardware=h100,devices=1024,batch=2048,seq_len=4096 --gbps=25 --rtt_ms=150
   python -m island_jax.plan --workdir=WORKDIR      # a finished run: predicted against measured
-  ... --coordinator_shards=16 --coordinator_cores=32   # a coordinator cut into 16 processes by chunk range
+  (add --coordinator_shards=16 for a coordinator cut by chunk range into 16 processes, docs/cluster.md)
 """
 
 from __future__ import annotations

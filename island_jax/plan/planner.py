@@ -86,7 +86,7 @@ class Plan:
         return self.shard_cpu_seconds / self.coordinator.cores
 
     # A coordinator cut into `coordinator.shards` by chunk range: each fragment's chunk plan is cut into ranges of
-    # near-equal bytes, one a shard, so each shard's figures are the whole's / shards (within one chunk a fragment).
+    # near-equal bytes, one a shard, so each shard's figures are the whole's / shards (within a chunk per fragment).
 
     @property
     def shard_memory(self) -> dict[str, float]:

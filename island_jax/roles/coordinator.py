@@ -152,7 +152,8 @@ def run_coordinator(
             "outer.momentum=0, outer.learning_rate=1, codec.error_feedback_decay=0.95", config.outer.momentum)
     start = time.perf_counter()
     spec, exchange = _shard(config, exchange, shard, shard_service, bus)  # before the folder: bad input changes nothing
-    role = open_role(config, coordinator_dir(workdir, shard), coordinator=True, allow_config_change=allow_config_change)
+    role = open_role(config, coordinator_dir(workdir, shard), coordinator=True, allow_config_change=allow_config_change,
+                     alone=spec is not None)
     names, rounds = list(config.islands.keys()), config.outer.rounds
     try:
         _, params, _ = init_params(config)

@@ -28,10 +28,10 @@ from island_jax import config as config_lib
 from island_jax import data as data_lib
 from island_jax.checkpoint import CheckpointCorrupt
 from island_jax.comm.inprocess import InProcessExchange, InProcessTransport
-from island_jax.comm.sharded import ShardedTransport
-from island_jax.coordinator.shards import ShardError, parse_addresses
 from island_jax.comm.link import LinkEmulator
 from island_jax.comm.session import RunAborted
+from island_jax.comm.sharded import ShardedTransport
+from island_jax.coordinator.shards import ShardError, parse_addresses
 from island_jax.island import ACCOUNTING_FIELDS, STEP_METRICS, EventLog, Island, StreamingSync, memory
 from island_jax.island.step import learning_rates
 from island_jax.mesh import island_mesh
