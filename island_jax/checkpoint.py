@@ -131,11 +131,8 @@ class Checkpointer:
         newer one is complete.
     """
 
-    def __init__(self, directory: str, every_rounds: int, max_to_keep: int, alone: bool = False):
+    def __init__(self, directory: str, every_rounds: int, max_to_keep: int):
         self.directory = os.path.abspath(directory)
-        # a coordinator shard is a process of a jax.distributed job that saves its own state, NumPy trees of its
-        # range: orbax runs over this process alone (as one process of several, it would write from process 0)
-        self.alone = alone
         self.every_rounds = every_rounds
         self.max_to_keep = max_to_keep
         self._manager = self._open_manager()
@@ -144,23 +141,15 @@ class Checkpointer:
         self._last: futures.Future | None = None  # the most recent background save
         self._unreported: futures.Future | None = None  # a save whose error, if any, the caller has not seen
         self._closed = False
-        self.multi_process = jax.process_count() > 1 and not alone  # a process of a multi-process island
+        self.multi_process = jax.process_count() > 1  # a process of a multi-process island
 
     def _open_manager(self) -> ocp.CheckpointManager:
         # Uncompressed: orbax's zstd holds the compressed chunks in memory until they are written (about 0.6 of
         # the state's bytes on top of it at each save), for files about 8% smaller (docs/benchmarks.md, "Host
         # memory per parameter"); written plain, the arrays go to the files as they are. Restore reads either.
-        process, create = ocp.options.MultiprocessingOptions(), True
-        if self.alone and jax.process_count() > 1:
-            me = jax.process_index()
-            process = ocp.options.MultiprocessingOptions(primary_host=me, active_processes={me},
-                                                         barrier_sync_key_prefix=f"process{me}")
-            os.makedirs(self.directory, exist_ok=True)  # orbax creates it only over every process
-            create = False
         return ocp.CheckpointManager(
-            self.directory, options=ocp.CheckpointManagerOptions(max_to_keep=self.max_to_keep, create=create,
-                                                                 multiprocessing_options=process),
-            item_handlers=ocp.PyTreeCheckpointHandler(use_compression=False, multiprocessing_options=process),
+            self.directory, options=ocp.CheckpointManagerOptions(max_to_keep=self.max_to_keep, create=True),
+            item_handlers=ocp.PyTreeCheckpointHandler(use_compression=False),
         )
 
     def rounds(self, wait: bool = False) -> list[int]:

@@ -246,7 +246,7 @@ def check_resume(config: ml_collections.ConfigDict, workdir: str, allow_config_c
 
 def open_role(
     config: ml_collections.ConfigDict, path: str, coordinator: bool = False, primary: bool = True,
-    allow_config_change: bool = False, alone: bool = False,
+    allow_config_change: bool = False,
 ) -> RoleFolder:
     """Opens (creating) a role's folder: its `Checkpointer`, `MetricsWriter`, `config.json` and `run_info.json`.
 
@@ -297,7 +297,7 @@ def open_role(
     os.makedirs(path, exist_ok=True)
     writers = make_writers(spec, path, role, config) if primary else []  # a tracker that cannot start: nothing written
     every_rounds, max_to_keep = checkpoint_schedule(config, coordinator)
-    checkpoints = Checkpointer(os.path.join(path, "checkpoints"), every_rounds, max_to_keep, alone=alone)
+    checkpoints = Checkpointer(os.path.join(path, "checkpoints"), every_rounds, max_to_keep)
     metrics = os.path.join(path, "metrics.jsonl")
     if checkpoints.latest_round() is None and os.path.exists(metrics) and any(
         r.get("kind") == "round" for r in read_jsonl(metrics)

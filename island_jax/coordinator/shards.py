@@ -105,16 +105,39 @@ class LocalBus:
 
 
 class ServiceBus:
-    """The `Bus` of K shard processes: the key-value store of their `jax.distributed` job's coordination
-    service (on shard 0), reached through jax's client (`jax._src.distributed.global_state.client`, which jax
-    0.10.2 exposes no public API for). Call `jax.distributed.initialize` first."""
+    """The `Bus` of K shard processes: the key-value store of the coordination service that `jax.distributed`
+    runs for a job (XLA's, with heartbeats: a process whose peer died ends with an error), started by shard 0.
 
-    def __init__(self):
-        from jax._src import distributed
+    jax 0.10.2 reaches the service only through `jax._src` (`jax.distributed.initialize` would also make the
+    shards one JAX job, whose processes orbax would then checkpoint as one: from process 0 alone), so this class
+    starts the service and its clients itself, as `jax._src.distributed.State.initialize` does, and nothing
+    else of jax's knows of them.
 
-        self._client = distributed.global_state.client
-        if self._client is None:
-            raise RuntimeError("the shards' jax.distributed job is not initialized; call jax.distributed.initialize")
+    Args:
+      address: HOST:PORT of the service (shard 0 listens on every address at its port).
+      count, index: K and this shard.
+      timeouts: `config.distributed` (initialization, heartbeat and shutdown seconds).
+    """
+
+    def __init__(self, address: str, count: int, index: int, timeouts):
+        from jax._src.lib import _jax
+
+        self._service = None
+        if index == 0:
+            self._service = _jax.get_distributed_runtime_service(
+                "[::]:" + address.rsplit(":", 1)[1], count,
+                heartbeat_timeout=int(timeouts.heartbeat_timeout_seconds),
+                shutdown_timeout=int(timeouts.shutdown_timeout_seconds))
+        self._client = _jax.get_distributed_runtime_client(
+            address, index, init_timeout=int(timeouts.initialization_timeout_seconds), use_compression=True,
+            heartbeat_timeout=int(timeouts.heartbeat_timeout_seconds))
+        self._client.connect()
+
+    def close(self) -> None:
+        """Leaves the service at the end of the run (a barrier of every shard), and stops it on shard 0."""
+        self._client.shutdown()
+        if self._service is not None:
+            self._service.shutdown()
 
     def set(self, key: str, value: str) -> None:
         self._client.key_value_set(key, value, allow_overwrite=True)

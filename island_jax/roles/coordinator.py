@@ -87,16 +87,7 @@ def _shard(config, exchange, shard: int, shard_service: str | None, bus) -> tupl
         if not shard_service:
             raise ShardError("coordinator.shards is %d: give --shard_service=HOST:PORT, where shard 0 runs the shards' "
                              "jax.distributed coordination service" % count)
-        import jax
-
-        jax.distributed.initialize(
-            coordinator_address=shard_service, num_processes=count, process_id=shard,
-            cluster_detection_method="deactivate",
-            initialization_timeout=int(config.distributed.initialization_timeout_seconds),
-            heartbeat_timeout_seconds=int(config.distributed.heartbeat_timeout_seconds),
-            shutdown_timeout_seconds=int(config.distributed.shutdown_timeout_seconds),
-        )
-        bus = ServiceBus()
+        bus = ServiceBus(shard_service, count, shard, config.distributed)
     return Shard(shard, count, bus, config.comm.round_timeout_seconds), exchange
 
 
@@ -152,8 +143,7 @@ def run_coordinator(
             "outer.momentum=0, outer.learning_rate=1, codec.error_feedback_decay=0.95", config.outer.momentum)
     start = time.perf_counter()
     spec, exchange = _shard(config, exchange, shard, shard_service, bus)  # before the folder: bad input changes nothing
-    role = open_role(config, coordinator_dir(workdir, shard), coordinator=True, allow_config_change=allow_config_change,
-                     alone=spec is not None)
+    role = open_role(config, coordinator_dir(workdir, shard), coordinator=True, allow_config_change=allow_config_change)
     names, rounds = list(config.islands.keys()), config.outer.rounds
     try:
         _, params, _ = init_params(config)
@@ -206,6 +196,8 @@ def run_coordinator(
         wall_seconds=time.perf_counter() - start,
     )
     write_json(os.path.join(role.path, "summary.json"), summary)
+    if spec is not None and hasattr(spec.bus, "close"):  # every shard leaves the service together
+        spec.bus.close()
     logging.info("coordinator done after %d rounds in %.1f s", rounds, summary["wall_seconds"])
     return summary
 
