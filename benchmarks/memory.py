@@ -1,17 +1,21 @@
 """Peak host memory of an island's processes and of the coordinator, in bytes per parameter, for three layouts.
 
-  python benchmarks/memory.py [--d_model=768 --num_layers=6 ...] [--layouts=fsdp,two_process,replicated] [--itemize]
+  python benchmarks/memory.py [--d_model=768 --num_layers=6 ...] [--layouts=fsdp,two_process,replicated,two_shards]
+      [--itemize]
       [--scan_layers] [--remat=full] [--smoke]
 
 One island `a` of 4 devices and a coordinator, each role a process of its own started as a cluster would
 (`experiments/train.py --role=...`, gRPC over loopback), trains a MoE of about 100M parameters (by default
 the shape of experiments/configs/fsdp_100m.py: 6 blocks of width 768, 4 experts of 1536) for `--rounds`
-rounds of `--inner_steps` steps, int8 pseudo-gradients without error feedback, in three layouts (the blocks
+rounds of `--inner_steps` steps, int8 pseudo-gradients without error feedback, in four layouts (the blocks
 unrolled and no remat unless `--scan_layers` and `--remat` say otherwise):
 
   fsdp          one process x 4 devices, mesh data=1 x fsdp=4 x expert=1;
   two_process   two processes x 2 devices, the same mesh over both (`jax.distributed`, gloo);
-  replicated    one process x 4 devices, data=4 (every device holds the whole state).
+  replicated    one process x 4 devices, data=4 (every device holds the whole state);
+  two_shards    the island as in fsdp, the coordinator cut into two shards by chunk range
+                (`coordinator.shards = 2`): two processes, `coordinator/0` and `coordinator/1`, each measured
+                on its own as the one coordinator process is.
 
 On XLA:CPU a device's memory is host memory, so a process's resident set holds its devices' parameters,
 gradients, AdamW moments and anchor (20 bytes per parameter over the island, at float32), activations,
@@ -25,6 +29,12 @@ With `--itemize` every role runs under benchmarks/_memory_probe.py with tracemal
 at the sampled peak, the bytes of live JAX arrays on the process's devices, the host bytes Python and NumPy
 hold, and the rest (runtime, compiled programs, XLA's temporaries); tracemalloc itself adds time and a
 little memory, so those runs' peaks are not the figures of the last line.
+
+With fsdp and two_shards run, the line before the last is `memory_shards: coordinator_bytes_per_param=C
+shard_bytes_per_param=S0,S1 ratio=R`: the one-process coordinator's figure (the fsdp run's), each shard's (its
+process less the same one-device baseline), and the larger shard's over the one-process figure (the target:
+0.6). What a shard holds that does not shrink with its range (the whole initial parameters while it starts,
+the shards' coordination service and its client, its compiled chunk program) is in its figure.
 
 The last line is `memory: fsdp_bytes_per_param=X two_process_ratio=Y replicated_bytes_per_param=Z
 coordinator_bytes_per_param=C planner_coordinator_bytes_per_param=D`: bytes per parameter of each layout's
@@ -62,8 +72,8 @@ _ROUNDS = flags.DEFINE_integer("rounds", 2, "Rounds of each run.")
 _INNER_STEPS = flags.DEFINE_integer("inner_steps", 2, "Inner steps per round.")
 _ITEMIZE = flags.DEFINE_bool("itemize", False, "Run every role under the memory probe (tracemalloc on) and print "
                              "where each process's bytes are at its peak.")
-_LAYOUTS = flags.DEFINE_list("layouts", ["fsdp", "two_process", "replicated"], "The layouts to run (the last line "
-                             "needs all three).")
+_LAYOUTS = flags.DEFINE_list("layouts", ["fsdp", "two_process", "replicated", "two_shards"], "The layouts to run "
+                             "(the last line needs the first three; the shards' line fsdp and two_shards).")
 _MEMORY_ROLE = flags.DEFINE_string("memory_role", "main", "main | baseline (started by main).")
 _DEVICES = flags.DEFINE_integer("devices", 1, "baseline: the CPU devices it starts.")
 flags.adopt_module_key_flags(_smoke)  # --smoke, in --help
@@ -73,8 +83,9 @@ TRAIN = os.path.join(ROOT, "experiments", "train.py")
 PROBE = os.path.join(ROOT, "benchmarks", "_memory_probe.py")
 RUN_SECONDS = 1800  # the longest wait for one layout's processes, seconds
 DEVICES = 4  # the island's devices in every layout
-# name -> (processes, mesh data, fsdp, expert)
-LAYOUTS = {"fsdp": (1, 1, 4, 1), "two_process": (2, 1, 4, 1), "replicated": (1, 4, 1, 1)}
+# name -> (island processes, mesh data, fsdp, expert, coordinator shards)
+LAYOUTS = {"fsdp": (1, 1, 4, 1, 1), "two_process": (2, 1, 4, 1, 1), "replicated": (1, 4, 1, 1, 1),
+           "two_shards": (1, 1, 4, 1, 2)}
 MB = 1e6
 
 CONFIG = '''"""benchmarks/memory.py's run: one island a of {devices} devices and a coordinator."""
@@ -90,6 +101,7 @@ def get_config():
     config.islands.a = island(num_devices={devices}, data={data}, fsdp={fsdp}, expert={expert}, batch_size={batch},
                               inner_steps={inner_steps}, num_processes={processes})
     config.outer.rounds = {rounds}
+    config.coordinator.shards = {shards}
     config.codec.update(kind="int8", error_feedback=False)
     config.eval.update(num_windows={batch}, batch_size={batch}, every_rounds={rounds})
     return config
@@ -163,7 +175,7 @@ def baseline(devices: int, folder: str) -> int:
 
 def write_config(name: str, folder: str) -> str:
     """The run's config file for layout `name` in `folder`; its path."""
-    processes, data, fsdp, expert = LAYOUTS[name]
+    processes, data, fsdp, expert, shards = LAYOUTS[name]
     config = os.path.join(folder, f"{name}.py")
     with open(config, "w") as f:
         f.write(CONFIG.format(
@@ -171,17 +183,23 @@ def write_config(name: str, folder: str) -> str:
             num_layers=_NUM_LAYERS.value, d_model=_D_MODEL.value, num_heads=_NUM_HEADS.value,
             num_experts=_NUM_EXPERTS.value, expert_hidden_dim=_EXPERT_HIDDEN.value, batch=_BATCH.value,
             inner_steps=_INNER_STEPS.value, rounds=_ROUNDS.value, scan_layers=_SCAN_LAYERS.value, remat=_REMAT.value,
+            shards=shards,
         ))
     return config
 
 
 def run_layout(name: str, folder: str, itemize: bool) -> tuple[dict[str, int], dict[str, dict]]:
     """One layout's run: (peak resident set per process, bytes; the probe's samples per process, with --itemize)."""
-    processes = LAYOUTS[name][0]
+    processes, shards = LAYOUTS[name][0], LAYOUTS[name][4]
     config = write_config(name, folder)
-    workdir, address = os.path.join(folder, name), f"localhost:{_children.free_port()}"
-    common = [sys.executable, TRAIN, f"--config={config}", f"--workdir={workdir}", f"--coordinator={address}"]
-    roles = {"coordinator": ["--role=coordinator"]}
+    workdir, addresses = os.path.join(folder, name), ",".join(f"localhost:{_children.free_port()}" for _ in range(shards))
+    common = [sys.executable, TRAIN, f"--config={config}", f"--workdir={workdir}", f"--coordinator={addresses}"]
+    if shards == 1:
+        roles = {"coordinator": ["--role=coordinator"]}
+    else:  # each shard a process of its own, as launch/local.py starts them; shard 0 runs their service
+        service = f"localhost:{_children.free_port()}"
+        roles = {f"coordinator/{k}": ["--role=coordinator", f"--shard={k}", f"--shard_service={service}"]
+                 for k in range(shards)}
     island_address = f"localhost:{_children.free_port()}"
     for p in range(processes):
         roles[f"a/{p}"] = ["--role=island", "--island=a"] + (
@@ -199,8 +217,9 @@ def run_layout(name: str, folder: str, itemize: bool) -> tuple[dict[str, int], d
     return peaks, samples
 
 
-def _model_figures(config_path: str) -> tuple[int, int, int, float]:
-    """(parameters, the island's state bytes, its activation bytes (estimate), the planner's coordinator bytes)."""
+def _model_figures(config_path: str) -> tuple[int, int, int, float, float]:
+    """(parameters, the island's state bytes, its activation bytes (estimate), the planner's coordinator bytes,
+    and per shard of the config's `coordinator.shards`)."""
     import importlib.util
 
     from island_jax import config as config_lib
@@ -216,7 +235,8 @@ def _model_figures(config_path: str) -> tuple[int, int, int, float]:
     params = model_size(config).total_params
     b = memory.budget(config, "a")
     planned = plan_lib.plan(*plan_lib.from_config(config))
-    return params, b.state * DEVICES, b.activations * DEVICES, planned.coordinator_memory["total"]
+    return params, b.state * DEVICES, b.activations * DEVICES, planned.coordinator_memory["total"], \
+        planned.shard_memory["total"]
 
 
 def main_run() -> None:
@@ -234,13 +254,14 @@ def main_run() -> None:
         for name in _LAYOUTS.value:
             runs[name] = run_layout(name, folder, itemize)
             print(f"{name}: done", flush=True)
-        params, state, activations, planner = _model_figures(write_config("fsdp", folder))
+        params, state, activations, planner, _ = _model_figures(write_config("fsdp", folder))
+        planner_shard = _model_figures(write_config("two_shards", folder))[4]
 
     print(f"model: {params / 1e6:.1f}M parameters; the island's state {state / MB:.0f} MB over its {DEVICES} devices "
           f"(parameters, gradients, AdamW, anchor: {state / params:.1f} bytes per parameter); activations "
           f"{activations / MB:.0f} MB by the estimate ({activations / state:.3f} of the state); "
           f"model.scan_layers={_SCAN_LAYERS.value}, model.remat={_REMAT.value}")
-    header = f"{'layout':<12} {'process':<12} {'peak MB':>9} {'less base MB':>13} {'bytes/param':>12}"
+    header = f"{'layout':<12} {'process':<14} {'peak MB':>9} {'less base MB':>13} {'bytes/param':>12}"
     if itemize:
         header += f" {'devices MB':>11} {'host MB':>9} {'rest MB':>9}"
     print(header)
@@ -248,10 +269,10 @@ def main_run() -> None:
     for name, (peaks, samples) in runs.items():
         processes = LAYOUTS[name][0]
         for role, peak in peaks.items():
-            base = bases[1] if role == "coordinator" else bases[DEVICES // processes]
+            base = bases[1] if role.startswith("coordinator") else bases[DEVICES // processes]
             net = peak - base
             per_param[(name, role)] = net / params
-            line = f"{name:<12} {role:<12} {peak / MB:>9.0f} {net / MB:>13.0f} {net / params:>12.1f}"
+            line = f"{name:<12} {role:<14} {peak / MB:>9.0f} {net / MB:>13.0f} {net / params:>12.1f}"
             if itemize:
                 s = samples[role]
                 rest = s["resident_bytes"] - s["device_bytes"] - s["host_traced_bytes"]
@@ -259,14 +280,22 @@ def main_run() -> None:
             print(line)
             if itemize:
                 for where, nbytes in samples[role].get("top", []):
-                    print(f"{'':<25} host {nbytes / MB:>7.0f} MB  {os.path.relpath(where, ROOT)}")
+                    print(f"{'':<27} host {nbytes / MB:>7.0f} MB  {os.path.relpath(where, ROOT)}")
 
     def island(name: str) -> float:
-        return max(v for (n, role), v in per_param.items() if n == name and role != "coordinator")
+        return max(v for (n, role), v in per_param.items() if n == name and not role.startswith("coordinator"))
 
     print(f"planner's coordinator memory for this model: {planner / MB:.0f} MB ({planner / params:.1f} bytes per "
           "parameter)")
-    if set(runs) != set(LAYOUTS):
+    if "two_shards" in runs:
+        print(f"planner's memory per coordinator shard of 2: {planner_shard / MB:.0f} MB ({planner_shard / params:.1f} "
+              "bytes per parameter)")
+    if {"fsdp", "two_shards"} <= set(runs):
+        one = per_param[("fsdp", "coordinator")]
+        shards = [v for (n, role), v in sorted(per_param.items()) if n == "two_shards" and role.startswith("coordinator")]
+        print(f"memory_shards: coordinator_bytes_per_param={one:.1f} "
+              f"shard_bytes_per_param={','.join(f'{v:.1f}' for v in shards)} ratio={max(shards) / one:.3f}")
+    if not {"fsdp", "two_process", "replicated"} <= set(runs):
         return
     fsdp, two = island("fsdp"), island("two_process")
     print(f"memory: fsdp_bytes_per_param={fsdp:.1f} two_process_ratio={two / fsdp:.3f} "

@@ -1,6 +1,6 @@
 """A multi-process run under the supervisor with a seeded schedule of faults: does it survive, bit for bit?
 
-  python benchmarks/soak.py [--rounds=30] [--seed=0] [--faults=8] [--smoke]
+  python benchmarks/soak.py [--rounds=30] [--seed=0] [--faults=8] [--coordinator_shards=2] [--smoke]
 
 The two_islands config at the size of the test model (one layer, d_model 32,
 4 experts, H = 4), `--rounds` rounds, runs under `launch/local.py --restart`:
@@ -20,6 +20,17 @@ middle, cycling through four kinds:
 A fault fires once the coordinator has merged its round; the next waits for
 the run to move past it.
 
+With `--coordinator_shards=2` the coordinator is cut into two shards by
+chunk range (`coordinator.shards = 2`): the launcher starts `coordinator/0`
+and `coordinator/1`, one restart group, shard k on port `--port` + k, each
+behind a `FaultProxy` of its own. `kill_coordinator` becomes
+  kill_shard        SIGKILL of one shard, drawn at random, at a random time
+                    0 to `SHARD_KILL_DELAY` s after the round merged (the
+                    supervisor stops the other shard and starts both again;
+                    they resume from the newest checkpoint set they all hold)
+and a reset or a corrupted bit hits the connections to one shard, drawn at
+random.
+
 Printed: `faults` (fired, by kind), `rounds_completed`, `rounds_lost`
 (coordinator rounds merged again after its restarts, counted from its
 metrics: records of a round beyond its first), `bound` (k + 2 per
@@ -34,16 +45,19 @@ first and then took a later round's view held no other; it must be 0) and
 
 `--smoke` runs 10 rounds with 4 faults, one of each kind (`--rounds=10
 --faults=4`): the same code path and printout; it takes as long as the
-roles' restarts (tens of seconds), and its figures are not measurements.
+roles' restarts (tens of seconds; a minute or two with shards), and its
+figures are not measurements.
 """
 
 from __future__ import annotations
 
 import collections
+import contextlib
 import os
 import random
 import re
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -63,9 +77,13 @@ _ROUNDS = flags.DEFINE_integer("rounds", 30, "Rounds of the run.")
 _SEED = flags.DEFINE_integer("seed", 0, "Seed of the fault schedule.")
 _FAULTS = flags.DEFINE_integer("faults", 8, "Faults in the schedule (at least 6; with --smoke, at least 4).")
 _WORKDIR = flags.DEFINE_string("workdir", "", "The run's folder (default: a new temporary one).")
+_SHARDS = flags.DEFINE_integer("coordinator_shards", 1, "coordinator.shards: with more than 1, the coordinator's "
+                               "faults kill one shard process (kill_shard).", lower_bound=1)
 flags.adopt_module_key_flags(_smoke)  # --smoke, in --help
 
 KINDS = ("kill_island", "kill_coordinator", "reset", "corrupt")
+SHARD_KINDS = ("kill_island", "kill_shard", "reset", "corrupt")  # with --coordinator_shards above 1
+SHARD_KILL_DELAY = 2.0  # the most seconds a shard's kill waits after its round merged (drawn uniformly)
 EVERY = 2  # checkpoint.every_rounds (and the coordinator's)
 OVERRIDES = [
     "--config.model.num_layers=1", "--config.model.d_model=32", "--config.model.num_heads=2",
@@ -83,12 +101,13 @@ OVERRIDES = [
 class Launch:
     """`launch/local.py` in a child process: its output to a log file, the roles' current pids from it."""
 
-    def __init__(self, workdir: str, rounds: int, port: int, dial: str):
+    def __init__(self, workdir: str, rounds: int, port: int, dial: str, shards: int = 1):
         self.log_path = os.path.join(workdir, "launch.log")
         cmd = [
             sys.executable, os.path.join(ROOT, "launch", "local.py"),
             f"--config={os.path.join(ROOT, 'experiments', 'configs', 'two_islands.py')}", f"--workdir={workdir}",
-            f"--config.outer.rounds={rounds}", *OVERRIDES, "--restart=20", f"--port={port}", f"--dial={dial}",
+            f"--config.outer.rounds={rounds}", *OVERRIDES, f"--config.coordinator.shards={shards}", "--restart=20",
+            f"--port={port}", f"--dial={dial}",
         ]
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         self.pids: dict[str, int] = {}
@@ -100,7 +119,9 @@ class Launch:
             for line in self.proc.stdout:
                 log.write(line)
                 log.flush()
-                m = re.match(r"\[launch\] (?:started (.+?) \(pid (\d+)\)|(.+?) exited .*restarting it .*pid (\d+)\))", line)
+                # a role started, restarted after it exited, or restarted with its group (a shard of the coordinator)
+                m = re.match(r"\[launch\] (?:started (.+?) \(pid (\d+)\)|(.+?) (?:exited .*|was stopped with it); "
+                             r"restarting it .*pid (\d+)\))", line)
                 if m:
                     role, pid = (m.group(1), m.group(2)) if m.group(1) else (m.group(3), m.group(4))
                     self.pids[role] = int(pid)
@@ -132,46 +153,74 @@ def _held(workdir: str, name: str) -> dict[int, str]:
     return held
 
 
-def schedule(rounds: int, faults: int, seed: int) -> list[tuple[int, str]]:
-    """(round to fire after, kind) per fault: rounds drawn without repeats from the run's middle, kinds cycled
-    in an order the seed shuffles."""
+def schedule(rounds: int, faults: int, seed: int, kinds_of: tuple[str, ...] = KINDS) -> list[tuple[int, str]]:
+    """(round to fire after, kind) per fault: rounds drawn without repeats from the run's middle, kinds
+    (`kinds_of`) cycled in an order the seed shuffles."""
     rng = random.Random(seed)
-    kinds = [KINDS[i % len(KINDS)] for i in range(faults)]
+    kinds = [kinds_of[i % len(kinds_of)] for i in range(faults)]
     rng.shuffle(kinds)
     at = sorted(rng.sample(range(3, rounds - 3), faults))
     return list(zip(at, kinds))
 
 
+def free_ports(n: int) -> int:
+    """A port P of localhost with P .. P + n - 1 free now (the coordinator's shards listen on them)."""
+    for _ in range(100):
+        port = _children.free_port()
+        if port + n <= 65536 and all(_free(port + k) for k in range(1, n)):
+            return port
+    raise RuntimeError(f"found no {n} consecutive free ports on localhost in 100 tries")
+
+
+def _free(port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind(("localhost", port))
+        except OSError:
+            return False
+        return True
+
+
 def main(argv):
     del argv
     least = len(KINDS) if _smoke.sizes(rounds=10, faults=4) else 6  # smoke: every kind once
+    shards = _SHARDS.value
+    kinds = KINDS if shards == 1 else SHARD_KINDS
     if _FAULTS.value < least or _ROUNDS.value < _FAULTS.value + 6:
         sys.exit(f"--faults must be at least {least} and --rounds at least faults + 6")
     workdir = _WORKDIR.value or tempfile.mkdtemp(prefix="soak-")
     os.makedirs(workdir, exist_ok=True)
     rng = random.Random(_SEED.value + 1)
-    port = _children.free_port()
-    plan = schedule(_ROUNDS.value, _FAULTS.value, _SEED.value)
-    print(f"soak: {_ROUNDS.value} rounds in {workdir}; faults at {plan}", flush=True)
+    port = free_ports(shards)
+    plan = schedule(_ROUNDS.value, _FAULTS.value, _SEED.value, kinds)
+    sharded = f" with {shards} coordinator shards" if shards > 1 else ""
+    print(f"soak: {_ROUNDS.value} rounds in {workdir}{sharded}; faults at {plan}", flush=True)
     start = time.perf_counter()
     fired = collections.Counter()
-    with FaultProxy(f"localhost:{port}") as proxy:
-        launch = Launch(workdir, _ROUNDS.value, port, proxy.address)
+    with contextlib.ExitStack() as stack:  # one proxy per shard: shard k on port + k
+        proxies = [stack.enter_context(FaultProxy(f"localhost:{port + k}")) for k in range(shards)]
+        launch = Launch(workdir, _ROUNDS.value, port, ",".join(p.address for p in proxies), shards)
         for at, kind in plan:
             while (max((r["round"] for r in _merged(workdir)), default=0) < at) and launch.proc.poll() is None:
                 time.sleep(0.2)
             if launch.proc.poll() is not None:
                 break
+            proxy, what = rng.choice(proxies), kind
             if kind == "kill_island":
                 launch.kill(f"island {rng.choice('ab')}")
             elif kind == "kill_coordinator":
                 launch.kill("coordinator")
+            elif kind == "kill_shard":
+                shard, delay = rng.randrange(shards), rng.uniform(0.0, SHARD_KILL_DELAY)
+                time.sleep(delay)
+                launch.kill(f"coordinator/{shard}")
+                what = f"kill_shard (coordinator/{shard}, {delay:.2f} s after the merge)"
             elif kind == "reset":
                 proxy.reset_after(rng.randint(2_000, 40_000))
             else:
                 proxy.corrupt_after(rng.randint(2_000, 40_000), bit=rng.randint(0, 7))
             fired[kind] += 1
-            print(f"soak: round {at}: {kind}", flush=True)
+            print(f"soak: round {at}: {what}", flush=True)
         code = launch.wait()
     wall = time.perf_counter() - start
     if code != 0:
@@ -187,8 +236,8 @@ def main(argv):
     diverged = 0
     for name in ("a", "b"):
         diverged += sum(checksum not in views[r] for r, checksum in _held(workdir, name).items())
-    restarts = fired["kill_coordinator"]
-    print(f"faults: {sum(fired.values())} ({', '.join(f'{k} {fired[k]}' for k in KINDS)})")
+    restarts = fired["kill_coordinator"] + fired["kill_shard"]  # a shard's kill restarts every shard
+    print(f"faults: {sum(fired.values())} ({', '.join(f'{k} {fired[k]}' for k in kinds)})")
     print(f"rounds_completed: {max(views, default=0)} of {_ROUNDS.value}")
     print(f"rounds_lost: {rounds_lost} (bound: {restarts} coordinator restarts x (k + 2 = {EVERY + 2}) = "
           f"{restarts * (EVERY + 2)})")

@@ -164,12 +164,14 @@ class Endpoint(Protocol):
       lock: the Condition guarding the coordinator; whoever changes it holds the lock and calls `notify`.
       payload_bytes: bytes of one round's update of every fragment.
       wire_bytes: {island: {"received", "sent"}}: frame bytes per island.
+      payload_received: {island: chunk bytes of its contributions taken}.
       where: where islands reach it, for the log ("HOST:PORT", or "in process").
     """
 
     lock: threading.Condition
     payload_bytes: int
     wire_bytes: dict[str, dict[str, int]]
+    payload_received: dict[str, int]
     where: str
 
     def notify(self) -> None:

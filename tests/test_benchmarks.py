@@ -34,9 +34,20 @@ LAST_LINES = {
                            r"accelerator_check: ran=4 not_run=2 failed=0"], 240),
     "compile_depth": ([r"load average \(1, 5, 15 min\): before .+; after .+; \d+ CPUs", rf"compile_depth: ratio={R}"],
                       120),
-    "memory": ([rf"memory: fsdp_bytes_per_param={F} two_process_ratio=-?{R} replicated_bytes_per_param={F} "
-                rf"coordinator_bytes_per_param={F} planner_coordinator_bytes_per_param={F}"], 240),
-    "merge": ([rf"merge: ratio={R2} \(K=2 / K=1 CPU\)"], 120),
+    "memory": ([rf"memory_shards: coordinator_bytes_per_param={F} shard_bytes_per_param={F},{F} ratio=-?{R}",
+                rf"memory: fsdp_bytes_per_param={F} two_process_ratio=-?{R} replicated_bytes_per_param={F} "
+                rf"coordinator_bytes_per_param={F} planner_coordinator_bytes_per_param={F}"], 300),
+    "merge": ([rf"merge: ratio={R2} \(K=2 / K=1 CPU\)",
+               r"merge_shards: 65536 float32 parameters, 2 contributors, 1 timed rounds per shard count; the shards of "
+               r"a count take turns on this thread, \d+ CPUs",
+               rf"shards=1: shard 0 CPU {R} s/round \(1\.00 of 1 shard\), wall {R} s/round; all shards CPU {R} "
+               r"s/round \(1\.00 of 1 shard\)",
+               rf"shards=2: shard 0 CPU {R} s/round \({R2} of 1 shard\), wall {R} s/round; shard 1 CPU {R} s/round "
+               rf"\({R2} of 1 shard\), wall {R} s/round; all shards CPU {R} s/round \({R2} of 1 shard\)",
+               r"merge_shards: on \d+ CPUs the shards share the cores \(here one after another\), so each shard's CPU "
+               r"seconds show its share of a round; the round's wall time here is the sum of the shards', and the "
+               r"speedup of shards on hosts of their own \(about the largest shard's time\) is not measured",
+               rf"merge_shards: ratio={R2} \(largest shard of 2 / 1 shard CPU\)"], 120),
     "moe_layer": ([rf"moe_layer: ratio={R}"], 180),
     "scale_out": ([rf"scale_out: ratio={R2} \(P=2 / P=1 exchange seconds per round\)"], 120),
     "soak": ([r"soak: faults=4 rounds_lost=\d+ diverged=\d+"], 300),
@@ -82,6 +93,22 @@ def test_benchmark_runs_at_smoke_size_to_its_normal_last_line(name, tmp_path):
     result = smoke(name, *args, timeout=timeout)
     assert result.returncode == 0, f"{name} --smoke exited with {result.returncode}\n{result.stderr[-3000:]}"
     assert_last_lines(name, result, patterns)
+
+
+def test_soak_with_two_coordinator_shards_kills_one_and_no_island_diverges(tmp_path):
+    result = smoke("soak", "--coordinator_shards=2", f"--workdir={tmp_path / 'soak'}", timeout=420)
+    assert result.returncode == 0, f"soak --smoke exited with {result.returncode}\n{result.stderr[-3000:]}"
+    lines = result.stdout.splitlines()
+    fired = [line for line in lines if line.startswith("soak: round ")]
+    assert len(fired) == 4 and sum(": kill_shard (coordinator/" in line for line in fired) == 1, result.stdout
+    assert "faults: 4 (kill_island 1, kill_shard 1, reset 1, corrupt 1)" in lines, result.stdout
+    assert "rounds_completed: 10 of 10" in lines, result.stdout
+    lost = re.fullmatch(r"soak: faults=4 rounds_lost=(\d+) diverged=0", lines[-1])
+    assert lost is not None, result.stdout[-3000:]
+    assert int(lost.group(1)) <= 4, result.stdout  # one restart of the shard group: k + 2 = 4 rounds at most
+    launch = (tmp_path / "soak" / "launch.log").read_text()
+    assert "coordinator/0 was stopped with it; restarting it" in launch or \
+        "coordinator/1 was stopped with it; restarting it" in launch, launch[-3000:]
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="network namespaces need root (CAP_NET_ADMIN)")

@@ -285,12 +285,43 @@ def test_restart_an_island_killed_mid_run_is_started_again_and_the_run_completes
             os.kill(pid, 0)
 
 
-def test_a_run_with_tls_and_tokens_gives_the_same_bits_and_writes_no_secret(straight, corpus, tmp_path):
+def test_two_coordinator_shards_with_tls_and_tokens_one_killed_give_the_same_bits_and_write_no_secret(
+        straight, corpus, tmp_path):
+    """Two coordinator shards (several chunks each) under one set of TLS credentials and tokens; shard 1 is
+    SIGKILLed once round 1 is merged, the shard group restarts from its newest committed checkpoint set, the
+    islands roll back, and the run ends on the bits of the uninterrupted, unsharded run."""
     workdir = tmp_path / "secure"
-    result = launch(workdir, corpus, "--tls")
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    cmd = [sys.executable, os.path.join(ROOT, "launch", "local.py"), f"--config={CONFIG}", f"--workdir={workdir}",
+           f"--config.data.files={corpus}", "--tls", "--restart=1", "--config.coordinator.shards=2",
+           "--config.comm.chunk_bytes=8192", "--config.comm.reconnect_backoff_cap_seconds=1"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=role_env())
+    seen = []
+    try:
+        for line in proc.stdout:  # until round 1 is merged, then SIGKILL to shard 1
+            seen.append(line)
+            if line.startswith("[launch] round 1/3"):
+                break
+        assert seen and seen[-1].startswith("[launch] round 1/3"), "".join(seen)[-3000:]
+        shard = int(re.search(r"started coordinator/1 \(pid (\d+)\)", "".join(seen))[1])
+        os.kill(shard, signal.SIGKILL)
+        rest, err = proc.communicate(timeout=600)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    out = "".join(seen) + rest
+    assert proc.returncode == 0, out[-3000:] + err[-3000:]
+    assert "[launch] coordinator/1 exited with status -9; restarting it (restart 1 of 1" in out
+    resumed = {int(k): int(r) for k, r in re.findall(r"shard (\d) of 2 resumed from the checkpoint set of round (\d)", out)}
+    start = resumed.get(0, 0)  # no line: no set was committed yet, and both start from the seed
+    assert resumed.get(1, 0) == start and start in (0, 1), resumed
+    # after the restart, each shard merged each round once, from the round after its set on
+    for folder in ("coordinator", "coordinator-shard-1"):
+        merged = [r["round"] for r in read_jsonl(workdir / folder / "metrics.jsonl") if r["kind"] == "round"]
+        assert merged[len(merged) - (3 - start):] == list(range(start + 1, 4)), merged
     final = json.load(open(workdir / "coordinator" / "summary.json"))["checksum"]
     assert final == json.load(open(straight[0] / "coordinator" / "summary.json"))["checksum"]
+    result = subprocess.CompletedProcess(cmd, proc.returncode, out, err)
     secrets = workdir / "secrets"
     token = (secrets / "token_a").read_text().strip()
     key = (secrets / "server.key").read_text()

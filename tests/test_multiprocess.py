@@ -5,6 +5,7 @@ devices, on the tiny config; the launcher starts them (`launch/local.py`), or th
 time, to kill one.
 """
 
+import json
 import re
 import time
 
@@ -40,8 +41,25 @@ def _shares() -> list[int]:
     return [sum(c.nbytes for c in share) for share in codec.deal(plan, 2)]
 
 
+def _ranges(shards: int) -> list[int]:
+    """Payload bytes of each coordinator shard's range of the tiny model's int8 payload in chunks of at most
+    1024 bytes (the plan cut into contiguous ranges of near-equal bytes)."""
+    config = get_config()
+    _, params, _ = init_params(config)
+    plan = codec.chunk_plan(params, "int8", config.codec.block_size, 1024)
+    bounds, total, at = [0], sum(c.nbytes for c in plan), 0
+    for k in range(1, shards):  # range k - 1 ends after the first chunk whose end reaches k / shards of the bytes
+        while sum(c.nbytes for c in plan[:at]) * shards < total * k:
+            at += 1
+        bounds.append(at)
+    bounds.append(len(plan))
+    return [sum(c.nbytes for c in plan[a:b]) for a, b in zip(bounds, bounds[1:])]
+
+
 def test_a_two_process_island_holds_the_global_parameters_of_every_island(tmp_path, corpus, straight):
-    result = launch(tmp_path / "two", corpus, "--config.comm.chunk_bytes=1024", *TWO_PROCESSES)
+    """... and sends each of its chunks to the coordinator shard that owns it, of 3 (`coordinator.shards`)."""
+    result = launch(tmp_path / "two", corpus, "--config.comm.chunk_bytes=1024", "--config.coordinator.shards=3",
+                    *TWO_PROCESSES)
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
     stdout = result.stdout
     assert "started island a/0" in stdout and "started island a/1" in stdout and "started island b " in stdout
@@ -51,6 +69,12 @@ def test_a_two_process_island_holds_the_global_parameters_of_every_island(tmp_pa
     shares = _shares()
     payload = sum(shares)
     assert payload == 34560 and all(0.45 <= s / payload <= 0.55 for s in shares), shares
+    # every shard took exactly its range's chunks of every island's contribution, from both of a's processes
+    ranges = _ranges(3)
+    assert sum(ranges) == payload
+    for k, folder in enumerate(["coordinator", "coordinator-shard-1", "coordinator-shard-2"]):
+        received = json.load(open(tmp_path / "two" / folder / "summary.json"))["payload_bytes_received"]
+        assert received == {"a": 3 * ranges[k], "b": 3 * ranges[k]}
     for ra, rb, rc in zip(a, b, merged):  # after every round: both processes of a, island b, the coordinator
         assert ra["process_checksums"] == [rc["checksum"]] * 2 and rb["checksum"] == rc["checksum"]
         assert ra["process_payload_bytes"] == shares and ra["payload_bytes"] == payload

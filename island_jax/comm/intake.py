@@ -187,7 +187,7 @@ class ContributionStream:
         await s.intake.flush(self)
         if self.error is not None:
             raise self.error
-        return await s.call(s.session.end, self.header, self.entry, self.frame_bytes)
+        return await s.call(s.session.end, self.header, self.entry, self.frame_bytes, 1, self.received)
 
     async def settle(self) -> None:
         """Lets this stream's queued chunks go, once none of them is being taken (the stream is failing)."""

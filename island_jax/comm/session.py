@@ -97,6 +97,7 @@ class ExchangeSession:
       update_bytes: bytes of one round of every fragment's update.
       layouts: `codec.layout` of each fragment's payload.
       wire_bytes: {island: {"received", "sent"}}: frame bytes of contributions taken and of updates sent.
+      payload_received: {island: chunk bytes of its contributions taken} (of a coordinator shard: its range's).
       fetched: {(fragment, round): islands that received its whole update}.
       ready: islands that said they are ready to train (the start barrier).
       aborted: why the session was aborted (None while it runs).
@@ -109,6 +110,7 @@ class ExchangeSession:
         self.update_bytes = 0
         self.layouts: list[str] = []
         self.wire_bytes: dict[str, dict[str, int]] = {}
+        self.payload_received: dict[str, int] = {}
         self.fetched: dict[tuple[int, int], set[str]] = {}
         self.ready: set[str] = set()
         self.aborted: str | None = None
@@ -126,6 +128,7 @@ class ExchangeSession:
             self.update_bytes = sum(f.update_bytes for f in coordinator.fragments)
             self.layouts = [codec.layout(f.shapes, f.codec) for f in coordinator.fragments]
             self.wire_bytes = {name: dict(received=0, sent=0) for name in coordinator.islands}
+            self.payload_received = dict.fromkeys(coordinator.islands, 0)
             self.notify()
         return self
 
@@ -261,10 +264,11 @@ class ExchangeSession:
             if header.parts > 1:
                 entry.chunks.add(index)
 
-    def end(self, header: pb.PayloadHeader, entry: Attempt, frame_bytes: int, streams: int = 1) -> str:
-        """Ends `streams` of the attempt's streams, which carried `frame_bytes`, holding `lock`; the last one
-        closes the contribution (once every share's did). Returns "accepted", "discarded" or "duplicate", and
-        books the frame bytes as received from the island.
+    def end(self, header: pb.PayloadHeader, entry: Attempt, frame_bytes: int, streams: int = 1,
+            payload_bytes: int = 0) -> str:
+        """Ends `streams` of the attempt's streams, which carried `frame_bytes` (`payload_bytes` of chunks), holding
+        `lock`; the last one closes the contribution (once every share's did). Returns "accepted", "discarded" or
+        "duplicate", and books the bytes as received from the island.
 
         Raises:
           ContributionError: chunks are missing, the contribution was refused, or a retry replaced the attempt.
@@ -272,6 +276,7 @@ class ExchangeSession:
         status = self._end(header, entry, streams)
         if header.island in self.wire_bytes:
             self.wire_bytes[header.island]["received"] += frame_bytes
+            self.payload_received[header.island] += payload_bytes
         return status
 
     def _end(self, header: pb.PayloadHeader, entry: Attempt, streams: int) -> str:
@@ -319,7 +324,8 @@ class ExchangeSession:
                 view = memoryview(payload)
                 self.add_chunks(header, [(k.index, view[k.offset : k.offset + k.nbytes])
                                          for k in share(self.fragment(header).plan, header)])
-            return self.end(header, entry, frame_bytes, streams=entry.streams)
+            return self.end(header, entry, frame_bytes, streams=entry.streams,
+                            payload_bytes=sum(k.nbytes for k in share(self.fragment(header).plan, header)))
         except ContributionError as e:
             self.abandon(header, str(e), keep_complete=False)
             raise

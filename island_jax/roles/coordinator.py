@@ -41,7 +41,7 @@ class _GrpcEndpoint:
             keepalive_seconds=c.keepalive_seconds,
         )
         self.session = session = service.session
-        self.lock, self.wire_bytes = session.lock, session.wire_bytes
+        self.lock, self.wire_bytes, self.payload_received = session.lock, session.wire_bytes, session.payload_received
         self.payload_bytes, self.update_bytes = session.payload_bytes, session.update_bytes
         self.where = f"{address.rsplit(':', 1)[0]}:{self.port}"
 
@@ -125,7 +125,8 @@ def run_coordinator(
       The role's summary (also `coordinator/summary.json`): `rounds`, `params`,
       `codec`, `block_size`, `update_codec` (`codec.update_kind`), `contribution_bytes` (one island's payload
       bytes per round), `update_bytes` (the update's payload bytes per round),
-      `wire_bytes.NAME.{sent, received}` (frame bytes, handshake excluded),
+      `wire_bytes.NAME.{sent, received}` (frame bytes, handshake excluded), `payload_bytes_received.NAME` (the
+      chunk bytes of its contributions: of a coordinator shard, those of its range),
       `checksum` (of the view), `wall_seconds`. Empty if the run was complete.
 
     Raises:
@@ -192,7 +193,8 @@ def run_coordinator(
     summary = dict(
         rounds=rounds, params=num_params, codec=config.codec.kind, block_size=config.codec.block_size,
         update_codec=config_lib.update_kind(config.codec), contribution_bytes=endpoint.payload_bytes,
-        update_bytes=endpoint.update_bytes, wire_bytes=endpoint.wire_bytes, checksum=coordinator.checksum,
+        update_bytes=endpoint.update_bytes, wire_bytes=endpoint.wire_bytes,
+        payload_bytes_received=dict(endpoint.payload_received), checksum=coordinator.checksum,
         wall_seconds=time.perf_counter() - start,
     )
     write_json(os.path.join(role.path, "summary.json"), summary)
