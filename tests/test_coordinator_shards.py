@@ -130,6 +130,10 @@ def test_every_shard_merges_the_leaders_set_even_an_island_that_reached_one_shar
     # the update each island fetches is the two shards' chunks put together: the single coordinator's bytes
     joined = np.frombuffer(leader.fetch_update(0, "a"), np.uint8) | np.frombuffer(other.fetch_update(0, "a"), np.uint8)
     assert joined.tobytes() == single.fetch_update(0, "a")
+    # so is the view a rejoining island takes, each shard's range of it put together
+    (r0, view0), (r1, view1) = leader.fetch_view(), other.fetch_view()
+    assert r0 == r1 == single.fetch_view()[0] == [1]
+    assert (np.frombuffer(view0, np.uint8) | np.frombuffer(view1, np.uint8)).tobytes() == single.fetch_view()[1]
     record = leader.complete_record(leader.fragments[0].history[-1], 0)
     assert record.update_bytes == single.fragments[0].history[-1].update_bytes == len(single.fetch_update(0, "a"))
 

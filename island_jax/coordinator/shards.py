@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import json
 import threading
-import time
 from typing import Any, Protocol
 
 import ml_collections
@@ -68,7 +67,7 @@ class Bus(Protocol):
 
     def listing(self, prefix: str) -> dict[str, str]: ...
 
-    def delete(self, prefix: str) -> None: ...
+    def delete(self, key: str) -> None: ...
 
 
 class LocalBus:
@@ -98,9 +97,10 @@ class LocalBus:
         with self._changed:
             return {k: v for k, v in self._values.items() if k.startswith(prefix)}
 
-    def delete(self, prefix: str) -> None:
+    def delete(self, key: str) -> None:
+        """Deletes `key` and every key under `key/`."""
         with self._changed:
-            for k in [k for k in self._values if k.startswith(prefix)]:
+            for k in [k for k in self._values if k == key or k.startswith(key + "/")]:
                 del self._values[k]
 
 
@@ -158,8 +158,9 @@ class ServiceBus:
     def listing(self, prefix: str) -> dict[str, str]:
         return dict(self._client.key_value_dir_get(prefix.rstrip("/")))
 
-    def delete(self, prefix: str) -> None:
-        self._client.key_value_delete(prefix.rstrip("/"))
+    def delete(self, key: str) -> None:
+        """Deletes `key` and every key under `key/`."""
+        self._client.key_value_delete(key)
 
 
 class Shard:
@@ -221,9 +222,9 @@ class Shard:
         self.bus.set(f"ij/parts/{fragment}/{round}/{self.index}", json.dumps(parts))
         if stats is not None:
             self.bus.set(f"ij/stats/{fragment}/{round}/{self.index}", json.dumps(stats))
-        if round >= 3:  # what no shard asks for any more
-            self.bus.delete(f"ij/complete/{fragment}/{round - 3}/")
-            self.bus.delete(f"ij/refused/{fragment}/{round - 3}/")
+        if round >= 3:  # what no shard asks for any more (none is a round ahead of the leader's set)
+            for what in ("complete", "refused", "parts", "stats", "set"):
+                self.bus.delete(f"ij/{what}/{fragment}/{round - 3}")
 
     def gather(self, what: str, fragment: int, round: int) -> list[dict]:
         """Every shard's "parts" or "stats" of the fragment's round, in shard order (waits for them).
@@ -268,13 +269,3 @@ def combine_stats(stats: list[dict]) -> dict[str, Any]:
         lost_sq=sum(s["lost_sq"] for s in stats),
         update_bytes=sum(s["update_bytes"] for s in stats),
     )
-
-
-def wait_for(condition, timeout: float, every: float = 0.02) -> bool:
-    """Polls `condition()` until it holds (True) or `timeout` seconds passed (False)."""
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if time.monotonic() >= deadline:
-            return False
-        time.sleep(every)
-    return True
