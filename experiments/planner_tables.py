@@ -151,7 +151,7 @@ def intellect_table() -> str:
 # The seed's setting: one DeepSeek-V3-shaped MoE (671B total, 37B active, 61 layers) on two islands of
 # 1024 H100 each, on two continents, 2048 sequences of 4096 tokens per island step at 40% MFU, each on a
 # 25 Gbit/s link to the coordinator (16 connections, no window limit), the coordinator's own link 100
-# Gbit/s and its merge spread over 512 cores (a coordinator sharded by chunk range over 8 hosts).
+# Gbit/s and its merge spread over 512 cores (the cores of docs/cluster.md's 16 coordinator shards of 32).
 SEED_MODEL = ModelSpec(671e9, 37e9, 61)
 SEED_COORDINATOR = CoordinatorSpec(gbps=100.0, cores=512)
 
