@@ -237,3 +237,16 @@ def test_an_island_with_another_shard_count_is_refused_naming_the_setting():
     theirs = _config(islands=("a",))
     with pytest.raises(HandshakeError, match=r"coordinator\.shards \(theirs None, here 2\)"):
         leader.join("a", fingerprint_fields(theirs), leader.checksum)
+
+
+def test_a_shard_started_with_other_settings_than_shard_0_is_refused_naming_them():
+    bus = LocalBus()
+    ours = {"coordinator.shards": 2, "--coordinator": ["h0:1", "h1:1"]}
+    Shard(0, 2, bus).check_settings(ours, 1.0)
+    Shard(1, 2, bus).check_settings(dict(ours), 1.0)  # the same: it serves
+    with pytest.raises(ShardError) as raised:
+        Shard(1, 3, bus).check_settings({"coordinator.shards": 3, "--coordinator": ["h0:1", "h1:1", "h2:1"]}, 1.0)
+    assert str(raised.value) == (
+        "shard 1 disagrees with shard 0: --coordinator is ['h0:1', 'h1:1', 'h2:1'] here but ['h0:1', 'h1:1'] on "
+        "shard 0; coordinator.shards is 3 here but 2 on shard 0; start every shard with the same config and "
+        "--coordinator list")

@@ -184,6 +184,22 @@ class Shard:
         """The chunk indices of `plan` this shard owns (`codec.chunk_ranges`)."""
         return codec.chunk_ranges(plan, self.count)[self.index]
 
+    def check_settings(self, settings: dict[str, Any], timeout: float) -> None:
+        """Compares this shard's `settings` ({setting: value}, e.g. `coordinator.shards` and the `--coordinator`
+        list) with shard 0's, before serving.
+
+        Raises:
+          ShardError: a setting that differs, named with both values.
+          TimeoutError: shard 0 published none within `timeout` seconds.
+        """
+        self.bus.set(f"ij/settings/{self.index}", json.dumps(settings))
+        leader = json.loads(self.bus.wait("ij/settings/0", timeout))
+        differ = [f"{k} is {settings.get(k)!r} here but {leader.get(k)!r} on shard 0" for k in sorted(set(settings) | set(leader))
+                  if settings.get(k) != leader.get(k)]
+        if differ:
+            raise ShardError(f"shard {self.index} disagrees with shard 0: {'; '.join(differ)}; start every shard with "
+                             "the same config and --coordinator list")
+
     # -- a round's contributor set ---------------------------------------------------------------------
 
     def completed(self, fragment: int, round: int, island: str) -> None:

@@ -20,7 +20,7 @@ from island_jax import allocator
 from island_jax import config as config_lib
 from island_jax.comm.inprocess import InProcessExchange
 from island_jax.coordinator import Coordinator, RoundRecord
-from island_jax.coordinator.shards import ServiceBus, Shard, ShardError, shard_address
+from island_jax.coordinator.shards import ServiceBus, Shard, ShardError, parse_addresses, shard_address
 from island_jax.metrics import write_json
 from island_jax.model.init import checksum, count, init_params
 from island_jax.protocol import Endpoint
@@ -79,6 +79,7 @@ def _shard(config, exchange, shard: int, shard_service: str | None, bus) -> tupl
     count = config.coordinator.shards
     if count == 1 and shard == 0:
         return None, exchange
+    addresses = exchange
     if isinstance(exchange, str):
         exchange = shard_address(config, exchange, shard)
     elif not 0 <= shard < count:
@@ -88,7 +89,11 @@ def _shard(config, exchange, shard: int, shard_service: str | None, bus) -> tupl
             raise ShardError("coordinator.shards is %d: give --shard_service=HOST:PORT, where shard 0 runs the shards' "
                              "jax.distributed coordination service" % count)
         bus = ServiceBus(shard_service, count, shard, config.distributed)
-    return Shard(shard, count, bus, config.comm.round_timeout_seconds), exchange
+    spec = Shard(shard, count, bus, config.comm.round_timeout_seconds)
+    listed = parse_addresses(addresses) if isinstance(addresses, str) else []
+    spec.check_settings({"coordinator.shards": count, "--coordinator": listed},
+                        config.distributed.initialization_timeout_seconds)
+    return spec, exchange
 
 
 def run_coordinator(
