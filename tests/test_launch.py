@@ -293,7 +293,10 @@ def test_two_coordinator_shards_with_tls_and_tokens_one_killed_give_the_same_bit
     workdir = tmp_path / "secure"
     cmd = [sys.executable, os.path.join(ROOT, "launch", "local.py"), f"--config={CONFIG}", f"--workdir={workdir}",
            f"--config.data.files={corpus}", "--tls", "--restart=1", "--config.coordinator.shards=2",
-           "--config.comm.chunk_bytes=8192", "--config.comm.reconnect_backoff_cap_seconds=1"]
+           "--config.comm.chunk_bytes=8192", "--config.comm.reconnect_backoff_cap_seconds=1",
+           # each exchange crosses an emulated link of 0.3 s one way (which changes when rounds end, not what they
+           # hold), so that the kill lands before the last round is merged on a loaded machine
+           "--config.comm.link.bandwidth_gbps=10", "--config.comm.link.latency_ms=300"]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=role_env())
     seen = []
     try:
@@ -314,7 +317,7 @@ def test_two_coordinator_shards_with_tls_and_tokens_one_killed_give_the_same_bit
     assert "[launch] coordinator/1 exited with status -9; restarting it (restart 1 of 1" in out
     resumed = {int(k): int(r) for k, r in re.findall(r"shard (\d) of 2 resumed from the checkpoint set of round (\d)", out)}
     start = resumed.get(0, 0)  # no line: no set was committed yet, and both start from the seed
-    assert resumed.get(1, 0) == start and start in (0, 1), resumed
+    assert resumed.get(1, 0) == start and start in (0, 1, 2), resumed
     # after the restart, each shard merged each round once, from the round after its set on
     for folder in ("coordinator", "coordinator-shard-1"):
         merged = [r["round"] for r in read_jsonl(workdir / folder / "metrics.jsonl") if r["kind"] == "round"]
