@@ -1,8 +1,7 @@
-"""Peak host memory of an island's processes and of the coordinator, in bytes per parameter, for three layouts.
+"""Peak host memory of an island's processes and of the coordinator, in bytes per parameter, for four layouts.
 
   python benchmarks/memory.py [--d_model=768 --num_layers=6 ...] [--layouts=fsdp,two_process,replicated,two_shards]
-      [--itemize]
-      [--scan_layers] [--remat=full] [--smoke]
+      [--itemize] [--scan_layers] [--remat=full] [--smoke]
 
 One island `a` of 4 devices and a coordinator, each role a process of its own started as a cluster would
 (`experiments/train.py --role=...`, gRPC over loopback), trains a MoE of about 100M parameters (by default
@@ -30,11 +29,12 @@ at the sampled peak, the bytes of live JAX arrays on the process's devices, the 
 hold, and the rest (runtime, compiled programs, XLA's temporaries); tracemalloc itself adds time and a
 little memory, so those runs' peaks are not the figures of the last line.
 
-With fsdp and two_shards run, the line before the last is `memory_shards: coordinator_bytes_per_param=C
-shard_bytes_per_param=S0,S1 ratio=R`: the one-process coordinator's figure (the fsdp run's), each shard's (its
-process less the same one-device baseline), and the larger shard's over the one-process figure (the target:
-0.6). What a shard holds that does not shrink with its range (the whole initial parameters while it starts,
-the shards' coordination service and its client, its compiled chunk program) is in its figure.
+With fsdp and two_shards run, a line `memory_shards: coordinator_bytes_per_param=C shard_bytes_per_param=S0,S1
+ratio=R` (the line before the last when every layout ran): the one-process coordinator's figure (the fsdp
+run's), each shard's (its process less the same one-device baseline), and the larger shard's over the
+one-process figure (the target: 0.6). What a shard holds that does not shrink with its range (the whole
+initial parameters while it starts, the shards' coordination service and its client, its compiled chunk
+program) is in its figure, so a small model misses the target on that alone.
 
 The last line is `memory: fsdp_bytes_per_param=X two_process_ratio=Y replicated_bytes_per_param=Z
 coordinator_bytes_per_param=C planner_coordinator_bytes_per_param=D`: bytes per parameter of each layout's

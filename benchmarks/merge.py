@@ -1,6 +1,7 @@
 """The coordinator's CPU seconds per round against the parameters and the contributors it merges.
 
-  python benchmarks/merge.py [--params=16777216] [--islands=1,2,4] [--repeats=3] [--smoke]
+  python benchmarks/merge.py [--params=16777216] [--islands=1,2,4] [--repeats=3] [--shards=1,2]
+      [--shard_islands=2] [--chunk_bytes=1048576] [--smoke]
 
 One `Coordinator` in this process, fed through its Python methods
 (no transport): every island of K contributes an int8 payload (block 256) of
@@ -12,10 +13,11 @@ the view's update and the update's encoding. Its CPU seconds
 warm-up round, for each K side by side.
 
 The planner (`island_jax/plan/compute.py`) models a round's coordinator CPU as
-params x (fixed + per_island x K) nanoseconds. The last lines print the two
+params x (fixed + per_island x K) nanoseconds. The script prints the two
 constants (ns per parameter) fitted to these rounds, when at least two K
-were timed, and the ratio of the largest K's CPU to the smallest's. The
-rounds are int8's; the planner applies the constants to every codec.
+were timed, and the ratio of the largest K's CPU to the smallest's
+(`merge: ratio=R`). The rounds are int8's; the planner applies the
+constants to every codec.
 
 Then the same round for a coordinator cut into S shards by chunk range
 (`coordinator.shards`, `--shards`, default 1 and 2) with `--shard_islands`
@@ -40,8 +42,8 @@ of this machine.
 
 `--smoke` merges 65536 parameters from K = 1 and 2, one timed round each
 (`--params=65536 --islands=1,2 --repeats=1 --chunk_bytes=16384`, so that
-each shard owns chunks), and with 1 and 2 shards, in a few seconds: the same code path and printout, figures that are not
-measurements.
+each shard owns chunks), and with 1 and 2 shards, in a few seconds: the
+same code path and printout, figures that are not measurements.
 """
 
 from __future__ import annotations

@@ -246,33 +246,44 @@ def test_restart_and_dial_an_island_crashes_again_after_its_restart_and_the_run_
             os.kill(pid, 0)
 
 
-def test_restart_an_island_killed_mid_run_is_started_again_and_the_run_completes(corpus, tmp_path):
-    workdir = tmp_path / "killed"
-    env = role_env()
-    cmd = [sys.executable, os.path.join(ROOT, "launch", "local.py"), f"--config={CONFIG}", f"--workdir={workdir}",
-           f"--config.data.files={corpus}", "--config.outer.rounds=30", "--restart=1"]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+def _kill_mid_run(cmd: list[str], line: str, role: str, before=None, merged: bool = False) -> tuple[int, str, str]:
+    """Runs the launcher `cmd` until it prints a line starting with `line`, then (after `before(output so far)`)
+    SIGKILLs the process of `role` it started; (its status, its stdout, its stderr: "" with `merged` into stdout)."""
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT if merged else subprocess.PIPE,
+                            text=True, env=role_env())
     seen = []
     try:
-        for line in proc.stdout:  # until the second round's line, then SIGKILL to island b
-            seen.append(line)
-            if line.startswith("[launch] round 2/30"):
+        for got in proc.stdout:
+            seen.append(got)
+            if got.startswith(line):
                 break
-        assert seen and seen[-1].startswith("[launch] round 2/30"), "".join(seen)[-3000:]
-        island_b = int(re.search(r"started island b \(pid (\d+)\)", "".join(seen))[1])
+        assert seen and seen[-1].startswith(line), "".join(seen)[-3000:]
+        if before is not None:
+            before("".join(seen))
+        os.kill(int(re.search(rf"started {re.escape(role)} \(pid (\d+)\)", "".join(seen))[1]), signal.SIGKILL)
+        rest, err = proc.communicate(timeout=600)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    return proc.returncode, "".join(seen) + rest, err or ""
+
+
+def test_restart_an_island_killed_mid_run_is_started_again_and_the_run_completes(corpus, tmp_path):
+    workdir = tmp_path / "killed"
+    cmd = [sys.executable, os.path.join(ROOT, "launch", "local.py"), f"--config={CONFIG}", f"--workdir={workdir}",
+           f"--config.data.files={corpus}", "--config.outer.rounds=30", "--restart=1"]
+
+    def when_b_has_a_checkpoint(seen: str) -> None:
         # once b holds a complete checkpoint (written in the background; b's round records alone, with no
         # checkpoint to resume from, would rightly stop its restart)
         folder, deadline = workdir / "islands" / "b" / "checkpoints", time.monotonic() + 60
         while not (folder.is_dir() and any(p.name.isdigit() for p in folder.iterdir())) and time.monotonic() < deadline:
             time.sleep(0.05)
-        os.kill(island_b, signal.SIGKILL)
-        rest, _ = proc.communicate(timeout=600)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-    out = "".join(seen) + rest
-    assert proc.returncode == 0, out[-3000:]
+
+    returncode, out, _ = _kill_mid_run(cmd, "[launch] round 2/30", "island b", when_b_has_a_checkpoint, merged=True)
+    island_b = int(re.search(r"started island b \(pid (\d+)\)", out)[1])
+    assert returncode == 0, out[-3000:]
     restart = re.search(r"^\[launch\] island b exited with status -9; restarting it \(restart 1 of 1, pid (\d+)\)$",
                         out, re.M)
     assert restart, out[-3000:]
@@ -297,23 +308,8 @@ def test_two_coordinator_shards_with_tls_and_tokens_one_killed_give_the_same_bit
            # each exchange crosses an emulated link of 0.3 s one way (which changes when rounds end, not what they
            # hold), so that the kill lands before the last round is merged on a loaded machine
            "--config.comm.link.bandwidth_gbps=10", "--config.comm.link.latency_ms=300"]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=role_env())
-    seen = []
-    try:
-        for line in proc.stdout:  # until round 1 is merged, then SIGKILL to shard 1
-            seen.append(line)
-            if line.startswith("[launch] round 1/3"):
-                break
-        assert seen and seen[-1].startswith("[launch] round 1/3"), "".join(seen)[-3000:]
-        shard = int(re.search(r"started coordinator/1 \(pid (\d+)\)", "".join(seen))[1])
-        os.kill(shard, signal.SIGKILL)
-        rest, err = proc.communicate(timeout=600)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-    out = "".join(seen) + rest
-    assert proc.returncode == 0, out[-3000:] + err[-3000:]
+    returncode, out, err = _kill_mid_run(cmd, "[launch] round 1/3", "coordinator/1")
+    assert returncode == 0, out[-3000:] + err[-3000:]
     assert "[launch] coordinator/1 exited with status -9; restarting it (restart 1 of 1" in out
     resumed = {int(k): int(r) for k, r in re.findall(r"shard (\d) of 2 resumed from the checkpoint set of round (\d)", out)}
     start = resumed.get(0, 0)  # no line: no set was committed yet, and both start from the seed
@@ -324,7 +320,7 @@ def test_two_coordinator_shards_with_tls_and_tokens_one_killed_give_the_same_bit
         assert merged[len(merged) - (3 - start):] == list(range(start + 1, 4)), merged
     final = json.load(open(workdir / "coordinator" / "summary.json"))["checksum"]
     assert final == json.load(open(straight[0] / "coordinator" / "summary.json"))["checksum"]
-    result = subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+    result = subprocess.CompletedProcess(cmd, returncode, out, err)
     secrets = workdir / "secrets"
     token = (secrets / "token_a").read_text().strip()
     key = (secrets / "server.key").read_text()
