@@ -40,10 +40,11 @@ so the round's wall time is the sum of theirs; on hosts of their own it
 would be about the largest shard's, which is an inference, not a measurement
 of this machine.
 
-`--smoke` merges 65536 parameters from K = 1 and 2, one timed round each
-(`--params=65536 --islands=1,2 --repeats=1 --chunk_bytes=16384`, so that
-each shard owns chunks), and with 1 and 2 shards, in a few seconds: the
-same code path and printout, figures that are not measurements.
+`--smoke` merges 262144 parameters from K = 1 and 2, one timed round each
+(`--params=262144 --islands=1,2 --repeats=1 --chunk_bytes=65536`: 4 chunks
+of one 65536-element piece each, so that each shard owns 2), and with 1 and
+2 shards, in a few seconds: the same code path and printout, figures that
+are not measurements.
 """
 
 from __future__ import annotations
@@ -166,7 +167,7 @@ def compare_shards(params: int, islands: int, counts: list[int], repeats: int) -
 
 def main(argv):
     del argv
-    _smoke.sizes(params=1 << 16, islands=["1", "2"], repeats=1, chunk_bytes=16384)
+    _smoke.sizes(params=1 << 18, islands=["1", "2"], repeats=1, chunk_bytes=1 << 16)
     shard_counts = [int(s) for s in _SHARDS.value]
     if not shard_counts or shard_counts[0] != 1 or min(shard_counts) < 1:
         raise app.UsageError(f"--shards={','.join(_SHARDS.value)}: give shard counts starting with 1 (the baseline)")

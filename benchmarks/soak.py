@@ -21,13 +21,16 @@ A fault fires once the coordinator has merged its round; the next waits for
 the run to move past it.
 
 With `--coordinator_shards=2` the coordinator is cut into two shards by
-chunk range (`coordinator.shards = 2`): the launcher starts `coordinator/0`
-and `coordinator/1`, one restart group, shard k on port `--port` + k, each
-behind a `FaultProxy` of its own. `kill_coordinator` becomes
-  kill_shard        SIGKILL of one shard, drawn at random, at a random time
-                    0 to `SHARD_KILL_DELAY` s after the round merged (the
-                    supervisor stops the other shard and starts both again;
-                    they resume from the newest checkpoint set they all hold)
+chunk range (`coordinator.shards = 2`, and `comm.chunk_bytes = 8192`, so
+that the payload's 8 chunks give both shards a range: 5 and 3): the
+launcher starts `coordinator/0` and `coordinator/1`, one restart group,
+shard k on port `--port` + k, each behind a `FaultProxy` of its own. `kill_coordinator` becomes
+  kill_shard        SIGKILL of one shard, drawn at random, at a random point
+                    of the next round: a uniform fraction of a round's
+                    seconds (the median of the last 5) after the merge,
+                    in whatever phase the round is then (the supervisor stops
+                    the other shard and starts both again; they resume
+                    from the newest checkpoint set they all hold)
 and a reset or a corrupted bit hits the connections to one shard, drawn at
 random.
 
@@ -58,6 +61,7 @@ import random
 import re
 import signal
 import socket
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -83,7 +87,9 @@ flags.adopt_module_key_flags(_smoke)  # --smoke, in --help
 
 KINDS = ("kill_island", "kill_coordinator", "reset", "corrupt")
 SHARD_KINDS = ("kill_island", "kill_shard", "reset", "corrupt")  # with --coordinator_shards above 1
-SHARD_KILL_DELAY = 2.0  # the most seconds a shard's kill waits after its round merged (drawn uniformly)
+# the test model's 34,560-byte int8 payload in 8 chunks, so that both shards own some (5 and 3; at the default
+# 1 MiB it is one chunk, and shard 1 would own none)
+SHARD_OVERRIDES = ["--config.comm.chunk_bytes=8192"]
 EVERY = 2  # checkpoint.every_rounds (and the coordinator's)
 OVERRIDES = [
     "--config.model.num_layers=1", "--config.model.d_model=32", "--config.model.num_heads=2",
@@ -106,8 +112,8 @@ class Launch:
         cmd = [
             sys.executable, os.path.join(ROOT, "launch", "local.py"),
             f"--config={os.path.join(ROOT, 'experiments', 'configs', 'two_islands.py')}", f"--workdir={workdir}",
-            f"--config.outer.rounds={rounds}", *OVERRIDES, f"--config.coordinator.shards={shards}", "--restart=20",
-            f"--port={port}", f"--dial={dial}",
+            f"--config.outer.rounds={rounds}", *OVERRIDES, *(SHARD_OVERRIDES if shards > 1 else []),
+            f"--config.coordinator.shards={shards}", "--restart=20", f"--port={port}", f"--dial={dial}",
         ]
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         self.pids: dict[str, int] = {}
@@ -211,10 +217,11 @@ def main(argv):
             elif kind == "kill_coordinator":
                 launch.kill("coordinator")
             elif kind == "kill_shard":
-                shard, delay = rng.randrange(shards), rng.uniform(0.0, SHARD_KILL_DELAY)
+                shard, fraction = rng.randrange(shards), rng.random()
+                delay = fraction * statistics.median(r["seconds"] for r in _merged(workdir)[-5:])  # a round's time
                 time.sleep(delay)
                 launch.kill(f"coordinator/{shard}")
-                what = f"kill_shard (coordinator/{shard}, {delay:.2f} s after the merge)"
+                what = f"kill_shard (coordinator/{shard}, {delay:.2f} s after the merge, {fraction:.2f} of a round)"
             elif kind == "reset":
                 proxy.reset_after(rng.randint(2_000, 40_000))
             else:
