@@ -76,10 +76,15 @@ class Coordinator:
             FragmentCoordinator(config, [leaves[i] for i in idx], islands, clock, shard=shard, index=p)
             for p, idx in enumerate(self.partition)
         ]
-        for part in self.fragments:
+        for p, part in enumerate(self.fragments):
             part.warm_up()
             if shard is not None:
                 part.publish_view()
+                if not part.owned:
+                    logging.warning(
+                        "coordinator shard %d owns no chunk of fragment %d (its plan has %d chunks for %d shards); "
+                        "lower comm.chunk_bytes so that every shard holds a range", shard.index, p, len(part.plan),
+                        shard.count)
         self._treedef = jax.tree.structure(params)
         self._checksum: tuple[tuple, str] | None = None
         self.incarnation = uuid.uuid4().hex  # tells islands whether this coordinator restarted

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import json
 import threading
+import time
 from typing import Any, Protocol
 
 import ml_collections
@@ -149,11 +150,16 @@ class ServiceBus:
             return None
 
     def wait(self, key: str, timeout: float) -> str:
-        """The value of `key` once set. Raises TimeoutError after `timeout` seconds."""
-        try:
-            return self._client.blocking_key_value_get(key, int(timeout * 1000))
-        except Exception as e:  # noqa: BLE001 - DEADLINE_EXCEEDED comes as the runtime's error type
-            raise TimeoutError(f"no coordinator shard set {key} within {timeout:g} s ({e})") from None
+        """The value of `key` once set, asked for a second at a time (so that the process still takes signals:
+        a stop while a peer is gone). Raises TimeoutError after `timeout` seconds."""
+        deadline = time.monotonic() + timeout
+        while True:
+            left = deadline - time.monotonic()
+            try:
+                return self._client.blocking_key_value_get(key, max(1, int(min(left, 1.0) * 1000)))
+            except Exception as e:  # noqa: BLE001 - DEADLINE_EXCEEDED comes as the runtime's error type
+                if time.monotonic() >= deadline:
+                    raise TimeoutError(f"no coordinator shard set {key} within {timeout:g} s ({e})") from None
 
     def listing(self, prefix: str) -> dict[str, str]:
         return dict(self._client.key_value_dir_get(prefix.rstrip("/")))

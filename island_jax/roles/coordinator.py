@@ -221,7 +221,7 @@ def _serve_rounds(config, coordinator: Coordinator, endpoint, role: RoleFolder, 
             rec, received = _wait_for_merge(config, coordinator, endpoint, r, p, role, sets)
             rec = coordinator.complete_record(rec, p)  # of the leader of shards: every shard's sums
             now = time.perf_counter()
-            role.metrics.write(_round_record(rec, r, p, received, now - last))
+            role.metrics.write(_round_record(rec, r, p, received, now - last, coordinator.shard))
             last = now
             logging.info(
                 "round %d/%d%s merged | weights %s | pseudo-gradient norms %s | cosine %s",
@@ -320,14 +320,16 @@ def _check_stalled(config, coordinator: Coordinator) -> None:
     )
 
 
-def _round_record(rec: RoundRecord, r: int, p: int, received: dict, seconds: float) -> dict:
-    """The coordinator's metrics record of round `r` (0-based) of fragment `p`."""
+def _round_record(rec: RoundRecord, r: int, p: int, received: dict, seconds: float, shard: Shard | None = None) -> dict:
+    """The coordinator's metrics record of round `r` (0-based) of fragment `p`. Of a coordinator shard, it says
+    which (`shard`, `shards`): shard 0's statistics are the whole round's, another's those of its range alone."""
     return dict(
         kind="round", round=r + 1, fragment=p, contributors=rec.contributors, tokens=rec.tokens, weights=rec.weights,
         pseudo_gradient_norm=rec.pseudo_gradient_norm, cosine_similarity=rec.cosine_similarity,
         update_bytes=rec.update_bytes, update_codec_relative_error=rec.update_codec_relative_error,
         outer_learning_rate=rec.outer_learning_rate, outer_momentum=rec.outer_momentum,
         wire_bytes_received=received, checksum=rec.checksum, seconds=seconds,
+        **({} if shard is None else dict(shard=shard.index, shards=shard.count)),
     )
 
 
