@@ -116,6 +116,7 @@ def test_every_shard_merges_the_leaders_set_even_an_island_that_reached_one_shar
     (single,) = _coordinators(config, 1, clock)
     for c in (leader, other, single):
         assert _contribute(c, 0, "a", 1) == "accepted" and _contribute(c, 0, "b", 2) == "accepted"
+    assert _contribute(leader, 0, "a", 1) == "accepted"  # a retry, of a contribution in: counted once
     assert _contribute(other, 0, "c", 3) == "accepted"  # c reaches shard 1 before the quorum closes
     assert not leader.poll() and not other.poll()  # the grace window is open; shard 1 waits for the leader's set
     clock.now = 110.0

@@ -31,9 +31,14 @@ class Contribution:
     def has_chunks(self, num_chunks: int) -> bool:
         return len(self.chunks) == num_chunks
 
+    def received(self, num_chunks: int) -> bool:
+        """Every chunk is in and the contribution was closed (here: of a coordinator shard, its range's)."""
+        return self.ended and self.has_chunks(num_chunks)
+
     def complete(self, num_chunks: int) -> bool:
-        """Every chunk is in and the contribution was closed: it may be merged into a finished round."""
-        return self.ended and self.everywhere and self.has_chunks(num_chunks)
+        """`received`, and of the leader of coordinator shards on every shard: it may be merged into a finished
+        round (the quorum counts it)."""
+        return self.everywhere and self.received(num_chunks)
 
     def check_chunk(self, round: int, index: int, nbytes: int, plan: list) -> None:
         """Raises ContributionError for an index the plan lacks or this contribution has, or a size off the plan."""

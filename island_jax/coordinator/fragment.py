@@ -297,7 +297,7 @@ class FragmentCoordinator:
         if contribution is None:
             raise ContributionError(f"island {island!r}'s contribution to round {round} was refused")
         if not contribution.has_chunks(self.num_chunks):
-            missing = sorted(set(range(self.num_chunks)) - set(contribution.chunks))
+            missing = sorted(set(self.owned) - set(contribution.chunks))
             raise ContributionError(f"island {island!r}, round {round}: chunks {missing[:8]} never arrived")
         contribution.ended = True
         if self.shard is not None:

@@ -58,7 +58,7 @@ class RoundState:
 
     def has_complete(self, island: str, num_chunks: int) -> bool:
         """Whether `island`'s contribution is in, with every chunk."""
-        return island in self.pending and self.pending[island].complete(num_chunks)
+        return island in self.pending and self.pending[island].received(num_chunks)
 
     def check_new(self, round: int, island: str, tokens: int) -> None:
         """Raises ContributionError for an island that already contributed (or was refused), or tokens <= 0."""
