@@ -21,6 +21,8 @@ commit marker (`COMMITTED`) once all K are, and publishes "committed/R".
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import json
 import threading
 import time
@@ -114,15 +116,21 @@ class ServiceBus:
     starts the service and its clients itself, as `jax._src.distributed.State.initialize` does, and nothing
     else of jax's knows of them.
 
+    The store has no credentials of its own. With `secret` (the run's tokens file: one credential set), every
+    value carries an HMAC-SHA256 of its key and itself, and a value without the right one is refused, so that a
+    process without the run's credentials that reaches the port cannot forge a contributor set or a commit.
+
     Args:
       address: HOST:PORT of the service (shard 0 listens on every address at its port).
       count, index: K and this shard.
       timeouts: `config.distributed` (initialization, heartbeat and shutdown seconds).
+      secret: the key values are signed with (None: unsigned).
     """
 
-    def __init__(self, address: str, count: int, index: int, timeouts):
+    def __init__(self, address: str, count: int, index: int, timeouts, secret: bytes | None = None):
         from jax._src.lib import _jax
 
+        self._secret = secret
         self._service = None
         if index == 0:
             self._service = _jax.get_distributed_runtime_service(
@@ -140,14 +148,31 @@ class ServiceBus:
         if self._service is not None:
             self._service.shutdown()
 
+    def _sign(self, key: str, value: str) -> str:
+        if self._secret is None:
+            return value
+        return hmac.new(self._secret, f"{key}\n{value}".encode(), hashlib.sha256).hexdigest() + value
+
+    def _open(self, key: str, signed: str) -> str:
+        """`signed`'s value, once its HMAC is checked. Raises ShardError for a value not signed with the secret."""
+        if self._secret is None:
+            return signed
+        mac, value = signed[:64], signed[64:]
+        if not hmac.compare_digest(mac, self._sign(key, value)[:64]):
+            raise ShardError(f"the shards' coordination service holds {key} without this run's signature: another "
+                             "process reached its port, or the shards were started with different comm.auth.tokens_file; "
+                             "keep --shard_service inside the cluster and give every shard the same tokens file")
+        return value
+
     def set(self, key: str, value: str) -> None:
-        self._client.key_value_set(key, value, allow_overwrite=True)
+        self._client.key_value_set(key, self._sign(key, value), allow_overwrite=True)
 
     def get(self, key: str) -> str | None:
         try:
-            return self._client.key_value_try_get(key)
+            signed = self._client.key_value_try_get(key)
         except Exception:  # noqa: BLE001 - NOT_FOUND comes as the runtime's error type
             return None
+        return self._open(key, signed)
 
     def wait(self, key: str, timeout: float) -> str:
         """The value of `key` once set, asked for a second at a time (so that the process still takes signals:
@@ -156,13 +181,16 @@ class ServiceBus:
         while True:
             left = deadline - time.monotonic()
             try:
-                return self._client.blocking_key_value_get(key, max(1, int(min(left, 1.0) * 1000)))
+                signed = self._client.blocking_key_value_get(key, max(1, int(min(left, 1.0) * 1000)))
+                return self._open(key, signed)
+            except ShardError:
+                raise
             except Exception as e:  # noqa: BLE001 - DEADLINE_EXCEEDED comes as the runtime's error type
                 if time.monotonic() >= deadline:
                     raise TimeoutError(f"no coordinator shard set {key} within {timeout:g} s ({e})") from None
 
     def listing(self, prefix: str) -> dict[str, str]:
-        return dict(self._client.key_value_dir_get(prefix.rstrip("/")))
+        return {k: self._open(k, v) for k, v in self._client.key_value_dir_get(prefix.rstrip("/"))}
 
     def delete(self, key: str) -> None:
         """Deletes `key` and every key under `key/`."""

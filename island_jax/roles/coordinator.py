@@ -9,6 +9,7 @@ and resume from the newest checkpoint.
 
 from __future__ import annotations
 
+import hashlib
 import os
 import time
 from typing import Any
@@ -88,7 +89,11 @@ def _shard(config, exchange, shard: int, shard_service: str | None, bus) -> tupl
         if not shard_service:
             raise ShardError("coordinator.shards is %d: give --shard_service=HOST:PORT, where shard 0 runs the shards' "
                              "jax.distributed coordination service" % count)
-        bus = ServiceBus(shard_service, count, shard, config.distributed)
+        secret = None
+        if config.comm.auth.tokens_file:  # the run's one credential set signs what the shards say to each other
+            with open(config.comm.auth.tokens_file, "rb") as f:
+                secret = hashlib.sha256(b"island_jax shards\n" + f.read()).digest()
+        bus = ServiceBus(shard_service, count, shard, config.distributed, secret)
     spec = Shard(shard, count, bus, config.comm.round_timeout_seconds)
     listed = parse_addresses(addresses) if isinstance(addresses, str) else []
     spec.check_settings({"coordinator.shards": count, "--coordinator": listed},
