@@ -69,6 +69,12 @@ def _serve(coordinator: Coordinator, exchange, config: ml_collections.ConfigDict
     return _GrpcEndpoint(coordinator, exchange, config, insecure)
 
 
+def _leave(spec: Shard | None) -> None:
+    """A shard at the end of its run leaves the shards' coordination service with the others (a barrier)."""
+    if spec is not None and hasattr(spec.bus, "close"):
+        spec.bus.close()
+
+
 def _shard(config, exchange, shard: int, shard_service: str | None, bus) -> tuple[Shard | None, Any]:
     """Of a coordinator of `coordinator.shards` > 1: this process's `Shard` and the exchange it serves (its own
     address of the --coordinator list, or the given `InProcessExchange`); (None, exchange) for one process.
@@ -164,6 +170,7 @@ def run_coordinator(
         latest = role.checkpoints.latest_round() if spec is None else restorable(spec, role, workdir, config.distributed.initialization_timeout_seconds)
         if latest is not None and latest >= rounds and os.path.exists(os.path.join(role.path, "summary.json")):
             logging.info("the run is complete (%d of %d rounds); nothing to do", latest, rounds)
+            _leave(spec)
             return {}
         if latest is not None and spec is not None:
             coordinator.load_state(role.checkpoints.restore(coordinator.state(), round=latest))
@@ -208,8 +215,7 @@ def run_coordinator(
         wall_seconds=time.perf_counter() - start,
     )
     write_json(os.path.join(role.path, "summary.json"), summary)
-    if spec is not None and hasattr(spec.bus, "close"):  # every shard leaves the service together
-        spec.bus.close()
+    _leave(spec)
     logging.info("coordinator done after %d rounds in %.1f s", rounds, summary["wall_seconds"])
     return summary
 
