@@ -11,7 +11,7 @@ from tiny_config import get_config, write_corpus
 
 from island_jax.checkpoint import CheckpointCorrupt
 from island_jax.config import default_config, fingerprint_fields, island
-from island_jax.coordinator import ContributionHeader, Coordinator, HandshakeError
+from island_jax.coordinator import ContributionError, ContributionHeader, Coordinator, HandshakeError
 from island_jax.coordinator.shards import LocalBus, Shard, ShardError
 from island_jax.metrics import read_jsonl
 from island_jax.outer import codec
@@ -251,3 +251,20 @@ def test_a_shard_started_with_other_settings_than_shard_0_is_refused_naming_them
         "shard 1 disagrees with shard 0: --coordinator is ['h0:1', 'h1:1', 'h2:1'] here but ['h0:1', 'h1:1'] on "
         "shard 0; coordinator.shards is 3 here but 2 on shard 0; start every shard with the same config and "
         "--coordinator list")
+
+
+def test_a_contribution_one_shard_refused_or_held_whole_decides_alike_on_every_shard():
+    clock = Clock()
+    leader, other = _coordinators(_config(islands=("a", "b", "c")), 2, clock)
+    for c in (leader, other):
+        _contribute(c, 0, "a", 1)
+        _contribute(c, 0, "b", 2)
+    nan = codec.encode({k: np.full(v.shape, np.nan, np.float32) for k, v in _params().items()}, "int8", 64)
+    with pytest.raises(ContributionError, match="NaN or Inf"):  # c's range on shard 1 holds NaN; none reaches 0
+        other.contribute(ContributionHeader(0, "c", 1000), nan)
+    # a failed retry of b's share on shard 1 would drop it, but shard 1 said it holds b whole: kept
+    other.fragments[0].abandon("b", "a retried share failed", keep_complete=False)
+    assert leader.poll() and other.poll()  # c is out on every shard, without waiting for its grace window
+    for c in (leader, other):
+        assert c.round == 1 and c.fragments[0].history[-1].contributors == ["a", "b"]
+    assert leader.checksum == other.checksum

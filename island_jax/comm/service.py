@@ -285,6 +285,7 @@ class ExchangeService:
             if context.time_remaining() is not None and context.time_remaining() <= 0:
                 await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, f"round {request.min_round} is not reached yet")
         rounds, payload = await self.call(c.fetch_view, request.island)
+        view_checksum = await self.call(lambda: c.checksum, changes=False)  # of shards: waits for their parts
         # a process of an island of several asks for the chunks it holds elements of (FetchRequest.share)
         plan = wire.share_of(self.view_plan, request.part, request.parts, request.share) if request.share else self.view_plan
         crcs = []
@@ -293,7 +294,7 @@ class ExchangeService:
             yield frame
         yield wire.trailer_frame(
             pb.PayloadHeader(
-                round=min(rounds), island=request.island, params_checksum=self.coordinator.checksum,
+                round=min(rounds), island=request.island, params_checksum=view_checksum,
                 total_bytes=sum(chunk.nbytes for chunk in plan), crc32=wire.fold_crc32(crcs), fragment_rounds=rounds,
             )
         )

@@ -13,11 +13,14 @@ range's chunks) and implements `protocol.Transport` over them:
 
 from __future__ import annotations
 
+import time
 from concurrent import futures
 
 import numpy as np
 
 from island_jax.protocol import ContributionHeader, SyncStats
+
+VIEW_RETRY_SECONDS = 0.1  # between fetches of a view whose parts the shards served at different rounds
 
 
 def _joined(payloads: list) -> bytes:
@@ -80,7 +83,7 @@ class ShardedTransport:
             rounds = [r for r, _ in replies]
             if all(r == rounds[0] for r in rounds):
                 return rounds[0], _joined([p for _, p in replies])
-            min_round = max(max(r) for r in rounds)  # a shard moved on meanwhile: all of them, at its round
+            time.sleep(VIEW_RETRY_SECONDS)  # a shard merged a round the others are merging: again, once they have
 
     def planned_inner_steps(self, island: str) -> int | None:
         return self.leader.planned_inner_steps(island)

@@ -336,8 +336,8 @@ class FragmentCoordinator:
     def abandon(self, island: str, reason: str, keep_complete: bool = False) -> None:
         """Forgets an island's open contribution to the current round (a transfer that failed); it may send
         again. With `keep_complete`, a contribution whose every chunk is in is kept (a retry is then a duplicate)."""
-        if keep_complete and self._round.has_complete(island, self.num_chunks):
-            return
+        if (keep_complete or self.shard is not None) and self._round.has_complete(island, self.num_chunks):
+            return  # (a shard said it holds it whole: the leader may count it already)
         if island in self._round.pending:
             logging.warning("island %s: its contribution to round %d was dropped: %s", island, self.round, reason)
             del self._round.pending[island]
@@ -391,13 +391,12 @@ class FragmentCoordinator:
         """The leader of coordinator shards: counts a contribution complete only once it is complete on every
         shard (`Contribution.everywhere`), and refuses one that another shard refused."""
         complete, refused = self.shard.others_complete(self.index, self.round)
-        for name, contribution in list(current.pending.items()):
-            if name in refused:
-                self._refuse(name, "another coordinator shard refused its contribution")
-                if self._round is not current:
-                    return
-            else:
-                contribution.everywhere = name in complete
+        for name in [n for n in current.expected(self.islands) if n in refused]:  # pending here or not
+            self._refuse(name, "another coordinator shard refused its contribution")
+            if self._round is not current:
+                return
+        for name, contribution in current.pending.items():
+            contribution.everywhere = name in complete
 
     def _merge_ready(self) -> bool:
         """Merges every chunk that all expected islands have sent; finishes the round when all are merged."""

@@ -290,6 +290,13 @@ class Shard:
         """Says this shard's checkpoint of `round` is durable."""
         self.bus.set(f"ij/saved/{round}/{self.index}", "1")
 
+    def skipped(self, round: int) -> None:
+        """Says this shard took no checkpoint of `round` (a fragment moved on first): the set is not committed."""
+        self.bus.set(f"ij/skipped/{round}/{self.index}", "1")
+
+    def any_skipped(self, round: int) -> bool:
+        return bool(self.bus.listing(f"ij/skipped/{round}/"))
+
     def all_saved(self, round: int) -> bool:
         return len(self.bus.listing(f"ij/saved/{round}/")) >= self.count
 

@@ -59,6 +59,10 @@ class CheckpointSets:
     def __init__(self, shard: Shard, workdir: str, coordinator, saving: set[int]):
         self.shard, self.workdir, self.coordinator, self.saving = shard, workdir, coordinator, saving
 
+    def skipped(self, round: int) -> None:
+        """This shard took no checkpoint of `round`: nor does any other (the set would never be whole)."""
+        self.shard.skipped(round)
+
     def saved(self, round: int) -> None:
         """This shard's part of `round` is durable (called from the save's thread)."""
         self.shard.saved(round)
@@ -68,6 +72,10 @@ class CheckpointSets:
         (call it holding the endpoint's lock)."""
         released = False
         for r in sorted(self.saving):
+            if self.shard.any_skipped(r):  # a shard took none: no set of this round, and nothing held for it
+                self.saving.discard(r)
+                released = True
+                continue
             if self.shard.leader and not self.shard.is_committed(r) and self.shard.all_saved(r):
                 os.makedirs(commits_dir(self.workdir), exist_ok=True)
                 open(os.path.join(commits_dir(self.workdir), str(r)), "w").close()
@@ -88,7 +96,7 @@ class CheckpointSets:
         """
         deadline = time.monotonic() + timeout
         with endpoint.lock:
-            while self.poll() is not None and not self.shard.is_committed(round):
+            while self.poll() is not None and not (self.shard.is_committed(round) or self.shard.any_skipped(round)):
                 if time.monotonic() >= deadline:
                     raise TimeoutError(f"the checkpoint set of round {round} was not committed within {timeout:g} s: a "
                                    "coordinator shard did not save its part (see its log)")

@@ -368,6 +368,8 @@ def _checkpoint(coordinator, endpoint, role: RoleFolder, rounds_done: int, force
             hold()
     if state is None:
         logging.warning("round %d: a fragment moved on before the checkpoint; not saved", rounds_done)
+        if sets is not None:
+            sets.skipped(rounds_done)
         return
     # the master trees are laid out fresh for the save, and a view is replaced each round, never written
     if not role.checkpoints.save(rounds_done, state, force=force, frozen_numpy=True):
