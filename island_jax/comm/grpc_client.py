@@ -160,7 +160,7 @@ class GrpcTransport(Reconnecting):
         probe = pb.JoinRequest(island=island, fingerprint_json=request.fingerprint_json, reconnect=True)
         if self.part > 0:
             request = probe
-        deadline = self.clock() + self.join_timeout
+        deadline, lost = self.clock() + self.join_timeout, 0
         while True:  # in slices, so that a run that finished meanwhile is noticed
             try:
                 reply = self._join[0](request, timeout=min(10.0, max(deadline - self.clock(), 0.1)), wait_for_ready=True)
@@ -168,11 +168,20 @@ class GrpcTransport(Reconnecting):
                     join(probe, timeout=self.join_timeout, wait_for_ready=True)
                 break
             except grpc.RpcError as e:
-                if e.code() != grpc.StatusCode.DEADLINE_EXCEEDED or self.clock() >= deadline:
+                waiting = e.code() in (grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.UNAVAILABLE)
+                if not waiting or self.clock() >= deadline:
                     raise status_error(e, "join", self.address) from None
                 if self.finished is not None and self.finished():
                     raise ExchangeError("join: the coordinator finished the run") from None
-                self._why_not(island, probe)
+                if e.code() == grpc.StatusCode.UNAVAILABLE:  # the join was lost in flight (the coordinator died):
+                    delay = min(0.5 * 2**lost, self.backoff_cap_seconds)  # again, once one answers
+                    lost += 1
+                    logging.warning("island %s: its join to the coordinator at %s was lost (%s); joining again in "
+                                    "%.1f s (up to comm.join_timeout_seconds=%g)", island, self.address, e.details(),
+                                    delay, self.join_timeout)
+                    time.sleep(delay)
+                else:
+                    self._why_not(island, probe)
         self.incarnation, self._who = reply.incarnation, (island, request.fingerprint_json)
         for fetch in self._fetches.values():  # opened for the coordinator before (a restart): void
             fetch.cancel()
