@@ -350,33 +350,35 @@ def test_reconnect_attempts_double_from_half_a_second_up_to_the_backoff_cap(monk
     assert default_config().comm.reconnect_backoff_cap_seconds == 8.0
 
 
-def test_a_join_lost_in_flight_is_made_again_until_the_coordinator_answers(monkeypatch, caplog):
-    """The coordinator died with an island's Join in flight (the call ends UNAVAILABLE): the island joins again,
-    with the reconnect backoff, and is admitted by the coordinator that answers."""
+def test_a_join_or_ready_lost_in_flight_is_made_again_until_the_coordinator_answers(monkeypatch, caplog):
+    """The coordinator died with an island's Join in flight, and again with its ready call (each ends UNAVAILABLE):
+    the island makes each again, with the reconnect backoff, and the coordinator that answers admits it."""
     from island_jax.comm.service import ExchangeService
 
     real, lost = ExchangeService.Join, []
 
-    async def dies_once(self, request, context):
-        if not lost:
-            lost.append(request.island)
+    async def dies_once_each(self, request, context):  # the first join, and the first ready
+        if request.ready not in lost:
+            lost.append(request.ready)
             await context.abort(grpc.StatusCode.UNAVAILABLE, "Socket closed")
         return await real(self, request, context)
 
-    monkeypatch.setattr(ExchangeService, "Join", dies_once)  # before the server binds its handlers
+    monkeypatch.setattr(ExchangeService, "Join", dies_once_each)  # before the server binds its handlers
     c = _small_config()
-    coordinator = Coordinator(c, {"w": np.zeros(1000, np.float32)}, ["a", "b"])
-    server, _, port = serve(coordinator, "localhost:0", c.comm.chunk_bytes)
+    del c.islands["b"]
+    coordinator = Coordinator(c, {"w": np.zeros(1000, np.float32)}, ["a"])
+    server, service, port = serve(coordinator, "localhost:0", c.comm.chunk_bytes)
     address = f"localhost:{port}"
     a = GrpcTransport(address, c.comm.chunk_bytes, join_timeout=30, backoff_cap_seconds=1.0)
     try:
         with caplog.at_level("WARNING"):
             reply = a.join("a", fingerprint_fields(c), coordinator.checksum)
+            a.start_together("a", fingerprint_fields(c), coordinator.checksum)
     finally:
         a.close()
         server.stop(grace=0)
-    assert lost == ["a"] and reply == dict(round=0, checksum=coordinator.checksum, rejoin=False)
-    assert coordinator.fragments[0].joined == {"a"}
+    assert lost == [False, True] and reply == dict(round=0, checksum=coordinator.checksum, rejoin=False)
+    assert coordinator.fragments[0].joined == {"a"} and service.session.ready == {"a"}
     assert [r.getMessage() for r in caplog.records if "was lost" in r.getMessage()] == [
-        f"island a: its join to the coordinator at {address} was lost (Socket closed); joining again in 0.5 s "
-        "(up to comm.join_timeout_seconds=30)"]
+        f"island a: its {what} to the coordinator at {address} was lost (Socket closed); again in 0.5 s (up to "
+        "comm.join_timeout_seconds=30)" for what in ("join", "ready")]

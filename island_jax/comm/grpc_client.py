@@ -173,13 +173,8 @@ class GrpcTransport(Reconnecting):
                     raise status_error(e, "join", self.address) from None
                 if self.finished is not None and self.finished():
                     raise ExchangeError("join: the coordinator finished the run") from None
-                if e.code() == grpc.StatusCode.UNAVAILABLE:  # the join was lost in flight (the coordinator died):
-                    delay = min(0.5 * 2**lost, self.backoff_cap_seconds)  # again, once one answers
-                    lost += 1
-                    logging.warning("island %s: its join to the coordinator at %s was lost (%s); joining again in "
-                                    "%.1f s (up to comm.join_timeout_seconds=%g)", island, self.address, e.details(),
-                                    delay, self.join_timeout)
-                    time.sleep(delay)
+                if e.code() == grpc.StatusCode.UNAVAILABLE:  # lost in flight (the coordinator died): again
+                    lost = self._lost(island, "join", e, lost)
                 else:
                     self._why_not(island, probe)
         self.incarnation, self._who = reply.incarnation, (island, request.fingerprint_json)
@@ -252,16 +247,32 @@ class GrpcTransport(Reconnecting):
             island=island, fingerprint_json=json.dumps(config_fingerprint), params_checksum=params_checksum,
             round=round, ready=True,
         )
-        began = time.monotonic()
-        try:
-            self._join[0](request, timeout=self.join_timeout)
-        except grpc.RpcError as e:
-            if e.code() != grpc.StatusCode.DEADLINE_EXCEEDED:
-                raise status_error(e, "join", self.address) from None
-            logging.warning("island %s: not every island was ready within %.0f s; starting anyway (the coordinator's "
-                            "log names the islands it waited for)", island, self.join_timeout)
-            return
+        began, lost = time.monotonic(), 0
+        while True:
+            try:
+                self._join[0](request, timeout=max(self.join_timeout - (time.monotonic() - began), 0.1),
+                              wait_for_ready=True)
+                break
+            except grpc.RpcError as e:
+                if e.code() == grpc.StatusCode.UNAVAILABLE and time.monotonic() - began < self.join_timeout:
+                    lost = self._lost(island, "ready", e, lost)  # lost in flight (the coordinator died): again
+                    continue
+                if e.code() != grpc.StatusCode.DEADLINE_EXCEEDED:
+                    raise status_error(e, "join", self.address) from None
+                logging.warning("island %s: not every island was ready within %.0f s; starting anyway (the "
+                                "coordinator's log names the islands it waited for)", island, self.join_timeout)
+                return
         log_barrier_wait(island, None, time.monotonic() - began, self.join_timeout)
+
+    def _lost(self, island: str, what: str, e: grpc.RpcError, attempt: int) -> int:
+        """Waits out the reconnect backoff (0.5 s doubling up to `backoff_cap_seconds`) after call `what` was lost
+        in flight, logged; returns the next attempt's number."""
+        delay = min(0.5 * 2**attempt, self.backoff_cap_seconds)
+        logging.warning("island %s: its %s to the coordinator at %s was lost (%s); again in %.1f s (up to "
+                        "comm.join_timeout_seconds=%g)", island, what, self.address, e.details(), delay,
+                        self.join_timeout)
+        time.sleep(delay)
+        return attempt + 1
 
     def contribute(self, header: ContributionHeader, payload) -> str:
         """Streams one encoded pseudo-gradient over every connection; returns "accepted" or "discarded".
