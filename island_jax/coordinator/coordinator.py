@@ -29,6 +29,13 @@ from island_jax.outer import fragments as fragments_lib
 from island_jax.protocol import ContributionHeader
 
 
+def _in_tree(key: str, leaves: list[int]) -> str:
+    """A `checksum_parts` key "LEAF,PIECE" of a fragment's leaf, as the key of that leaf in the whole tree
+    (`leaves`: the fragment's leaf indices in the whole tree)."""
+    leaf, piece = key.split(",")
+    return f"{leaves[int(leaf)]},{piece}"
+
+
 class Coordinator:
     """The coordinator of a run: one `FragmentCoordinator` per fragment (Streaming DiLoCo, arXiv 2501.18512).
 
@@ -131,8 +138,7 @@ class Coordinator:
                 self._checksum = (key, checksum(self._whole(lambda f: f.view_leaves())))
             else:  # every shard's parts of every fragment, keyed by the leaf's place in the whole tree
                 parts = [
-                    dict(digests={f"{idx[int(k.split(',')[0])]},{k.split(',')[1]}": v for k, v in part["digests"].items()},
-                         cut={f"{idx[int(k.split(',')[0])]},{k.split(',')[1]}": v for k, v in part["cut"].items()})
+                    {what: {_in_tree(key, idx): v for key, v in part[what].items()} for what in ("digests", "cut")}
                     for f, idx in zip(self.fragments, self.partition)
                     for part in self.shard.gather("parts", f.index, f.round)
                 ]

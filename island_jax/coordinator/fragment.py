@@ -107,7 +107,7 @@ class FragmentCoordinator:
         shard's `checksum_parts` (waits for them: `Shard.gather`)."""
         if round not in self._checksums:
             self._checksums = {r: c for r, c in self._checksums.items() if r >= round - 1}
-            self._checksums[round] = combine_parts(self._state.shapes_list(), self.shard.gather("parts", self.index, round))
+            self._checksums[round] = combine_parts(self._state.shapes, self.shard.gather("parts", self.index, round))
         return self._checksums[round]
 
     def publish_view(self) -> None:

@@ -72,6 +72,8 @@ class Bus(Protocol):
 
     def delete(self, key: str) -> None: ...
 
+    def close(self) -> None: ...
+
 
 class LocalBus:
     """The `Bus` of K shards in one process: a dict under a condition variable."""
@@ -105,6 +107,9 @@ class LocalBus:
         with self._changed:
             for k in [k for k in self._values if k == key or k.startswith(key + "/")]:
                 del self._values[k]
+
+    def close(self) -> None:
+        """Nothing to leave: the shards of one process share the dict."""
 
 
 class ServiceBus:

@@ -171,10 +171,6 @@ class FragmentState:
         """The parameters' pytree as `jax.ShapeDtypeStruct`s (for layouts and plans; nothing is laid out)."""
         return jax.tree.unflatten(self._treedef, [jax.ShapeDtypeStruct(shape, dtype) for shape, dtype in self._leaf_specs])
 
-    def shapes_list(self) -> list:
-        """The fragment's leaves as `jax.ShapeDtypeStruct`s, in pytree-flatten order."""
-        return [jax.ShapeDtypeStruct(shape, dtype) for shape, dtype in self._leaf_specs]
-
     def view_leaves(self) -> list["RowsLeaf"]:
         """The island view's leaves as `RowsLeaf`s, read in place from the current rows (what `checksum` reads)."""
         return self._row_leaves(self.view_rows)

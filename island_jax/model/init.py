@@ -161,6 +161,11 @@ def checksum_parts(tree: Any) -> dict:
     shard's rows, `coordinator.state.RowsLeaf`) give some of the pieces; `combine_parts` puts every holder's
     together."""
     _, _, digests, held = _local_digests(jax.tree.leaves(tree))
+    return _as_json(digests, held)
+
+
+def _as_json(digests: dict, held: dict) -> dict:
+    """`checksum_parts`'s JSON of the digests of whole pieces and the parts of the others."""
     return dict(
         digests={f"{i},{p}": d.hex() for (i, p), d in digests.items()},
         cut={f"{i},{p}": [[first, n, base64.b64encode(part).decode()] for first, n, part in parts]
@@ -210,10 +215,8 @@ def _leaf_digests(tree: Any) -> list[tuple[bytes, list[bytes]]]:
     if any(not getattr(x, "is_fully_addressable", True) for x in leaves):  # spread over processes (a slice: its leaf)
         from island_jax import distributed
 
-        cut = {f"{i},{p}": [[first, n, base64.b64encode(part).decode()] for first, n, part in parts]
-               for (i, p), parts in held.items() if (i, p) not in digests}
-        everyone = distributed.allgather_json([{f"{i},{p}": d.hex() for (i, p), d in digests.items()}, cut])
-        _add_parts(digests, everyone)
+        mine = _as_json(digests, held)
+        _add_parts(digests, [(x["digests"], x["cut"]) for x in distributed.allgather_json(mine)])
     return _pieces(heads, sizes, digests)
 
 

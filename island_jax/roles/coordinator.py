@@ -71,7 +71,7 @@ def _serve(coordinator: Coordinator, exchange, config: ml_collections.ConfigDict
 
 def _leave(spec: Shard | None) -> None:
     """A shard at the end of its run leaves the shards' coordination service with the others (a barrier)."""
-    if spec is not None and hasattr(spec.bus, "close"):
+    if spec is not None:
         spec.bus.close()
 
 
@@ -167,7 +167,10 @@ def run_coordinator(
         num_params = count(params)
         coordinator = Coordinator(config, params, names, shard=spec)
         del params  # the coordinator holds them in its rows from here on
-        latest = role.checkpoints.latest_round() if spec is None else restorable(spec, role, workdir, config.distributed.initialization_timeout_seconds)
+        if spec is None:
+            latest = role.checkpoints.latest_round()
+        else:  # the newest set committed and held by every shard
+            latest = restorable(spec, role, workdir, config.distributed.initialization_timeout_seconds)
         if latest is not None and latest >= rounds and os.path.exists(os.path.join(role.path, "summary.json")):
             logging.info("the run is complete (%d of %d rounds); nothing to do", latest, rounds)
             _leave(spec)
