@@ -34,6 +34,9 @@ class ContributionHeader:
       step_seconds: the island's median inner-step time (seconds), which plans later rounds under
         `outer.auto_from = "measured"` (None: not measured).
       fragment: the fragment the payload encodes (Streaming DiLoCo, arXiv 2501.18512; 0 with one fragment).
+      overlap_steps: tau, the inner steps the island trains before applying this fragment's update, when it was
+        chosen from measured times (`outer.overlap_steps = "auto"`), so that a replay applies it alike (None:
+        the config's).
     """
 
     round: int
@@ -42,6 +45,7 @@ class ContributionHeader:
     params_checksum: str | None = None
     step_seconds: float | None = None
     fragment: int = 0
+    overlap_steps: int | None = None
 
 
 class HandshakeError(ValueError):
@@ -121,7 +125,12 @@ class Transport(Protocol):
     def join(self, island: str, config_fingerprint: dict, params_checksum: str, round: int = 0) -> dict:
         """The handshake, with the rounds the island completed: {"round": where it is admitted, "checksum": of
         the coordinator's view, "rejoin": whether it takes the view (`fetch_view`) or its own checkpoint of that
-        round rather than train on} (`Coordinator.join`). Raises HandshakeError on a mismatch."""
+        round rather than train on, "kept": with "rejoin", what it may replay (`Coordinator.join`)}. Raises
+        HandshakeError on a mismatch."""
+        ...
+
+    def replaying(self, island: str, round: int) -> None:
+        """Tells the coordinator the island is replaying `round` (0-based): a sign of life while it catches up."""
         ...
 
     def start_together(self, island: str, config_fingerprint: dict, params_checksum: str, round: int = 0) -> None:
@@ -134,7 +143,8 @@ class Transport(Protocol):
         ...
 
     def fetch_update(self, round: int, island: str, fragment: int = 0) -> bytes:
-        """The update of `round` of `fragment`, once merged (raises StaleRoundError for an old round)."""
+        """The update of `round` of `fragment`, once merged; of a past round, the kept one to an island that
+        replays (raises StaleRoundError for an old round otherwise)."""
         ...
 
     def fetch_view(self, island: str, min_round: int = 0, needed=None) -> tuple[list[int], bytes]:

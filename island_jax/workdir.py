@@ -341,16 +341,20 @@ def summarize_island(folder: str) -> dict:
     then `compute_utilization` (ideal compute / wall), `mfu` (model FLOPs utilization: the rounds' `mfu`,
     weighted by inner steps x median step seconds), `achieved_gbps` (all
     bytes moved x 8 / seconds_transferring / 1e9), the last `checksum` (of the
-    last round record, or of a later `rejoin` record), and
+    last round record, or of a later `rejoin` record), `rounds_replayed` (rounds recomputed after restarts,
+    `island.replay`) and `rejoin_bitwise` (whether every rejoin kept the bits: a replay or a rollback to its own
+    checkpoint, not the view; None when it never rejoined), and
     when the island evaluated, `eval_loss_initial` (round 0), `eval_loss_final` and `eval_bits_per_byte_final`
     (of the text, `data.bits_per_byte`), the loss's standard error
     `eval_loss_final_stderr`, and `eval_windows` and `eval_windows_sha256` (the held-out set scored); when it
     scored data of its own (`islands.NAME.data`), `own_eval_loss_final` and `own_eval_bits_per_byte_final`.
     """
-    rounds, evals, own, held = {}, {}, {}, None
+    rounds, evals, own, held, rejoins = {}, {}, {}, None, []
     for rec in read_jsonl(os.path.join(folder, "metrics.jsonl")):
         if rec.get("kind") in ("round", "rejoin"):  # what it holds: after a round, or the coordinator's state
             held = rec["checksum"]
+        if rec.get("kind") == "rejoin":
+            rejoins.append(rec)
         if rec.get("kind") == "round":
             rounds[rec["round"]] = rec
         elif rec.get("kind") == "eval":
@@ -366,6 +370,9 @@ def summarize_island(folder: str) -> dict:
     seconds = sum(t for _, t in stepped)
     summary["mfu"] = sum(m * t for m, t in stepped) / seconds if seconds else 0.0
     summary.update(rounds=max(rounds, default=0), checksum=held)
+    # restarts: rounds recomputed by replays, and whether every rejoin kept the bits (None: it never rejoined)
+    summary["rounds_replayed"] = sum(rec.get("replayed", 0) for rec in rejoins)
+    summary["rejoin_bitwise"] = all(rec["source"] != "view" for rec in rejoins) if rejoins else None
     if evals:
         last = evals[max(evals)]
         summary.update(eval_loss_initial=evals[0]["eval_loss"] if 0 in evals else None, eval_loss_final=last["eval_loss"],
@@ -410,7 +417,8 @@ def combine_summaries(config: ml_collections.ConfigDict, workdir: str, wall_seco
       global parameters equal the coordinator's view; without an outer loop,
       True), `checksums_agree_every_round` (after every round, too: `_agree_every_round`), and `islands.NAME`: the island's `SUMMED` totals,
       `achieved_gbps`, `compute_utilization`, `mfu`, `mean_weight` (its share of a
-      merge, averaged over rounds) and `rounds_merged`, and for an island with data of its own
+      merge, averaged over rounds), `rounds_merged`, `rounds_replayed` and `rejoin_bitwise` (`summarize_island`),
+      and for an island with data of its own
       `own_eval_loss_final` and `own_eval_bits_per_byte_final` (its own held-out split).
 
     Raises:
@@ -461,6 +469,7 @@ def combine_summaries(config: ml_collections.ConfigDict, workdir: str, wall_seco
                 mean_weight=sum(r["weights"].get(name, 0.0) for r in merged.values()) / max(len(merged), 1),
                 rounds_merged=sum(name in r["weights"] for r in merged.values()),
                 **{k: s[k] for k in ("own_eval_loss_final", "own_eval_bits_per_byte_final") if k in s},
+                rounds_replayed=s.get("rounds_replayed", 0), rejoin_bitwise=s.get("rejoin_bitwise"),
             )
             for name, s in islands.items()
         },
@@ -527,4 +536,9 @@ def done_line(config: ml_collections.ConfigDict, workdir: str, summary: dict) ->
         line += (f" (every round: {summary['checksums_agree_every_round']}); per island and round "
                  f"{up:,} bytes up ({summary['codec']}, {8 * up / params:.3f} bits a parameter) and "
                  f"{down:,} down ({summary['update_codec']}, {8 * down / params:.3f})")
+    rejoined = {n: s for n, s in summary.get("islands", {}).items() if s.get("rejoin_bitwise") is not None}
+    if rejoined:  # restarts: what each restarted island replayed, and whether the run kept its bits
+        line += "; rejoins: " + ", ".join(
+            f"{n} replayed {s['rounds_replayed']} rounds, {'bitwise' if s['rejoin_bitwise'] else 'from the view'}"
+            for n, s in rejoined.items())
     return line + f"; summary in {os.path.join(workdir, 'summary.json')}"

@@ -7,23 +7,25 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class JoinRequest(_message.Message):
-    __slots__ = ("island", "fingerprint_json", "params_checksum", "round", "ready", "reconnect")
+    __slots__ = ("island", "fingerprint_json", "params_checksum", "round", "ready", "reconnect", "replaying")
     ISLAND_FIELD_NUMBER: _ClassVar[int]
     FINGERPRINT_JSON_FIELD_NUMBER: _ClassVar[int]
     PARAMS_CHECKSUM_FIELD_NUMBER: _ClassVar[int]
     ROUND_FIELD_NUMBER: _ClassVar[int]
     READY_FIELD_NUMBER: _ClassVar[int]
     RECONNECT_FIELD_NUMBER: _ClassVar[int]
+    REPLAYING_FIELD_NUMBER: _ClassVar[int]
     island: str
     fingerprint_json: str
     params_checksum: str
     round: int
     ready: bool
     reconnect: bool
-    def __init__(self, island: _Optional[str] = ..., fingerprint_json: _Optional[str] = ..., params_checksum: _Optional[str] = ..., round: _Optional[int] = ..., ready: _Optional[bool] = ..., reconnect: _Optional[bool] = ...) -> None: ...
+    replaying: bool
+    def __init__(self, island: _Optional[str] = ..., fingerprint_json: _Optional[str] = ..., params_checksum: _Optional[str] = ..., round: _Optional[int] = ..., ready: _Optional[bool] = ..., reconnect: _Optional[bool] = ..., replaying: _Optional[bool] = ...) -> None: ...
 
 class JoinReply(_message.Message):
-    __slots__ = ("round", "params_checksum", "payload_bytes", "layout", "view_bytes", "view_chunk_offsets", "fragments", "incarnation", "rejoin")
+    __slots__ = ("round", "params_checksum", "payload_bytes", "layout", "view_bytes", "view_chunk_offsets", "fragments", "incarnation", "rejoin", "kept_json")
     ROUND_FIELD_NUMBER: _ClassVar[int]
     PARAMS_CHECKSUM_FIELD_NUMBER: _ClassVar[int]
     PAYLOAD_BYTES_FIELD_NUMBER: _ClassVar[int]
@@ -33,6 +35,7 @@ class JoinReply(_message.Message):
     FRAGMENTS_FIELD_NUMBER: _ClassVar[int]
     INCARNATION_FIELD_NUMBER: _ClassVar[int]
     REJOIN_FIELD_NUMBER: _ClassVar[int]
+    KEPT_JSON_FIELD_NUMBER: _ClassVar[int]
     round: int
     params_checksum: str
     payload_bytes: int
@@ -42,7 +45,8 @@ class JoinReply(_message.Message):
     fragments: _containers.RepeatedCompositeFieldContainer[FragmentPlan]
     incarnation: str
     rejoin: bool
-    def __init__(self, round: _Optional[int] = ..., params_checksum: _Optional[str] = ..., payload_bytes: _Optional[int] = ..., layout: _Optional[str] = ..., view_bytes: _Optional[int] = ..., view_chunk_offsets: _Optional[_Iterable[int]] = ..., fragments: _Optional[_Iterable[_Union[FragmentPlan, _Mapping]]] = ..., incarnation: _Optional[str] = ..., rejoin: _Optional[bool] = ...) -> None: ...
+    kept_json: str
+    def __init__(self, round: _Optional[int] = ..., params_checksum: _Optional[str] = ..., payload_bytes: _Optional[int] = ..., layout: _Optional[str] = ..., view_bytes: _Optional[int] = ..., view_chunk_offsets: _Optional[_Iterable[int]] = ..., fragments: _Optional[_Iterable[_Union[FragmentPlan, _Mapping]]] = ..., incarnation: _Optional[str] = ..., rejoin: _Optional[bool] = ..., kept_json: _Optional[str] = ...) -> None: ...
 
 class FragmentPlan(_message.Message):
     __slots__ = ("payload_bytes", "layout", "chunk_offsets", "update_payload_bytes", "update_chunk_offsets")
@@ -59,7 +63,7 @@ class FragmentPlan(_message.Message):
     def __init__(self, payload_bytes: _Optional[int] = ..., layout: _Optional[str] = ..., chunk_offsets: _Optional[_Iterable[int]] = ..., update_payload_bytes: _Optional[int] = ..., update_chunk_offsets: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class PayloadHeader(_message.Message):
-    __slots__ = ("round", "island", "tokens", "total_bytes", "crc32", "layout", "params_checksum", "step_seconds", "inner_steps", "streams", "fragment", "attempt", "fragment_rounds", "incarnation", "part", "parts", "share")
+    __slots__ = ("round", "island", "tokens", "total_bytes", "crc32", "layout", "params_checksum", "step_seconds", "inner_steps", "streams", "fragment", "attempt", "fragment_rounds", "incarnation", "part", "parts", "share", "overlap_steps")
     ROUND_FIELD_NUMBER: _ClassVar[int]
     ISLAND_FIELD_NUMBER: _ClassVar[int]
     TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -77,6 +81,7 @@ class PayloadHeader(_message.Message):
     PART_FIELD_NUMBER: _ClassVar[int]
     PARTS_FIELD_NUMBER: _ClassVar[int]
     SHARE_FIELD_NUMBER: _ClassVar[int]
+    OVERLAP_STEPS_FIELD_NUMBER: _ClassVar[int]
     round: int
     island: str
     tokens: int
@@ -94,7 +99,8 @@ class PayloadHeader(_message.Message):
     part: int
     parts: int
     share: bytes
-    def __init__(self, round: _Optional[int] = ..., island: _Optional[str] = ..., tokens: _Optional[int] = ..., total_bytes: _Optional[int] = ..., crc32: _Optional[int] = ..., layout: _Optional[str] = ..., params_checksum: _Optional[str] = ..., step_seconds: _Optional[float] = ..., inner_steps: _Optional[int] = ..., streams: _Optional[int] = ..., fragment: _Optional[int] = ..., attempt: _Optional[int] = ..., fragment_rounds: _Optional[_Iterable[int]] = ..., incarnation: _Optional[str] = ..., part: _Optional[int] = ..., parts: _Optional[int] = ..., share: _Optional[bytes] = ...) -> None: ...
+    overlap_steps: int
+    def __init__(self, round: _Optional[int] = ..., island: _Optional[str] = ..., tokens: _Optional[int] = ..., total_bytes: _Optional[int] = ..., crc32: _Optional[int] = ..., layout: _Optional[str] = ..., params_checksum: _Optional[str] = ..., step_seconds: _Optional[float] = ..., inner_steps: _Optional[int] = ..., streams: _Optional[int] = ..., fragment: _Optional[int] = ..., attempt: _Optional[int] = ..., fragment_rounds: _Optional[_Iterable[int]] = ..., incarnation: _Optional[str] = ..., part: _Optional[int] = ..., parts: _Optional[int] = ..., share: _Optional[bytes] = ..., overlap_steps: _Optional[int] = ...) -> None: ...
 
 class RawFrame(_message.Message):
     __slots__ = ()

@@ -190,7 +190,20 @@ class GrpcTransport(Reconnecting):
         ]
         self.shares, self.share_bitmaps = self._shares_of(self.plans)
         self.view_plan = plan_of(list(reply.view_chunk_offsets), reply.view_bytes)
-        return dict(round=reply.round, checksum=reply.params_checksum, rejoin=reply.rejoin)
+        return dict(round=reply.round, checksum=reply.params_checksum, rejoin=reply.rejoin,
+                    kept=json.loads(reply.kept_json) if reply.kept_json else [])
+
+    def replaying(self, island: str, round: int) -> None:
+        """Tells the coordinator the island is replaying `round` (0-based): it is alive, and the round waiting
+        for it is not stalled. A sign of life, not a call the replay waits on: a coordinator that does not answer
+        is logged and left (the replay's fetches retry on their own)."""
+        request = pb.JoinRequest(island=island, fingerprint_json=self._who[1] if self._who else "{}", round=round,
+                                 replaying=True)
+        try:
+            self._join[0](request, timeout=10.0)
+        except grpc.RpcError as e:
+            logging.warning("island %s: the coordinator at %s did not take its replay progress (%s)", island,
+                            self.address, e.code().name)
 
     def _shares_of(self, plans: list[list[codec.Chunk]]) -> tuple[list[list[codec.Chunk]], list[bytes]]:
         """This process's chunks of each fragment's plan, and their bitmaps (empty with one process).

@@ -128,6 +128,12 @@ class InProcessTransport:
         with ex.lock:
             return ex.served(self.join_timeout).join(island, dict(config_fingerprint), params_checksum, round)
 
+    def replaying(self, island: str, round: int) -> None:
+        """Tells the coordinator the island is replaying `round` (`Coordinator.note_replay`)."""
+        ex = self.exchange
+        with ex.lock:
+            ex.served(self.join_timeout).note_replay(island, round)
+
     def start_together(self, island: str, config_fingerprint: dict, params_checksum: str, round: int = 0) -> None:
         """Says the island is ready and waits (up to `join_timeout` s) for every island of the run; after
         that it starts anyway, with a warning, as over gRPC.

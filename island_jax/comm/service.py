@@ -174,8 +174,10 @@ class ExchangeService:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "fingerprint_json is not a JSON object")
         c, session = self.coordinator, self.session
         try:
-            if request.reconnect:  # only who the coordinator is now: the island decides what follows
+            if request.reconnect or request.replaying:  # only who the coordinator is now: the island decides
                 await self.call(c.check_island, request.island, fields, changes=False)
+                if request.replaying:  # a sign of life of an island that catches up
+                    await self.call(c.note_replay, request.island, request.round)
                 reply = dict(round=c.round, checksum="", rejoin=False)
             else:
                 reply = await self.call(c.join, request.island, fields, request.params_checksum, request.round)
@@ -195,6 +197,7 @@ class ExchangeService:
         return pb.JoinReply(
             round=reply["round"], params_checksum=reply["checksum"], payload_bytes=session.payload_bytes,
             incarnation=c.incarnation, rejoin=reply["rejoin"],
+            kept_json=json.dumps(reply["kept"]) if reply.get("kept") else "",
             layout=self.view_layout, view_bytes=self.view_bytes,
             view_chunk_offsets=[k.offset for k in self.view_plan],
             fragments=[
@@ -247,7 +250,7 @@ class ExchangeService:
         while True:
             version = self._version
             try:
-                now_generation, chunks, final = await self.call(c.update_chunks, request.round, changes=False)
+                now_generation, chunks, final = await self.call(c.update_chunks, request.round, request.island, changes=False)
             except StaleRoundError as e:
                 await context.abort(grpc.StatusCode.OUT_OF_RANGE, f"StaleRoundError: {e}")
             if generation is not None and now_generation != generation:

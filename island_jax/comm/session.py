@@ -244,6 +244,7 @@ class ExchangeSession:
                 status = c.begin_contribution(ContributionHeader(
                     header.round, header.island, header.tokens, header.params_checksum or None,
                     header.step_seconds or None, header.fragment,
+                    header.overlap_steps - 1 if header.overlap_steps else None,
                 ))
             entry = self._open[key] = Attempt(status, max(header.streams, 1), header.attempt)
             for old in [k for k in self._open if k[0] == header.fragment and k[1] < c.round - 1]:
@@ -337,7 +338,7 @@ class ExchangeSession:
         """The trailer of `round`'s update of `fragment` (merged) for `island`, holding `lock`: its size, the
         CRC-32C of its chunk CRCs, the island's planned inner steps; of share `part` of `parts`, the share's."""
         c = self.coordinator.fragments[fragment]
-        _, chunks, _ = c.update_chunks(round)
+        _, chunks, _ = c.update_chunks(round, island)
         if parts > 1 or bitmap:  # a share (of a process, or of a coordinator shard's range): its own bytes and CRC
             indices = [k.index for k in wire.share_of(c.plan, part, parts, bitmap)]
             total = sum(len(chunks[k]) for k in indices)

@@ -55,11 +55,27 @@ class ShardedTransport:
         return [f.result() for f in done]
 
     def join(self, island: str, config_fingerprint: dict, params_checksum: str, round: int = 0) -> dict:
-        """The leader's `join` (it admits the island: {"round", "checksum", "rejoin"}), then every other shard's."""
+        """The leader's `join` (it admits the island: {"round", "checksum", "rejoin", "kept"}), then every other
+        shard's; "kept" holds every shard's digests of its range, round by round."""
         reply = self.leader.join(island, config_fingerprint, params_checksum, round)
-        for t in self.transports[1:]:
-            t.join(island, config_fingerprint, params_checksum, round)
+        others = [t.join(island, config_fingerprint, params_checksum, round) for t in self.transports[1:]]
+        if reply.get("kept"):
+            kept = {(k["round"], k["fragment"]): k for k in reply["kept"]}
+            for other in others:
+                found = {(k["round"], k["fragment"]): k for k in other.get("kept", [])}
+                for key in list(kept):
+                    if key not in found:  # not kept on every shard: not replayable from here on
+                        del kept[key]
+                    else:
+                        kept[key] = dict(kept[key], chunks={**kept[key]["chunks"], **found[key]["chunks"]},
+                                         merged_with=kept[key]["merged_with"] and found[key]["merged_with"])
+            reply = dict(reply, kept=[kept[k] for k in sorted(kept)])
         return reply
+
+    def replaying(self, island: str, round: int) -> None:
+        """Every shard's `replaying`."""
+        for t in self.transports:
+            t.replaying(island, round)
 
     def start_together(self, island: str, config_fingerprint: dict, params_checksum: str, round: int = 0) -> None:
         self.leader.start_together(island, config_fingerprint, params_checksum, round)

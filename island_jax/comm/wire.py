@@ -153,6 +153,7 @@ def payload_header(
         round=header.round, island=header.island, tokens=header.tokens, layout=layout,
         params_checksum=header.params_checksum or "", step_seconds=header.step_seconds or 0.0, streams=streams,
         total_bytes=total_bytes, fragment=header.fragment, attempt=attempt, incarnation=incarnation, part=part,
+        overlap_steps=0 if header.overlap_steps is None else header.overlap_steps + 1,  # 0: the config's tau
         parts=parts if parts > 1 else 0,  # one process: the header of before (no share fields)
         share=share,  # b"" but of several processes, or of a coordinator shard's range
     )

@@ -173,6 +173,11 @@ def _check_outer(outer: ml_collections.ConfigDict, islands: ml_collections.Confi
         f"outer.momentum_warmup_rounds is {outer.momentum_warmup_rounds}; use 0 (no warm-up) or a number of rounds",
     )
     _require(
+        outer.get("rejoin", "replay") in ("replay", "view"),
+        f"outer.rejoin is {outer.get('rejoin')!r}; use \"replay\" (recompute the rounds missed, bit for bit) or "
+        "\"view\" (take the coordinator's view)",
+    )
+    _require(
         outer.rejoin_timeout_seconds > 0,
         f"outer.rejoin_timeout_seconds is {outer.rejoin_timeout_seconds}; it must be a positive number of seconds",
     )

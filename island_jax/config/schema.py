@@ -235,6 +235,10 @@ def _outer() -> dict:
         # seconds a round that cannot close (its quorum not reached) waits for missing islands after its first
         # contribution, for a dead island to be restarted and rejoin; then the coordinator fails, naming them
         rejoin_timeout_seconds=600.0,
+        # how a restarted island catches up with the run: "replay" recomputes the rounds it missed from its own
+        # checkpoint with the coordinator's kept updates, checked by digest (the uninterrupted run's bits), and
+        # takes the view where it cannot; "view" takes the coordinator's view at once (docs/faults.md)
+        rejoin="replay",
         # Streaming DiLoCo (arXiv 2501.18512): fragments synced on a staggered schedule, overlapped with compute.
         fragments=1,  # F groups of whole leaves, each synced once per round at its own offset (1: plain DiLoCo)
         # tau: inner steps an island keeps training before applying a fragment's update (0: wait for it);

@@ -27,6 +27,8 @@ class Contribution:
     chunks: dict[int, tuple[np.ndarray, np.ndarray]] = field(default_factory=dict)
     ended: bool = False  # its stream(s) ended well (`end_contribution`): nothing after its chunks was refused
     everywhere: bool = True  # on the leader of coordinator shards: complete on every other shard too
+    tau: int | None = None  # the island's tau for this contribution when chosen by measurement (overlap "auto")
+    digests: dict[int, str] = field(default_factory=dict)  # chunk index -> SHA-256 of its bytes (kept updates on)
 
     def has_chunks(self, num_chunks: int) -> bool:
         return len(self.chunks) == num_chunks

@@ -21,6 +21,7 @@ from island_jax.config import fingerprint_fields
 from island_jax.coordinator import handshake
 from island_jax.coordinator.fragment import FragmentCoordinator
 from island_jax.coordinator.partial_merge import RoundRecord, merge_stats
+from island_jax.coordinator.replay import KeptUpdates
 from island_jax.coordinator.shards import Shard, combine_stats
 from island_jax.model import stacking
 from island_jax.model.init import checksum, combine_parts
@@ -100,6 +101,20 @@ class Coordinator:
         self._clock = clock
         self._quorum_ready_at: float | None = None  # when the start barrier first held a quorum (barrier_waits_for)
         self.corpus: dict[str, dict] = {}  # island -> the corpus fingerprint it joined with (handshake.check_corpus)
+        self.kept: KeptUpdates | None = None  # the updates kept for replays (`keep_updates`)
+        self.replaying: set[str] = set()  # islands served kept updates of past rounds (one set for every fragment)
+        self.replay_progress: dict[str, tuple[int, float]] = {}  # island -> (round it replays, when it said so)
+        for p, f in enumerate(self.fragments):
+            f.replaying, f.ends_replay = self.replaying, p == len(self.fragments) - 1
+
+    def keep_updates(self, kept: "KeptUpdates") -> None:
+        """Keeps every merged update and the digests of its contributions in `kept` from here on, and serves
+        kept updates of past rounds to islands that replay them (`replay.KeptUpdates`). Kept updates of rounds
+        the coordinator merges again (it resumed from an older checkpoint) are discarded."""
+        self.kept = kept
+        for f in self.fragments:
+            f.kept = kept
+            kept.discard_from(f.index, f.round)
 
     def __len__(self) -> int:
         return len(self.fragments)
@@ -185,7 +200,8 @@ class Coordinator:
 
         Returns:
           {"round": the round it is admitted at, "checksum": the whole view's checksum now,
-          "rejoin": whether it must take the view (or its checkpoint of that round)}.
+          "rejoin": whether it must take the view (or its checkpoint of that round), "kept": with "rejoin", the
+          records of the rounds kept for it to replay (`replay.KeptUpdates.records`; [] when none are kept)}.
 
         Raises:
           HandshakeError: unknown island, fingerprint fields that differ (named in the message), another
@@ -196,7 +212,7 @@ class Coordinator:
         if self.shard is not None and not self.shard.leader:  # the leader admits; here the island is only known
             for f in self.fragments:
                 f.joined.add(island)
-            return dict(round=self.round, checksum="", rejoin=False)
+            return dict(round=self.round, checksum="", rejoin=False, kept=self._kept_for(island))
         rounds = [f.round for f in self.fragments]
         at_our_round = len(set(rounds)) == 1 and round == rounds[0]
         if at_our_round and (params_checksum == self.checksum or round == 0):
@@ -215,7 +231,23 @@ class Coordinator:
             self.rejoined.add(island)
         else:
             self.rejoined.discard(island)
-        return dict(round=admitted, checksum=self.checksum, rejoin=rejoin)
+        return dict(round=admitted, checksum=self.checksum, rejoin=rejoin,
+                    kept=self._kept_for(island) if rejoin else [])
+
+    def _kept_for(self, island: str) -> list[dict]:
+        """The kept records an island replays with (`KeptUpdates.records`, of every kept round: after a
+        coordinator restart it starts from an older checkpoint than the round it joins with); it is served their
+        updates from now on. [] when nothing is kept."""
+        if self.kept is None:
+            return []
+        self.replaying.add(island)
+        return self.kept.records(island)
+
+    def note_replay(self, island: str, round: int) -> None:
+        """A replaying island recomputes `round` (0-based): it is alive, and a round waiting for it is not
+        stalled (`stalled`) while it catches up."""
+        self.replay_progress[island] = (round, self._clock())
+        logging.info("island %s replays round %d (the run is at round %d)", island, round + 1, self.round + 1)
 
     def barrier_waits_for(self, ready: set[str]) -> dict[str, str]:
         """The islands the start barrier (every island says it is ready, then all start their first round
@@ -265,8 +297,13 @@ class Coordinator:
         """The longest a fragment's round has waited without a quorum since its first complete contribution:
         (seconds, the islands it waits for, the fragment); (0, [], -1) when none waits."""
         worst = (0.0, [], -1)
+        now = self._clock()
         for p, f in enumerate(self.fragments):
             seconds, waiting = f.stalled()
+            # a round waits no longer than since the last sign of life of an island replaying towards it
+            said = [now - self.replay_progress[n][1] for n in waiting if n in self.replay_progress]
+            if said:
+                seconds = min(seconds, max(said))
             if waiting and seconds > worst[0]:
                 worst = (seconds, waiting, p)
         return worst
@@ -298,7 +335,8 @@ class Coordinator:
         return self.fragments[header.fragment].contribute(header, payload)
 
     def fetch_update(self, round: int, island: str, fragment: int = 0) -> bytes:
-        """`FragmentCoordinator.fetch_update` of fragment `fragment` (raises UpdateNotReady, StaleRoundError)."""
+        """`FragmentCoordinator.fetch_update` of fragment `fragment` (raises UpdateNotReady, StaleRoundError); a
+        past round's kept update to an island that replays."""
         return self.fragments[fragment].fetch_update(round, island)
 
     def poll(self) -> bool:
@@ -319,6 +357,7 @@ class Coordinator:
         """
         if island is not None:
             self.viewed.add(island)
+            self.replaying.discard(island)  # its replay, if any, ended: it takes the view
             for f in self.fragments:
                 f.took_view(island)
         with jax.default_device(jax.local_devices(backend="cpu")[0]):

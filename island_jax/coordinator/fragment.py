@@ -22,6 +22,7 @@ from island_jax.coordinator import handshake
 from island_jax.coordinator.contribution import Contribution
 from island_jax.coordinator.partial_merge import PartialMerge, RoundRecord
 from island_jax.coordinator.quorum import Quorum, RoundState
+from island_jax.coordinator.replay import KeptUpdates, digest
 from island_jax.coordinator.shards import Shard
 from island_jax.coordinator.state import FragmentState
 from island_jax.model.init import combine_parts
@@ -75,6 +76,9 @@ class FragmentCoordinator:
         self._clock = clock
         self._round = RoundState(started_at=clock())  # replaced whole after each merge and on a restore
         self.held_from: int | None = None  # updates of this round and later are not served yet (`hold_updates`)
+        self.kept: KeptUpdates | None = None  # where merged updates and digests are kept for replays (`keep_updates`)
+        self.replaying: set[str] = set()  # islands served kept updates of past rounds (shared by the fragments)
+        self.ends_replay = True  # a contribution to this fragment's current round ends an island's replay (the last)
 
     def warm_up(self) -> None:
         """Compiles the chunk program for a merge of every island now, so the first merge never waits for XLA."""
@@ -129,6 +133,8 @@ class FragmentCoordinator:
         self.round = int(state["round"])
         self._updates = {}
         self._round = RoundState(started_at=self._clock())
+        if self.kept is not None:  # merged again from here on
+            self.kept.discard_from(self.index, self.round)
 
     def join(self, island: str, config_fingerprint: dict, params_checksum: str, round: int = 0) -> dict:
         """Admits an island to this fragment's rounds at this fragment's round, from the same parameters;
@@ -245,7 +251,9 @@ class FragmentCoordinator:
                 f"island {island!r} trained round {round} from parameters with checksum {params_checksum}, not the "
                 f"global {self.checksum}; its contribution was refused (restart the island from the workdir)"
             )
-        self._round.pending[island] = Contribution(island, int(tokens))
+        self._round.pending[island] = Contribution(island, int(tokens), tau=header.overlap_steps)
+        if self.ends_replay:  # its last fragment's current round: whatever it replayed is behind it
+            self.replaying.discard(island)
         if header.step_seconds and round == 0:
             self.step_seconds[island] = float(header.step_seconds)
         return "accepted"
@@ -279,6 +287,8 @@ class FragmentCoordinator:
                 "(lower inner.learning_rate or check its data) and its contribution was refused"
             )
         contribution.chunks[index] = (values, scales)
+        if self.kept is not None:
+            contribution.digests[index] = digest(data)
         if self.pipeline:
             self._merge_ready()
 
@@ -439,6 +449,9 @@ class FragmentCoordinator:
                 "inner steps from round 1 on, from measured step times %s: %s", self.step_seconds, self.plan_steps
             )
         self._updates = {self.round: {k: merge.chunks[k] for k in self.owned}}
+        if self.kept is not None:
+            self.kept.keep(self.round, self.index, self._updates[self.round],
+                           {c.island: dict(tokens=c.tokens, tau=c.tau, chunks=c.digests) for c in contributions})
         if self.shard is not None:  # what the other shards combine: this range's view digests and statistics
             self.shard.merged(self.index, self.round + 1, state.checksum_parts(), merge.partial_stats())
         self.round += 1
@@ -446,17 +459,28 @@ class FragmentCoordinator:
 
     # -- serving -----------------------------------------------------------------------------------------
 
-    def update_chunks(self, round: int) -> tuple[int, dict[int, bytes], bool]:
+    def _kept(self, round: int, island: str | None) -> dict[int, bytes] | None:
+        """The kept update of a past `round` for a replaying `island` (None: it is not replaying, or the round
+        is not kept)."""
+        if self.kept is None or island is None or island not in self.replaying or round >= self.round:
+            return None
+        return self.kept.chunks(round, self.index)
+
+    def update_chunks(self, round: int, island: str | None = None) -> tuple[int, dict[int, bytes], bool]:
         """What of `round`'s update exists so far: (generation, {chunk index: bytes}, whether it is final).
-        A generation other than a reader's first means the merge restarted: chunks it has are void.
+        A generation other than a reader's first means the merge restarted: chunks it has are void. A past
+        round's update is served from the kept ones to an `island` replaying (`Coordinator.join`).
 
         Raises:
-          StaleRoundError: the round is older than the latest merged one.
+          StaleRoundError: the round is older than the latest merged one (and not kept for `island`).
         """
         if self._held(round):
             return self.generation, {}, False
         if round in self._updates:
             return self.generation, dict(self._updates[round]), True
+        kept = self._kept(round, island)
+        if kept is not None:
+            return self.generation, kept, True
         if round < self.round:
             raise StaleRoundError(
                 f"round {round} is older than the latest merged round {self.round - 1}; rejoin from the island view"
@@ -474,8 +498,8 @@ class FragmentCoordinator:
         """
         if self._held(round):
             raise UpdateNotReady(f"round {round}'s update waits for the coordinator's checkpoint to be complete")
-        if round in self._updates:
-            chunks = self._updates[round]
+        chunks = self._updates[round] if round in self._updates else self._kept(round, island)
+        if chunks is not None:
             if self.shard is None:
                 return b"".join(chunks[k] for k in range(len(self.plan)))
             out = bytearray(self.update_bytes)  # a shard's chunks; zeros where the other shards' go

@@ -26,6 +26,7 @@ from typing import Callable, Protocol, runtime_checkable
 from absl import logging
 
 from island_jax.island.accounting import BetweenRounds, EventLog, RoundAccounting, RoundProgress, StepTimes
+from island_jax.island.replay import ReplayPlan, ReplayTransport
 from island_jax.outer import codec
 from island_jax.outer import fragments as fragments_lib
 from island_jax.protocol import ContributionHeader, CoordinatorRestarted, ExchangeError, StaleRoundError, Transport
@@ -250,6 +251,9 @@ class StreamingSync:
         self.progress = RoundProgress(island.name, settings.rounds, every, island.tokens_per_step)
         self.inflight: dict[int, _Flight] = {}
         self.rejoined_round: int | None = None
+        self.rejoin_reason: str | None = None  # why a replay ended in a view (`island.replay`), with rejoined_round
+        self.replay_start = 0  # with rejoin_reason: the round that replay started from
+        self.replay: ReplayPlan | None = None  # the rounds being replayed (`replay_from`)
         self._between = BetweenRounds()  # seconds since the last round ended
         self._exchange_running = False  # an exchange was running when the step now running started
         self._pool = futures.ThreadPoolExecutor(max_workers=settings.fragments, thread_name_prefix="fragment-exchange")
@@ -264,7 +268,9 @@ class StreamingSync:
     def current_tau(self, fragment: int) -> int:
         """tau (inner steps) for a contribution of `fragment` now: `outer.overlap_steps`, or the "auto" choice,
         at most one less than the steps in a round (at least 1)."""
-        s = self.settings
+        s, round = self.settings, self.schedule.next_round[fragment]
+        if self.replay is not None and self.replay.has(round, fragment) and self.replay.tau(round, fragment) is not None:
+            return self.replay.tau(round, fragment)  # chosen by measurement the first time: as recorded
         if not s.auto:
             return s.tau
         step = self.clean_step_seconds()
@@ -289,6 +295,9 @@ class StreamingSync:
     def _due_fragments(self, steps_done: int) -> list[int]:
         """The fragments to contribute now, `steps_done` inner steps into the round."""
         s = self.settings
+        if self._replaying_round():
+            return self.replay.due(self.clock.round, self.island.step, self.schedule.steps_at_contribution,
+                                   self.schedule.contributed)
         if s.round_seconds is None:
             return fragments_lib.due_fragments(steps_done, self.island.inner_steps, s.fragments)
         elapsed = time.perf_counter() - self.clock.start
@@ -350,6 +359,10 @@ class StreamingSync:
         self._exchange_running = self._exchanging()
         seconds = clock.begin(round, self.settings.round_seconds)
         budget = {} if seconds is None else dict(seconds=seconds)
+        replaying = self._replaying_round()
+        if replaying:  # a kept round: its steps as recorded, whatever the clock says now
+            budget = dict(num_steps=self.replay.round_steps(round, self.island.step, self.schedule.steps_at_contribution))
+            timed = False
         if timed:
             self.progress.begin(round, seconds=self.settings.round_seconds if seconds is None else seconds)
         else:
@@ -359,7 +372,7 @@ class StreamingSync:
             for p in range(self.settings.fragments):
                 if p not in self.schedule.contributed:
                     self._contribute(p)
-        if drain or (timed and round == clock.first_round):
+        if drain or (timed and round == clock.first_round and not replaying):
             self.drain()
             clock.epoch = (time.perf_counter(), round + 1)
         clock.last_end = time.perf_counter()
@@ -368,6 +381,20 @@ class StreamingSync:
         out = dict(result)
         out.update(self.accounting.report(result, wall, between, self.clean_step_seconds(), self.schedule.last_tau))
         return out
+
+    def replay_from(self, plan: ReplayPlan) -> None:
+        """Replays the kept rounds of `plan` (`island.replay`): their contributions are checked, not sent, and
+        their updates are the kept ones."""
+        self.replay, self.transport = plan, ReplayTransport(self.transport, plan)
+
+    def end_replay(self) -> None:
+        """Back to the live exchange (the replay reached the run's round, or ended in a view)."""
+        if self.replay is not None:
+            self.replay, self.transport = None, self.transport.transport
+
+    def _replaying_round(self) -> bool:
+        """Whether the round being trained is kept whole: its steps and moments come from the records."""
+        return self.replay is not None and self.replay.whole_round(self.clock.round)
 
     def _take_planned_inner_steps(self, round: int) -> None:
         """Adopts the coordinator's plan of H (`outer.auto_from = measured`) from `round` on, when it changed."""
@@ -416,7 +443,8 @@ class StreamingSync:
         schedule.last_tau = tau
         step_seconds = self.clean_step_seconds()
         tokens = max(steps, 1) * island.tokens_per_step
-        future = self._pool.submit(self._exchange, fragment, round, tokens, pseudo_gradient, step_seconds, tau, checksum)
+        future = self._pool.submit(self._exchange, fragment, round, tokens, pseudo_gradient, step_seconds, tau, checksum,
+                                   self.transport)  # a replay's, for a kept round, whenever the thread runs
         self.inflight[fragment] = _Flight(fragment, round, island.step + tau, tau, future)
         schedule.next_round[fragment] = round + 1
         schedule.contributed.add(fragment)
@@ -425,15 +453,16 @@ class StreamingSync:
 
     def _exchange(
         self, fragment: int, round: int, tokens: int, pseudo_gradient, step_seconds: float, tau: int,
-        checksum: str | None = None,
+        checksum: str | None = None, transport: Transport | None = None,
     ) -> dict:
         """On a background thread: encode, contribute, fetch the update, decode it and place it on the
-        island's devices."""
-        island, transport = self.island, self.transport
+        island's devices (over `transport`, default the sync's)."""
+        island, transport = self.island, transport or self.transport
         t0 = time.time()
         encoder = island.encode_fragment(fragment, pseudo_gradient)
         checksum = checksum or island.fragment_checksum(fragment)
-        header = ContributionHeader(round, island.name, tokens, checksum, step_seconds, fragment)
+        header = ContributionHeader(round, island.name, tokens, checksum, step_seconds, fragment,
+                                    overlap_steps=tau if self.settings.auto else None)  # kept for a replay
         status = transport.contribute(header, encoder)
         t1 = time.time()
         self.events.add("send", t0, t1, round=round + 1, fragment=fragment)
@@ -473,8 +502,8 @@ class StreamingSync:
             self.events.add("wait", t0, t1, round=flight.round + 1, fragment=fragment)
         try:
             done = self._outcome(flight)
-        except StaleRoundError:
-            self._rejoin()
+        except StaleRoundError as e:
+            self._rejoin(e)
             return
         self.schedule.exchange_seconds.append(done["seconds"])
         mix = None if flight.tau == 0 else self.settings.mix_alpha
@@ -518,8 +547,13 @@ class StreamingSync:
             if flight.fragment in self.inflight and (step is None or flight.due_step <= step):
                 self._apply(flight.fragment)
 
-    def _rejoin(self) -> None:
-        """More than a round behind: every fragment restarts from the coordinator's view, sent whole."""
+    def _rejoin(self, why: StaleRoundError) -> None:
+        """More than a round behind, or a replay that ended (`why`): every fragment restarts from the
+        coordinator's view, sent whole."""
+        if self.replay is not None:
+            self.rejoin_reason, self.replay_start = str(why), self.replay.start
+            logging.warning("island %s stops replaying: %s; it takes the coordinator's view", self.island.name, why)
+            self.end_replay()
         self.forget_inflight()
         rounds, view = self.transport.fetch_view(self.island.name, needed=self.island.view_chunks)
         self.island.load_view(view)
@@ -541,7 +575,8 @@ class StreamingSync:
         self.schedule.start_at(fragment_rounds or [first_round] * fragments, self.island.step)
         self.schedule.contributed = set()
         self.clock = _RoundClock(round=first_round, first_round=first_round)
-        self.rejoined_round = None
+        self.rejoined_round = self.rejoin_reason = None
+        self.end_replay()
 
     def drain(self) -> None:
         """Waits for every exchange in flight and applies its update (in the order they are due)."""

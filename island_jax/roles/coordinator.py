@@ -21,6 +21,7 @@ from island_jax import allocator
 from island_jax import config as config_lib
 from island_jax.comm.inprocess import InProcessExchange
 from island_jax.coordinator import Coordinator, RoundRecord
+from island_jax.coordinator.replay import KEPT, KeptUpdates
 from island_jax.coordinator.shards import ServiceBus, Shard, ShardError, parse_addresses, shard_address
 from island_jax.metrics import write_json
 from island_jax.model.init import checksum, count, init_params
@@ -186,6 +187,8 @@ def run_coordinator(
                          coordinator.round, coordinator.checksum)
             if coordinator.round < rounds:  # a finished run extended (outer.rounds raised), or a fallback
                 set_aside_summary(role.path, latest)
+        if config.outer.get("rejoin", "replay") == "replay":  # restarted islands replay the rounds they missed with these
+            coordinator.keep_updates(KeptUpdates(os.path.join(role.path, KEPT), config))
         finished = coordinator.round >= rounds
         endpoint = _serve(coordinator, exchange, config, insecure)
         role.begin()  # the config and the port are checked: the run has started (config.json, run_info.json)

@@ -33,6 +33,7 @@ from island_jax.comm.session import RunAborted
 from island_jax.comm.sharded import ShardedTransport
 from island_jax.coordinator.shards import ShardError, parse_addresses
 from island_jax.island import ACCOUNTING_FIELDS, STEP_METRICS, EventLog, Island, StreamingSync, memory
+from island_jax.island.replay import ReplayPlan, short_reason
 from island_jax.island.step import learning_rates
 from island_jax.mesh import island_mesh
 from island_jax.metrics import gbps, write_json
@@ -199,10 +200,12 @@ def run_island(
             evaluators.append(_Evaluator(config, corpus.own_eval[name], corpus.token_bytes, island, role,
                                          transport is not None, kind="own_eval"))
         fingerprint = join_fingerprint(config, corpus)
-        first, fragment_rounds = _join(config, island, transport, role, first, evaluators, fingerprint)
+        first, fragment_rounds, plan = _join(config, island, transport, role, first, evaluators, fingerprint)
         events = EventLog(os.path.join(role.path, "events.jsonl") if primary else None, name)
         link = transport.link if transport is not None else None
         sync = StreamingSync(island, transport, config, first, link=link, events=events, fragment_rounds=fragment_rounds)
+        if plan is not None:
+            sync.replay_from(plan)
         _train_rounds(config, island, sync, role, evaluators, first, stop, fingerprint)
     except ExchangeError:
         if not run_finished(workdir, rounds):
@@ -280,7 +283,8 @@ def _join(config, island: Island, transport, role: RoleFolder, first: int, evalu
           fingerprint: dict):
     """The handshake (rejoining a running run when the island is behind or ahead of the coordinator), the
     evaluation of the round it starts at, and the start every island makes together. Returns (the round it
-    trains first, each fragment's round when they differ, else None)."""
+    trains first, each fragment's round when they differ, else None, the `ReplayPlan` of the rounds it replays
+    first, else None)."""
     name, cfg = island.name, config.islands[island.name]
     link = transport.link if transport is not None else None
     if transport is not None:  # how its exchanges move, for island_jax.plan.predict
@@ -291,11 +295,11 @@ def _join(config, island: Island, transport, role: RoleFolder, first: int, evalu
             "%d connections fill it, comm.connections=%d)", name, link.bandwidth_gbps, link.latency_ms,
             link.window_bytes, link.one_connection_gbps(), link.connections_needed(), config.comm.connections,
         )
-    fragment_rounds, rejoined = None, False
+    fragment_rounds, rejoined, plan = None, False, None
     if transport is not None:
         resumed = first
-        first, fragment_rounds, rejoined = align(config, island, transport, role, first, True, fingerprint)
-        if rejoined and evaluators:
+        first, fragment_rounds, rejoined, plan = align(config, island, transport, role, first, True, fingerprint)
+        if rejoined and evaluators and plan is None:
             logging.info("island %s evaluates the view it rejoined at (round %d; it resumed at %d)", name, first, resumed)
     logging.info(
         "island %s %s at round %d: %d devices (data=%d x fsdp=%d x expert=%d), batch %d, H=%d", name,
@@ -312,15 +316,18 @@ def _join(config, island: Island, transport, role: RoleFolder, first: int, evalu
         checksum_now = island.global_checksum  # a collective over an island's processes: every one computes it
         if island.part == 0:
             transport.start_together(name, fingerprint, checksum_now, first)
-    return first, fragment_rounds
+    return first, fragment_rounds, plan
 
 
 def align(config, island: Island, transport, role: RoleFolder, at: int, resume: bool,
-          fingerprint: dict) -> tuple[int, list | None, bool]:
+          fingerprint: dict) -> tuple[int, list | None, bool, ReplayPlan | None]:
     """Joins the coordinator with the island's state after `at` completed rounds and brings the island to the
-    round it is admitted at: a restarted island behind the run takes the island view; one ahead of a restarted
-    coordinator rolls back to its own checkpoint of the coordinator's round (bit for bit), or takes the view
-    where it holds none (its own optimizer state and data position kept: no longer bitwise).
+    round it is admitted at (bit for bit where it can):
+
+    - one ahead of a restarted coordinator rolls back to its own checkpoint of the coordinator's round;
+    - with `outer.rejoin = "replay"`, one behind (or ahead with no checkpoint of that round) replays the rounds
+      from its newest checkpoint the coordinator kept every round after (`island.replay`);
+    - otherwise it takes the island view, its own optimizer state and data position kept: no longer bitwise.
 
     Args:
       at: the rounds the island completed (its checkpoint's round, or the round it was training).
@@ -331,14 +338,14 @@ def align(config, island: Island, transport, role: RoleFolder, at: int, resume: 
 
     Returns:
       (the round to train next, each fragment's round when the view's fragments differ (else None), whether
-      the island's state was replaced).
+      the island's state was replaced, the `ReplayPlan` of the rounds to replay first (else None)).
     """
     name = island.name
     # process 0's join decides for every process of the island (the others only learn the coordinator's plans)
     reply = island.agree(transport.join(name, fingerprint, island.global_checksum, at))[0]
     target = reply["round"]
     if resume and not reply["rejoin"]:
-        return at, None, False
+        return at, None, False, None
     own = None
     if target <= at and target in role.checkpoints.rounds(wait=True):
         try:
@@ -352,9 +359,12 @@ def align(config, island: Island, transport, role: RoleFolder, at: int, resume: 
                             "the run goes on bit for bit", name, at, target)
             role.checkpoints.discard_after(target)  # the rounds after it are trained again, and saved again
             _log_rejoin(island, role, at, target, "checkpoint")
-            return target, None, True
+            return target, None, True, None
         logging.warning("island %s: its checkpoint of round %d holds other parameters than the coordinator's "
                         "view; it takes the view", name, target)
+    plan = _replay_plan(config, island, role, at, resume, reply) if own is None else None
+    if plan is not None:
+        return plan.start, None, True, plan
     rounds, view = transport.fetch_view(name, min_round=target, needed=island.view_chunks)
     island.load_view(view)
     if island.multi_process:
@@ -371,15 +381,45 @@ def align(config, island: Island, transport, role: RoleFolder, at: int, resume: 
                         "have been without the restart", name, at, first)
     role.checkpoints.discard_after(first - 1)  # of another timeline from its round on
     _log_rejoin(island, role, at, first, "view")
-    return first, (list(rounds) if len(set(rounds)) > 1 else None), True
+    return first, (list(rounds) if len(set(rounds)) > 1 else None), True, None
 
 
-def _log_rejoin(island: Island, role: RoleFolder, at: int, round: int, source: str) -> None:
+def _replay_plan(config, island: Island, role: RoleFolder, at: int, resume: bool, reply: dict) -> ReplayPlan | None:
+    """With `outer.rejoin = "replay"`: the island restored to its newest checkpoint (or, resumed at a round
+    boundary, its state now) from which the coordinator kept every fragment's round up to the one it is
+    admitted at, and the plan to replay them; None (nothing changed) when none is kept from any, or
+    `outer.rejoin = "view"`."""
+    kept, target, fragments = reply.get("kept") or [], reply["round"], len(island.partition)
+    if config.outer.get("rejoin", "replay") != "replay" or not kept:
+        return None
+    saved = [r for r in role.checkpoints.rounds(wait=True) if r < target]
+    candidates = sorted(set(saved) | ({at} if resume and at < target else set()), reverse=True)
+    for start in island.agree([c for c in candidates if ReplayPlan.covers(kept, c, target, fragments)])[0]:
+        if not (resume and start == at):
+            try:
+                island.load_state(role.checkpoints.restore(island.state(0, template=True), round=start))
+            except CheckpointCorrupt:  # logged and moved aside: an older one, if kept
+                continue
+        role.checkpoints.discard_after(start)  # the rounds after it are trained again, and saved again
+        logging.warning("island %s replays rounds %d..%d from its checkpoint of round %d with the coordinator's kept "
+                        "updates, each contribution checked against the digest merged", island.name, start + 1,
+                        target, start)
+        return ReplayPlan(kept, start, target, fragments, island.tokens_per_step)
+    rounds = sorted({k["round"] for k in kept})
+    logging.warning("island %s cannot replay: the coordinator keeps rounds %d..%d, and no checkpoint of the island "
+                    "(%s) starts where they cover every round up to %d; it takes the view", island.name,
+                    rounds[0] + 1, rounds[-1] + 1, saved or "none", target)
+    return None
+
+
+def _log_rejoin(island: Island, role: RoleFolder, at: int, round: int, source: str, **fields) -> None:
     """A `rejoin` record: the island's state after `round` rounds is now the coordinator's (`source`: "view",
-    or its own "checkpoint" of that round), replacing what it held after `at` rounds; `checksum` of what it holds.
-    Round records logged before it of rounds from `round` on describe the replaced state."""
+    its own "checkpoint" of that round, or a "replay" of the rounds after `at`, whose `replayed` count it
+    holds), replacing what it held after `at` rounds; `checksum` of what it holds; `fields` (`reason`: why a
+    replay ended in the view). Round records logged before it of rounds from `round` on describe the replaced
+    state."""
     role.metrics.write(dict(kind="rejoin", round=round, source=source, rounds_before=at,
-                            checksum=island.global_checksum))
+                            checksum=island.global_checksum, **fields))
 
 
 def _train_rounds(config, island: Island, sync: StreamingSync, role: RoleFolder, evaluators, first: int, stop,
@@ -394,6 +434,7 @@ def _train_rounds(config, island: Island, sync: StreamingSync, role: RoleFolder,
             raise RunAborted(f"island {name} stopped before round {r + 1} (the run was stopped)")
         if cfg.crash_at_round == r + 1:
             raise RuntimeError(f"island {name} crashes at round {r + 1} on purpose (islands.{name}.crash_at_round)")
+        replayed = _replay_progress(island, sync, role, r)
         step0 = island.step
         # At the island's own rounds and the coordinator's (which it rolls back to after a coordinator restart);
         # a checkpoint holds no exchange in flight: every update of the round is applied first.
@@ -403,8 +444,11 @@ def _train_rounds(config, island: Island, sync: StreamingSync, role: RoleFolder,
         except CoordinatorRestarted as e:
             logging.warning("island %s: %s", name, e)
             sync.forget_inflight(timeout=config.comm.reconnect_seconds)
-            r, fragment_rounds, _ = align(config, island, sync.transport, role, r, False, fingerprint)
+            sync.end_replay()
+            r, fragment_rounds, _, plan = align(config, island, sync.transport, role, r, False, fingerprint)
             sync.restart(r, fragment_rounds)
+            if plan is not None:
+                sync.replay_from(plan)
             continue
         lrs = learning_rates(island.tx, step0, result["steps"])  # from the schedule the steps' updates read
         for j in range(result["steps"]):
@@ -412,10 +456,18 @@ def _train_rounds(config, island: Island, sync: StreamingSync, role: RoleFolder,
                 kind="inner", round=r + 1, step=step0 + j + 1, **{k: result[k][j] for k in STEP_METRICS},
                 learning_rate=lrs[j], moe=result["layers"][j], tokens_per_second=result["tokens"] / result["seconds"],
             ))
-        if sync.rejoined_round is not None:  # more than a round behind: rejoined from the view
-            _log_rejoin(island, role, r + 1, sync.rejoined_round, "view")
-            r, sync.rejoined_round = sync.rejoined_round - 1, None  # the rounds completed are now the view's
+        why = None
+        if sync.rejoined_round is not None:  # more than a round behind, or a replay that ended: from the view
+            why = sync.rejoin_reason
+            fields = {} if why is None else dict(reason=why, replayed=r - sync.replay_start)
+            _log_rejoin(island, role, r + 1, sync.rejoined_round, "view", **fields)
+            r, sync.rejoined_round, sync.rejoin_reason = sync.rejoined_round - 1, None, None  # the view's rounds
+            replayed = False
         record = _round_record(island, result, r)
+        if replayed:
+            record["replayed"] = True
+        if why is not None:
+            record["rejoin"] = f"view ({short_reason(why)})"
         if island.multi_process:
             _agree_on_round(island, record, r)
         if evaluators and due(r + 1, config.eval.every_rounds, rounds):
@@ -444,6 +496,24 @@ def _train_rounds(config, island: Island, sync: StreamingSync, role: RoleFolder,
         )
         allocator.trim()  # what the round's exchange, eval and checkpoint freed goes back to the kernel
         r += 1
+
+
+def _replay_progress(island: Island, sync: StreamingSync, role: RoleFolder, r: int) -> bool:
+    """Before round `r` (0-based) of an island replaying: ends the replay once `r` is the run's round (a `rejoin`
+    record of source "replay"), or tells the coordinator which round it recomputes. Returns whether round `r` is
+    replayed whole."""
+    plan = sync.replay
+    if plan is None:
+        return False
+    if r >= plan.target:
+        logging.warning("island %s replayed rounds %d..%d to the bits merged; it trains on with the run", island.name,
+                        plan.start + 1, plan.target)
+        _log_rejoin(island, role, plan.start, plan.target, "replay", replayed=plan.target - plan.start)
+        sync.end_replay()
+        return False
+    if island.part == 0:
+        sync.transport.replaying(island.name, r)
+    return plan.whole_round(r)
 
 
 def _agree_on_round(island: Island, record: dict, r: int) -> None:

@@ -1,0 +1,151 @@
+"""A restarted island replays the rounds it missed (`outer.rejoin = "replay"`) and the run ends on the bits of the
+run that was not interrupted; where it cannot match (a digest differs, a quorum went on without it) it takes the
+view and says why. Every role runs in this process; an island "killed" at a round (`crash_at_round`) is started
+again on a fresh thread with the same workdir, as a launcher's restart would."""
+
+import threading
+
+import jax
+import pytest
+from tiny_config import get_config, write_corpus
+
+from island_jax.comm.inprocess import InProcessExchange
+from island_jax.coordinator.replay import KeptUpdates, replay_window
+from island_jax.island.replay import ReplayEnded, ReplayPlan, short_reason
+from island_jax.metrics import read_jsonl
+from island_jax.protocol import ContributionHeader
+from island_jax.roles.coordinator import run_coordinator
+from island_jax.roles.island import run_island
+from island_jax.workdir import combine_summaries
+
+ROUNDS = 6
+
+
+def replay_config(tmp_path, rounds=ROUNDS):
+    """The tiny two-island run with every island needed and checkpoints every 2 rounds."""
+    c = get_config()
+    c.data.files = write_corpus(tmp_path / "corpus")
+    c.outer.update(rounds=rounds, min_islands=0)
+    c.checkpoint.every_rounds = 2
+    c.eval.every_rounds = rounds
+    return c
+
+
+def run_restarting(config, workdir, kills: dict[str, list[int]] | None = None, hook=None) -> dict:
+    """Every role of the run on threads of this process; island NAME fails as each round of `kills[NAME]`
+    starts (after the previous one merged) and is started again at once. `hook(name, attempt, config)` may change
+    a restarted island's config. Returns the run's combined summary."""
+    kills = {name: list(rounds) for name, rounds in (kills or {}).items()}
+    exchange, lock, errors = InProcessExchange(), threading.Lock(), []
+    devices, at = {}, 0
+    for name, cfg in config.islands.items():
+        devices[name], at = jax.devices()[at : at + cfg.num_devices], at + cfg.num_devices
+
+    def island(name):
+        attempt = 0
+        while True:
+            cfg = config.copy_and_resolve_references()
+            todo = kills.get(name, [])
+            cfg.islands[name].crash_at_round = todo.pop(0) if todo else 0
+            if hook is not None:
+                hook(name, attempt, cfg)
+            try:
+                return run_island(cfg, str(workdir), name, exchange, devices[name], lock, allow_config_change=True)
+            except RuntimeError as e:
+                if "on purpose" not in str(e):
+                    raise
+                attempt += 1
+
+    def role(fn, *args):
+        try:
+            fn(*args)
+        except BaseException as e:  # noqa: BLE001 - raised on the test's thread
+            errors.append(e)
+            exchange.abort(repr(e))
+
+    threads = [threading.Thread(target=role, args=(run_coordinator, config, str(workdir), exchange))]
+    threads += [threading.Thread(target=role, args=(island, name)) for name in config.islands.keys()]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if errors:
+        raise errors[0]
+    return combine_summaries(config, str(workdir), 0.0)
+
+
+def records(workdir, role, kind):
+    return [r for r in read_jsonl(workdir / role / "metrics.jsonl") if r["kind"] == kind]
+
+
+def view_checksums(workdir):
+    return {r["round"]: r["checksum"] for r in records(workdir, "coordinator", "round")}
+
+
+@pytest.fixture(scope="module")
+def straight(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("straight")
+    config = replay_config(tmp)
+    summary = run_restarting(config, tmp / "workdir")
+    return config, summary, tmp / "workdir"
+
+
+def test_an_island_killed_after_a_merge_replays_to_the_uninterrupted_bits(straight, tmp_path):
+    config, want, straight_dir = straight
+    workdir = tmp_path / "killed"
+    summary = run_restarting(config, workdir, kills=dict(b=[4]))  # round 3 merged; its checkpoint is of round 2
+    assert view_checksums(workdir) == view_checksums(straight_dir)
+    assert summary["eval_loss_final"] == want["eval_loss_final"]
+    assert summary["checksums_agree"] is True
+    replays = [r for r in records(workdir, "islands/b", "rejoin")]
+    assert [(r["source"], r["rounds_before"], r["round"], r["replayed"]) for r in replays] == [("replay", 2, 3, 1)]
+    assert [r["round"] for r in records(workdir, "islands/b", "round") if r.get("replayed")] == [3]
+    assert summary["islands"]["b"]["rounds_replayed"] == 1 and summary["islands"]["b"]["rejoin_bitwise"] is True
+    assert summary["islands"]["a"]["rounds_replayed"] == 0 and summary["islands"]["a"]["rejoin_bitwise"] is None
+
+
+def test_a_digest_mismatch_ends_the_replay_in_the_view_and_the_record_says_why(straight, tmp_path):
+    config, _, straight_dir = straight
+    workdir = tmp_path / "mismatch"
+
+    def hook(name, attempt, cfg):
+        if name == "b" and attempt == 1:  # the restarted island computes other bits: another inner setting
+            cfg.inner.learning_rate = cfg.inner.learning_rate * 0.5
+
+    summary = run_restarting(config, workdir, kills=dict(b=[4]), hook=hook)
+    assert summary["checksums_agree"] is True
+    assert view_checksums(workdir)[3] == view_checksums(straight_dir)[3]  # merged before the kill
+    rejoins = records(workdir, "islands/b", "rejoin")
+    assert [(r["source"], r["round"], r["replayed"]) for r in rejoins] == [("view", 3, 0)]
+    assert rejoins[0]["reason"].startswith("digest mismatch at round 3: ")
+    assert [r["rejoin"] for r in records(workdir, "islands/b", "round") if "rejoin" in r] == [
+        "view (digest mismatch at round 3)"]
+    assert summary["islands"]["b"]["rejoin_bitwise"] is False
+
+
+def test_the_coordinator_keeps_the_updates_of_the_replay_window_on_disk(straight):
+    config, _, workdir = straight
+    kept = KeptUpdates(str(workdir / "coordinator" / "kept"), config)
+    # islands save every 2 rounds and keep 2: after 6 rounds they hold 6 and 4, after 5 rounds 4 and 2
+    assert [replay_window(config, r) for r in range(1, 7)] == [0, 0, 0, 2, 2, 4]
+    assert kept.rounds() == [(4, 0), (5, 0)]
+    record = kept.records("b")[0]
+    b = config.islands.b
+    assert (record["round"], record["merged_with"], record["tokens"]) == (4, True, b.batch_size * 32 * b.inner_steps)
+    assert len(record["chunks"]) == 1 and len(next(iter(record["chunks"].values()))) == 64
+
+
+def test_a_plan_refuses_a_round_merged_without_the_island_and_other_bits():
+    records = [dict(round=0, fragment=0, merged_with=True, tokens=64, tau=None, chunks={"0": "aa", "1": "bb"}),
+               dict(round=1, fragment=0, merged_with=False, tokens=0, tau=None, chunks={})]
+    plan = ReplayPlan(records, 0, 2, 1, 32)
+    assert ReplayPlan.covers(records, 0, 2, 1) and not ReplayPlan.covers(records, 0, 3, 1)
+    assert plan.steps(0, 0) == 2 and plan.round_steps(0, 10, [10]) == 2 and plan.due(0, 12, [10], set()) == [0]
+    plan.check(ContributionHeader(0, "b", 64, fragment=0), {0: "aa", 1: "bb"})
+    with pytest.raises(ReplayEnded, match="digest mismatch at round 1: 1 of 2 chunks differ") as e:
+        plan.check(ContributionHeader(0, "b", 64, fragment=0), {0: "aa", 1: "cc"})
+    assert short_reason(str(e.value)) == "digest mismatch at round 1"
+    assert short_reason("process 1 of the island: " + str(e.value)) == "digest mismatch at round 1"
+    with pytest.raises(ReplayEnded, match="round 2 merged without it") as e:
+        plan.check(ContributionHeader(1, "b", 64, fragment=0), {})
+    assert short_reason(str(e.value)) == "round 2 merged without it"
