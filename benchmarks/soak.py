@@ -34,6 +34,12 @@ shard k on port `--port` + k, each behind a `FaultProxy` of its own. `kill_coord
 and a reset or a corrupted bit hits the connections to one shard, drawn at
 random.
 
+With `--every_island_needed` (`outer.min_islands = 0`, so no round merges
+without an island), the same config then runs once more without faults, and
+`bitwise` says whether the faulted run ended on its bits: every round's view
+checksum (the coordinator's last merge of it) and the final eval loss equal.
+A killed island replays the rounds it missed (`outer.rejoin = "replay"`).
+
 Printed: `faults` (fired, by kind), `rounds_completed`, `rounds_lost`
 (coordinator rounds merged again after its restarts, counted from its
 metrics: records of a round beyond its first), `bound` (k + 2 per
@@ -44,7 +50,7 @@ coordinator's views of that round: the island's latest round record, or its
 again after a coordinator restart has two views, and an island that held the
 first and then took a later round's view held no other; it must be 0) and
 `wall_seconds`. Last line:
-`soak: faults=F rounds_lost=L diverged=D`.
+`soak: faults=F rounds_lost=L diverged=D` (and ` bitwise=true|false` with `--every_island_needed`).
 
 `--smoke` runs 10 rounds with 4 faults, one of each kind (`--rounds=10
 --faults=4`): the same code path and printout; it takes as long as the
@@ -56,6 +62,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import json
 import os
 import random
 import re
@@ -83,6 +90,8 @@ _FAULTS = flags.DEFINE_integer("faults", 8, "Faults in the schedule (at least 6;
 _WORKDIR = flags.DEFINE_string("workdir", "", "The run's folder (default: a new temporary one).")
 _SHARDS = flags.DEFINE_integer("coordinator_shards", 1, "coordinator.shards: with more than 1, the coordinator's "
                                "faults kill one shard process (kill_shard).", lower_bound=1)
+_NEEDED = flags.DEFINE_bool("every_island_needed", False, "outer.min_islands=0, and a run of the same config "
+                            "without faults to compare with: prints bitwise=true|false.")
 flags.adopt_module_key_flags(_smoke)  # --smoke, in --help
 
 KINDS = ("kill_island", "kill_coordinator", "reset", "corrupt")
@@ -107,13 +116,14 @@ OVERRIDES = [
 class Launch:
     """`launch/local.py` in a child process: its output to a log file, the roles' current pids from it."""
 
-    def __init__(self, workdir: str, rounds: int, port: int, dial: str, shards: int = 1):
+    def __init__(self, workdir: str, rounds: int, port: int, dial: str | None, shards: int = 1, extra=()):
         self.log_path = os.path.join(workdir, "launch.log")
         cmd = [
             sys.executable, os.path.join(ROOT, "launch", "local.py"),
             f"--config={os.path.join(ROOT, 'experiments', 'configs', 'two_islands.py')}", f"--workdir={workdir}",
-            f"--config.outer.rounds={rounds}", *OVERRIDES, *(SHARD_OVERRIDES if shards > 1 else []),
-            f"--config.coordinator.shards={shards}", "--restart=20", f"--port={port}", f"--dial={dial}",
+            f"--config.outer.rounds={rounds}", *OVERRIDES, *(SHARD_OVERRIDES if shards > 1 else []), *extra,
+            f"--config.coordinator.shards={shards}", "--restart=20", f"--port={port}",
+            *([f"--dial={dial}"] if dial else []),
         ]
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         self.pids: dict[str, int] = {}
@@ -157,6 +167,26 @@ def _held(workdir: str, name: str) -> dict[int, str]:
         if rec.get("kind") in ("round", "rejoin"):
             held[rec["round"]] = rec["checksum"]
     return held
+
+
+def _views(workdir: str) -> dict[int, str]:
+    """{round: the view checksum of the coordinator's last merge of it} (fragment 0's record)."""
+    return {r["round"]: r["checksum"] for r in _merged(workdir) if r.get("fragment", 0) == 0}
+
+
+def _island_summaries(workdir: str) -> dict[str, dict]:
+    """The combined summary's `islands` section (`workdir.combine_summaries`)."""
+    path = os.path.join(workdir, "summary.json")
+    with open(path) as f:
+        return json.load(f).get("islands", {})
+
+
+def _eval_loss(workdir: str) -> float | None:
+    path = os.path.join(workdir, "summary.json")
+    if not os.path.exists(path):
+        return None
+    with open(path) as f:
+        return json.load(f).get("eval_loss_final")
 
 
 def schedule(rounds: int, faults: int, seed: int, kinds_of: tuple[str, ...] = KINDS) -> list[tuple[int, str]]:
@@ -203,9 +233,10 @@ def main(argv):
     print(f"soak: {_ROUNDS.value} rounds in {workdir}{sharded}; faults at {plan}", flush=True)
     start = time.perf_counter()
     fired = collections.Counter()
+    extra = ["--config.outer.min_islands=0"] if _NEEDED.value else []
     with contextlib.ExitStack() as stack:  # one proxy per shard: shard k on port + k
         proxies = [stack.enter_context(FaultProxy(f"localhost:{port + k}")) for k in range(shards)]
-        launch = Launch(workdir, _ROUNDS.value, port, ",".join(p.address for p in proxies), shards)
+        launch = Launch(workdir, _ROUNDS.value, port, ",".join(p.address for p in proxies), shards, extra)
         for at, kind in plan:
             while (max((r["round"] for r in _merged(workdir)), default=0) < at) and launch.proc.poll() is None:
                 time.sleep(0.2)
@@ -250,7 +281,20 @@ def main(argv):
           f"{restarts * (EVERY + 2)})")
     print(f"diverged: {diverged}")
     print(f"wall_seconds: {wall:.1f}")
-    print(f"soak: faults={sum(fired.values())} rounds_lost={rounds_lost} diverged={diverged}")
+    last = f"soak: faults={sum(fired.values())} rounds_lost={rounds_lost} diverged={diverged}"
+    if _NEEDED.value:  # the same config without faults: the bits the faulted run must end on
+        straight = os.path.join(workdir, "uninterrupted")
+        os.makedirs(straight, exist_ok=True)
+        again = Launch(straight, _ROUNDS.value, free_ports(shards), None, shards, extra)
+        if again.wait() != 0:
+            sys.exit(f"soak: the uninterrupted run failed; see {again.log_path}")
+        replayed = {n: rec.get("rounds_replayed", 0) for n, rec in _island_summaries(workdir).items()}
+        same_views, same_loss = _views(workdir) == _views(straight), _eval_loss(workdir) == _eval_loss(straight)
+        print(f"rounds_replayed: {replayed}")
+        print(f"views equal the uninterrupted run's: {same_views}; final eval loss {_eval_loss(workdir)!r} "
+              f"against {_eval_loss(straight)!r}")
+        last += f" bitwise={'true' if same_views and same_loss else 'false'}"
+    print(last)
 
 
 if __name__ == "__main__":

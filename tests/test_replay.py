@@ -139,7 +139,9 @@ def test_a_plan_refuses_a_round_merged_without_the_island_and_other_bits():
     records = [dict(round=0, fragment=0, merged_with=True, tokens=64, tau=None, chunks={"0": "aa", "1": "bb"}),
                dict(round=1, fragment=0, merged_with=False, tokens=0, tau=None, chunks={})]
     plan = ReplayPlan(records, 0, 2, 1, 32)
-    assert ReplayPlan.covers(records, 0, 2, 1) and not ReplayPlan.covers(records, 0, 3, 1)
+    # kept up to the run's round, or up to a round merged without the island (the replay ends there)
+    assert ReplayPlan.covers(records, 0, 2, 1) and ReplayPlan.covers(records, 0, 5, 1)
+    assert not ReplayPlan.covers(records[:1], 0, 2, 1) and not ReplayPlan.covers(records, 0, 1, 2)
     assert plan.steps(0, 0) == 2 and plan.round_steps(0, 10, [10]) == 2 and plan.due(0, 12, [10], set()) == [0]
     plan.check(ContributionHeader(0, "b", 64, fragment=0), {0: "aa", 1: "bb"})
     with pytest.raises(ReplayEnded, match="digest mismatch at round 1: 1 of 2 chunks differ") as e:
@@ -149,3 +151,40 @@ def test_a_plan_refuses_a_round_merged_without_the_island_and_other_bits():
     with pytest.raises(ReplayEnded, match="round 2 merged without it") as e:
         plan.check(ContributionHeader(1, "b", 64, fragment=0), {})
     assert short_reason(str(e.value)) == "round 2 merged without it"
+
+
+def test_streaming_fragments_with_overlap_and_int4_error_feedback_replay_to_the_same_bits(tmp_path):
+    config = replay_config(tmp_path)
+    config.outer.update(fragments=2, overlap_steps=1)
+    config.codec.update(kind="int4", error_feedback=True)
+    config.islands.a.inner_steps = config.islands.b.inner_steps = 4  # fragment 0 after step 2, fragment 1 after 4
+    straight = run_restarting(config, tmp_path / "straight")
+    workdir = tmp_path / "killed"
+    summary = run_restarting(config, workdir, kills=dict(b=[4, 6]))  # replays round 3, then round 5
+    assert {(r["round"], r.get("fragment")): r["checksum"] for r in records(workdir, "coordinator", "round")} == {
+        (r["round"], r.get("fragment")): r["checksum"] for r in records(tmp_path / "straight", "coordinator", "round")}
+    assert summary["eval_loss_final"] == straight["eval_loss_final"]
+    assert [(r["source"], r["rounds_before"], r["round"]) for r in records(workdir, "islands/b", "rejoin")] == [
+        ("replay", 2, 3), ("replay", 4, 5)]
+    # the residual error feedback carries is in the checkpoints: the last ones equal the uninterrupted run's
+    last = {r["round"]: r["checksums"] for r in records(tmp_path / "straight", "islands/b", "checkpoint")}
+    assert records(workdir, "islands/b", "checkpoint")[-1]["checksums"] == last[ROUNDS]
+    assert "residual" in last[ROUNDS]
+
+
+def test_a_quorum_run_replays_up_to_the_first_round_merged_without_the_island_then_takes_the_view(tmp_path):
+    config = replay_config(tmp_path, rounds=8)
+    config.outer.update(min_islands=1, grace_seconds=2.0)
+    merged = tmp_path / "quorum" / "coordinator" / "metrics.jsonl"
+
+    def away_for_two_rounds(name, attempt, cfg):
+        if name == "b" and attempt == 1:  # killed as round 4 starts; back once rounds 4 and 5 merged without it
+            while not any(r["kind"] == "round" and r["round"] >= 5 for r in read_jsonl(merged)):
+                threading.Event().wait(0.1)
+
+    summary = run_restarting(config, tmp_path / "quorum", kills=dict(b=[4]), hook=away_for_two_rounds)
+    assert summary["checksums_agree"] is True
+    rejoins = records(tmp_path / "quorum", "islands/b", "rejoin")
+    assert [(r["source"], r["rounds_before"], r["replayed"]) for r in rejoins] == [("view", 4, 1)]
+    assert rejoins[0]["reason"].startswith("round 4 merged without it: ")
+    assert summary["islands"]["b"]["rounds_replayed"] == 1 and summary["islands"]["b"]["rejoin_bitwise"] is False

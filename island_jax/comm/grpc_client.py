@@ -190,8 +190,10 @@ class GrpcTransport(Reconnecting):
         ]
         self.shares, self.share_bitmaps = self._shares_of(self.plans)
         self.view_plan = plan_of(list(reply.view_chunk_offsets), reply.view_bytes)
-        return dict(round=reply.round, checksum=reply.params_checksum, rejoin=reply.rejoin,
-                    kept=json.loads(reply.kept_json) if reply.kept_json else [])
+        out = dict(round=reply.round, checksum=reply.params_checksum, rejoin=reply.rejoin)
+        if reply.kept_json:  # what a rejoining island may replay
+            out["kept"] = json.loads(reply.kept_json)
+        return out
 
     def replaying(self, island: str, round: int) -> None:
         """Tells the coordinator the island is replaying `round` (0-based): it is alive, and the round waiting

@@ -200,7 +200,7 @@ class Coordinator:
 
         Returns:
           {"round": the round it is admitted at, "checksum": the whole view's checksum now,
-          "rejoin": whether it must take the view (or its checkpoint of that round), "kept": with "rejoin", the
+          "rejoin": whether it must take the view (or its checkpoint of that round), and with "rejoin", "kept": the
           records of the rounds kept for it to replay (`replay.KeptUpdates.records`; [] when none are kept)}.
 
         Raises:
@@ -212,7 +212,8 @@ class Coordinator:
         if self.shard is not None and not self.shard.leader:  # the leader admits; here the island is only known
             for f in self.fragments:
                 f.joined.add(island)
-            return dict(round=self.round, checksum="", rejoin=False, kept=self._kept_for(island))
+            kept = self._kept_for(island)
+            return dict(round=self.round, checksum="", rejoin=False, **({"kept": kept} if kept else {}))
         rounds = [f.round for f in self.fragments]
         at_our_round = len(set(rounds)) == 1 and round == rounds[0]
         if at_our_round and (params_checksum == self.checksum or round == 0):
@@ -231,8 +232,10 @@ class Coordinator:
             self.rejoined.add(island)
         else:
             self.rejoined.discard(island)
-        return dict(round=admitted, checksum=self.checksum, rejoin=rejoin,
-                    kept=self._kept_for(island) if rejoin else [])
+        reply = dict(round=admitted, checksum=self.checksum, rejoin=rejoin)
+        if rejoin:
+            reply["kept"] = self._kept_for(island)
+        return reply
 
     def _kept_for(self, island: str) -> list[dict]:
         """The kept records an island replays with (`KeptUpdates.records`, of every kept round: after a

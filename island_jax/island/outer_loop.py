@@ -202,6 +202,18 @@ class _Flight:
     future: futures.Future
 
 
+def _last_contributions(island: OuterLoopIsland, settings: _Settings, first_round: int) -> list[int]:
+    """Each fragment's step at its last contribution, for an island that starts at `first_round` (a round
+    boundary, step `island.step`): by steps, fragment p was contributed o_p = (p + 1) H // F steps into the round
+    before, H - o_p steps ago, so its first contribution here weighs as many tokens as in a run never stopped;
+    at round 0, or by time, the start."""
+    step = island.step
+    if first_round == 0 or settings.round_seconds is not None:
+        return [step] * settings.fragments
+    h = island.inner_steps
+    return [step - (h - fragments_lib.contribution_step(p, h, settings.fragments)) for p in range(settings.fragments)]
+
+
 class StreamingSync:
     """Drives one island's rounds with fragments, overlap and accounting (Streaming DiLoCo, arXiv 2501.18512,
     Algorithm 1; see the module docstring).
@@ -239,7 +251,7 @@ class StreamingSync:
         self.events = events if events is not None else EventLog(island=island.name)
         self.schedule = _Schedule(
             next_round=list(fragment_rounds or [first_round] * settings.fragments),
-            steps_at_contribution=[island.step] * settings.fragments,
+            steps_at_contribution=_last_contributions(island, settings, first_round),
             exchange_seconds=collections.deque(maxlen=settings.fragments),
             last_tau=settings.tau,
         )
@@ -393,8 +405,10 @@ class StreamingSync:
             self.replay, self.transport = None, self.transport.transport
 
     def _replaying_round(self) -> bool:
-        """Whether the round being trained is kept whole: its steps and moments come from the records."""
-        return self.replay is not None and self.replay.whole_round(self.clock.round)
+        """Whether the round being trained is kept whole and its steps and moments come from the records: with one
+        fragment, or under `outer.sync = "time"` (by steps, F > 1, the schedule is the first time's already)."""
+        return (self.replay is not None and self.replay.whole_round(self.clock.round)
+                and (self.settings.fragments == 1 or self.settings.round_seconds is not None))
 
     def _take_planned_inner_steps(self, round: int) -> None:
         """Adopts the coordinator's plan of H (`outer.auto_from = measured`) from `round` on, when it changed."""

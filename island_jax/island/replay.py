@@ -62,9 +62,15 @@ class ReplayPlan:
 
     @staticmethod
     def covers(records: list[dict], start: int, target: int, fragments: int) -> bool:
-        """Whether `records` hold every fragment's round from `start` up to (not including) `target`."""
-        kept = {(r["round"], r["fragment"]) for r in records}
-        return all((r, p) in kept for r in range(start, target) for p in range(fragments))
+        """Whether `records` hold every fragment's round from `start` up to (not including) `target`, or up to a
+        round merged without the island (where the replay ends anyway)."""
+        kept = {(r["round"], r["fragment"]): r for r in records}
+        for r in range(start, target):
+            if not all((r, p) in kept for p in range(fragments)):
+                return False
+            if not all(kept[(r, p)]["merged_with"] for p in range(fragments)):
+                return True
+        return True
 
     def has(self, round: int, fragment: int) -> bool:
         return (round, fragment) in self.kept

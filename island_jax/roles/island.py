@@ -298,7 +298,14 @@ def _join(config, island: Island, transport, role: RoleFolder, first: int, evalu
     fragment_rounds, rejoined, plan = None, False, None
     if transport is not None:
         resumed = first
-        first, fragment_rounds, rejoined, plan = align(config, island, transport, role, first, True, fingerprint)
+        resume = True
+        while True:  # a coordinator that restarts while the island joins or fetches the view: again, from scratch
+            try:
+                first, fragment_rounds, rejoined, plan = align(config, island, transport, role, first, resume, fingerprint)
+                break
+            except CoordinatorRestarted as e:  # its state may be a checkpoint's now: restored again, or the view
+                logging.warning("island %s: %s; it joins the restarted coordinator", name, e)
+                resume = False
         if rejoined and evaluators and plan is None:
             logging.info("island %s evaluates the view it rejoined at (round %d; it resumed at %d)", name, first, resumed)
     logging.info(
