@@ -47,6 +47,35 @@ def launch(workdir, files: str, *overrides: str, config: str = CONFIG) -> subpro
     return subprocess.run(cmd, capture_output=True, text=True, env=role_env(), timeout=600)
 
 
+def kill_during(cmd: list[str], kills: list[tuple[str, str]]) -> tuple[int, str, list[str]]:
+    """Runs the launcher `cmd`; for each (line, role) of `kills` in turn, once it prints a line starting with
+    `line`, SIGKILLs the current process of `role` (as started, or restarted, by the launcher). Returns (its
+    status, its output, the roles killed)."""
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=role_env())
+    kills, seen, killed = list(kills), [], []
+    try:
+        for got in proc.stdout:
+            seen.append(got)
+            if kills and got.startswith(kills[0][0]):
+                role = kills.pop(0)[1]
+                pids = re.findall(rf"(?:started {re.escape(role)} \(pid|{re.escape(role)} (?:exited|was stopped) .*pid) "
+                                  r"(\d+)\)", "".join(seen))
+                os.kill(int(pids[-1]), signal.SIGKILL)
+                killed.append(role)
+        proc.wait(timeout=600)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    return proc.returncode, "".join(seen), killed
+
+
+def views(workdir) -> dict[int, str]:
+    """{round: the coordinator's view checksum after it} (its latest record of the round; fragment 0's)."""
+    return {r["round"]: r["checksum"] for r in read_jsonl(pathlib.Path(workdir) / "coordinator" / "metrics.jsonl")
+            if r["kind"] == "round" and r.get("fragment", 0) == 0}
+
+
 def _shared(tmp_path_factory):
     """The folder every pytest-xdist worker of this run sees (the base temporary folder's parent under xdist),
     for what a run makes once."""

@@ -8,15 +8,15 @@ import socket
 import subprocess
 import sys
 import threading
-import time
 
 import numpy as np
 import pytest
-from processes import CONFIG, launch, role_env
+from processes import CONFIG, kill_during, launch, role_env, views
 from tiny_config import get_config
 
 from island_jax.metrics import read_jsonl
 from island_jax.model.init import count, init_params
+from island_jax.run import run_in_process
 
 pytestmark = pytest.mark.slow  # every test here starts processes
 
@@ -269,31 +269,36 @@ def _kill_mid_run(cmd: list[str], line: str, role: str, before=None, merged: boo
     return proc.returncode, "".join(seen) + rest, err or ""
 
 
-def test_restart_an_island_killed_mid_run_is_started_again_and_the_run_completes(corpus, tmp_path):
+def test_restart_kills_of_islands_and_the_coordinator_end_on_the_uninterrupted_bits(corpus, tmp_path):
+    """Every island needed, checkpoints every 2 rounds, 8 rounds under `launch/local.py --restart`: island b
+    SIGKILLed after round 3 merged, island a after round 5, the coordinator after round 6 and b again after round 7.
+    Each restarted island replays the rounds since its checkpoint, and the run ends on the bits of a run never
+    interrupted (its per-round views and final eval loss)."""
+    config = get_config()
+    config.data.files = corpus
+    config.outer.rounds, config.checkpoint.every_rounds = 8, 2
+    straight = run_in_process(config, str(tmp_path / "straight"))
     workdir = tmp_path / "killed"
     cmd = [sys.executable, os.path.join(ROOT, "launch", "local.py"), f"--config={CONFIG}", f"--workdir={workdir}",
-           f"--config.data.files={corpus}", "--config.outer.rounds=30", "--restart=1"]
-
-    def when_b_has_a_checkpoint(seen: str) -> None:
-        # once b holds a complete checkpoint (written in the background; b's round records alone, with no
-        # checkpoint to resume from, would rightly stop its restart)
-        folder, deadline = workdir / "islands" / "b" / "checkpoints", time.monotonic() + 60
-        while not (folder.is_dir() and any(p.name.isdigit() for p in folder.iterdir())) and time.monotonic() < deadline:
-            time.sleep(0.05)
-
-    returncode, out, _ = _kill_mid_run(cmd, "[launch] round 2/30", "island b", when_b_has_a_checkpoint, merged=True)
-    island_b = int(re.search(r"started island b \(pid (\d+)\)", out)[1])
-    assert returncode == 0, out[-3000:]
-    restart = re.search(r"^\[launch\] island b exited with status -9; restarting it \(restart 1 of 1, pid (\d+)\)$",
-                        out, re.M)
-    assert restart, out[-3000:]
-    after = out[restart.end():]
-    assert re.search(r"^\[island b\] .*island b resumed from the checkpoint of round \d+", after, re.M)
-    assert all(line.endswith(" | restarts: island b 1") for line in re.findall(r"^\[launch\] round .*$", after, re.M))
-    assert json.load(open(workdir / "summary.json"))["checksums_agree"] is True
-    for pid in (island_b, int(restart[1])):
-        with pytest.raises(ProcessLookupError):
-            os.kill(pid, 0)
+           f"--config.data.files={corpus}", "--config.outer.rounds=8", "--config.checkpoint.every_rounds=2",
+           "--restart=2"]
+    kills = [(f"[launch] round {r}/8", role) for r, role in ((3, "island b"), (5, "island a"), (6, "coordinator"),
+                                                              (7, "island b"))]
+    returncode, out, killed = kill_during(cmd, kills)
+    assert returncode == 0 and killed == [role for _, role in kills], out[-4000:]
+    assert len(re.findall(r"^\[launch\] island b exited with status -9; restarting it", out, re.M)) == 2
+    assert views(workdir) == views(tmp_path / "straight")
+    summary = json.load(open(workdir / "summary.json"))
+    assert summary["eval_loss_final"] == straight["eval_loss_final"] and summary["checksums_agree"] is True
+    assert summary["islands"]["b"]["rejoin_bitwise"] is True and summary["islands"]["a"]["rejoin_bitwise"] is True
+    for name in ("a", "b"):  # each restart replayed from its checkpoint (an even round), or rolled back to one
+        rejoins = [r for r in read_jsonl(workdir / "islands" / name / "metrics.jsonl") if r["kind"] == "rejoin"]
+        assert {r["source"] for r in rejoins} <= {"replay", "checkpoint"} and rejoins, rejoins
+        replays = [r for r in rejoins if r["source"] == "replay"]
+        assert all(r["rounds_before"] % 2 == 0 and r["replayed"] == r["round"] - r["rounds_before"] for r in replays)
+        assert summary["islands"][name]["rounds_replayed"] == sum(r["replayed"] for r in replays)
+    assert re.search(r"^\[launch\] done in .*; rejoins: a replayed \d+ rounds, bitwise, b replayed \d+ rounds, "
+                     r"bitwise; summary in", out, re.M), out[-3000:]
 
 
 def test_two_coordinator_shards_with_tls_and_tokens_one_killed_give_the_same_bits_and_write_no_secret(

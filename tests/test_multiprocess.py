@@ -6,14 +6,16 @@ time, to kill one.
 """
 
 import json
+import os
 import re
+import sys
 import time
 
 import jax
 import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
-from processes import CONFIG, checkpointed, latest, launch, merged_and_rejoined
+from processes import CONFIG, ROOT, checkpointed, kill_during, latest, launch, merged_and_rejoined
 from tiny_config import get_config
 
 from island_jax.metrics import read_jsonl
@@ -185,8 +187,8 @@ def _owned_bytes(kind: str, chunk_bytes: int, fragments: int) -> list[int]:
 
 def test_a_two_process_fsdp_island_moves_only_its_own_chunks_and_resumes_to_the_same_bits(tmp_path, corpus):
     """fsdp = 2 over island a's 2 processes, streaming (F = 2) with int4 and error feedback: each process sends the
-    chunks it owns, every checksum agrees with island b's after every round, and a run stopped after round 2 and
-    started again ends with the same bits as one without a stop. (The tiny model's leaves are smaller than a
+    chunks it owns, every checksum agrees with island b's after every round, and a run in which one of a's
+    processes is killed ends with the same bits as one without a kill. (The tiny model's leaves are smaller than a
     piece of the codec, so every chunk holds whole leaves that both processes hold half of, and the chunks are
     dealt by bytes; tests/test_shards.py has owners that hold most of their chunks.)"""
     result = launch(tmp_path / "straight", corpus, *FSDP_OVER_PROCESSES, *STREAMING_INT4)
@@ -204,13 +206,18 @@ def test_a_two_process_fsdp_island_moves_only_its_own_chunks_and_resumes_to_the_
     saved = [r for r in read_jsonl(tmp_path / "straight" / "islands/a/metrics.jsonl") if r["kind"] == "checkpoint"]
     assert [r["checksums"]["anchor"] for r in saved] == [r["checksum"] for r in a]
 
-    # The same run stopped as round 3 starts (island a fails on purpose and the launcher stops every process), then
-    # started again on its workdir: every role resumes from its checkpoint of round 2.
-    stopped = tmp_path / "stopped"
-    crashed = launch(stopped, corpus, *FSDP_OVER_PROCESSES, *STREAMING_INT4, "--config.islands.a.crash_at_round=3")
-    assert crashed.returncode == 1 and "island a crashes at round 3 on purpose" in crashed.stdout + crashed.stderr
-    resumed = launch(stopped, corpus, *FSDP_OVER_PROCESSES, *STREAMING_INT4)
-    assert resumed.returncode == 0, resumed.stdout[-4000:] + resumed.stderr[-4000:]
-    assert re.search(r"^\[island a/0\] .*resumed from the checkpoint of round 2", resumed.stdout, re.M)
+    # The same run with process 1 of island a SIGKILLed once round 1 is done everywhere: the launcher starts the
+    # island's two processes again, they resume from their checkpoint and replay what the run merged since, each
+    # process checking its own chunks, and the run ends on the same bits.
+    killed = tmp_path / "killed"
+    cmd = [sys.executable, os.path.join(ROOT, "launch", "local.py"), f"--config={CONFIG}", f"--workdir={killed}",
+           f"--config.data.files={corpus}", *FSDP_OVER_PROCESSES, *STREAMING_INT4, "--restart=1"]
+    returncode, out, _ = kill_during(cmd, [("[launch] round 1/3", "island a/1")])
+    assert returncode == 0 and re.search(r"^\[launch\] island a/1 exited with status -9; restarting it", out, re.M), out[-4000:]
+    assert re.search(r"^\[island a/0\] .*resumed from the checkpoint of round \d", out, re.M), out[-4000:]
+    def by_round(records):  # a round logged again (replayed, or merged again) by its last record
+        return {(r["round"], r.get("fragment", 0)): r["checksum"] for r in records}
+
     for role, straight in (("coordinator", merged), ("a", a), ("b", b)):
-        assert [r["checksum"] for r in _rounds(stopped, role)] == [r["checksum"] for r in straight], role
+        assert by_round(_rounds(killed, role)) == by_round(straight), role
+    assert json.load(open(killed / "summary.json"))["islands"]["a"]["rejoin_bitwise"] is True

@@ -101,7 +101,7 @@ def test_a_finished_run_extended_from_its_workdir_alone_goes_on_with_its_schedul
 
 def test_a_resume_where_an_island_lost_its_newest_checkpoint_does_not_wait_at_the_barrier(finished, tmp_path, caplog):
     """As after a stop that came before island a's checkpoint of round 4 was written: the coordinator and b resume
-    at round 4, a at round 2 (it rejoins from the view, so b must not wait for it to say it is ready)."""
+    at round 4, a at round 2 (it rejoins, replaying rounds 3 and 4, so b must not wait for it to say it is ready)."""
     corpus, workdir = copy(finished, tmp_path)
     shutil.rmtree(os.path.join(workdir, "islands", "a", "checkpoints", "4"))
     config = tiny(corpus, rounds=ROUNDS + 2)
@@ -111,7 +111,7 @@ def test_a_resume_where_an_island_lost_its_newest_checkpoint_does_not_wait_at_th
     assert [name for name, _ in waits] == ["b"]
     assert float(waits[0][1]) < 30  # the join timeout is 300 s
     assert not logged(caplog, r".*not every island was ready.*")
-    assert [r["source"] for r in records(workdir, "islands/a", "rejoin")] == ["view"]
+    assert [r["source"] for r in records(workdir, "islands/a", "rejoin")] == ["replay"]
     assert summary["checksums_agree"] is True and summary["checksums_agree_every_round"] is True
 
 

@@ -200,8 +200,8 @@ class Coordinator:
 
         Returns:
           {"round": the round it is admitted at, "checksum": the whole view's checksum now,
-          "rejoin": whether it must take the view (or its checkpoint of that round), and with "rejoin", "kept": the
-          records of the rounds kept for it to replay (`replay.KeptUpdates.records`; [] when none are kept)}.
+          "rejoin": whether it must take the view (or its checkpoint of that round), and with "rejoin", where any
+          are kept, "kept": the records of the rounds kept for it to replay (`replay.KeptUpdates.records`)}.
 
         Raises:
           HandshakeError: unknown island, fingerprint fields that differ (named in the message), another
@@ -233,8 +233,9 @@ class Coordinator:
         else:
             self.rejoined.discard(island)
         reply = dict(round=admitted, checksum=self.checksum, rejoin=rejoin)
-        if rejoin:
-            reply["kept"] = self._kept_for(island)
+        kept = self._kept_for(island) if rejoin else []
+        if kept:
+            reply["kept"] = kept
         return reply
 
     def _kept_for(self, island: str) -> list[dict]:

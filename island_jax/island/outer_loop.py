@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import collections
 import contextlib
-import dataclasses
 import time
 from concurrent import futures
 from typing import Callable, Protocol, runtime_checkable
@@ -27,6 +26,7 @@ from absl import logging
 
 from island_jax.island.accounting import BetweenRounds, EventLog, RoundAccounting, RoundProgress, StepTimes
 from island_jax.island.replay import ReplayPlan, ReplayTransport
+from island_jax.island.round_state import Flight, RoundClock, Schedule, Settings
 from island_jax.outer import codec
 from island_jax.outer import fragments as fragments_lib
 from island_jax.protocol import ContributionHeader, CoordinatorRestarted, ExchangeError, StaleRoundError, Transport
@@ -123,95 +123,12 @@ def _outcome_of(error: BaseException) -> list:
     return ["error", 0, f"{type(error).__name__}: {error}"]
 
 
-@dataclasses.dataclass(frozen=True)
-class _Settings:
-    """The outer loop's part of the run's config."""
-
-    fragments: int  # F
-    mix_alpha: float  # alpha
-    auto: bool  # outer.overlap_steps = "auto"
-    tau: int  # outer.overlap_steps when fixed (0 under "auto")
-    round_seconds: float | None  # outer.sync = "time": each round's wall-clock budget, s; None: by steps
-    rounds: int  # outer.rounds
-    connections: int  # comm.connections
-    progress_seconds: float  # metrics.progress_seconds: a progress line this often within a round, s (0: none)
-
-    @classmethod
-    def from_config(cls, config, fragments: int) -> "_Settings":
-        o = config.outer
-        auto = o.overlap_steps == "auto"
-        metrics = config.get("metrics") or {}  # a config saved before the field existed: its default
-        return cls(
-            fragments=fragments,
-            mix_alpha=float(o.mix_alpha),
-            auto=auto,
-            tau=0 if auto else int(o.overlap_steps),
-            round_seconds=float(o.round_seconds) if o.sync == "time" else None,
-            rounds=int(o.rounds),
-            connections=int(config.comm.connections),
-            progress_seconds=float(metrics.get("progress_seconds", 30.0)),
-        )
-
-
-@dataclasses.dataclass
-class _Schedule:
-    """Where each fragment stands, and what the schedule is planned from."""
-
-    next_round: list[int]  # per fragment: the round of its next contribution
-    steps_at_contribution: list[int]  # per fragment: the island's step at its last contribution
-    exchange_seconds: collections.deque  # the last F exchanges' seconds (encode to placed), for tau = "auto"
-    last_tau: int  # tau of the last contribution
-    contributed: set[int] = dataclasses.field(default_factory=set)  # fragments contributed this round
-    planned_inner_steps: int | None = None  # H planned by the coordinator from measured step times
-
-    def start_at(self, rounds: list[int], step: int) -> None:
-        """Every fragment's next round (`rounds`, one each) and its last contribution at inner step `step`."""
-        self.next_round = list(rounds)
-        self.steps_at_contribution = [step] * len(rounds)
-
-
-@dataclasses.dataclass
-class _RoundClock:
-    """When rounds run (`time.perf_counter()` seconds)."""
-
-    round: int  # the round being trained (the last one trained, between rounds)
-    first_round: int  # this process's first round
-    start: float = 0.0  # when the round's fragment schedule started (sync = time: aligned on the epoch)
-    last_end: float | None = None  # when the last round ended
-    epoch: tuple[float, int] | None = None  # (when, round): a drain realigned the islands there
-
-    def begin(self, round: int, round_seconds: float | None) -> float | None:
-        """Starts `round`. Returns its training seconds when rounds are aligned on a drain (sync = time:
-        the round ends at epoch + (round - epoch round + 1) x round_seconds), else None."""
-        self.round = round
-        self.start = now = time.perf_counter()
-        if round_seconds is None or self.epoch is None:
-            return None
-        self.start = self.epoch[0] + (round - self.epoch[1]) * round_seconds
-        return max(self.start + round_seconds - now, 0.0)
-
-
-@dataclasses.dataclass
-class _Flight:
-    """One fragment's exchange in flight."""
-
-    fragment: int
-    round: int
-    due_step: int  # apply at the end of this inner step (island.step, counted over the run)
-    tau: int
-    future: futures.Future
-
-
-def _last_contributions(island: OuterLoopIsland, settings: _Settings, first_round: int) -> list[int]:
-    """Each fragment's step at its last contribution, for an island that starts at `first_round` (a round
-    boundary, step `island.step`): by steps, fragment p was contributed o_p = (p + 1) H // F steps into the round
-    before, H - o_p steps ago, so its first contribution here weighs as many tokens as in a run never stopped;
-    at round 0, or by time, the start."""
-    step = island.step
-    if first_round == 0 or settings.round_seconds is not None:
-        return [step] * settings.fragments
-    h = island.inner_steps
-    return [step - (h - fragments_lib.contribution_step(p, h, settings.fragments)) for p in range(settings.fragments)]
+def log_view_taken(island: OuterLoopIsland, transport) -> None:
+    """Of an island of several processes: logs how many of the view's chunks this process took (its own)."""
+    if island.multi_process:
+        plan = getattr(transport, "view_plan", None) or []
+        logging.info("island %s, process %d: took %d of the view's %d chunks, those of its own shards", island.name,
+                     island.part, len(island.view_chunks(plan)), len(plan))
 
 
 class StreamingSync:
@@ -247,21 +164,22 @@ class StreamingSync:
         events: EventLog | None = None, fragment_rounds: list[int] | None = None,
     ):
         self.island, self.transport, self.link = island, transport, link
-        self.settings = settings = _Settings.from_config(config, len(island.partition))
+        self.settings = settings = Settings.from_config(config, len(island.partition))
         self.events = events if events is not None else EventLog(island=island.name)
-        self.schedule = _Schedule(
+        self.schedule = Schedule(
             next_round=list(fragment_rounds or [first_round] * settings.fragments),
-            steps_at_contribution=_last_contributions(island, settings, first_round),
+            steps_at_contribution=fragments_lib.last_contributions(
+                island.step, island.inner_steps, settings.fragments, first_round, settings.round_seconds is not None),
             exchange_seconds=collections.deque(maxlen=settings.fragments),
             last_tau=settings.tau,
         )
-        self.clock = _RoundClock(round=first_round, first_round=first_round)
+        self.clock = RoundClock(round=first_round, first_round=first_round)
         self.step_times = StepTimes()
         self.accounting = RoundAccounting()
         # an island of several processes: process 0's lines say it for all of them
         every = settings.progress_seconds if getattr(island, "part", 0) == 0 else 0.0
         self.progress = RoundProgress(island.name, settings.rounds, every, island.tokens_per_step)
-        self.inflight: dict[int, _Flight] = {}
+        self.inflight: dict[int, Flight] = {}
         self.rejoined_round: int | None = None
         self.rejoin_reason: str | None = None  # why a replay ended in a view (`island.replay`), with rejoined_round
         self.replay_start = 0  # with rejoin_reason: the round that replay started from
@@ -459,7 +377,7 @@ class StreamingSync:
         tokens = max(steps, 1) * island.tokens_per_step
         future = self._pool.submit(self._exchange, fragment, round, tokens, pseudo_gradient, step_seconds, tau, checksum,
                                    self.transport)  # a replay's, for a kept round, whenever the thread runs
-        self.inflight[fragment] = _Flight(fragment, round, island.step + tau, tau, future)
+        self.inflight[fragment] = Flight(fragment, round, island.step + tau, tau, future)
         schedule.next_round[fragment] = round + 1
         schedule.contributed.add(fragment)
         if tau == 0:
@@ -526,7 +444,7 @@ class StreamingSync:
         if done["planned"]:
             self.schedule.planned_inner_steps = done["planned"]
 
-    def _outcome(self, flight: _Flight) -> dict:
+    def _outcome(self, flight: Flight) -> dict:
         """The finished exchange's result. Of an island of several processes, every process's outcome is
         shared first, so that all of them go on the same way (apply, rejoin from the view, or fail), and the
         update is put together from their shares and decoded here.
@@ -571,7 +489,12 @@ class StreamingSync:
         self.forget_inflight()
         rounds, view = self.transport.fetch_view(self.island.name, needed=self.island.view_chunks)
         self.island.load_view(view)
-        logging.warning("island %s fell behind; rejoined from the view at rounds %s", self.island.name, rounds)
+        if self.rejoin_reason is None:
+            logging.warning("island %s fell behind; rejoined from the view at rounds %s", self.island.name, rounds)
+        else:
+            logging.warning("island %s rejoined the run at round %d from the view, its replay ended (%s)",
+                            self.island.name, min(rounds) + 1, self.rejoin_reason)
+        log_view_taken(self.island, self.transport)
         self.schedule.start_at(rounds, self.island.step)
         self.rejoined_round = min(rounds)
 
@@ -588,7 +511,7 @@ class StreamingSync:
         fragments = self.settings.fragments
         self.schedule.start_at(fragment_rounds or [first_round] * fragments, self.island.step)
         self.schedule.contributed = set()
-        self.clock = _RoundClock(round=first_round, first_round=first_round)
+        self.clock = RoundClock(round=first_round, first_round=first_round)
         self.rejoined_round = self.rejoin_reason = None
         self.end_replay()
 

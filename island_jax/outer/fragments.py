@@ -107,6 +107,16 @@ def contribution_step(p: int, inner_steps: int, num_fragments: int) -> int:
     return (p + 1) * inner_steps // num_fragments
 
 
+def last_contributions(step: int, inner_steps: int, num_fragments: int, first_round: int, timed: bool) -> list[int]:
+    """Each fragment's step at its last contribution, for an island that starts at `first_round` (a round
+    boundary, inner step `step`): by steps, fragment p was contributed `contribution_step(p)` steps into the
+    round before, so its first contribution here weighs as many tokens as in a run never stopped; at round 0, or
+    by time (`timed`), `step`."""
+    if first_round == 0 or timed:
+        return [step] * num_fragments
+    return [step - inner_steps + contribution_step(p, inner_steps, num_fragments) for p in range(num_fragments)]
+
+
 def due_fragments(step: int, inner_steps: int, num_fragments: int) -> list[int]:
     """Fragments contributed at the end of inner step `step` (1-based, over the run) under `sync = steps`.
 

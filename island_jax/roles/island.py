@@ -33,6 +33,7 @@ from island_jax.comm.session import RunAborted
 from island_jax.comm.sharded import ShardedTransport
 from island_jax.coordinator.shards import ShardError, parse_addresses
 from island_jax.island import ACCOUNTING_FIELDS, STEP_METRICS, EventLog, Island, StreamingSync, memory
+from island_jax.island.outer_loop import log_view_taken
 from island_jax.island.replay import ReplayPlan, short_reason
 from island_jax.island.step import learning_rates
 from island_jax.mesh import island_mesh
@@ -369,15 +370,12 @@ def align(config, island: Island, transport, role: RoleFolder, at: int, resume: 
             return target, None, True, None
         logging.warning("island %s: its checkpoint of round %d holds other parameters than the coordinator's "
                         "view; it takes the view", name, target)
-    plan = _replay_plan(config, island, role, at, resume, reply) if own is None else None
+    plan = _replay_plan(config, island, role, at, resume, reply)
     if plan is not None:
         return plan.start, None, True, plan
     rounds, view = transport.fetch_view(name, min_round=target, needed=island.view_chunks)
     island.load_view(view)
-    if island.multi_process:
-        plan = getattr(transport, "view_plan", None) or []
-        logging.info("island %s, process %d: took %d of the view's %d chunks, those of its own shards", name,
-                     island.part, len(island.view_chunks(plan)), len(plan))
+    log_view_taken(island, transport)
     first = min(rounds)
     if first > at and resume:
         logging.warning("island %s rejoined the run at round %d: it missed rounds %d..%d (it had completed %d)",
@@ -399,9 +397,16 @@ def _replay_plan(config, island: Island, role: RoleFolder, at: int, resume: bool
     kept, target, fragments = reply.get("kept") or [], reply["round"], len(island.partition)
     if config.outer.get("rejoin", "replay") != "replay" or not kept:
         return None
-    saved = [r for r in role.checkpoints.rounds(wait=True) if r < target]
-    candidates = sorted(set(saved) | ({at} if resume and at < target else set()), reverse=True)
-    for start in island.agree([c for c in candidates if ReplayPlan.covers(kept, c, target, fragments)])[0]:
+    saved = [r for r in role.checkpoints.rounds(wait=True) if r <= target]
+    candidates = sorted(set(saved) | ({at} if resume and at <= target else set()), reverse=True)
+    # from a checkpoint at the run's round when its fragments are at different rounds (its own state is not the
+    # view then); else one with at least one round to replay, every round kept up to the run's or to one merged
+    # without the island
+    kept_with = {(k["round"], k["fragment"]) for k in kept if k["merged_with"]}
+    usable = [c for c in candidates if ReplayPlan.covers(kept, c, target, fragments)
+              and (c < target and all((c, p) in kept_with for p in range(fragments))
+                   or c == target and any(k["round"] >= target for k in kept))]
+    for start in island.agree(usable)[0]:
         if not (resume and start == at):
             try:
                 island.load_state(role.checkpoints.restore(island.state(0, template=True), round=start))
