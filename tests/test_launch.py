@@ -281,7 +281,8 @@ def test_restart_kills_of_islands_and_the_coordinator_end_on_the_uninterrupted_b
     workdir = tmp_path / "killed"
     cmd = [sys.executable, os.path.join(ROOT, "launch", "local.py"), f"--config={CONFIG}", f"--workdir={workdir}",
            f"--config.data.files={corpus}", "--config.outer.rounds=8", "--config.checkpoint.every_rounds=2",
-           "--restart=2"]
+           # an emulated link of 0.3 s one way (the bits do not depend on it): a round outlasts a kill's notice
+           "--config.comm.link.bandwidth_gbps=10", "--config.comm.link.latency_ms=300", "--restart=2"]
     kills = [(f"[launch] round {r}/8", role) for r, role in ((3, "island b"), (5, "island a"), (6, "coordinator"),
                                                               (7, "island b"))]
     returncode, out, killed = kill_during(cmd, kills)

@@ -206,13 +206,13 @@ def test_a_two_process_fsdp_island_moves_only_its_own_chunks_and_resumes_to_the_
     saved = [r for r in read_jsonl(tmp_path / "straight" / "islands/a/metrics.jsonl") if r["kind"] == "checkpoint"]
     assert [r["checksums"]["anchor"] for r in saved] == [r["checksum"] for r in a]
 
-    # The same run with process 1 of island a SIGKILLed once round 1 is done everywhere: the launcher starts the
+    # The same run with process 1 of island a SIGKILLed once round 2 is done everywhere (its checkpoint of round 1 is complete): the launcher starts the
     # island's two processes again, they resume from their checkpoint and replay what the run merged since, each
     # process checking its own chunks, and the run ends on the same bits.
     killed = tmp_path / "killed"
     cmd = [sys.executable, os.path.join(ROOT, "launch", "local.py"), f"--config={CONFIG}", f"--workdir={killed}",
            f"--config.data.files={corpus}", *FSDP_OVER_PROCESSES, *STREAMING_INT4, "--restart=1"]
-    returncode, out, _ = kill_during(cmd, [("[launch] round 1/3", "island a/1")])
+    returncode, out, _ = kill_during(cmd, [("[launch] round 2/3", "island a/1")])
     assert returncode == 0 and re.search(r"^\[launch\] island a/1 exited with status -9; restarting it", out, re.M), out[-4000:]
     assert re.search(r"^\[island a/0\] .*resumed from the checkpoint of round \d", out, re.M), out[-4000:]
     def by_round(records):  # a round logged again (replayed, or merged again) by its last record
