@@ -48,15 +48,15 @@ def launch(workdir, files: str, *overrides: str, config: str = CONFIG) -> subpro
 
 
 def kill_during(cmd: list[str], kills: list[tuple[str, str]]) -> tuple[int, str, list[str]]:
-    """Runs the launcher `cmd`; for each (line, role) of `kills` in turn, once it prints a line starting with
-    `line`, SIGKILLs the current process of `role` (as started, or restarted, by the launcher). Returns (its
-    status, its output, the roles killed)."""
+    """Runs the launcher `cmd`; for each (pattern, role) of `kills` in turn, once it prints a line that matches the
+    regular expression `pattern` (`re.match`), SIGKILLs the current process of `role` (as started, or restarted,
+    by the launcher). Returns (its status, its output, the roles killed)."""
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=role_env())
     kills, seen, killed = list(kills), [], []
     try:
         for got in proc.stdout:
             seen.append(got)
-            if kills and got.startswith(kills[0][0]):
+            if kills and re.match(kills[0][0], got):
                 role = kills.pop(0)[1]
                 pids = re.findall(rf"(?:started {re.escape(role)} \(pid|{re.escape(role)} (?:exited|was stopped) .*pid) "
                                   r"(\d+)\)", "".join(seen))

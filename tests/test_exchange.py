@@ -351,15 +351,18 @@ def test_reconnect_attempts_double_from_half_a_second_up_to_the_backoff_cap(monk
 
 
 def test_a_join_or_ready_lost_in_flight_is_made_again_until_the_coordinator_answers(monkeypatch, caplog):
-    """The coordinator died with an island's Join in flight, and again with its ready call (each ends UNAVAILABLE):
-    the island makes each again, with the reconnect backoff, and the coordinator that answers admits it."""
+    """The coordinator died with an island's Join in flight (after it admitted the island, before the reply), and
+    again with its ready call (each ends UNAVAILABLE): the island makes each again, with the reconnect backoff, and
+    the coordinator that answers admits it."""
     from island_jax.comm.service import ExchangeService
 
     real, lost = ExchangeService.Join, []
 
-    async def dies_once_each(self, request, context):  # the first join, and the first ready
+    async def dies_once_each(self, request, context):  # the first join (once admitted), and the first ready
         if request.ready not in lost:
             lost.append(request.ready)
+            if not request.ready:
+                await real(self, request, context)
             await context.abort(grpc.StatusCode.UNAVAILABLE, "Socket closed")
         return await real(self, request, context)
 

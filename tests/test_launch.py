@@ -271,7 +271,8 @@ def _kill_mid_run(cmd: list[str], line: str, role: str, before=None, merged: boo
 
 def test_restart_kills_of_islands_and_the_coordinator_end_on_the_uninterrupted_bits(corpus, tmp_path):
     """Every island needed, checkpoints every 2 rounds, 8 rounds under `launch/local.py --restart`: island b
-    SIGKILLed after round 3 merged, island a after round 5, the coordinator after round 6 and b again after round 7.
+    SIGKILLed after round 3 merged, island a after round 5, the coordinator after round 6, b again after round 7,
+    and the coordinator again while b replays.
     Each restarted island replays the rounds since its checkpoint, and the run ends on the bits of a run never
     interrupted (its per-round views and final eval loss)."""
     config = get_config()
@@ -283,11 +284,13 @@ def test_restart_kills_of_islands_and_the_coordinator_end_on_the_uninterrupted_b
            f"--config.data.files={corpus}", "--config.outer.rounds=8", "--config.checkpoint.every_rounds=2",
            # an emulated link of 0.3 s one way (the bits do not depend on it): a round outlasts a kill's notice
            "--config.comm.link.bandwidth_gbps=10", "--config.comm.link.latency_ms=300", "--restart=2"]
-    kills = [(f"[launch] round {r}/8", role) for r, role in ((3, "island b"), (5, "island a"), (6, "coordinator"),
-                                                              (7, "island b"))]
+    kills = [(rf"\[launch\] round {r}/8", role) for r, role in ((3, "island b"), (5, "island a"), (6, "coordinator"),
+                                                                 (7, "island b"))]
+    kills.append((r"\[island b\] .*island b replays rounds", "coordinator"))  # the coordinator dies mid-replay
     returncode, out, killed = kill_during(cmd, kills)
     assert returncode == 0 and killed == [role for _, role in kills], out[-4000:]
     assert len(re.findall(r"^\[launch\] island b exited with status -9; restarting it", out, re.M)) == 2
+    assert len(re.findall(r"^\[launch\] coordinator exited with status -9; restarting it", out, re.M)) == 2
     assert views(workdir) == views(tmp_path / "straight")
     summary = json.load(open(workdir / "summary.json"))
     assert summary["eval_loss_final"] == straight["eval_loss_final"] and summary["checksums_agree"] is True

@@ -212,7 +212,7 @@ def test_a_two_process_fsdp_island_moves_only_its_own_chunks_and_resumes_to_the_
     killed = tmp_path / "killed"
     cmd = [sys.executable, os.path.join(ROOT, "launch", "local.py"), f"--config={CONFIG}", f"--workdir={killed}",
            f"--config.data.files={corpus}", *FSDP_OVER_PROCESSES, *STREAMING_INT4, "--restart=1"]
-    returncode, out, _ = kill_during(cmd, [("[launch] round 2/3", "island a/1")])
+    returncode, out, _ = kill_during(cmd, [(r"\[launch\] round 2/3", "island a/1")])
     assert returncode == 0 and re.search(r"^\[launch\] island a/1 exited with status -9; restarting it", out, re.M), out[-4000:]
     assert re.search(r"^\[island a/0\] .*resumed from the checkpoint of round \d", out, re.M), out[-4000:]
     def by_round(records):  # a round logged again (replayed, or merged again) by its last record
@@ -220,4 +220,5 @@ def test_a_two_process_fsdp_island_moves_only_its_own_chunks_and_resumes_to_the_
 
     for role, straight in (("coordinator", merged), ("a", a), ("b", b)):
         assert by_round(_rounds(killed, role)) == by_round(straight), role
-    assert json.load(open(killed / "summary.json"))["islands"]["a"]["rejoin_bitwise"] is True
+    # a replay, or (killed right after its checkpoint of the run's round) a resume that needed none: never the view
+    assert json.load(open(killed / "summary.json"))["islands"]["a"]["rejoin_bitwise"] is not False

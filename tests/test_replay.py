@@ -188,3 +188,29 @@ def test_a_quorum_run_replays_up_to_the_first_round_merged_without_the_island_th
     assert [(r["source"], r["rounds_before"], r["replayed"]) for r in rejoins] == [("view", 4, 1)]
     assert rejoins[0]["reason"].startswith("round 4 merged without it: ")
     assert summary["islands"]["b"]["rounds_replayed"] == 1 and summary["islands"]["b"]["rejoin_bitwise"] is False
+
+
+def test_with_rejoin_view_a_view_fetch_cut_by_a_coordinator_restart_is_made_again(straight, tmp_path, monkeypatch):
+    """`outer.rejoin = "view"`: the restarted island takes the view at once (not bitwise). Its view fetch, in flight
+    when the coordinator restarts, is followed by a join to the restarted coordinator and a fetch again."""
+    from island_jax.comm.inprocess import InProcessTransport
+    from island_jax.protocol import CoordinatorRestarted
+
+    config, _, _ = straight
+    config = config.copy_and_resolve_references()
+    config.outer.rejoin = "view"
+    real, cut = InProcessTransport.fetch_view, []
+
+    def cut_once(self, island, min_round=0, needed=None):
+        if not cut:
+            cut.append(island)
+            raise CoordinatorRestarted(min_round, "fetch the island view: the coordinator restarted")
+        return real(self, island, min_round, needed)
+
+    monkeypatch.setattr(InProcessTransport, "fetch_view", cut_once)
+    summary = run_restarting(config, tmp_path / "view", kills=dict(b=[4]))
+    assert cut == ["b"] and summary["checksums_agree"] is True
+    assert [(r["source"], r["rounds_before"], r["round"]) for r in records(tmp_path / "view", "islands/b", "rejoin")] == [
+        ("view", 2, 3)]
+    assert summary["islands"]["b"]["rejoin_bitwise"] is False and summary["islands"]["b"]["rounds_replayed"] == 0
+    assert not (tmp_path / "view" / "coordinator" / "kept").exists()  # nothing kept for replays
