@@ -3,6 +3,7 @@ run that was not interrupted; where it cannot match (a digest differs, a quorum 
 view and says why. Every role runs in this process; an island "killed" at a round (`crash_at_round`) is started
 again on a fresh thread with the same workdir, as a launcher's restart would."""
 
+import os
 import threading
 
 import jax
@@ -214,3 +215,19 @@ def test_with_rejoin_view_a_view_fetch_cut_by_a_coordinator_restart_is_made_agai
         ("view", 2, 3)]
     assert summary["islands"]["b"]["rejoin_bitwise"] is False and summary["islands"]["b"]["rounds_replayed"] == 0
     assert not (tmp_path / "view" / "coordinator" / "kept").exists()  # nothing kept for replays
+
+
+def test_kept_updates_live_on_disk_survive_a_reopen_and_a_restore_discards_the_rounds_merged_again(tmp_path):
+    config = replay_config(tmp_path)
+    kept = KeptUpdates(str(tmp_path / "kept"), config)
+    for r in range(3):  # islands keep 2 checkpoints, every 2 rounds: after 3 rounds they may still restart at 0
+        kept.keep(r, 0, {0: bytes([r]) * 3, 1: bytes([r + 10]) * 2}, {"a": dict(tokens=64, tau=None, chunks={0: "x"})})
+    again = KeptUpdates(str(tmp_path / "kept"), config)  # a restarted coordinator opens the same folder
+    assert again.rounds() == [(0, 0), (1, 0), (2, 0)]
+    assert again.chunks(2, 0) == {0: b"\x02\x02\x02", 1: b"\x0c\x0c"} and again.chunks(3, 0) is None
+    assert [(r["round"], r["merged_with"]) for r in again.records("b")] == [(r, False) for r in range(3)]
+    assert [(r["round"], r["chunks"]) for r in again.records("a")][0] == (0, {"0": "x"})
+    again.discard_from(0, 1)  # restored at round 1: rounds 1 and 2 are merged again
+    assert sorted(os.listdir(tmp_path / "kept")) == ["00000000-0.json", "00000000-0.update"]
+    again.keep(5, 0, {0: b"z"}, {})  # after 6 rounds the oldest checkpoint an island holds is of round 4
+    assert again.rounds() == [(5, 0)]
