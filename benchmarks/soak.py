@@ -34,6 +34,10 @@ shard k on port `--port` + k, each behind a `FaultProxy` of its own. `kill_coord
 and a reset or a corrupted bit hits the connections to one shard, drawn at
 random.
 
+With `--island_processes=2` island a runs as two processes (fsdp over both),
+and `kill_island` kills one of them (the launcher restarts the island's
+processes together) or island b.
+
 With `--every_island_needed` (`outer.min_islands = 0`, so no round merges
 without an island), the same config then runs once more without faults, and
 `bitwise` says whether the faulted run ended on its bits: every round's view
@@ -90,6 +94,8 @@ _FAULTS = flags.DEFINE_integer("faults", 8, "Faults in the schedule (at least 6;
 _WORKDIR = flags.DEFINE_string("workdir", "", "The run's folder (default: a new temporary one).")
 _SHARDS = flags.DEFINE_integer("coordinator_shards", 1, "coordinator.shards: with more than 1, the coordinator's "
                                "faults kill one shard process (kill_shard).", lower_bound=1)
+_PROCESSES = flags.DEFINE_integer("island_processes", 1, "Processes of island a (1 or 2: fsdp over both); with 2, "
+                                  "kill_island kills one process of a, or b.", lower_bound=1, upper_bound=2)
 _NEEDED = flags.DEFINE_bool("every_island_needed", False, "outer.min_islands=0, and a run of the same config "
                             "without faults to compare with: prints bitwise=true|false.")
 flags.adopt_module_key_flags(_smoke)  # --smoke, in --help
@@ -234,6 +240,11 @@ def main(argv):
     start = time.perf_counter()
     fired = collections.Counter()
     extra = ["--config.outer.min_islands=0"] if _NEEDED.value else []
+    victims = ["island a", "island b"]
+    if _PROCESSES.value == 2:  # island a of two processes, fsdp over both: a kill may take one of them
+        extra += ["--config.islands.a.num_processes=2", "--config.islands.a.devices_per_process=2",
+                  "--config.islands.a.mesh.data=1", "--config.islands.a.mesh.fsdp=2"]
+        victims = ["island a/0", "island a/1", "island b"]
     with contextlib.ExitStack() as stack:  # one proxy per shard: shard k on port + k
         proxies = [stack.enter_context(FaultProxy(f"localhost:{port + k}")) for k in range(shards)]
         launch = Launch(workdir, _ROUNDS.value, port, ",".join(p.address for p in proxies), shards, extra)
@@ -244,7 +255,8 @@ def main(argv):
                 break
             proxy, what = rng.choice(proxies), kind
             if kind == "kill_island":
-                launch.kill(f"island {rng.choice('ab')}")
+                what = f"kill_island ({rng.choice(victims)})"
+                launch.kill(what[len("kill_island ("):-1])
             elif kind == "kill_coordinator":
                 launch.kill("coordinator")
             elif kind == "kill_shard":
