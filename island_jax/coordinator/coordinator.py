@@ -212,7 +212,8 @@ class Coordinator:
         if self.shard is not None and not self.shard.leader:  # the leader admits; here the island is only known
             for f in self.fragments:
                 f.joined.add(island)
-            kept = self._kept_for(island)
+            # an island at another round than the run's rejoins (the leader decides how): it may replay this range
+            kept = self._kept_for(island) if round != self.round else []
             return dict(round=self.round, checksum="", rejoin=False, **({"kept": kept} if kept else {}))
         rounds = [f.round for f in self.fragments]
         at_our_round = len(set(rounds)) == 1 and round == rounds[0]
