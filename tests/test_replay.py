@@ -12,6 +12,7 @@ from tiny_config import get_config, write_corpus
 
 from island_jax.comm.inprocess import InProcessExchange
 from island_jax.coordinator.replay import KeptUpdates, replay_window
+from island_jax.coordinator.shards import LocalBus
 from island_jax.island.replay import ReplayEnded, ReplayPlan, short_reason
 from island_jax.metrics import read_jsonl
 from island_jax.protocol import ContributionHeader
@@ -37,7 +38,10 @@ def run_restarting(config, workdir, kills: dict[str, list[int]] | None = None, h
     starts (after the previous one merged) and is started again at once. `hook(name, attempt, config)` may change
     a restarted island's config. Returns the run's combined summary."""
     kills = {name: list(rounds) for name, rounds in (kills or {}).items()}
-    exchange, lock, errors = InProcessExchange(), threading.Lock(), []
+    shards = config.coordinator.shards
+    exchanges, lock, errors = [InProcessExchange() for _ in range(shards)], threading.Lock(), []
+    exchange = exchanges[0] if shards == 1 else exchanges
+    bus = LocalBus() if shards > 1 else None
     devices, at = {}, 0
     for name, cfg in config.islands.items():
         devices[name], at = jax.devices()[at : at + cfg.num_devices], at + cfg.num_devices
@@ -62,9 +66,11 @@ def run_restarting(config, workdir, kills: dict[str, list[int]] | None = None, h
             fn(*args)
         except BaseException as e:  # noqa: BLE001 - raised on the test's thread
             errors.append(e)
-            exchange.abort(repr(e))
+            for ex in exchanges:
+                ex.abort(repr(e))
 
-    threads = [threading.Thread(target=role, args=(run_coordinator, config, str(workdir), exchange))]
+    threads = [threading.Thread(target=role, args=(run_coordinator, config, str(workdir), ex, False, False, k, None,
+                                                   bus)) for k, ex in enumerate(exchanges)]
     threads += [threading.Thread(target=role, args=(island, name)) for name in config.islands.keys()]
     for t in threads:
         t.start()
@@ -231,3 +237,16 @@ def test_kept_updates_live_on_disk_survive_a_reopen_and_a_restore_discards_the_r
     assert sorted(os.listdir(tmp_path / "kept")) == ["00000000-0.json", "00000000-0.update"]
     again.keep(5, 0, {0: b"z"}, {})  # after 6 rounds the oldest checkpoint an island holds is of round 4
     assert again.rounds() == [(5, 0)]
+
+
+def test_with_two_coordinator_shards_an_island_replays_each_shards_range_to_the_same_bits(tmp_path):
+    """Each shard keeps its range's updates and digests; the island checks its chunks against every shard's."""
+    config = replay_config(tmp_path)
+    config.coordinator.shards = 2
+    config.comm.chunk_bytes = 8192  # the tiny model's payload in several chunks: both shards own a range
+    straight = run_restarting(config, tmp_path / "straight")
+    summary = run_restarting(config, tmp_path / "killed", kills=dict(b=[4]))
+    assert view_checksums(tmp_path / "killed") == view_checksums(tmp_path / "straight")
+    assert summary["eval_loss_final"] == straight["eval_loss_final"]
+    assert [(r["source"], r["replayed"]) for r in records(tmp_path / "killed", "islands/b", "rejoin")] == [("replay", 1)]
+    assert (tmp_path / "killed" / "coordinator-shard-1" / "kept").is_dir()
