@@ -284,9 +284,10 @@ def test_restart_kills_of_islands_and_the_coordinator_end_on_the_uninterrupted_b
            f"--config.data.files={corpus}", "--config.outer.rounds=8", "--config.checkpoint.every_rounds=2",
            # an emulated link of 0.3 s one way (the bits do not depend on it): a round outlasts a kill's notice
            "--config.comm.link.bandwidth_gbps=10", "--config.comm.link.latency_ms=300", "--restart=2"]
-    kills = [(rf"\[launch\] round {r}/8", role) for r, role in ((3, "island b"), (5, "island a"), (6, "coordinator"),
-                                                                 (7, "island b"))]
-    kills.append((r"\[island b\] .*island b replays rounds", "coordinator"))  # the coordinator dies mid-replay
+    # each as its role logs the round (an island's line ends its round; the next one starts, 0.6 s or more)
+    kills = [(r"\[island b\] .*\] island b round 3/8 \|", "island b"), (r"\[island a\] .*\] island a round 5/8 \|", "island a"),
+             (r"\[coordinator\] .*\] round 6/8 merged", "coordinator"), (r"\[island b\] .*\] island b round 7/8 \|", "island b"),
+             (r"\[island b\] .*island b replays rounds", "coordinator")]  # the coordinator dies during b's replay
     returncode, out, killed = kill_during(cmd, kills)
     assert returncode == 0 and killed == [role for _, role in kills], out[-4000:]
     assert len(re.findall(r"^\[launch\] island b exited with status -9; restarting it", out, re.M)) == 2

@@ -111,6 +111,15 @@ def test_an_island_killed_after_a_merge_replays_to_the_uninterrupted_bits(straig
     assert summary["islands"]["a"]["rounds_replayed"] == 0 and summary["islands"]["a"]["rejoin_bitwise"] is None
 
 
+def test_an_island_killed_right_after_its_checkpoint_has_nothing_to_replay_and_ends_on_the_same_bits(straight, tmp_path):
+    config, want, straight_dir = straight
+    summary = run_restarting(config, tmp_path / "at_checkpoint", kills=dict(b=[5]))  # as round 5 starts: saved 4
+    assert view_checksums(tmp_path / "at_checkpoint") == view_checksums(straight_dir)
+    assert summary["eval_loss_final"] == want["eval_loss_final"]
+    assert records(tmp_path / "at_checkpoint", "islands/b", "rejoin") == []  # at the run's round: it trains on
+    assert summary["islands"]["b"]["rounds_replayed"] == 0 and summary["islands"]["b"]["rejoin_bitwise"] is None
+
+
 def test_a_digest_mismatch_ends_the_replay_in_the_view_and_the_record_says_why(straight, tmp_path):
     config, _, straight_dir = straight
     workdir = tmp_path / "mismatch"
