@@ -180,19 +180,13 @@ def _views(workdir: str) -> dict[int, str]:
     return {r["round"]: r["checksum"] for r in _merged(workdir) if r.get("fragment", 0) == 0}
 
 
-def _island_summaries(workdir: str) -> dict[str, dict]:
-    """The combined summary's `islands` section (`workdir.combine_summaries`)."""
-    path = os.path.join(workdir, "summary.json")
-    with open(path) as f:
-        return json.load(f).get("islands", {})
-
-
-def _eval_loss(workdir: str) -> float | None:
+def _summary(workdir: str) -> dict:
+    """The run's combined summary (`workdir.combine_summaries`); {} when there is none."""
     path = os.path.join(workdir, "summary.json")
     if not os.path.exists(path):
-        return None
+        return {}
     with open(path) as f:
-        return json.load(f).get("eval_loss_final")
+        return json.load(f)
 
 
 def schedule(rounds: int, faults: int, seed: int, kinds_of: tuple[str, ...] = KINDS) -> list[tuple[int, str]]:
@@ -300,11 +294,12 @@ def main(argv):
         again = Launch(straight, _ROUNDS.value, free_ports(shards), None, shards, extra)
         if again.wait() != 0:
             sys.exit(f"soak: the uninterrupted run failed; see {again.log_path}")
-        replayed = {n: rec.get("rounds_replayed", 0) for n, rec in _island_summaries(workdir).items()}
-        same_views, same_loss = _views(workdir) == _views(straight), _eval_loss(workdir) == _eval_loss(straight)
+        faulted, uninterrupted = _summary(workdir), _summary(straight)
+        loss, want = faulted.get("eval_loss_final"), uninterrupted.get("eval_loss_final")
+        same_views, same_loss = _views(workdir) == _views(straight), loss is not None and loss == want
+        replayed = {n: rec.get("rounds_replayed", 0) for n, rec in faulted.get("islands", {}).items()}
         print(f"rounds_replayed: {replayed}")
-        print(f"views equal the uninterrupted run's: {same_views}; final eval loss {_eval_loss(workdir)!r} "
-              f"against {_eval_loss(straight)!r}")
+        print(f"views equal the uninterrupted run's: {same_views}; final eval loss {loss!r} against {want!r}")
         last += f" bitwise={'true' if same_views and same_loss else 'false'}"
     print(last)
 

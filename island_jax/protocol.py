@@ -9,6 +9,7 @@ errors are raised on one side and rebuilt on the other (the gRPC service maps ea
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import threading
 from typing import TYPE_CHECKING, Protocol
 
@@ -18,6 +19,16 @@ if TYPE_CHECKING:
 # The key of an island's fingerprint that describes its corpus (`data.Corpus.fingerprint`), which the coordinator
 # does not read itself: every island's must equal those of the others that joined (`coordinator.handshake`).
 CORPUS = "corpus"
+
+
+def chunk_digest(*parts) -> str:
+    """SHA-256 (64 hex digits) of one chunk's bytes, given whole or as the buffers it is joined from (bytes,
+    memoryviews or contiguous NumPy arrays): what the coordinator records of each chunk it merges and a replaying
+    island recomputes (`coordinator.replay`, `island.replay`)."""
+    h = hashlib.sha256()
+    for part in parts:
+        h.update(part)
+    return h.hexdigest()
 
 
 @dataclasses.dataclass(frozen=True)

@@ -103,7 +103,7 @@ class Coordinator:
         self.corpus: dict[str, dict] = {}  # island -> the corpus fingerprint it joined with (handshake.check_corpus)
         self.kept: KeptUpdates | None = None  # the updates kept for replays (`keep_updates`)
         self.replaying: set[str] = set()  # islands served kept updates of past rounds (one set for every fragment)
-        self.replay_progress: dict[str, tuple[int, float]] = {}  # island -> (round it replays, when it said so)
+        self.replayed_at: dict[str, float] = {}  # island -> when it last said it replays a round (clock s)
         for p, f in enumerate(self.fragments):
             f.replaying, f.ends_replay = self.replaying, p == len(self.fragments) - 1
 
@@ -251,7 +251,7 @@ class Coordinator:
     def note_replay(self, island: str, round: int) -> None:
         """A replaying island recomputes `round` (0-based): it is alive, and a round waiting for it is not
         stalled (`stalled`) while it catches up."""
-        self.replay_progress[island] = (round, self._clock())
+        self.replayed_at[island] = self._clock()
         logging.info("island %s replays round %d (the run is at round %d)", island, round + 1, self.round + 1)
 
     def barrier_waits_for(self, ready: set[str]) -> dict[str, str]:
@@ -306,7 +306,7 @@ class Coordinator:
         for p, f in enumerate(self.fragments):
             seconds, waiting = f.stalled()
             # a round waits no longer than since the last sign of life of an island replaying towards it
-            said = [now - self.replay_progress[n][1] for n in waiting if n in self.replay_progress]
+            said = [now - self.replayed_at[n] for n in waiting if n in self.replayed_at]
             if said:
                 seconds = min(seconds, max(said))
             if waiting and seconds > worst[0]:

@@ -22,12 +22,12 @@ from island_jax.coordinator import handshake
 from island_jax.coordinator.contribution import Contribution
 from island_jax.coordinator.partial_merge import PartialMerge, RoundRecord
 from island_jax.coordinator.quorum import Quorum, RoundState
-from island_jax.coordinator.replay import KeptUpdates, digest
+from island_jax.coordinator.replay import KeptUpdates
 from island_jax.coordinator.shards import Shard
 from island_jax.coordinator.state import FragmentState
 from island_jax.model.init import combine_parts
 from island_jax.outer.inner_steps import plan_from_step_times
-from island_jax.protocol import ContributionError, ContributionHeader, StaleRoundError, UpdateNotReady
+from island_jax.protocol import ContributionError, ContributionHeader, StaleRoundError, UpdateNotReady, chunk_digest
 
 
 class FragmentCoordinator:
@@ -288,7 +288,7 @@ class FragmentCoordinator:
             )
         contribution.chunks[index] = (values, scales)
         if self.kept is not None:
-            contribution.digests[index] = digest(data)
+            contribution.digests[index] = chunk_digest(data)
         if self.pipeline:
             self._merge_ready()
 

@@ -5,7 +5,7 @@ After each merge of round r of fragment p the coordinator writes, in its workdir
   ROUND-FRAGMENT.update  the update it served that round: its chunks in the update codec, in chunk order (of a
                          coordinator shard, the chunks of its range only)
   ROUND-FRAGMENT.json    the round's record: every contributor's tokens, tau (`outer.overlap_steps = "auto"`
-                         only; else null) and the SHA-256 of each chunk of its contribution, as merged
+                         only; else null) and the SHA-256 of each chunk of its contribution, as merged (`protocol.chunk_digest`)
 
 The record is written last (each file to a temporary name, then renamed), so a record names an update that is
 whole. The files survive a coordinator restart; a restored coordinator discards those of the rounds it merges
@@ -16,7 +16,6 @@ each recomputed chunk against the digest here (`island.replay`); it applies the 
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 
@@ -27,20 +26,30 @@ from island_jax.workdir import checkpoint_schedule, island_saves
 KEPT = "kept"  # the coordinator folder's subfolder of kept updates
 
 
-def digest(data) -> str:
-    """SHA-256 (64 hex digits) of one chunk's bytes: what a kept record holds per chunk."""
-    return hashlib.sha256(data).hexdigest()
-
-
 def replay_window(config: ml_collections.ConfigDict, rounds_done: int) -> int:
     """The oldest round an island may still restart from when the coordinator has completed `rounds_done`
     rounds: the oldest of the `max_to_keep` checkpoints an island keeps (`workdir.checkpoint_schedule`: also
     those a fallback past a damaged checkpoint takes), or 0 (the seeded start). Updates of rounds from it on
     (0-based) are kept."""
+    return _oldest_save(rounds_done, *_saves(config))
+
+
+def _saves(config: ml_collections.ConfigDict) -> tuple[int, int, int]:
+    """(the coordinator's checkpoint interval, an island's, the checkpoints an island keeps)."""
     coordinator_every, _ = checkpoint_schedule(config, coordinator=True)
     every, keep = checkpoint_schedule(config)
-    saves = [r for r in range(rounds_done, 0, -1) if island_saves(r, coordinator_every, every)]
-    return saves[keep - 1] if len(saves) >= keep else 0
+    return coordinator_every, every, keep
+
+
+def _oldest_save(rounds_done: int, coordinator_every: int, every: int, keep: int) -> int:
+    """`replay_window` from the checkpoint schedule (`_saves`)."""
+    found = 0
+    for r in range(rounds_done, 0, -1):
+        if island_saves(r, coordinator_every, every):
+            found += 1
+            if found == keep:
+                return r
+    return 0
 
 
 class KeptUpdates:
@@ -52,13 +61,14 @@ class KeptUpdates:
     """
 
     def __init__(self, folder: str, config: ml_collections.ConfigDict):
-        self.folder, self.config = folder, config
+        self.folder = folder
+        self._saves = _saves(config)  # worked out once: it walks the schedule's pattern
         os.makedirs(folder, exist_ok=True)
 
     def _path(self, round: int, fragment: int, ext: str) -> str:
         return os.path.join(self.folder, f"{round:08d}-{fragment}.{ext}")
 
-    def _entries(self) -> list[tuple[int, int]]:
+    def rounds(self) -> list[tuple[int, int]]:
         """(round, fragment) of every whole record kept, in order."""
         out = []
         for name in os.listdir(self.folder):
@@ -91,7 +101,7 @@ class KeptUpdates:
         with open(path + ".tmp", "w", encoding="utf-8") as f:
             json.dump(record, f, sort_keys=True)
         os.replace(path + ".tmp", path)
-        self.prune(replay_window(self.config, round + 1))
+        self.prune(_oldest_save(round + 1, *self._saves))
 
     def chunks(self, round: int, fragment: int) -> dict[int, bytes] | None:
         """The kept update of `round` of `fragment`, chunk by chunk (None: not kept)."""
@@ -113,7 +123,7 @@ class KeptUpdates:
         {"round", "fragment", "merged_with": whether its contribution was merged, "tokens", "tau", "chunks"
         (index -> digest of its chunks, as merged)}."""
         out = []
-        for r, f in self._entries():
+        for r, f in self.rounds():
             if r < after:
                 continue
             try:
@@ -127,26 +137,20 @@ class KeptUpdates:
                             chunks=mine["chunks"] if mine else {}))
         return out
 
-    def prune(self, before: int) -> None:
-        """Removes the updates of rounds before `before`."""
-        for r, f in self._entries():
-            if r < before:
+    def _remove(self, which) -> None:
+        """Removes the kept (round, fragment)s for which `which(round, fragment)` holds (the record first)."""
+        for r, f in self.rounds():
+            if which(r, f):
                 for ext in ("json", "update"):
                     try:
                         os.remove(self._path(r, f, ext))
                     except FileNotFoundError:
                         pass
+
+    def prune(self, before: int) -> None:
+        """Removes the updates of rounds before `before`."""
+        self._remove(lambda r, f: r < before)
 
     def discard_from(self, fragment: int, round: int) -> None:
         """Removes `fragment`'s updates of `round` and later: a restored coordinator merges them again."""
-        for r, f in self._entries():
-            if f == fragment and r >= round:
-                for ext in ("json", "update"):
-                    try:
-                        os.remove(self._path(r, f, ext))
-                    except FileNotFoundError:
-                        pass
-
-    def rounds(self) -> list[tuple[int, int]]:
-        """(round, fragment) of every update kept."""
-        return self._entries()
+        self._remove(lambda r, f: f == fragment and r >= round)

@@ -199,8 +199,9 @@ class StreamingSync:
         """tau (inner steps) for a contribution of `fragment` now: `outer.overlap_steps`, or the "auto" choice,
         at most one less than the steps in a round (at least 1)."""
         s, round = self.settings, self.schedule.next_round[fragment]
-        if self.replay is not None and self.replay.has(round, fragment) and self.replay.tau(round, fragment) is not None:
-            return self.replay.tau(round, fragment)  # chosen by measurement the first time: as recorded
+        recorded = self.replay.tau(round, fragment) if self.replay is not None and self.replay.has(round, fragment) else None
+        if recorded is not None:  # chosen by measurement the first time: as recorded
+            return recorded
         if not s.auto:
             return s.tau
         step = self.clean_step_seconds()

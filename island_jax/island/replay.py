@@ -20,11 +20,9 @@ Each kept round's inner steps (`tokens // tokens_per_step` of each fragment's co
 
 from __future__ import annotations
 
-import hashlib
-
 from absl import logging
 
-from island_jax.protocol import ContributionHeader, StaleRoundError
+from island_jax.protocol import ContributionHeader, StaleRoundError, chunk_digest
 
 
 class ReplayEnded(StaleRoundError):
@@ -52,13 +50,22 @@ class ReplayPlan:
 
     Attributes:
       kept: {(round, fragment): record}.
-      replayed: rounds recomputed so far (every fragment's contribution of the round matched).
     """
 
     def __init__(self, records: list[dict], start: int, target: int, fragments: int, tokens_per_step: int):
         self.kept = {(r["round"], r["fragment"]): r for r in records}
         self.start, self.target, self.fragments, self.tokens_per_step = start, target, fragments, tokens_per_step
-        self.replayed = 0
+
+    @staticmethod
+    def starts(records: list[dict], candidates: list[int], target: int, fragments: int) -> list[int]:
+        """The `candidates` (checkpoint rounds) a replay up to `target` may start from, in their order: one with
+        a round to replay, merged with the island, and every round kept from it up to `target` or up to one
+        merged without the island (`covers`); or one at `target` itself when a fragment is kept at or past it (the
+        fragments were at different rounds, so the island's own state there is not the view)."""
+        merged_with = {(k["round"], k["fragment"]) for k in records if k["merged_with"]}
+        ahead = any(k["round"] >= target for k in records)
+        return [c for c in candidates if ReplayPlan.covers(records, c, target, fragments)
+                and (c < target and all((c, p) in merged_with for p in range(fragments)) or c == target and ahead)]
 
     @staticmethod
     def covers(records: list[dict], start: int, target: int, fragments: int) -> bool:
@@ -122,15 +129,9 @@ class ReplayPlan:
 
 
 def chunk_digests(encoder) -> dict[int, str]:
-    """SHA-256 of each chunk of a `codec.ChunkEncoder` (this process's share, every chunk encoded in order, so
-    that error feedback's residual moves as when it is sent)."""
-    out = {}
-    for chunk in encoder.plan:
-        h = hashlib.sha256()
-        for part in encoder.chunk(chunk.index):  # bytes or contiguous NumPy arrays: the bytes the wire carries
-            h.update(part)
-        out[chunk.index] = h.hexdigest()
-    return out
+    """`protocol.chunk_digest` of each chunk of a `codec.ChunkEncoder` (this process's share, every chunk encoded
+    in order, so that error feedback's residual moves as when it is sent)."""
+    return {chunk.index: chunk_digest(*encoder.chunk(chunk.index)) for chunk in encoder.plan}
 
 
 class ReplayTransport:

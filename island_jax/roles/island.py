@@ -399,14 +399,7 @@ def _replay_plan(config, island: Island, role: RoleFolder, at: int, resume: bool
         return None
     saved = [r for r in role.checkpoints.rounds(wait=True) if r <= target]
     candidates = sorted(set(saved) | ({at} if resume and at <= target else set()), reverse=True)
-    # from a checkpoint at the run's round when its fragments are at different rounds (its own state is not the
-    # view then); else one with at least one round to replay, every round kept up to the run's or to one merged
-    # without the island
-    kept_with = {(k["round"], k["fragment"]) for k in kept if k["merged_with"]}
-    usable = [c for c in candidates if ReplayPlan.covers(kept, c, target, fragments)
-              and (c < target and all((c, p) in kept_with for p in range(fragments))
-                   or c == target and any(k["round"] >= target for k in kept))]
-    for start in island.agree(usable)[0]:
+    for start in island.agree(ReplayPlan.starts(kept, candidates, target, fragments))[0]:
         if not (resume and start == at):
             try:
                 island.load_state(role.checkpoints.restore(island.state(0, template=True), round=start))
