@@ -180,8 +180,10 @@ def test_streaming_fragments_with_overlap_and_int4_error_feedback_replay_to_the_
     assert {(r["round"], r.get("fragment")): r["checksum"] for r in records(workdir, "coordinator", "round")} == {
         (r["round"], r.get("fragment")): r["checksum"] for r in records(tmp_path / "straight", "coordinator", "round")}
     assert summary["eval_loss_final"] == straight["eval_loss_final"]
-    assert [(r["source"], r["rounds_before"], r["round"]) for r in records(workdir, "islands/b", "rejoin")] == [
-        ("replay", 2, 3), ("replay", 4, 5)]
+    # b's last contribution of round 3 (fragment 1, sent as the round ends) is in before the kill or not: the run is
+    # then at round 3, or at round 2 with fragment 0 of round 3 merged; b replays from its checkpoint of round 2 alike
+    first, second = [(r["source"], r["rounds_before"], r["round"]) for r in records(workdir, "islands/b", "rejoin")]
+    assert first in {("replay", 2, 3), ("replay", 2, 2)} and second == ("replay", 4, 5)
     # the residual error feedback carries is in the checkpoints: the last ones equal the uninterrupted run's
     last = {r["round"]: r["checksums"] for r in records(tmp_path / "straight", "islands/b", "checkpoint")}
     assert records(workdir, "islands/b", "checkpoint")[-1]["checksums"] == last[ROUNDS]

@@ -406,9 +406,9 @@ def _replay_plan(config, island: Island, role: RoleFolder, at: int, resume: bool
             except CheckpointCorrupt:  # logged and moved aside: an older one, if kept
                 continue
         role.checkpoints.discard_after(start)  # the rounds after it are trained again, and saved again
-        logging.warning("island %s replays rounds %d..%d from its checkpoint of round %d with the coordinator's kept "
-                        "updates, each contribution checked against the digest merged", island.name, start + 1,
-                        target, start)
+        what = f"rounds {start + 1}..{target}" if start < target else f"the fragments of round {start + 1} merged"
+        logging.warning("island %s replays %s from its checkpoint of round %d with the coordinator's kept updates, "
+                        "each contribution checked against the digest merged", island.name, what, start)
         return ReplayPlan(kept, start, target, fragments, island.tokens_per_step)
     rounds = sorted({k["round"] for k in kept})
     logging.warning("island %s cannot replay: the coordinator keeps rounds %d..%d, and no checkpoint of the island "
@@ -511,8 +511,8 @@ def _replay_progress(island: Island, sync: StreamingSync, role: RoleFolder, r: i
     if plan is None:
         return False
     if r >= plan.target:
-        logging.warning("island %s replayed rounds %d..%d to the bits merged; it trains on with the run", island.name,
-                        plan.start + 1, plan.target)
+        logging.warning("island %s replayed from its checkpoint of round %d to round %d, to the bits merged; it "
+                        "trains on with the run", island.name, plan.start, plan.target)
         _log_rejoin(island, role, plan.start, plan.target, "replay", replayed=plan.target - plan.start)
         sync.end_replay()
         return False
