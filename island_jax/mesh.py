@@ -34,11 +34,11 @@ BATCH_AXES = AXES  # the batch is split over every axis
 #   vocab     the vocabulary (embedding rows, output-head columns)
 #   position  learned positions
 #   embed     the model width D (every matrix has it): split over fsdp
-#   qkv       the fused query/key/value outputs, 3 D
+#   qkv       the fused query/key/value outputs, (H + 2 K) Dh (3 D without grouped-query attention)
 #   heads     the attention's concatenated heads on the way out, D
 #   mlp       a SwiGLU's hidden width F (dense layers and each expert)
 #   expert    the routed experts, E: split over expert
-#   router    the router's output (one logit per expert) and the routing bias
+#   router    the router's output (one logit per expert), the routing bias and the shared experts' gate
 #   norm      an RMSNorm's scale, D (small: replicated)
 #   layers    the leading axis of `model.scan_layers`'s stacked parameters (one entry per repeat of the unit):
 #             never split, so each layer's slice is sharded exactly as the unstacked parameter is

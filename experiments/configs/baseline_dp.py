@@ -19,6 +19,7 @@ def get_config():
     config.islands.a = island(num_devices=6, data=3, expert=2, batch_size=12, inner_steps=25)
     config.outer.enabled = False
     config.outer.rounds = 60
+    config.model.positions = "rope"  # two_islands' model
     config.eval.every_rounds = 10
     config.eval.batch_size = 48  # divisible by the island's 6 devices; the held-out windows are two_islands' own
     return config

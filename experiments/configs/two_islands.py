@@ -25,6 +25,9 @@ def get_config():
     config.islands.b = island(num_devices=2, data=1, expert=2, batch_size=4, inner_steps=25)
     config.outer.rounds = 60
     config.eval.every_rounds = 10
+    # rotary positions (not the default learned table), so that the model exports to transformers' MoE
+    # architectures (docs/interop.md), which all use them
+    config.model.positions = "rope"
     # DiLoCo's outer optimizer (Nesterov, lr 0.7, momentum 0.9, the defaults) with the momentum ramped
     # linearly from 0 over the first 20 rounds (Pier). Without the warm-up it overshoots from a cold
     # start; with it, it ends ahead of plain averaging on every seed measured (docs/results.md).

@@ -90,6 +90,10 @@ def _check_model(m: ml_collections.ConfigDict) -> None:
     _require(isinstance(m.get("scan_layers", False), bool),
              f"model.scan_layers is {m.get('scan_layers')!r}; use True (scanned blocks, stacked parameters) or False")
     _require(m.positions in POSITIONS, f"model.positions is {m.positions!r}; choose one of {POSITIONS}")
+    kv = m.get("num_kv_heads", 0)
+    _require(kv >= 0 and (kv == 0 or m.num_heads % kv == 0),
+             f"model.num_kv_heads is {kv}; use a divisor of model.num_heads={m.num_heads} (0: as many as num_heads)")
+    _require(m.get("norm_eps", 1e-6) > 0, f"model.norm_eps is {m.get('norm_eps')}; use a small positive epsilon")
     if m.positions == "rope":
         _require(m.rope_theta > 1, f"model.rope_theta is {m.rope_theta}; use a base above 1 (10000 is usual)")
         _require(
@@ -110,6 +114,8 @@ def _check_moe(moe: ml_collections.ConfigDict, m: ml_collections.ConfigDict) -> 
     _require(moe.dispatch in DISPATCH, f"moe.dispatch is {moe.dispatch!r}; choose one of {DISPATCH}")
     _require(0.0 <= moe.jitter_noise < 1.0, f"moe.jitter_noise is {moe.jitter_noise}; use 0 (off) or a value in (0, 1)")
     _require(moe.num_shared_experts >= 0, f"moe.num_shared_experts is {moe.num_shared_experts}; use 0 or more")
+    _require(not moe.get("shared_expert_gate", False) or moe.num_shared_experts > 0,
+             "moe.shared_expert_gate is True but moe.num_shared_experts is 0: there is no shared expert to gate")
     _require(
         moe.routing_bias_update_rate >= 0,
         f"moe.routing_bias_update_rate is {moe.routing_bias_update_rate}; use 0 (off) or a positive rate such as 0.001",

@@ -179,6 +179,13 @@ def _model() -> dict:
         scan_layers=False,  # blocks as a scanned unit with stacked parameters (jax.lax.scan; MaxText's scan_layers)
         positions="learned",  # learned: a position embedding of seq_len rows; rope: rotary (RoFORMER) in attention
         rope_theta=10_000.0,  # with positions=rope: the base of the rotary frequencies
+        num_kv_heads=0,  # key/value heads K of grouped-query attention, dividing num_heads; 0: num_heads (MHA)
+        qk_norm=False,  # RMSNorm each query and key head over its width before the rotary positions (Qwen3)
+        norm_eps=1e-6,  # epsilon of every RMSNorm, inside the square root
+        # a transformers checkpoint's folder (Mixtral, Qwen2-MoE, Qwen3-MoE; docs/interop.md) the run starts from:
+        # its weights are the initial parameters of the coordinator and every island, its architecture sets
+        # model.* and moe.* (`model.load.from_hf`); "" = drawn from the seed
+        init_from="",
     )
 
 
@@ -195,6 +202,7 @@ def _moe() -> dict:
         dispatch="capacity",  # capacity buckets + all_to_all; "dropless": ragged_dot (+ ragged_all_to_all off CPU)
         jitter_noise=0.0,  # eps of U(1 - eps, 1 + eps) on the router input while training (Switch: 0.01)
         num_shared_experts=0,  # experts every token passes through (DeepSeekMoE)
+        shared_expert_gate=False,  # scale the shared experts' output by sigmoid(x w) per token (Qwen2-MoE)
         routing_bias_update_rate=0.0,  # gamma of auxiliary-loss-free balancing (DeepSeek-V3: 0.001); 0 = off
         every_n_layers=1,  # an MoE layer in every n-th block, dense SwiGLU in the others
     )

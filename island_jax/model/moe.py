@@ -284,6 +284,7 @@ class MoE(nnx.Module):
       dispatch: "capacity" or "dropless" (see the module docstring).
       jitter_noise: eps of the multiplicative router-input noise in training (0: off).
       num_shared_experts: experts of width F every token passes through (0: none).
+      shared_expert_gate: scale the shared experts' output per token by sigmoid(x w) (w [D, 1]; Qwen2-MoE).
       routing_bias: keep a per-expert routing bias for auxiliary-loss-free balancing.
       param_dtype, compute_dtype: dtypes of the expert weights and matmuls
         (the router always computes in float32).
@@ -311,6 +312,7 @@ class MoE(nnx.Module):
         dispatch: str = "capacity",
         jitter_noise: float = 0.0,
         num_shared_experts: int = 0,
+        shared_expert_gate: bool = False,
         routing_bias: bool = False,
         param_dtype=jnp.float32,
         compute_dtype=jnp.float32,
@@ -330,6 +332,9 @@ class MoE(nnx.Module):
         # steers top_k) and no weight decay (rank 1); `routing_bias_update` moves it.
         self.routing_bias = (nnx.Param(jnp.zeros((e,), jnp.float32), out_sharding=("router",), eager_sharding=False)
                              if routing_bias else None)
+        init_gate = nnx.initializers.variance_scaling(1.0, "fan_in", "truncated_normal", in_axis=-2, out_axis=-1)
+        self.shared_expert_gate = (nnx.Param(logical(init_gate, "embed", "router")(rngs.params(), (d, 1), param_dtype))
+                                   if shared_expert_gate and num_shared_experts else None)
         self.k = num_experts_per_token
         self.capacity_factor = capacity_factor
         self.renormalize = renormalize
@@ -356,7 +361,11 @@ class MoE(nnx.Module):
             out_specs=(P(BATCH_AXES), {name: P() for name in LAYER_METRICS}),
         )(*self._placed(x, mask, key, bias))
         if self.shared_experts is not None:
-            y = y + self.shared_experts(x).astype(y.dtype)
+            shared = self.shared_experts(x)
+            if self.shared_expert_gate is not None:
+                cd = self.compute_dtype
+                shared = jax.nn.sigmoid(x.astype(cd) @ gathered(self.shared_expert_gate[...]).astype(cd)) * shared
+            y = y + shared.astype(y.dtype)
         return y, stats
 
     def _placed(self, x, mask, key, bias):

@@ -39,9 +39,10 @@ def _linear(layer: nnx.Linear, x: jax.Array) -> jax.Array:
     return jax.lax.dot_general(x, kernel, (((x.ndim - 1,), (0,)), ((), ())), precision=layer.precision)
 
 
-def _norm(d_model: int, pd, cd, rngs: nnx.Rngs) -> nnx.RMSNorm:
-    return nnx.RMSNorm(d_model, param_dtype=pd, dtype=cd, scale_init=logical(nnx.initializers.ones_init(), "norm"),
-                       rngs=rngs)
+def _norm(width: int, pd, cd, rngs: nnx.Rngs, eps: float = 1e-6) -> nnx.RMSNorm:
+    """RMSNorm over the last axis of `width`: x / sqrt(mean(x^2) + eps) * scale, in float32 inside."""
+    return nnx.RMSNorm(width, epsilon=eps, param_dtype=pd, dtype=cd,
+                       scale_init=logical(nnx.initializers.ones_init(), "norm"), rngs=rngs)
 
 
 def rotary(x: jax.Array, positions: jax.Array, theta: float) -> jax.Array:
@@ -85,30 +86,47 @@ class Attention(nnx.Module):
     """Causal multi-head self-attention. x [B, S, D] -> [B, S, D]; with `rope_theta`, queries and keys carry
     rotary positions (`rotary`). With `segment_ids` [B, S] (packed documents, `data.records.pack`), a token attends
     only to earlier tokens of its own document, on the XLA path and on cuDNN's (which takes the mask as a bias),
-    and rotary positions count from each document's start."""
+    and rotary positions count from each document's start.
+
+    One fused projection `qkv` [D, (H + 2 K) Dh] gives H query heads, then K key and K value heads of width
+    Dh = D / H (K = `num_kv_heads`: grouped-query attention, GQA, arXiv 2305.13245, each key and value head
+    serving H / K query heads; K = H is multi-head attention). With `qk_norm`, each query and key head is
+    RMSNorm-ed over its Dh before the rotary positions (a scale [Dh] each, shared by the heads; Qwen3)."""
 
     def __init__(self, d_model: int, num_heads: int, *, param_dtype, compute_dtype, rngs: nnx.Rngs,
-                 rope_theta: float | None = None):
+                 rope_theta: float | None = None, num_kv_heads: int = 0, qk_norm: bool = False,
+                 norm_eps: float = 1e-6):
         self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads or num_heads
+        self.head_dim = d_model // num_heads
         self.rope_theta = rope_theta
         kw = dict(use_bias=False, param_dtype=param_dtype, dtype=compute_dtype, rngs=rngs)
         init = nnx.initializers.lecun_normal()  # nnx.Linear's own default
-        self.qkv = nnx.Linear(d_model, 3 * d_model, kernel_init=logical(init, "embed", "qkv"), **kw)
+        width = (num_heads + 2 * self.num_kv_heads) * self.head_dim
+        self.qkv = nnx.Linear(d_model, width, kernel_init=logical(init, "embed", "qkv"), **kw)
         self.out = nnx.Linear(d_model, d_model, kernel_init=logical(init, "heads", "embed"), **kw)
+        self.q_norm = _norm(self.head_dim, param_dtype, compute_dtype, rngs, norm_eps) if qk_norm else None
+        self.k_norm = _norm(self.head_dim, param_dtype, compute_dtype, rngs, norm_eps) if qk_norm else None
 
-    def _rotated(self, q, k, positions):
-        if self.rope_theta is None:
-            return q, k
-        return rotary(q, positions, self.rope_theta), rotary(k, positions, self.rope_theta)
+    def _project(self, x, positions):
+        """x [B, S, D] -> (q [B, S, H, Dh], k and v [B, S, K, Dh]), q and k normed (`qk_norm`) and rotated."""
+        b, s, _ = x.shape
+        h, kv = self.num_heads, self.num_kv_heads
+        y = _linear(self.qkv, x).reshape(b, s, h + 2 * kv, self.head_dim)
+        q, k, v = y[:, :, :h], y[:, :, h: h + kv], y[:, :, h + kv:]
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        if self.rope_theta is not None:
+            q, k = rotary(q, positions, self.rope_theta), rotary(k, positions, self.rope_theta)
+        return q, k, v
 
     def __call__(self, x: jax.Array, segment_ids: jax.Array | None = None) -> jax.Array:
         b, s, d = x.shape
-        q, k, v = jnp.split(_linear(self.qkv, x).reshape(b, s, 3 * self.num_heads, d // self.num_heads), 3, axis=2)
         if segment_ids is None:
             positions, mask = jnp.arange(s, dtype=jnp.int32), None
         else:
             positions, mask = segment_positions(segment_ids), segment_mask(segment_ids)
-        q, k = self._rotated(q, k, positions)
+        q, k, v = self._project(x, positions)
         y = jax.nn.dot_product_attention(q, k, v, mask=mask, is_causal=True,
                                          implementation=attention_implementation(q.dtype))
         return _linear(self.out, y.reshape(b, s, d))
@@ -118,7 +136,7 @@ class Attention(nnx.Module):
 
         Args:
           x: [B, 1, D], the inputs at position `pos`.
-          cache: (keys, values), each [B, T, H, D / H] in the compute dtype: positions 0..pos-1 hold what
+          cache: (keys, values), each [B, T, K, Dh] in the compute dtype: positions 0..pos-1 hold what
             earlier calls wrote; T is the longest sequence the cache serves.
           pos: int32 [], the new position, in 0..T-1.
 
@@ -127,8 +145,7 @@ class Attention(nnx.Module):
           positions 0..pos.
         """
         b, s, d = x.shape
-        q, k, v = jnp.split(_linear(self.qkv, x).reshape(b, s, 3 * self.num_heads, d // self.num_heads), 3, axis=2)
-        q, k = self._rotated(q, k, jnp.reshape(pos, (1,)).astype(jnp.int32))
+        q, k, v = self._project(x, jnp.reshape(pos, (1,)).astype(jnp.int32))
         keys, values = (
             jax.lax.dynamic_update_slice_in_dim(c, jax.sharding.reshard(new.astype(c.dtype), jax.P(BATCH_AXES)), pos, 1)
             for c, new in zip(cache, (k, v))
@@ -199,10 +216,12 @@ class Block(nnx.Module):
     def __init__(self, config: ml_collections.ConfigDict, layer: int, *, rngs: nnx.Rngs):
         m, moe = config.model, config.moe
         pd, cd = _dtype(m.param_dtype), _dtype(m.compute_dtype)
-        self.attn_norm = _norm(m.d_model, pd, cd, rngs)
+        eps = m.get("norm_eps", 1e-6)
+        self.attn_norm = _norm(m.d_model, pd, cd, rngs, eps)
         rope = m.get("rope_theta", 10_000.0) if m.get("positions", "learned") == "rope" else None
-        self.attn = Attention(m.d_model, m.num_heads, param_dtype=pd, compute_dtype=cd, rngs=rngs, rope_theta=rope)
-        self.ffn_norm = _norm(m.d_model, pd, cd, rngs)
+        self.attn = Attention(m.d_model, m.num_heads, param_dtype=pd, compute_dtype=cd, rngs=rngs, rope_theta=rope,
+                              num_kv_heads=m.get("num_kv_heads", 0), qk_norm=m.get("qk_norm", False), norm_eps=eps)
+        self.ffn_norm = _norm(m.d_model, pd, cd, rngs, eps)
         if is_moe_layer(layer, moe.every_n_layers):
             self.moe = MoE(
                 m.d_model,
@@ -214,6 +233,7 @@ class Block(nnx.Module):
                 dispatch=moe.dispatch,
                 jitter_noise=moe.jitter_noise,
                 num_shared_experts=moe.num_shared_experts,
+                shared_expert_gate=moe.get("shared_expert_gate", False),
                 routing_bias=moe.routing_bias_update_rate > 0,
                 param_dtype=pd,
                 compute_dtype=cd,
@@ -274,7 +294,7 @@ class Transformer(nnx.Module):
             self.tail = nnx.List(blocks[unit * repeats:])
         else:
             self.blocks = nnx.List(blocks)
-        self.final_norm = _norm(m.d_model, pd, cd, rngs)
+        self.final_norm = _norm(m.d_model, pd, cd, rngs, m.get("norm_eps", 1e-6))
         # A zero output head makes the first prediction uniform: loss ln(vocab_size).
         self.head = nnx.Linear(
             m.d_model, m.vocab_size, use_bias=False, kernel_init=logical(nnx.initializers.zeros_init(), "embed", "vocab"),
@@ -289,14 +309,13 @@ class Transformer(nnx.Module):
         return x if positions is None else x + positions.astype(self.compute_dtype)
 
     def init_cache(self, batch: int, length: int):
-        """An empty KV cache for `decode`: per block, (keys, values) of zeros [batch, length, H, D / H] in the
+        """An empty KV cache for `decode`: per block, (keys, values) of zeros [batch, length, K, Dh] in the
         compute dtype, the batch split over the mesh as the activations are; `length` (tokens) at most
         `model.seq_len`, the positions the model learned. A list over blocks; with `scan_layers`, {"layers": per
-        unit position, (keys, values) [U, batch, length, H, D / H], stacked as the parameters are; "tail": a
+        unit position, (keys, values) [U, batch, length, K, Dh], stacked as the parameters are; "tail": a
         list over the unrolled blocks}."""
-        d = self.embedding.shape[1]
-        heads = (self.layers[0] if self.scan_layers else self.blocks[0]).attn.num_heads
-        shape = (batch, length, heads, d // heads)
+        attn = (self.layers[0] if self.scan_layers else self.blocks[0]).attn
+        shape = (batch, length, attn.num_kv_heads, attn.head_dim)
 
         def zeros(*lead):
             return jnp.zeros((*lead, *shape), self.compute_dtype, out_sharding=jax.P(*(None,) * len(lead), BATCH_AXES))
