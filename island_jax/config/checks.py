@@ -13,6 +13,7 @@ import logging
 
 import ml_collections
 
+from island_jax.config.hf import check_init_from
 from island_jax.config.mixture import parse_mixture
 from island_jax.config.schema import (
     AUTO_FROM,
@@ -58,6 +59,7 @@ def validate(
     """
     _require(len(config.islands) > 0, "islands is empty; add at least one island with island_jax.config.island(...)")
     _check_model(config.model)
+    check_init_from(config)
     _check_moe(config.moe, config.model)
     _check_codec(config.codec)
     _check_outer(config.outer, config.islands)

@@ -332,6 +332,40 @@ def train_bpe(texts: Iterable[str], vocab_size: int) -> HuggingFaceTokenizer:
     return HuggingFaceTokenizer(tokenizer, "bpe")
 
 
+def _byte_characters() -> list[str]:
+    """GPT-2's byte-level alphabet (Radford et al. 2019), the one `tokenizers.pre_tokenizers.ByteLevel` maps to:
+    character of byte b, for b in 0..255 (printable Latin-1 bytes stand for themselves, the others for
+    U+0100 onwards in byte order)."""
+    printable = {*range(33, 127), *range(161, 173), *range(174, 256)}
+    others = iter(range(256, 512))
+    return [chr(b) if b in printable else chr(next(others)) for b in range(256)]
+
+
+def byte_level_json(with_eos: bool = False) -> str:
+    """The `bytes` kind as a Hugging Face tokenizer.json: a byte-level BPE with no merges whose id b is byte b
+    (0..255), so that `transformers.AutoTokenizer` encodes text to its UTF-8 bytes and decodes them back; with
+    `with_eos`, id 256 is the special `EOS_TEXT` (`BYTE_EOS`)."""
+    from tokenizers import AddedToken, decoders, models, pre_tokenizers
+    from tokenizers import Tokenizer as HFTokenizer
+
+    vocab = {c: b for b, c in enumerate(_byte_characters())}
+    tokenizer = HFTokenizer(models.BPE(vocab=vocab, merges=[]))
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    if with_eos:
+        tokenizer.add_special_tokens([AddedToken(EOS_TEXT, special=True)])
+    return tokenizer.to_str()
+
+
+def is_byte_level(path: str) -> bool:
+    """Whether the tokenizer.json at `path` is `byte_level_json`'s (with or without its end-of-document token):
+    the ids of the `bytes` kind."""
+    from tokenizers import Tokenizer as HFTokenizer
+
+    text = HFTokenizer.from_file(path).to_str()
+    return text in (HFTokenizer.from_str(byte_level_json(e)).to_str() for e in (False, True))
+
+
 def load(kind: str, path: str = "", *, eos_token: str = EOS_TEXT, tiktoken_name: str = "cl100k_base") -> Tokenizer:
     """The tokenizer of `kind` (one of `KINDS`) from its file `path` (none for "bytes"; a tokenizer.json for
     "bpe" and "tokenizer_json"; a .model for "sentencepiece"; a .tiktoken for "tiktoken").

@@ -19,7 +19,8 @@ from island_jax.model.transformer import Transformer, partition_specs
 
 
 def init_params(config: ml_collections.ConfigDict, mesh: jax.sharding.Mesh | None = None) -> tuple[nnx.GraphDef, dict, dict]:
-    """Builds the model from `config.seed`, on the CPU backend or sharded on a CPU `mesh`.
+    """Builds the model from `config.seed` (or, with `model.init_from`, from a transformers checkpoint's tensors,
+    `model.hf`), on the CPU backend or sharded on a CPU `mesh`.
 
     Initialising on the CPU, whatever accelerator a process has, gives every
     island and the coordinator the same bits. On a `mesh` (an island's, of
@@ -35,7 +36,11 @@ def init_params(config: ml_collections.ConfigDict, mesh: jax.sharding.Mesh | Non
 
     Raises:
       ValueError: `mesh` is not of CPU devices.
+      config.hf.InteropError: `model.init_from`'s checkpoint lacks a tensor, holds one of another shape, or holds
+        tensors the model has no place for (named).
     """
+    if config.model.get("init_from", ""):
+        return _imported(config, mesh)
     with contextlib.ExitStack() as scope:
         if mesh is None:
             scope.enter_context(jax.default_device(jax.local_devices(backend="cpu")[0]))
@@ -50,6 +55,25 @@ def init_params(config: ml_collections.ConfigDict, mesh: jax.sharding.Mesh | Non
         specs = partition_specs(state)
         params = nnx.to_pure_dict(state)
     return graphdef, params if mesh is not None else jax.tree.map(np.asarray, params), specs
+
+
+def _imported(config: ml_collections.ConfigDict, mesh: jax.sharding.Mesh | None):
+    """`init_params` of a config with `model.init_from`: the transformers checkpoint's tensors (`model.hf`), in
+    the config's layout, placed on `mesh` by their partition specs (each device given its own slice)."""
+    from island_jax.config.hf import read_hf_config
+    from island_jax.model import hf
+
+    folder = config.model.init_from
+    graphdef, like, specs = abstract_params(config)
+    get, names, source = hf.read_weights(folder)
+    params = hf.from_tensors(config, stacking.unstack(like), read_hf_config(folder)["model_type"], get, names, source)
+    params = stacking.to_layout(params, config.model.get("scan_layers", False), config.moe.every_n_layers)
+    if mesh is None:
+        return graphdef, params, specs
+    placed = jax.tree.map(
+        lambda x, s: jax.make_array_from_callback(x.shape, jax.sharding.NamedSharding(mesh, s), lambda i: x[i]),
+        params, specs)
+    return graphdef, placed, specs
 
 
 def abstract_params(config: ml_collections.ConfigDict, mesh: jax.sharding.Mesh | None = None) -> tuple[nnx.GraphDef, dict, dict]:

@@ -200,3 +200,131 @@ def from_export(folder: str, scan_layers: bool | None = None) -> tuple[ml_collec
     if scan_layers is not None:
         config.model.scan_layers = bool(scan_layers)
     return config, stacking.to_layout(params, config.model.get("scan_layers", False), config.moe.every_n_layers)
+
+
+HF_ISLAND_CONFIG_FILE = "island_jax_config.json"  # an HF export's island_jax config, beside transformers' config.json
+HF_TOKENIZER_FILE = "tokenizer.json"
+HF_TOKENIZER_CONFIG_FILE = "tokenizer_config.json"
+
+
+def save_hf(folder: str, config: ml_collections.ConfigDict, params: dict, tokenizer: dict, architecture: str = "",
+            max_shard_size: int | str = "5GB", metadata: dict | None = None) -> dict:
+    """Writes a transformers checkpoint of `params` (`init_params`' pure dict, either layout) in `folder`:
+    config.json (`config.hf.hf_config`), the weights (`model.hf.to_tensors`, `model.hf.write_weights`: sharded
+    past `max_shard_size`), tokenizer.json and tokenizer_config.json, and `config` as island_jax_config.json.
+    `transformers.AutoModelForCausalLM.from_pretrained(folder)` and `AutoTokenizer.from_pretrained(folder)` load
+    it with no custom code.
+
+    Args:
+      tokenizer: the run's tokenizer record (`sample.tokenizer_record`): bytes get a byte-level tokenizer.json
+        (`data.tokenizer.byte_level_json`), a BPE or tokenizer.json kind its own file.
+      architecture: one of `config.hf.ARCHITECTURES`; "": the one the model maps onto.
+
+    Returns:
+      {"architecture", "files" (the weights' files), "tensors" (their count)}.
+
+    Raises:
+      InteropError: the model maps onto no architecture (or not `architecture`), naming the field; or its
+        tokenizer is a SentencePiece model or a tiktoken encoding, which have no tokenizer.json here. Nothing is
+        written then.
+    """
+    import json
+    import shutil
+
+    from island_jax.config.hf import InteropError, hf_config
+    from island_jax.config.hf import architecture as choose
+    from island_jax.data import tokenizer as tokenizer_lib
+    from island_jax.model import hf
+
+    arch = choose(config, architecture)
+    kind = tokenizer["kind"]
+    if kind not in ("bytes", "bpe", "tokenizer_json"):
+        raise InteropError(f"the run's tokenizer is a {kind} file ({tokenizer['path']}); an HF export carries a "
+                           "tokenizer.json, which island_jax makes for bytes, bpe and tokenizer_json tokenizers only")
+    eos = None if kind == "bytes" and config.model.vocab_size <= tokenizer_lib.BYTE_EOS else (
+        tokenizer_lib.BYTE_EOS if kind == "bytes" else tokenizer_lib.load(kind, tokenizer["path"],
+                                                                           eos_token=tokenizer["eos_token"] or tokenizer_lib.EOS_TEXT).eos_id)
+    tensors = hf.to_tensors(config, params, arch)
+    os.makedirs(folder, exist_ok=True)
+    files = hf.write_weights(folder, tensors, max_shard_size, metadata)
+    with open(os.path.join(folder, "config.json"), "w", encoding="utf-8") as f:
+        json.dump(hf_config(config, arch, eos), f, indent=2, sort_keys=True)
+    with open(os.path.join(folder, HF_ISLAND_CONFIG_FILE), "w", encoding="utf-8") as f:
+        f.write(config.to_json_best_effort(indent=2, sort_keys=True))
+    path = os.path.join(folder, HF_TOKENIZER_FILE)
+    if kind == "bytes":
+        with open(path, "w", encoding="utf-8") as f:
+            f.write(tokenizer_lib.byte_level_json(eos is not None))
+    else:
+        shutil.copyfile(tokenizer["path"], path)
+    special = {} if eos is None else {"eos_token": tokenizer["eos_token"] or tokenizer_lib.EOS_TEXT}
+    with open(os.path.join(folder, HF_TOKENIZER_CONFIG_FILE), "w", encoding="utf-8") as f:
+        json.dump({"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": config.model.seq_len,
+                   "clean_up_tokenization_spaces": False, **special}, f, indent=2)
+    return dict(architecture=arch, files=files, tensors=len(tensors))
+
+
+def from_hf(folder: str, config: ml_collections.ConfigDict | None = None) -> tuple[ml_collections.ConfigDict, dict]:
+    """Reads a transformers checkpoint of a supported architecture (`config.hf.ARCHITECTURES`; safetensors, one file
+    or sharded) into island_jax's config and parameters.
+
+    Args:
+      folder: the checkpoint's folder (config.json, model.safetensors or its index and shards).
+      config: the config to set the model of (a copy is changed); None: the island_jax_config.json an island_jax
+        export holds beside it, else `default_config()`. Its model.* and moe.* fields become the checkpoint's
+        (`config.hf.apply`, which also sets model.init_from = `folder`).
+
+    Returns:
+      (the config; the parameters, `init_params`' pure dict of NumPy arrays in the config's layout,
+      `model.scan_layers`, and its dtypes).
+
+    Raises:
+      InteropError: an unsupported architecture or setting (named), a missing tensor, one of another shape, or
+        tensors the model has no place for (named).
+    """
+    from island_jax.config import default_config
+    from island_jax.config.hf import apply
+    from island_jax.model.init import init_params
+
+    beside = os.path.join(folder, HF_ISLAND_CONFIG_FILE)
+    if config is None:
+        config = read_config(beside) if os.path.exists(beside) else default_config()
+    config = apply(ml_collections.ConfigDict(config.to_dict()), folder)
+    _, params, _ = init_params(config)  # model.init_from: the checkpoint's tensors
+    return config, params
+
+
+def check_init_tokenizer(config: ml_collections.ConfigDict) -> None:
+    """With `model.init_from`, the run's data is tokenized as the checkpoint's tokenizer.json says: a byte-level
+    one (`data.tokenizer.is_byte_level`) reads the byte corpus (no `data.prepared`); any other, a dataset
+    prepared with that file (the same `Tokenizer.hash`).
+
+    Raises:
+      InteropError: the checkpoint has no tokenizer.json, or the data's tokenizer is another (the command that
+        prepares the data with it is given).
+    """
+    from island_jax.config.hf import InteropError
+    from island_jax.data import tokenizer as tokenizer_lib
+    from island_jax.data.records import PreparedDataset
+
+    folder = config.model.get("init_from", "")
+    if not folder:
+        return
+    path, prepared = os.path.join(folder, HF_TOKENIZER_FILE), config.data.get("prepared", "")
+    if not os.path.exists(path):
+        raise InteropError(f"model.init_from is {folder}, which has no {HF_TOKENIZER_FILE}: the run's data must be "
+                           "tokenized by the checkpoint's own tokenizer; put its tokenizer.json beside it")
+    prepare = (f"prepare the data with it (python experiments/prepare_data.py --tokenizer=tokenizer_json "
+               f"--tokenizer_path={path} --eos_token=TOKEN --input=... --out=DIR) and set data.prepared=DIR")
+    if tokenizer_lib.is_byte_level(path):
+        if prepared:
+            raise InteropError(f"model.init_from is {folder}, whose tokenizer is island_jax's bytes, but data.prepared "
+                               f"is {prepared}; leave data.prepared empty to train on the byte corpus")
+        return
+    if not prepared:
+        raise InteropError(f"model.init_from is {folder}, whose tokenizer is {path}, but the data is the byte corpus; "
+                           + prepare)
+    dataset = PreparedDataset(prepared)
+    eos = dataset.manifest["settings"].get("eos_token") or tokenizer_lib.EOS_TEXT
+    if tokenizer_lib.load("tokenizer_json", path, eos_token=eos).hash != dataset.manifest["tokenizer"]["hash"]:
+        raise InteropError(f"data.prepared ({prepared}) was tokenized by another tokenizer than {path}; " + prepare)

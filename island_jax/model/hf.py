@@ -1,0 +1,230 @@
+"""island_jax's parameters as a transformers checkpoint's tensors and back (`config.hf` picks the architecture).
+
+Every tensor is a parameter of `init_params`' per-layer form, transposed where transformers stores a Linear's
+weight [out, in] and island_jax a kernel [in, out], and cut where island_jax fuses:
+
+  model.embed_tokens.weight [V, D]      = embedding             lm_head.weight [V, D] = head.kernel^T
+  model.norm.weight [D]                 = final_norm.scale
+  layers.i.input_layernorm.weight       = blocks.i.attn_norm.scale; post_attention_layernorm: ffn_norm.scale
+  layers.i.self_attn.{q,k,v}_proj.weight [H Dh | K Dh, D] = columns [0, H Dh), [H Dh, (H+K) Dh), [(H+K) Dh, ..)
+                                          of blocks.i.attn.qkv.kernel, transposed; o_proj = attn.out.kernel^T
+  layers.i.self_attn.{q,k}_norm.weight  = attn.{q,k}_norm.scale (qwen3_moe)
+  layers.i.MOE.gate.weight [E, D]       = moe.router^T (MOE: block_sparse_moe for mixtral, mlp for qwen)
+  layers.i.MOE.experts.e.GATE.weight    = moe.w_gate[e]^T [F, D], UP = moe.w_up[e]^T, DOWN = moe.w_down[e]^T [D, F]
+                                          (mixtral: w1, w3, w2; qwen: gate_proj, up_proj, down_proj)
+  layers.i.mlp.shared_expert.*_proj, shared_expert_gate.weight [1, D] (qwen2_moe); layers.i.mlp.*_proj (dense)
+
+the names transformers' own `save_pretrained` writes (per expert; its fused gate_up_proj [E, 2F, D] and
+down_proj [E, D, F] are read too). Conversions are transposes and slices: exact, both ways.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import ml_collections
+import numpy as np
+
+from island_jax.config.hf import InteropError
+from island_jax.model import stacking
+
+_EXPERT_NAMES = {"mixtral": ("w1", "w3", "w2"), "qwen2_moe": ("gate_proj", "up_proj", "down_proj"),
+                 "qwen3_moe": ("gate_proj", "up_proj", "down_proj")}
+_SWIGLU = ("w_gate", "w_up", "w_down")
+
+
+def _moe_prefix(arch: str, i: int) -> str:
+    return f"model.layers.{i}.{'block_sparse_moe' if arch == 'mixtral' else 'mlp'}"
+
+
+def _dense(prefix: str, mlp: dict) -> dict:
+    return {f"{prefix}.{name}.weight": mlp[w].T for name, w in zip(("gate_proj", "up_proj", "down_proj"), _SWIGLU)}
+
+
+def to_tensors(config: ml_collections.ConfigDict, params: dict, arch: str) -> dict[str, np.ndarray]:
+    """The transformers tensors (name -> C-contiguous array in the parameter's dtype) of `params` (`init_params`'
+    pure dict, either layout) as architecture `arch` (`config.hf.architecture(config)`)."""
+    p = stacking.unstack(params)
+    m = config.model
+    h, kv = m.num_heads, m.get("num_kv_heads", 0) or m.num_heads
+    dh = m.d_model // h
+    out = {"model.embed_tokens.weight": p["embedding"], "lm_head.weight": p["head"]["kernel"].T,
+           "model.norm.weight": p["final_norm"]["scale"]}
+    for i in range(m.num_layers):
+        block, pre = p["blocks"][i], f"model.layers.{i}"
+        qkv = block["attn"]["qkv"]["kernel"]
+        out.update({f"{pre}.input_layernorm.weight": block["attn_norm"]["scale"],
+                    f"{pre}.post_attention_layernorm.weight": block["ffn_norm"]["scale"],
+                    f"{pre}.self_attn.q_proj.weight": qkv[:, : h * dh].T,
+                    f"{pre}.self_attn.k_proj.weight": qkv[:, h * dh: (h + kv) * dh].T,
+                    f"{pre}.self_attn.v_proj.weight": qkv[:, (h + kv) * dh:].T,
+                    f"{pre}.self_attn.o_proj.weight": block["attn"]["out"]["kernel"].T})
+        if "q_norm" in block["attn"]:
+            out[f"{pre}.self_attn.q_norm.weight"] = block["attn"]["q_norm"]["scale"]
+            out[f"{pre}.self_attn.k_norm.weight"] = block["attn"]["k_norm"]["scale"]
+        if "moe" not in block:
+            out.update(_dense(f"{pre}.mlp", block["mlp"]))
+            continue
+        moe, mp = block["moe"], _moe_prefix(arch, i)
+        out[f"{mp}.gate.weight"] = moe["router"].T
+        for e in range(moe["router"].shape[1]):
+            out.update({f"{mp}.experts.{e}.{name}.weight": moe[w][e].T for name, w in zip(_EXPERT_NAMES[arch], _SWIGLU)})
+        if "shared_experts" in moe:
+            out.update(_dense(f"{mp}.shared_expert", moe["shared_experts"]))
+            out[f"{mp}.shared_expert_gate.weight"] = moe["shared_expert_gate"].T
+    return {name: np.ascontiguousarray(value) for name, value in out.items()}
+
+
+def from_tensors(config: ml_collections.ConfigDict, like: dict, arch: str, get: Callable[[str], np.ndarray | None],
+                 names: set[str], source: str) -> dict:
+    """The parameters (`init_params`' per-layer pure dict, the dtypes of `like`) held by a transformers
+    checkpoint of architecture `arch` whose tensor `name` is `get(name)` (None: absent), `names` being all it holds.
+
+    Args:
+      config: the model's config (`config.hf.island_fields` applied).
+      like: `init_params(config)`'s parameters in the per-layer form (`stacking.unstack`): the shapes and dtypes.
+      arch, get, names: as above; source: the checkpoint, for messages.
+
+    Raises:
+      InteropError: a tensor the model needs is missing, or has another shape than the model's (both named), or
+        the checkpoint holds tensors the model has no place for (the first few named: biases, for example).
+    """
+    used: set[str] = set()
+
+    def take(name: str, shape: tuple, transpose: bool = False) -> np.ndarray:
+        value = get(name)
+        if value is None:
+            raise InteropError(f"{source} has no tensor {name} {list(shape)}, which {arch} needs here")
+        value = np.asarray(value)
+        value = value.T if transpose else value
+        if value.shape != tuple(shape):
+            want = list(shape[::-1] if transpose else shape)
+            raise InteropError(f"{source} holds {name} as {list(value.T.shape if transpose else value.shape)}, but the "
+                               f"model of its config.json needs {want}")
+        used.add(name)
+        return value
+
+    def cast(value, leaf):
+        return np.ascontiguousarray(value.astype(leaf.dtype))
+
+    m = config.model
+    h, kv = m.num_heads, m.get("num_kv_heads", 0) or m.num_heads
+    dh = m.d_model // h
+    d = m.d_model
+    out = {"embedding": cast(take("model.embed_tokens.weight", like["embedding"].shape), like["embedding"]),
+           "head": {"kernel": cast(take("lm_head.weight", like["head"]["kernel"].shape, True), like["head"]["kernel"])},
+           "final_norm": {"scale": cast(take("model.norm.weight", (d,)), like["final_norm"]["scale"])}, "blocks": {}}
+    for i in range(m.num_layers):
+        lb, pre = like["blocks"][i], f"model.layers.{i}"
+        block = {"attn_norm": {"scale": cast(take(f"{pre}.input_layernorm.weight", (d,)), lb["attn_norm"]["scale"])},
+                 "ffn_norm": {"scale": cast(take(f"{pre}.post_attention_layernorm.weight", (d,)), lb["ffn_norm"]["scale"])}}
+        parts = [take(f"{pre}.self_attn.{x}_proj.weight", (d, n * dh), True) for x, n in (("q", h), ("k", kv), ("v", kv))]
+        attn = {"qkv": {"kernel": cast(np.concatenate(parts, axis=1), lb["attn"]["qkv"]["kernel"])},
+                "out": {"kernel": cast(take(f"{pre}.self_attn.o_proj.weight", (d, d), True), lb["attn"]["out"]["kernel"])}}
+        for norm in ("q_norm", "k_norm"):
+            if norm in lb["attn"]:
+                attn[norm] = {"scale": cast(take(f"{pre}.self_attn.{norm}.weight", (dh,)), lb["attn"][norm]["scale"])}
+        block["attn"] = attn
+        if "moe" not in lb:
+            block["mlp"] = {w: cast(take(f"{pre}.mlp.{name}.weight", lb["mlp"][w].shape, True), lb["mlp"][w])
+                            for name, w in zip(("gate_proj", "up_proj", "down_proj"), _SWIGLU)}
+        else:
+            block["moe"] = _moe_from(arch, i, lb["moe"], take, names, cast)
+        out["blocks"][i] = block
+    extra = sorted(names - used)
+    if extra:
+        raise InteropError(f"{source} holds tensors island_jax's model has no place for: {', '.join(extra[:5])}"
+                           f"{' ...' if len(extra) > 5 else ''} ({len(extra)} in all)")
+    return out
+
+
+def _moe_from(arch: str, i: int, like: dict, take, names: set[str], cast) -> dict:
+    """One MoE layer's parameters from its tensors: per expert (what `save_pretrained` writes) or fused."""
+    mp = _moe_prefix(arch, i)
+    e, d, f = like["w_gate"].shape
+    moe = {"router": cast(take(f"{mp}.gate.weight", (d, e), True), like["router"])}
+    if f"{mp}.experts.gate_up_proj" in names:  # transformers' in-memory form: gate_up_proj [E, 2F, D]
+        fused = take(f"{mp}.experts.gate_up_proj", (e, 2 * f, d))
+        moe["w_gate"] = cast(fused[:, :f].transpose(0, 2, 1), like["w_gate"])
+        moe["w_up"] = cast(fused[:, f:].transpose(0, 2, 1), like["w_up"])
+        moe["w_down"] = cast(take(f"{mp}.experts.down_proj", (e, d, f)).transpose(0, 2, 1), like["w_down"])
+    else:
+        for name, w in zip(_EXPERT_NAMES[arch], _SWIGLU):
+            shape = like[w].shape[1:]
+            moe[w] = cast(np.stack([take(f"{mp}.experts.{x}.{name}.weight", shape, True) for x in range(e)]), like[w])
+    if "shared_experts" in like:
+        moe["shared_experts"] = {w: cast(take(f"{mp}.shared_expert.{name}.weight", like["shared_experts"][w].shape, True),
+                                         like["shared_experts"][w])
+                                 for name, w in zip(("gate_proj", "up_proj", "down_proj"), _SWIGLU)}
+        moe["shared_expert_gate"] = cast(take(f"{mp}.shared_expert_gate.weight", (d, 1), True), like["shared_expert_gate"])
+    return moe
+
+
+
+WEIGHTS_FILE = "model.safetensors"  # one file; past `max_shard_size`, model-0000k-of-0000n.safetensors and:
+INDEX_FILE = "model.safetensors.index.json"  # {"metadata": {"total_size"}, "weight_map": {tensor: file}}
+
+
+def write_weights(folder: str, tensors: dict[str, np.ndarray], max_shard_size: int | str = "5GB",
+                  metadata: dict | None = None) -> list[str]:
+    """Writes `tensors` as transformers does: `model.safetensors`, or shards of at most `max_shard_size` (bytes, or
+    "5GB"; a larger tensor alone in its shard) named by huggingface_hub's pattern with `model.safetensors.index.json`.
+    Each file's header holds {"format": "pt"} and `metadata` (str -> str). Returns the files written, in order."""
+    import json
+    import os
+
+    from huggingface_hub.serialization import split_state_dict_into_shards_factory
+    from safetensors.numpy import save_file
+
+    split = split_state_dict_into_shards_factory(tensors, get_storage_size=lambda a: a.nbytes,
+                                                 filename_pattern="model{suffix}.safetensors",
+                                                 max_shard_size=max_shard_size)
+    header = {"format": "pt", **{k: str(v) for k, v in (metadata or {}).items()}}
+    written = []
+    for name, keys in split.filename_to_tensors.items():
+        path = os.path.join(folder, name)
+        save_file({k: tensors[k] for k in keys}, path, metadata=header)
+        written.append(path)
+    if split.is_sharded:
+        index = {"metadata": {"total_size": sum(a.nbytes for a in tensors.values())},
+                 "weight_map": dict(sorted(split.tensor_to_filename.items()))}
+        with open(os.path.join(folder, INDEX_FILE), "w", encoding="utf-8") as f:
+            json.dump(index, f, indent=2)
+    return written
+
+
+def read_weights(folder: str):
+    """(get, names, source): the tensors of the transformers checkpoint in `folder` (one `model.safetensors`, or
+    the shards its index names), `get(name)` reading one as a NumPy array (None: absent).
+
+    Raises:
+      InteropError: neither file exists, or the index names a shard that does not.
+    """
+    import json
+    import os
+
+    from safetensors import safe_open
+
+    index, single = os.path.join(folder, INDEX_FILE), os.path.join(folder, WEIGHTS_FILE)
+    if os.path.exists(index):
+        with open(index, encoding="utf-8") as f:
+            where = json.load(f)["weight_map"]
+        source = index
+    elif os.path.exists(single):
+        with safe_open(single, framework="numpy") as f:
+            where = {name: WEIGHTS_FILE for name in f.keys()}
+        source = single
+    else:
+        raise InteropError(f"{folder} holds neither {WEIGHTS_FILE} nor {INDEX_FILE}: it is not a transformers "
+                           "checkpoint in safetensors (save it with save_pretrained)")
+    for file in sorted(set(where.values())):
+        if not os.path.exists(os.path.join(folder, file)):
+            raise InteropError(f"{source} names {file}, which is not in {folder}")
+
+    def get(name: str):
+        if name not in where:
+            return None
+        with safe_open(os.path.join(folder, where[name]), framework="numpy") as f:
+            return f.get_tensor(name)
+
+    return get, set(where), source
