@@ -19,6 +19,13 @@ TPU_AOT = ["libtpu==0.0.42.1"]
 # about 2 GB installed. Kept out of `test`; docs/island.md, "Compiling for a target".
 GPU_AOT = ["jax-cuda12-plugin==0.10.2", "nvidia-cuda-nvcc-cu12>=12.6.85,<13", "nvidia-cudnn-cu12>=9.8,<10"]
 
+# `model.load.from_hf` / `--format=hf` need none of these; they load the checkpoints in transformers itself
+# (tests/test_hf.py, benchmarks/hf_perplexity.py). The test extra pins torch's CPU build (a 192 MB wheel; the
+# registry's default build brings gigabytes of CUDA libraries); elsewhere pip finds it with
+# --extra-index-url https://download.pytorch.org/whl/cpu.
+HF = ["transformers>=5.17,<6"]
+TORCH_CPU = ["torch==2.13.0+cpu"]
+
 setup(
     name="island_jax",
     version="0.1.0",
@@ -54,7 +61,10 @@ setup(
         "cryptography>=42,<51",  # island_jax/comm/security/credentials.py: the run's TLS certificates (x509, ECDSA P-256)
         "safetensors>=0.8,<0.9",  # island_jax/export.py: the exported weights
         # island_jax/data/tokenizer.py: byte-level BPE and tokenizer.json files, SentencePiece models, tiktoken encodings
-        "tokenizers>=0.22,<0.24",
+        # (0.23.1: the floor transformers 5.17 needs, so that the `hf` extra installs beside it)
+        "tokenizers>=0.23.1,<0.24",
+        # island_jax/model/hf.py: a transformers export's weights cut into shards with the hub's own rule and names
+        "huggingface_hub>=1.31,<3",
         "sentencepiece>=0.2,<0.3",
         "tiktoken>=0.9,<0.15",
         # island_jax/data/preparation.py: Parquet inputs, ArrayRecord shards, a progress bar
@@ -72,11 +82,13 @@ setup(
         # ruff: tests/test_lint.py runs the checks configured in pyproject.toml;
         # kubernetes-validate: tests/test_k8s.py checks launch/k8s.py's manifests against the Kubernetes API schemas;
         # everything of `notebook` (tests/test_experiment.py and tests/test_notebook.py) and of `wandb`
-        # (tests/test_metrics.py writes an offline W&B run); and `tpu-aot` (tests/test_aot.py compiles for TPU).
+        # (tests/test_metrics.py writes an offline W&B run); `tpu-aot` (tests/test_aot.py compiles for TPU);
+        # `hf` and torch's CPU build (tests/test_hf.py checks exports in transformers itself).
         "test": [
             "pytest>=8,<10", "pytest-xdist>=3.6,<4", "tensorboard>=2.20,<3", "grpcio-tools==1.85.1", "filelock>=3.12,<5",
-            "ruff>=0.17.6,<0.18", "kubernetes-validate==1.37.0", *NOTEBOOK, *WANDB, *TPU_AOT,
+            "ruff>=0.17.6,<0.18", "kubernetes-validate==1.37.0", *NOTEBOOK, *WANDB, *TPU_AOT, *HF, *TORCH_CPU,
         ],
+        "hf": HF,
         "tpu-aot": TPU_AOT,
         "gpu-aot": GPU_AOT,
         "wandb": WANDB,
@@ -84,7 +96,7 @@ setup(
         # Regenerates the gRPC stubs: python island_jax/comm/generate_stubs.py
         "dev": ["grpcio-tools==1.85.1"],
         # benchmarks/sync_vs_gloo.py's baseline: torch.distributed's gloo all_reduce (CPU build).
-        "bench": ["torch==2.13.0"],
+        "bench": TORCH_CPU,
     },
     package_data={"island_jax.comm": ["exchange.proto"], "island_jax": ["gpu_targets/*.txtpb"]},
 )

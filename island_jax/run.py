@@ -26,6 +26,7 @@ from island_jax.comm.session import RunAborted
 from island_jax.coordinator.shards import LocalBus
 from island_jax.hardware import measured_cpu_peak_flops
 from island_jax.island import memory
+from island_jax.model.load import check_init_from
 from island_jax.progress import Progress
 from island_jax.roles.coordinator import run_coordinator
 from island_jax.roles.island import run_island
@@ -70,6 +71,7 @@ def run_in_process(config: ml_collections.ConfigDict, workdir: str, allow_config
                 raise config_lib.ConfigError(f"islands.{name}.num_devices is {cfg.num_devices} but the run was given "
                                              f"{len(devices.get(name, ()))} devices for it")
     memory.check_fits(config)  # every island's budget, before anything is made, saved or compiled
+    check_init_from(config)  # model.init_from: its tensors fit the model, its tokenizer is the data's
     refuse_finished(workdir, config.outer.rounds)
     check_resume(config, workdir, allow_config_change)
     start = time.perf_counter()

@@ -225,7 +225,7 @@ def generate(
         top_p outside (0, 1], or a mesh the samples or experts do not divide.
     """
     from island_jax.mesh import island_mesh
-    from island_jax.model.init import init_params
+    from island_jax.model.init import abstract_params
 
     seq_len = config.model.seq_len
     tokens = _prompt_ids(prompt, max_new_tokens, seq_len)
@@ -239,7 +239,7 @@ def generate(
         raise SampleError(f"a mesh of data={data} x expert={expert} needs num_samples ({num_samples}) divisible by "
                           f"{data * expert} and moe.num_experts ({config.moe.num_experts}) by {expert}")
     vocab_size = config.model.vocab_size if vocab_size is None else vocab_size
-    graphdef, _, _ = init_params(_sampling_config(config))
+    graphdef, _, _ = abstract_params(_sampling_config(config))
     params = _laid_out(config, params)
     step, empty, _ = _programs(graphdef)
     devices = jax.devices()[: data * expert]
@@ -315,6 +315,19 @@ def continue_text(
     return out
 
 
+def logits(config: ml_collections.ConfigDict, params: dict, tokens: np.ndarray) -> np.ndarray:
+    """The model's logits over whole sequences, as a sampler sees them (no capacity drops, no router jitter,
+    `_sampling_config`), on one device: float32 [B, S, vocab] of int32 tokens [B, S]; `params` in either layout.
+    What a transformers export computes (docs/interop.md)."""
+    from island_jax.mesh import island_mesh
+    from island_jax.model.init import abstract_params
+
+    graphdef, _, _ = abstract_params(_sampling_config(config))
+    _, _, full = _programs(graphdef)
+    with jax.set_mesh(island_mesh(1, 1, jax.devices()[:1])):
+        return np.asarray(full(_laid_out(config, params), jnp.asarray(tokens, jnp.int32)))
+
+
 def greedy_without_cache(config: ml_collections.ConfigDict, params: dict, prompt: Sequence[int] | np.ndarray,
                          max_new_tokens: int, vocab_size: int | None = None) -> np.ndarray:
     """Greedy decoding the slow way, the reference `generate` is checked against: the whole sequence through the
@@ -328,10 +341,10 @@ def greedy_without_cache(config: ml_collections.ConfigDict, params: dict, prompt
     """
     ids = _prompt_ids(prompt, max_new_tokens, config.model.seq_len)
     from island_jax.mesh import island_mesh
-    from island_jax.model.init import init_params
+    from island_jax.model.init import abstract_params
 
     vocab_size = config.model.vocab_size if vocab_size is None else vocab_size
-    graphdef, _, _ = init_params(_sampling_config(config))
+    graphdef, _, _ = abstract_params(_sampling_config(config))
     params = _laid_out(config, params)
     _, _, full = _programs(graphdef)
     tokens = np.zeros((1, config.model.seq_len), np.int32)

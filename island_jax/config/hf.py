@@ -101,8 +101,9 @@ def hf_config(config: ml_collections.ConfigDict, arch: str, eos_token_id: int | 
     if arch == "mixtral":
         out.update(num_local_experts=moe.num_experts, intermediate_size=moe.expert_hidden_dim,
                    router_jitter_noise=moe.jitter_noise, sliding_window=None)
-    else:
-        out.update(num_experts=moe.num_experts, moe_intermediate_size=moe.expert_hidden_dim,
+    else:  # the experts' count under the name transformers' save_pretrained writes for each
+        out.update({"num_local_experts" if arch == "qwen3_moe" else "num_experts": moe.num_experts})
+        out.update(moe_intermediate_size=moe.expert_hidden_dim,
                    intermediate_size=m.mlp_hidden_dim, decoder_sparse_step=moe.every_n_layers, mlp_only_layers=[],
                    norm_topk_prob=bool(moe.renormalize), use_sliding_window=False, sliding_window=None)
     if arch == "qwen2_moe":
@@ -171,7 +172,8 @@ def island_fields(hf: dict, source: str = HF_CONFIG_FILE) -> dict:
         return fields
     f = _get(hf, "moe_intermediate_size", source)
     step = hf.get("decoder_sparse_step", 1)
-    fields.update({"moe.num_experts": _get(hf, "num_experts", source), "moe.expert_hidden_dim": f,
+    experts = "num_local_experts" if "num_local_experts" in hf else "num_experts"  # qwen3_moe writes the former
+    fields.update({"moe.num_experts": _get(hf, experts, source), "moe.expert_hidden_dim": f,
                    "moe.renormalize": bool(hf.get("norm_topk_prob", False)), "moe.every_n_layers": step})
     if step > 1:
         fields["model.mlp_hidden_dim"] = _get(hf, "intermediate_size", source)

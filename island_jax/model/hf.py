@@ -14,8 +14,8 @@ weight [out, in] and island_jax a kernel [in, out], and cut where island_jax fus
                                           (mixtral: w1, w3, w2; qwen: gate_proj, up_proj, down_proj)
   layers.i.mlp.shared_expert.*_proj, shared_expert_gate.weight [1, D] (qwen2_moe); layers.i.mlp.*_proj (dense)
 
-the names transformers' own `save_pretrained` writes (per expert; its fused gate_up_proj [E, 2F, D] and
-down_proj [E, D, F] are read too). Conversions are transposes and slices: exact, both ways.
+the names transformers' own `save_pretrained` writes (per expert: transformers 5 fuses them into gate_up_proj
+[E, 2F, D] and down_proj [E, D, F] only in memory). Conversions are transposes and slices: exact, both ways.
 """
 
 from __future__ import annotations
@@ -41,9 +41,10 @@ def _dense(prefix: str, mlp: dict) -> dict:
     return {f"{prefix}.{name}.weight": mlp[w].T for name, w in zip(("gate_proj", "up_proj", "down_proj"), _SWIGLU)}
 
 
-def to_tensors(config: ml_collections.ConfigDict, params: dict, arch: str) -> dict[str, np.ndarray]:
-    """The transformers tensors (name -> C-contiguous array in the parameter's dtype) of `params` (`init_params`'
-    pure dict, either layout) as architecture `arch` (`config.hf.architecture(config)`)."""
+def to_tensors(config: ml_collections.ConfigDict, params: dict, arch: str, copy: bool = True) -> dict[str, np.ndarray]:
+    """The transformers tensors (name -> C-contiguous array in the parameter's dtype; views of `params` without
+    `copy`) of `params` (`init_params`' pure dict, either layout) as architecture `arch`
+    (`config.hf.architecture(config)`)."""
     p = stacking.unstack(params)
     m = config.model
     h, kv = m.num_heads, m.get("num_kv_heads", 0) or m.num_heads
@@ -72,7 +73,49 @@ def to_tensors(config: ml_collections.ConfigDict, params: dict, arch: str) -> di
         if "shared_experts" in moe:
             out.update(_dense(f"{mp}.shared_expert", moe["shared_experts"]))
             out[f"{mp}.shared_expert_gate.weight"] = moe["shared_expert_gate"].T
-    return {name: np.ascontiguousarray(value) for name, value in out.items()}
+    return {name: np.ascontiguousarray(value) if copy else value for name, value in out.items()}
+
+
+def check_shapes(config: ml_collections.ConfigDict, like: dict, arch: str, held: dict[str, tuple], source: str) -> None:
+    """Refuses a checkpoint whose tensors (`held`: name -> shape, as its safetensors headers say) are not those
+    `from_tensors` reads for the model of `config` (`like`: `init_params`' leaves or their shapes, either
+    layout), before anything is read: the checks of `from_tensors`, on the headers alone.
+
+    Raises:
+      InteropError: a missing tensor, one of another shape, or tensors the model has no place for (named).
+    """
+    zeros = {}
+    for path, leaf in _leaves(stacking.unstack(like)):
+        zeros[path] = np.broadcast_to(np.zeros((), np.float32), leaf.shape)  # views: nothing allocated
+    expected = {name: tuple(v.shape) for name, v in to_tensors(config, _nest(zeros), arch, copy=False).items()}
+    for name, shape in expected.items():
+        if name not in held:
+            raise InteropError(f"{source} has no tensor {name} {list(shape)}, which {arch} needs here")
+        if tuple(held[name]) != shape:
+            raise InteropError(f"{source} holds {name} as {list(held[name])}, but the model of its config.json needs "
+                               f"{list(shape)}")
+    extra = sorted(set(held) - set(expected))
+    if extra:
+        raise InteropError(f"{source} holds tensors island_jax's model has no place for: {', '.join(extra[:5])}"
+                           f"{' ...' if len(extra) > 5 else ''} ({len(extra)} in all)")
+
+
+def _leaves(tree: dict, prefix: tuple = ()):
+    for key, value in tree.items():
+        if isinstance(value, dict):
+            yield from _leaves(value, (*prefix, key))
+        else:
+            yield (*prefix, key), value
+
+
+def _nest(flat: dict) -> dict:
+    out: dict = {}
+    for path, value in flat.items():
+        node = out
+        for key in path[:-1]:
+            node = node.setdefault(key, {})
+        node[path[-1]] = value
+    return out
 
 
 def from_tensors(config: ml_collections.ConfigDict, like: dict, arch: str, get: Callable[[str], np.ndarray | None],
@@ -129,7 +172,7 @@ def from_tensors(config: ml_collections.ConfigDict, like: dict, arch: str, get: 
             block["mlp"] = {w: cast(take(f"{pre}.mlp.{name}.weight", lb["mlp"][w].shape, True), lb["mlp"][w])
                             for name, w in zip(("gate_proj", "up_proj", "down_proj"), _SWIGLU)}
         else:
-            block["moe"] = _moe_from(arch, i, lb["moe"], take, names, cast)
+            block["moe"] = _moe_from(arch, i, lb["moe"], take, cast)
         out["blocks"][i] = block
     extra = sorted(names - used)
     if extra:
@@ -138,20 +181,14 @@ def from_tensors(config: ml_collections.ConfigDict, like: dict, arch: str, get: 
     return out
 
 
-def _moe_from(arch: str, i: int, like: dict, take, names: set[str], cast) -> dict:
-    """One MoE layer's parameters from its tensors: per expert (what `save_pretrained` writes) or fused."""
+def _moe_from(arch: str, i: int, like: dict, take, cast) -> dict:
+    """One MoE layer's parameters from its per-expert tensors (what `save_pretrained` writes)."""
     mp = _moe_prefix(arch, i)
-    e, d, f = like["w_gate"].shape
+    e, d, _ = like["w_gate"].shape
     moe = {"router": cast(take(f"{mp}.gate.weight", (d, e), True), like["router"])}
-    if f"{mp}.experts.gate_up_proj" in names:  # transformers' in-memory form: gate_up_proj [E, 2F, D]
-        fused = take(f"{mp}.experts.gate_up_proj", (e, 2 * f, d))
-        moe["w_gate"] = cast(fused[:, :f].transpose(0, 2, 1), like["w_gate"])
-        moe["w_up"] = cast(fused[:, f:].transpose(0, 2, 1), like["w_up"])
-        moe["w_down"] = cast(take(f"{mp}.experts.down_proj", (e, d, f)).transpose(0, 2, 1), like["w_down"])
-    else:
-        for name, w in zip(_EXPERT_NAMES[arch], _SWIGLU):
-            shape = like[w].shape[1:]
-            moe[w] = cast(np.stack([take(f"{mp}.experts.{x}.{name}.weight", shape, True) for x in range(e)]), like[w])
+    for name, w in zip(_EXPERT_NAMES[arch], _SWIGLU):
+        shape = like[w].shape[1:]
+        moe[w] = cast(np.stack([take(f"{mp}.experts.{x}.{name}.weight", shape, True) for x in range(e)]), like[w])
     if "shared_experts" in like:
         moe["shared_experts"] = {w: cast(take(f"{mp}.shared_expert.{name}.weight", like["shared_experts"][w].shape, True),
                                          like["shared_experts"][w])
@@ -228,3 +265,31 @@ def read_weights(folder: str):
             return f.get_tensor(name)
 
     return get, set(where), source
+
+
+def held_shapes(folder: str) -> tuple[dict[str, tuple], str]:
+    """(name -> shape of every tensor, the checkpoint's file or index) of the transformers checkpoint in `folder`,
+    from its safetensors headers alone (nothing read).
+
+    Raises:
+      InteropError: as `read_weights`.
+    """
+    import os
+
+    from safetensors import safe_open
+
+    _, names, source = read_weights(folder)
+    files: dict[str, list[str]] = {}
+    if source.endswith(INDEX_FILE):
+        import json
+
+        with open(source, encoding="utf-8") as f:
+            for name, file in json.load(f)["weight_map"].items():
+                files.setdefault(file, []).append(name)
+    else:
+        files[WEIGHTS_FILE] = sorted(names)
+    shapes = {}
+    for file, held in files.items():
+        with safe_open(os.path.join(folder, file), framework="numpy") as f:
+            shapes.update({name: tuple(f.get_slice(name).get_shape()) for name in held})
+    return shapes, source

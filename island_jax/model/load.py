@@ -294,22 +294,28 @@ def from_hf(folder: str, config: ml_collections.ConfigDict | None = None) -> tup
     return config, params
 
 
-def check_init_tokenizer(config: ml_collections.ConfigDict) -> None:
-    """With `model.init_from`, the run's data is tokenized as the checkpoint's tokenizer.json says: a byte-level
-    one (`data.tokenizer.is_byte_level`) reads the byte corpus (no `data.prepared`); any other, a dataset
-    prepared with that file (the same `Tokenizer.hash`).
+def check_init_from(config: ml_collections.ConfigDict) -> None:
+    """With `model.init_from`, before anything is written or started: the checkpoint holds every tensor of the
+    model `config` describes, of its shape, and no other (`model.hf.check_shapes`, from the safetensors headers),
+    and the run's data is tokenized as the checkpoint's tokenizer.json says: a byte-level one
+    (`data.tokenizer.is_byte_level`) reads the byte corpus (no `data.prepared`); any other, a dataset prepared
+    with that file (the same `Tokenizer.hash`).
 
     Raises:
-      InteropError: the checkpoint has no tokenizer.json, or the data's tokenizer is another (the command that
-        prepares the data with it is given).
+      InteropError: a missing, misshapen or unplaced tensor (named); no tokenizer.json, or data of another
+        tokenizer (the command that prepares the data with it is given).
     """
-    from island_jax.config.hf import InteropError
+    from island_jax.config.hf import InteropError, read_hf_config
     from island_jax.data import tokenizer as tokenizer_lib
     from island_jax.data.records import PreparedDataset
+    from island_jax.model import hf
+    from island_jax.model.init import abstract_params
 
     folder = config.model.get("init_from", "")
     if not folder:
         return
+    held, source = hf.held_shapes(folder)
+    hf.check_shapes(config, abstract_params(config)[1], read_hf_config(folder)["model_type"], held, source)
     path, prepared = os.path.join(folder, HF_TOKENIZER_FILE), config.data.get("prepared", "")
     if not os.path.exists(path):
         raise InteropError(f"model.init_from is {folder}, which has no {HF_TOKENIZER_FILE}: the run's data must be "

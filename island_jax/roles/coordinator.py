@@ -25,6 +25,7 @@ from island_jax.coordinator.replay import KEPT, KeptUpdates
 from island_jax.coordinator.shards import ServiceBus, Shard, ShardError, parse_addresses, shard_address
 from island_jax.metrics import write_json
 from island_jax.model.init import checksum, count, init_params
+from island_jax.model.load import check_init_from
 from island_jax.protocol import Endpoint
 from island_jax.roles.checkpoint_sets import SHARD_POLL_SECONDS, CheckpointSets, restorable
 from island_jax.roles.checkpoint_sets import hold as hold_past
@@ -144,7 +145,8 @@ def run_coordinator(
       bytes per round), `update_bytes` (the update's payload bytes per round),
       `wire_bytes.NAME.{sent, received}` (frame bytes, handshake excluded), `payload_bytes_received.NAME` (the
       chunk bytes of its contributions: of a coordinator shard, those of its range),
-      `checksum` (of the view), `wall_seconds`. Empty if the run was complete.
+      `checksum` (of the view), `initial_checksum` (of the initial parameters: the seed's, or
+      `model.init_from`'s), `wall_seconds`. Empty if the run was complete.
 
     Raises:
       ConfigError (ConfigChangeError: resumed under another config), FileExistsError, CheckpointError, SecurityError (off loopback without TLS and tokens, or
@@ -159,13 +161,14 @@ def run_coordinator(
             "codec.kind is topk with outer.momentum %g: the islands' error feedback and the outer momentum together "
             "trained badly or diverged in docs/results.md (section 9); SparseLoCo's outer step is "
             "outer.momentum=0, outer.learning_rate=1, codec.error_feedback_decay=0.95", config.outer.momentum)
+    check_init_from(config)  # model.init_from: its tensors fit the model, before anything is written
     start = time.perf_counter()
     spec, exchange = _shard(config, exchange, shard, shard_service, bus)  # before the folder: bad input changes nothing
     role = open_role(config, coordinator_dir(workdir, shard), coordinator=True, allow_config_change=allow_config_change)
     names, rounds = list(config.islands.keys()), config.outer.rounds
     try:
         _, params, _ = init_params(config)
-        num_params = count(params)
+        num_params, initial = count(params), checksum(params)  # the seed's draw, or model.init_from's tensors
         coordinator = Coordinator(config, params, names, shard=spec)
         del params  # the coordinator holds them in its rows from here on
         if spec is None:
@@ -218,7 +221,7 @@ def run_coordinator(
         update_codec=config_lib.update_kind(config.codec), contribution_bytes=endpoint.payload_bytes,
         update_bytes=endpoint.update_bytes, wire_bytes=endpoint.wire_bytes,
         payload_bytes_received=dict(endpoint.payload_received), checksum=coordinator.checksum,
-        wall_seconds=time.perf_counter() - start,
+        initial_checksum=initial, wall_seconds=time.perf_counter() - start,
     )
     write_json(os.path.join(role.path, "summary.json"), summary)
     _leave(spec)

@@ -39,6 +39,7 @@ from island_jax.island.step import learning_rates
 from island_jax.mesh import island_mesh
 from island_jax.metrics import gbps, write_json
 from island_jax.model.init import checksum, count, init_params
+from island_jax.model.load import check_init_from
 from island_jax.progress import Eta
 from island_jax.protocol import CORPUS, CoordinatorRestarted, ExchangeError
 from island_jax.workdir import (
@@ -150,6 +151,7 @@ def run_island(
     cfg = config.islands[name]
     devices = list(devices) if devices is not None else jax.devices()[: cfg.num_devices]
     config_lib.validate(config, num_available_devices=len(devices), island=name)
+    check_init_from(config)  # model.init_from: its tensors fit the model, its tokenizer is the data's
     memory.check_fits(config, [name])  # before anything is made, saved or compiled
     start = time.perf_counter()
     # An island of several processes runs as one in a single process (the in-process run: the same devices).
