@@ -114,6 +114,8 @@ def test_an_export_loads_in_transformers_to_the_same_logits_keys_and_greedy_toke
     np.testing.assert_allclose(hf_logits, sample.logits(config, params, BATCH), rtol=TOLERANCE, atol=TOLERANCE)
     # greedy decoding, 32 tokens: the same up to the first step whose top-2 margin is within the tolerance
     ours_new = sample.greedy_without_cache(config, params, np.array(PROMPT, np.int32), 32)
+    # the KV cache (K key/value heads of grouped-query attention, normed keys) decodes the same tokens
+    assert sample.generate(config, params, PROMPT, 32, temperature=0)[0].tolist() == ours_new.tolist()
     with torch.no_grad():
         generated = model.generate(torch.tensor([PROMPT]), attention_mask=torch.ones(1, len(PROMPT), dtype=torch.long),
                                    max_new_tokens=32, do_sample=False, pad_token_id=0)
