@@ -231,6 +231,33 @@ def test_sampling_a_bpe_run_round_trips_a_non_ascii_prompt_through_its_tokenizer
     assert sampled.stderr == ""
 
 
+def test_a_bpe_runs_transformers_export_carries_its_tokenizer_and_a_run_from_it_needs_that_tokenizers_data(
+        bpe_run, tmp_path):
+    transformers = pytest.importorskip("transformers")
+    from island_jax import export
+    from island_jax.config.hf import InteropError, apply
+
+    config, workdir = bpe_run
+    tokenizer = sample.run_tokenizer(config)
+    done = export.export(str(workdir), str(tmp_path / "hf"), format="hf")
+    assert done["architecture"] == "mixtral"
+    theirs = transformers.AutoTokenizer.from_pretrained(str(tmp_path / "hf"))
+    assert theirs(GREETING)["input_ids"] == tokenizer.encode(GREETING).tolist() and theirs.decode(
+        tokenizer.encode(GREETING)) == GREETING
+    assert theirs.eos_token == "<|endoftext|>" and theirs.eos_token_id == tokenizer.eos_id
+    assert json.loads((tmp_path / "hf" / "config.json").read_text())["eos_token_id"] == tokenizer.eos_id
+    # a run from it trains on data its tokenizer prepared: on the byte corpus it is refused, saying how to prepare
+    started = apply(get_config(), str(tmp_path / "hf"))
+    started.islands = config.islands
+    with pytest.raises(InteropError, match=r"whose tokenizer is .*tokenizer.json, but the data is the byte corpus; "
+                                           r"prepare the data with it \(python experiments/prepare_data.py "
+                                           r"--tokenizer=tokenizer_json"):
+        run_in_process(started, str(tmp_path / "run"))
+    assert not (tmp_path / "run").exists()
+    started.data.prepared = config.data.prepared
+    load.check_init_from(started)  # the dataset that BPE prepared: accepted
+
+
 def test_quiet_libraries_hides_orbax_below_error_and_keeps_island_jaxs_own_records(trained, caplog):
     _, workdir = trained
     caplog.set_level(logging.DEBUG)
