@@ -20,7 +20,7 @@ TPU_AOT = ["libtpu==0.0.42.1"]
 GPU_AOT = ["jax-cuda12-plugin==0.10.2", "nvidia-cuda-nvcc-cu12>=12.6.85,<13", "nvidia-cudnn-cu12>=9.8,<10"]
 
 # `model.load.from_hf` / `--format=hf` need none of these; they load the checkpoints in transformers itself
-# (tests/test_hf.py, benchmarks/hf_perplexity.py). The test extra pins torch's CPU build (a 192 MB wheel; the
+# (tests/test_hf.py, experiments/hf_perplexity.py). The test extra pins torch's CPU build (a 192 MB wheel; the
 # registry's default build brings gigabytes of CUDA libraries); elsewhere pip finds it with
 # --extra-index-url https://download.pytorch.org/whl/cpu.
 HF = ["transformers>=5.17,<6"]
@@ -96,7 +96,7 @@ setup(
         # Regenerates the gRPC stubs: python island_jax/comm/generate_stubs.py
         "dev": ["grpcio-tools==1.85.1"],
         # benchmarks/sync_vs_gloo.py's baseline: torch.distributed's gloo all_reduce (CPU build).
-        "bench": TORCH_CPU,
+        "bench": ["torch==2.13.0"],
     },
     package_data={"island_jax.comm": ["exchange.proto"], "island_jax": ["gpu_targets/*.txtpb"]},
 )

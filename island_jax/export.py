@@ -69,8 +69,8 @@ def export(workdir: str, out: str, round: int | None = None, format: str = "isla
     if format == "hf":
         done = load.save_hf(out, config, params, record, architecture, max_shard_size,
                             metadata={"round": round, "checksum": digest})
-        for path in os.listdir(out):
-            os.chmod(os.path.join(out, path), 0o666 & ~_umask())
+        for path in done["written"]:
+            os.chmod(path, 0o666 & ~_umask())
         return dict(weights=done["files"][0], round=round, checksum=digest, params=count(params),
                     tokenizer=os.path.join(out, load.HF_TOKENIZER_FILE), architecture=done["architecture"])
     described = {k: v for k, v in record.items() if k != "path"}  # the file's place is the export's own

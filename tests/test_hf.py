@@ -4,6 +4,7 @@ imported from a randomly initialised transformers model, trained 2 rounds of the
 
 import json
 import os
+import re
 import shutil
 
 import jax
@@ -148,6 +149,16 @@ def test_an_import_has_the_transformers_logits_and_exports_again_bit_for_bit(tra
         assert again[name].dtype == original[name].dtype and np.array_equal(again[name], original[name]), name
     # transformers reads the shards to the same model
     np.testing.assert_array_equal(_hf_logits(tmp_path / "again"), _hf_logits(folder / "imported"))
+    # into scanned blocks (stacked parameters): the same logits, and the same file written again over the shards
+    scanned_config = _run_config(folder, folder / "imported")
+    scanned_config.model.scan_layers = True
+    load.check_init_from(scanned_config)
+    scanned_config, scanned = load.from_hf(str(folder / "imported"), scanned_config)
+    assert "layers" in scanned and "blocks" not in scanned
+    np.testing.assert_array_equal(sample.logits(scanned_config, scanned, BATCH), sample.logits(config, params, BATCH))
+    load.save_hf(str(tmp_path / "again"), scanned_config, scanned, record)
+    assert sorted(f for f in os.listdir(tmp_path / "again") if "safetensors" in f) == ["model.safetensors"]  # no stale shard
+    assert all(np.array_equal(a, original[n]) for n, a in _tensors(tmp_path / "again").items())
 
 
 def test_a_run_from_an_import_starts_at_its_checksum_and_the_islands_agree_every_round(trained):
@@ -190,7 +201,14 @@ def _broken_copy(folder, tmp_path, change) -> str:
     return str(target)
 
 
-@pytest.mark.parametrize("case", ["missing", "shape", "extra", "architecture", "config"])
+CONFIG_REFUSALS = {  # a config.json field the model cannot represent, or lacks: (change, the message's words)
+    "config": (dict(tie_word_embeddings=True), "tie_word_embeddings = True"),
+    "rope": (dict(rope_scaling=dict(type="linear", factor=2.0)), "rope_scaling.rope_type = 'linear'"),
+    "eps": (dict(rms_norm_eps=None), "has no rms_norm_eps"),
+}
+
+
+@pytest.mark.parametrize("case", ["missing", "shape", "extra", "architecture", *CONFIG_REFUSALS])
 def test_a_checkpoint_the_model_cannot_take_is_refused_by_name_and_nothing_starts(trained, tmp_path, case):
     arch, folder = trained
     name = "model.layers.0.self_attn.o_proj.weight"
@@ -207,14 +225,16 @@ def test_a_checkpoint_the_model_cannot_take_is_refused_by_name_and_nothing_start
         hf_config = json.loads((folder / "imported" / "config.json").read_text())
         (tmp_path / "broken" / "config.json").write_text(json.dumps(dict(hf_config, model_type="deepseek_v3")))
         match = "model_type = 'deepseek_v3', an architecture island_jax does not import"
-    else:  # a setting the model cannot represent
+    else:  # a setting the model cannot represent, or one it cannot do without
         broken = _broken_copy(folder, tmp_path, lambda t: None)
-        hf_config = json.loads((folder / "imported" / "config.json").read_text())
-        (tmp_path / "broken" / "config.json").write_text(json.dumps(dict(hf_config, tie_word_embeddings=True)))
-        match = "tie_word_embeddings = True"
+        change, match = CONFIG_REFUSALS[case]
+        hf_config = dict(json.loads((folder / "imported" / "config.json").read_text()), **change)
+        hf_config = {k: v for k, v in hf_config.items() if v is not None}
+        (tmp_path / "broken" / "config.json").write_text(json.dumps(hf_config))
+        match = re.escape(match)
     with pytest.raises(InteropError, match=match):
         load.from_hf(broken)
-    if case in ("architecture", "config"):  # refused by apply, before a config exists
+    if case == "architecture" or case in CONFIG_REFUSALS:  # refused by apply, before a config exists
         with pytest.raises(InteropError, match=match):
             _run_config(folder, broken)
         return

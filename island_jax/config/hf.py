@@ -49,7 +49,7 @@ def refusals(config: ml_collections.ConfigDict, arch: str) -> list[str]:
         if moe.every_n_layers != 1:
             out.append(f"moe.every_n_layers is {moe.every_n_layers}; mixtral has an MoE layer in every block (1)")
         if not moe.renormalize:
-            out.append("moe.renormalize is False; mixtral always renormalizes the top-k weights")
+            out.append("moe.renormalize is False; mixtral always renormalizes the top-k weights (set it True)")
         if shared:
             out.append(f"moe.num_shared_experts is {shared}; mixtral has no shared experts (0)")
     if arch == "qwen2_moe" and not (shared and gate):
@@ -76,7 +76,7 @@ def architecture(config: ml_collections.ConfigDict, name: str = "") -> str:
     for arch in [name] if name else ARCHITECTURES:
         if not refusals(config, arch):
             return arch
-    reasons = "; ".join(f"{arch}: {refusals(config, arch)[0]}" for arch in ([name] if name else ARCHITECTURES))
+    reasons = "; ".join(f"{arch}: {' and '.join(refusals(config, arch))}" for arch in ([name] if name else ARCHITECTURES))
     raise InteropError(f"the model maps onto no transformers architecture island_jax exports ({reasons})")
 
 
@@ -100,7 +100,7 @@ def hf_config(config: ml_collections.ConfigDict, arch: str, eos_token_id: int | 
     )
     if arch == "mixtral":
         out.update(num_local_experts=moe.num_experts, intermediate_size=moe.expert_hidden_dim,
-                   router_jitter_noise=moe.jitter_noise, sliding_window=None)
+                   router_jitter_noise=0.0, sliding_window=None)  # moe.jitter_noise is not Mixtral's (docs/interop.md)
     else:  # the experts' count under the name transformers' save_pretrained writes for each
         out.update({"num_local_experts" if arch == "qwen3_moe" else "num_experts": moe.num_experts})
         out.update(moe_intermediate_size=moe.expert_hidden_dim,
@@ -138,42 +138,52 @@ def island_fields(hf: dict, source: str = HF_CONFIG_FILE) -> dict:
         raise InteropError(f"{source}: model_type = {arch!r}, an architecture island_jax does not import; it reads "
                            f"{ARCHITECTURES} (docs/interop.md)")
     d, heads = _get(hf, "hidden_size", source), _get(hf, "num_attention_heads", source)
-    kv = hf.get("num_key_value_heads") or heads
+    # required even where transformers has a default: each architecture's defaults differ from island_jax's
+    kv, eps = _get(hf, "num_key_value_heads", source), _get(hf, "rms_norm_eps", source)
+    _refuse_unless(d % heads == 0, source, "hidden_size", d, f"a multiple of num_attention_heads = {heads}")
+    _refuse_unless(heads % kv == 0, source, "num_key_value_heads", kv, f"a divisor of num_attention_heads = {heads}")
     _refuse_unless(hf.get("hidden_act", "silu") == "silu", source, "hidden_act", hf.get("hidden_act"), "SwiGLU: silu")
     _refuse_unless(not hf.get("tie_word_embeddings", False), source, "tie_word_embeddings", True, "an untied head")
-    for key in ("qkv_bias", "attention_bias"):
-        _refuse_unless(not hf.get(key, False), source, key, hf.get(key), "no biases")
+    if arch == "qwen2_moe":  # its q, k and v projections have biases unless the config says otherwise
+        _refuse_unless(hf.get("qkv_bias", True) is False, source, "qkv_bias", hf.get("qkv_bias", True), "no biases")
+    _refuse_unless(not hf.get("attention_bias", False), source, "attention_bias", True, "no biases")
     _refuse_unless(not (hf.get("use_sliding_window") or (arch == "mixtral" and hf.get("sliding_window"))), source,
                    "sliding_window", hf.get("sliding_window"), "full causal attention")
     _refuse_unless(not hf.get("mlp_only_layers"), source, "mlp_only_layers", hf.get("mlp_only_layers"),
                    "dense blocks only every decoder_sparse_step-th")
-    _refuse_unless(hf.get("head_dim") in (None, d // heads) and d % heads == 0, source, "head_dim", hf.get("head_dim"),
+    _refuse_unless(hf.get("head_dim") in (None, d // heads), source, "head_dim", hf.get("head_dim"),
                    f"heads of width hidden_size / num_attention_heads = {d // heads}")
-    rope = dict(hf.get("rope_parameters") or {})
-    if hf.get("rope_scaling"):  # an older config's form
-        rope.update(hf["rope_scaling"])
-    _refuse_unless(rope.get("rope_type", rope.get("type", "default")) == "default", source, "rope_parameters.rope_type",
-                   rope.get("rope_type", rope.get("type")), "unscaled rotary positions")
-    theta = rope.get("rope_theta", hf.get("rope_theta", 10_000.0))
+    for key in ("rope_parameters", "rope_scaling"):  # the newer form and the older one, each checked
+        rope = hf.get(key) or {}
+        kind = rope.get("rope_type", rope.get("type", "default"))
+        _refuse_unless(kind == "default", source, f"{key}.rope_type", kind, "unscaled rotary positions")
+    theta = (hf.get("rope_parameters") or {}).get("rope_theta", hf.get("rope_theta"))
+    if theta is None:
+        raise InteropError(f"{source} has no rope_parameters.rope_theta (nor rope_theta); it is not a complete "
+                           f"{arch} config")
     dtype = str(hf.get("dtype") or hf.get("torch_dtype") or "float32")
-    _refuse_unless(dtype in ("float32", "bfloat16"), source, "dtype", dtype, "float32 or bfloat16 parameters")
+    _refuse_unless(dtype in ("float32", "bfloat16"), source, "dtype", dtype,
+                   "float32 or bfloat16 parameters: save the model in one of them")
+    k = _get(hf, "num_experts_per_tok", source)
     fields = {
         "model.vocab_size": _get(hf, "vocab_size", source), "model.d_model": d,
         "model.num_layers": _get(hf, "num_hidden_layers", source), "model.num_heads": heads,
         "model.num_kv_heads": 0 if kv == heads else kv, "model.positions": "rope", "model.rope_theta": float(theta),
-        "model.qk_norm": arch == "qwen3_moe", "model.norm_eps": float(hf.get("rms_norm_eps", 1e-6)),
-        "model.param_dtype": dtype, "moe.num_experts_per_token": _get(hf, "num_experts_per_tok", source),
-        "moe.routing_bias_update_rate": 0.0,
+        "model.qk_norm": arch == "qwen3_moe", "model.norm_eps": float(eps),
+        "model.param_dtype": dtype, "moe.num_experts_per_token": k, "moe.routing_bias_update_rate": 0.0,
     }
     if arch == "mixtral":
-        fields.update({"moe.num_experts": _get(hf, "num_local_experts", source),
+        experts = _get(hf, "num_local_experts", source)
+        _refuse_unless(1 <= k <= experts, source, "num_experts_per_tok", k, f"1 to num_local_experts = {experts}")
+        fields.update({"moe.num_experts": experts,
                        "moe.expert_hidden_dim": _get(hf, "intermediate_size", source), "moe.renormalize": True,
                        "moe.every_n_layers": 1, "moe.num_shared_experts": 0, "moe.shared_expert_gate": False})
         return fields
     f = _get(hf, "moe_intermediate_size", source)
     step = hf.get("decoder_sparse_step", 1)
-    experts = "num_local_experts" if "num_local_experts" in hf else "num_experts"  # qwen3_moe writes the former
-    fields.update({"moe.num_experts": _get(hf, experts, source), "moe.expert_hidden_dim": f,
+    experts = _get(hf, "num_local_experts" if "num_local_experts" in hf else "num_experts", source)  # qwen3: the former
+    _refuse_unless(1 <= k <= experts, source, "num_experts_per_tok", k, f"1 to the experts' count {experts}")
+    fields.update({"moe.num_experts": experts, "moe.expert_hidden_dim": f,
                    "moe.renormalize": bool(hf.get("norm_topk_prob", False)), "moe.every_n_layers": step})
     if step > 1:
         fields["model.mlp_hidden_dim"] = _get(hf, "intermediate_size", source)
@@ -225,14 +235,20 @@ def check_init_from(config: ml_collections.ConfigDict) -> None:
 
     Raises:
       InteropError: its config.json is missing or unsupported (`island_fields`), or a field differs from the
-        checkpoint's, named with both values (`apply` sets them all).
+        checkpoint's, named with both values (`apply` sets them all; `model.param_dtype` may differ: the tensors
+        are cast to it).
     """
     folder = config.model.get("init_from", "")
     if not folder:
         return
+    heads = config.model.num_heads
     for dotted, value in island_fields(read_hf_config(folder), os.path.join(folder, HF_CONFIG_FILE)).items():
+        if dotted == "model.param_dtype":  # the tensors are cast to the config's dtype
+            continue
         section, field = dotted.split(".")
         have = config[section].get(field)
+        if dotted == "model.num_kv_heads":  # 0 and num_heads are one setting
+            have, value = have or heads, value or heads
         if have != value:
             raise InteropError(f"model.init_from is {folder}, whose model has {dotted} = {value!r}, but the config has "
                                f"{have!r}; start the config with island_jax.config.hf.apply(config, folder) (or "

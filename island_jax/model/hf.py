@@ -20,6 +20,8 @@ the names transformers' own `save_pretrained` writes (per expert: transformers 5
 
 from __future__ import annotations
 
+import json
+import os
 from collections.abc import Callable
 
 import ml_collections
@@ -85,7 +87,7 @@ def check_shapes(config: ml_collections.ConfigDict, like: dict, arch: str, held:
       InteropError: a missing tensor, one of another shape, or tensors the model has no place for (named).
     """
     zeros = {}
-    for path, leaf in _leaves(stacking.unstack(like)):
+    for path, leaf in _leaves(unstack_shapes(like)):
         zeros[path] = np.broadcast_to(np.zeros((), np.float32), leaf.shape)  # views: nothing allocated
     expected = {name: tuple(v.shape) for name, v in to_tensors(config, _nest(zeros), arch, copy=False).items()}
     for name, shape in expected.items():
@@ -98,6 +100,17 @@ def check_shapes(config: ml_collections.ConfigDict, like: dict, arch: str, held:
     if extra:
         raise InteropError(f"{source} holds tensors island_jax's model has no place for: {', '.join(extra[:5])}"
                            f"{' ...' if len(extra) > 5 else ''} ({len(extra)} in all)")
+
+
+def unstack_shapes(like: dict) -> dict:
+    """`stacking.unstack` of parameters or of their `jax.ShapeDtypeStruct`s (`init.abstract_params`): the per-layer
+    form, each stacked leaf's slice a struct of the shape without the leading axis."""
+    import jax
+
+    def take(leaf, u):
+        return jax.ShapeDtypeStruct(leaf.shape[1:], leaf.dtype) if isinstance(leaf, jax.ShapeDtypeStruct) else leaf[u]
+
+    return stacking.unstack(like, take)
 
 
 def _leaves(tree: dict, prefix: tuple = ()):
@@ -206,10 +219,9 @@ def write_weights(folder: str, tensors: dict[str, np.ndarray], max_shard_size: i
                   metadata: dict | None = None) -> list[str]:
     """Writes `tensors` as transformers does: `model.safetensors`, or shards of at most `max_shard_size` (bytes, or
     "5GB"; a larger tensor alone in its shard) named by huggingface_hub's pattern with `model.safetensors.index.json`.
-    Each file's header holds {"format": "pt"} and `metadata` (str -> str). Returns the files written, in order."""
-    import json
-    import os
-
+    Each file's header holds {"format": "pt"} and `metadata` (str -> str). Weights files already in `folder`
+    (model*.safetensors, the index) are removed first, as transformers' `save_pretrained` does. Returns the files
+    written, in order."""
     from huggingface_hub.serialization import split_state_dict_into_shards_factory
     from safetensors.numpy import save_file
 
@@ -217,6 +229,8 @@ def write_weights(folder: str, tensors: dict[str, np.ndarray], max_shard_size: i
                                                  filename_pattern="model{suffix}.safetensors",
                                                  max_shard_size=max_shard_size)
     header = {"format": "pt", **{k: str(v) for k, v in (metadata or {}).items()}}
+    for stale in _weight_files(folder):  # an earlier export's weights, which a reader could take for these
+        os.remove(os.path.join(folder, stale))
     written = []
     for name, keys in split.filename_to_tensors.items():
         path = os.path.join(folder, name)
@@ -230,39 +244,51 @@ def write_weights(folder: str, tensors: dict[str, np.ndarray], max_shard_size: i
     return written
 
 
+def _weight_files(folder: str) -> list[str]:
+
+    if not os.path.isdir(folder):
+        return []
+    return sorted(f for f in os.listdir(folder) if f == INDEX_FILE or (f.startswith("model") and f.endswith(".safetensors")))
+
+
 def read_weights(folder: str):
     """(get, names, source): the tensors of the transformers checkpoint in `folder` (one `model.safetensors`, or
-    the shards its index names), `get(name)` reading one as a NumPy array (None: absent).
+    the shards its index names), `get(name)` reading one as a NumPy array (None: absent); `model.safetensors` first where both are there, as
+    transformers reads them.
 
     Raises:
-      InteropError: neither file exists, or the index names a shard that does not.
+      InteropError: neither file exists, an unreadable file or index, or an index naming a shard that is not there.
     """
-    import json
-    import os
 
     from safetensors import safe_open
 
     index, single = os.path.join(folder, INDEX_FILE), os.path.join(folder, WEIGHTS_FILE)
-    if os.path.exists(index):
-        with open(index, encoding="utf-8") as f:
-            where = json.load(f)["weight_map"]
-        source = index
-    elif os.path.exists(single):
-        with safe_open(single, framework="numpy") as f:
-            where = {name: WEIGHTS_FILE for name in f.keys()}
-        source = single
-    else:
-        raise InteropError(f"{folder} holds neither {WEIGHTS_FILE} nor {INDEX_FILE}: it is not a transformers "
-                           "checkpoint in safetensors (save it with save_pretrained)")
+    try:
+        if os.path.exists(single):  # transformers' own order: the single file first, then the index
+            with safe_open(single, framework="numpy") as f:
+                where = {name: WEIGHTS_FILE for name in f.keys()}
+            source = single
+        elif os.path.exists(index):
+            with open(index, encoding="utf-8") as f:
+                where = json.load(f)["weight_map"]
+            source = index
+        else:
+            raise InteropError(f"{folder} holds neither {WEIGHTS_FILE} nor {INDEX_FILE}: it is not a transformers "
+                               "checkpoint in safetensors (save it with save_pretrained)")
+    except (OSError, ValueError, KeyError, TypeError) as e:  # safetensors' errors are OSError or ValueError kinds
+        raise InteropError(f"the weights of {folder} cannot be read ({type(e).__name__}: {e}); write them again "
+                           "with save_pretrained") from e
     for file in sorted(set(where.values())):
         if not os.path.exists(os.path.join(folder, file)):
             raise InteropError(f"{source} names {file}, which is not in {folder}")
+    opened: dict = {}
 
     def get(name: str):
         if name not in where:
             return None
-        with safe_open(os.path.join(folder, where[name]), framework="numpy") as f:
-            return f.get_tensor(name)
+        if where[name] not in opened:  # one handle per file (a large model has thousands of tensors)
+            opened[where[name]] = safe_open(os.path.join(folder, where[name]), framework="numpy")
+        return opened[where[name]].get_tensor(name)
 
     return get, set(where), source
 
@@ -274,15 +300,12 @@ def held_shapes(folder: str) -> tuple[dict[str, tuple], str]:
     Raises:
       InteropError: as `read_weights`.
     """
-    import os
 
     from safetensors import safe_open
 
     _, names, source = read_weights(folder)
     files: dict[str, list[str]] = {}
     if source.endswith(INDEX_FILE):
-        import json
-
         with open(source, encoding="utf-8") as f:
             for name, file in json.load(f)["weight_map"].items():
                 files.setdefault(file, []).append(name)
@@ -291,5 +314,10 @@ def held_shapes(folder: str) -> tuple[dict[str, tuple], str]:
     shapes = {}
     for file, held in files.items():
         with safe_open(os.path.join(folder, file), framework="numpy") as f:
-            shapes.update({name: tuple(f.get_slice(name).get_shape()) for name in held})
+            inside = set(f.keys())
+            for name in held:
+                if name not in inside:
+                    raise InteropError(f"{source} puts {name} in {file}, which does not hold it; write the "
+                                       "checkpoint again with save_pretrained")
+                shapes[name] = tuple(f.get_slice(name).get_shape())
     return shapes, source

@@ -221,7 +221,7 @@ def save_hf(folder: str, config: ml_collections.ConfigDict, params: dict, tokeni
       architecture: one of `config.hf.ARCHITECTURES`; "": the one the model maps onto.
 
     Returns:
-      {"architecture", "files" (the weights' files), "tensors" (their count)}.
+      {"architecture", "files" (the weights' files), "tensors" (their count), "written" (every file written)}.
 
     Raises:
       InteropError: the model maps onto no architecture (or not `architecture`), naming the field; or its
@@ -261,7 +261,10 @@ def save_hf(folder: str, config: ml_collections.ConfigDict, params: dict, tokeni
     with open(os.path.join(folder, HF_TOKENIZER_CONFIG_FILE), "w", encoding="utf-8") as f:
         json.dump({"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": config.model.seq_len,
                    "clean_up_tokenization_spaces": False, **special}, f, indent=2)
-    return dict(architecture=arch, files=files, tensors=len(tensors))
+    index = [os.path.join(folder, hf.INDEX_FILE)] if len(files) > 1 else []
+    written = [*files, *index, *(os.path.join(folder, name) for name in (
+        "config.json", HF_ISLAND_CONFIG_FILE, HF_TOKENIZER_FILE, HF_TOKENIZER_CONFIG_FILE))]
+    return dict(architecture=arch, files=files, tensors=len(tensors), written=written)
 
 
 def from_hf(folder: str, config: ml_collections.ConfigDict | None = None) -> tuple[ml_collections.ConfigDict, dict]:
