@@ -355,7 +355,7 @@ def test_the_command_line_plans_a_config_and_a_frontier_model():
     out = subprocess.run([sys.executable, "-m", "island_jax.plan", "--config=experiments/configs/two_islands.py",
                           "--step_seconds=0.19"], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr
-    assert "island" in out.stdout and "compute utilization" in out.stdout and "1.92 Mparameters" in out.stdout
+    assert "island" in out.stdout and "compute utilization" in out.stdout and "1.9 Mparameters (1.12 Mactive)" in out.stdout
     frontier = subprocess.run(
         [sys.executable, "-m", "island_jax.plan", "--total_params=671e9", "--active_params=37e9", "--layers=61",
          "--island=name=us,hardware=h100,devices=1024,batch=2048,seq_len=4096",
