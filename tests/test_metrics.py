@@ -196,3 +196,16 @@ def test_progress_seconds_is_checked_before_the_run():
     with pytest.raises(ConfigError, match=r"metrics.progress_seconds is -1.0; give the seconds between progress lines "
                                           r"within a round \(0: none\)"):
         validate(config)
+
+
+@pytest.mark.slow  # a fresh interpreter: torch is imported by other tests of this process
+def test_the_tensorboard_writer_leaves_torch_unimported_and_importable():
+    import subprocess
+    import sys
+
+    script = ("import sys; from island_jax import metrics; metrics._summary_writer(); "
+              "assert 'torch' not in sys.modules, 'tensorboardX imported torch'; "
+              "import torch; print(torch.tensor([1.0, 2.0]).sum().item())")
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout == "3.0\n"
