@@ -200,6 +200,7 @@ def test_progress_seconds_is_checked_before_the_run():
 
 @pytest.mark.slow  # a fresh interpreter: torch is imported by other tests of this process
 def test_the_tensorboard_writer_leaves_torch_unimported_and_importable():
+    pytest.importorskip("torch")  # installed by the test extra
     import subprocess
     import sys
 
