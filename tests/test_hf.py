@@ -21,8 +21,12 @@ from island_jax.model import hf, load
 from island_jax.model.init import checksum
 from island_jax.run import run_in_process
 
-torch = pytest.importorskip("torch")  # the test extra installs torch's CPU build and transformers
-transformers = pytest.importorskip("transformers")
+
+def _libraries():
+    """(torch, transformers), imported when a test needs them (about 2 s; the test extra installs torch's CPU
+    build and transformers), so that a worker that runs none of these tests does not pay for them."""
+    return pytest.importorskip("torch"), pytest.importorskip("transformers")
+
 
 TOLERANCE = 1e-4  # rtol and atol of logits: float32 sums in another order (torch's kernels against XLA's)
 COMMON = dict(vocab_size=256, hidden_size=32, num_attention_heads=2, max_position_embeddings=64, rms_norm_eps=1e-6,
@@ -46,6 +50,7 @@ PROMPT = list(b"def self(:")
 
 
 def _hf_model(arch: str, seed: int = 0):
+    torch, transformers = _libraries()
     fields = dict(HF_CONFIGS[arch])
     kind = fields.pop("model_type")
     torch.manual_seed(seed)
@@ -61,6 +66,7 @@ def _save_hf_model(arch: str, folder) -> None:
 
 
 def _hf_logits(folder, tokens=BATCH) -> np.ndarray:
+    torch, transformers = _libraries()
     model = transformers.AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32).eval()
     with torch.no_grad():
         return model(torch.tensor(tokens, dtype=torch.long)).logits.numpy()
@@ -96,6 +102,7 @@ def trained(request, tmp_path_factory):
 
 
 def test_an_export_loads_in_transformers_to_the_same_logits_keys_and_greedy_tokens(trained, tmp_path):
+    torch, transformers = _libraries()
     arch, folder = trained
     out = folder / "export"
     config, params, _ = load.from_workdir(str(folder / "workdir"))
