@@ -241,9 +241,11 @@ def save_hf(folder: str, config: ml_collections.ConfigDict, params: dict, tokeni
     if kind not in ("bytes", "bpe", "tokenizer_json"):
         raise InteropError(f"the run's tokenizer is a {kind} file ({tokenizer['path']}); an HF export carries a "
                            "tokenizer.json, which island_jax makes for bytes, bpe and tokenizer_json tokenizers only")
-    eos = None if kind == "bytes" and config.model.vocab_size <= tokenizer_lib.BYTE_EOS else (
-        tokenizer_lib.BYTE_EOS if kind == "bytes" else tokenizer_lib.load(kind, tokenizer["path"],
-                                                                           eos_token=tokenizer["eos_token"] or tokenizer_lib.EOS_TEXT).eos_id)
+    eos_token = tokenizer["eos_token"] or tokenizer_lib.EOS_TEXT
+    if kind != "bytes":
+        eos = tokenizer_lib.load(kind, tokenizer["path"], eos_token=eos_token).eos_id
+    else:  # the byte corpus has no end-of-document token unless the model's vocabulary holds id 256
+        eos = tokenizer_lib.BYTE_EOS if config.model.vocab_size > tokenizer_lib.BYTE_EOS else None
     tensors = hf.to_tensors(config, params, arch)
     os.makedirs(folder, exist_ok=True)
     files = hf.write_weights(folder, tensors, max_shard_size, metadata)
@@ -257,7 +259,7 @@ def save_hf(folder: str, config: ml_collections.ConfigDict, params: dict, tokeni
             f.write(tokenizer_lib.byte_level_json(eos is not None))
     else:
         shutil.copyfile(tokenizer["path"], path)
-    special = {} if eos is None else {"eos_token": tokenizer["eos_token"] or tokenizer_lib.EOS_TEXT}
+    special = {} if eos is None else {"eos_token": eos_token}
     with open(os.path.join(folder, HF_TOKENIZER_CONFIG_FILE), "w", encoding="utf-8") as f:
         json.dump({"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": config.model.seq_len,
                    "clean_up_tokenization_spaces": False, **special}, f, indent=2)
