@@ -158,7 +158,7 @@ def test_a_config_the_target_cannot_hold_is_refused_naming_the_island_and_the_by
     with pytest.raises(ConfigError) as refused:
         memory.check_compiled(results)
     assert str(refused.value).startswith(
-        "ConfigError: islands.a compiled for tpu-v5e-1 needs 0.12 GB per device in its inner_step but its devices "
+        "ConfigError: islands.a compiled for tpu-v5e-1 needs 0.11 GB per device in its inner_step but its devices "
         "have 0.1 GB (islands.a.memory_gb, or the catalog's for 'tpu-v5e'): the compiler's arguments 0.02, outputs "
         "0.00 (not aliased), temporaries 0.07 and code 0.02 GB, and 0.01 GB of the island's state beside them")
     assert [a for a in jax.live_arrays() if all(a is not b for b in before)] == []
