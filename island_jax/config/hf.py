@@ -211,6 +211,11 @@ def read_hf_config(folder: str) -> dict:
         raise InteropError(f"{path} cannot be read as JSON ({e})") from e
 
 
+def checkpoint_fields(folder: str) -> dict:
+    """`island_fields` of the transformers checkpoint in `folder` (its config.json, `read_hf_config`)."""
+    return island_fields(read_hf_config(folder), os.path.join(folder, HF_CONFIG_FILE))
+
+
 def _set(config: ml_collections.ConfigDict, dotted: str, value) -> None:
     section, field = dotted.split(".")
     config[section][field] = value
@@ -224,7 +229,7 @@ def apply(config: ml_collections.ConfigDict, folder: str) -> ml_collections.Conf
     Raises:
       InteropError: as `read_hf_config` and `island_fields`.
     """
-    for dotted, value in island_fields(read_hf_config(folder), os.path.join(folder, HF_CONFIG_FILE)).items():
+    for dotted, value in checkpoint_fields(folder).items():
         _set(config, dotted, value)
     config.model.init_from = folder
     return config
@@ -242,7 +247,7 @@ def check_init_from(config: ml_collections.ConfigDict) -> None:
     if not folder:
         return
     heads = config.model.num_heads
-    for dotted, value in island_fields(read_hf_config(folder), os.path.join(folder, HF_CONFIG_FILE)).items():
+    for dotted, value in checkpoint_fields(folder).items():
         if dotted == "model.param_dtype":  # the tensors are cast to the config's dtype
             continue
         section, field = dotted.split(".")

@@ -80,16 +80,16 @@ def to_tensors(config: ml_collections.ConfigDict, params: dict, arch: str, copy:
 
 def check_shapes(config: ml_collections.ConfigDict, like: dict, arch: str, held: dict[str, tuple], source: str) -> None:
     """Refuses a checkpoint whose tensors (`held`: name -> shape, as its safetensors headers say) are not those
-    `from_tensors` reads for the model of `config` (`like`: `init_params`' leaves or their shapes, either
-    layout), before anything is read: the checks of `from_tensors`, on the headers alone.
+    `to_tensors` writes for the model of `config` (`like`: `init_params`' leaves or their shapes, either
+    layout), from the headers alone, before `from_tensors` reads them.
 
     Raises:
       InteropError: a missing tensor, one of another shape, or tensors the model has no place for (named).
     """
-    zeros = {}
-    for path, leaf in _leaves(unstack_shapes(like)):
-        zeros[path] = np.broadcast_to(np.zeros((), np.float32), leaf.shape)  # views: nothing allocated
-    expected = {name: tuple(v.shape) for name, v in to_tensors(config, _nest(zeros), arch, copy=False).items()}
+    import jax
+
+    zeros = jax.tree.map(lambda leaf: np.broadcast_to(np.zeros((), np.float32), leaf.shape), unstack_shapes(like))
+    expected = {name: tuple(v.shape) for name, v in to_tensors(config, zeros, arch, copy=False).items()}  # views
     for name, shape in expected.items():
         if name not in held:
             raise InteropError(f"{source} has no tensor {name} {list(shape)}, which {arch} needs here")
@@ -113,102 +113,52 @@ def unstack_shapes(like: dict) -> dict:
     return stacking.unstack(like, take)
 
 
-def _leaves(tree: dict, prefix: tuple = ()):
-    for key, value in tree.items():
-        if isinstance(value, dict):
-            yield from _leaves(value, (*prefix, key))
-        else:
-            yield (*prefix, key), value
-
-
-def _nest(flat: dict) -> dict:
-    out: dict = {}
-    for path, value in flat.items():
-        node = out
-        for key in path[:-1]:
-            node = node.setdefault(key, {})
-        node[path[-1]] = value
-    return out
-
-
-def from_tensors(config: ml_collections.ConfigDict, like: dict, arch: str, get: Callable[[str], np.ndarray | None],
-                 names: set[str], source: str) -> dict:
-    """The parameters (`init_params`' per-layer pure dict, the dtypes of `like`) held by a transformers
-    checkpoint of architecture `arch` whose tensor `name` is `get(name)` (None: absent), `names` being all it holds.
+def from_tensors(config: ml_collections.ConfigDict, like: dict, arch: str, get: Callable[[str], np.ndarray]) -> dict:
+    """The parameters (`init_params`' per-layer pure dict, in the dtypes of `like`) held by a transformers
+    checkpoint of architecture `arch` whose tensor `name` is `get(name)`: `to_tensors` undone. The checkpoint's
+    names and shapes are `check_shapes`' to refuse, before it is read.
 
     Args:
       config: the model's config (`config.hf.island_fields` applied).
-      like: `init_params(config)`'s parameters in the per-layer form (`stacking.unstack`): the shapes and dtypes.
-      arch, get, names: as above; source: the checkpoint, for messages.
-
-    Raises:
-      InteropError: a tensor the model needs is missing, or has another shape than the model's (both named), or
-        the checkpoint holds tensors the model has no place for (the first few named: biases, for example).
+      like: `init_params(config)`'s parameters or their shapes in the per-layer form (`unstack_shapes`).
     """
-    used: set[str] = set()
+    def take(name: str, leaf, transpose: bool = True) -> np.ndarray:
+        value = np.asarray(get(name))
+        return np.ascontiguousarray((value.T if transpose else value).astype(leaf.dtype))
 
-    def take(name: str, shape: tuple, transpose: bool = False) -> np.ndarray:
-        value = get(name)
-        if value is None:
-            raise InteropError(f"{source} has no tensor {name} {list(shape)}, which {arch} needs here")
-        value = np.asarray(value)
-        value = value.T if transpose else value
-        if value.shape != tuple(shape):
-            want = list(shape[::-1] if transpose else shape)
-            raise InteropError(f"{source} holds {name} as {list(value.T.shape if transpose else value.shape)}, but the "
-                               f"model of its config.json needs {want}")
-        used.add(name)
-        return value
+    def dense(prefix: str, like_mlp: dict) -> dict:
+        return {w: take(f"{prefix}.{name}.weight", like_mlp[w])
+                for name, w in zip(("gate_proj", "up_proj", "down_proj"), _SWIGLU)}
 
-    def cast(value, leaf):
-        return np.ascontiguousarray(value.astype(leaf.dtype))
-
-    m = config.model
-    h, kv = m.num_heads, m.get("num_kv_heads", 0) or m.num_heads
-    dh = m.d_model // h
-    d = m.d_model
-    out = {"embedding": cast(take("model.embed_tokens.weight", like["embedding"].shape), like["embedding"]),
-           "head": {"kernel": cast(take("lm_head.weight", like["head"]["kernel"].shape, True), like["head"]["kernel"])},
-           "final_norm": {"scale": cast(take("model.norm.weight", (d,)), like["final_norm"]["scale"])}, "blocks": {}}
-    for i in range(m.num_layers):
+    out = {"embedding": take("model.embed_tokens.weight", like["embedding"], transpose=False),
+           "head": {"kernel": take("lm_head.weight", like["head"]["kernel"])},
+           "final_norm": {"scale": take("model.norm.weight", like["final_norm"]["scale"], transpose=False)},
+           "blocks": {}}
+    for i in range(config.model.num_layers):
         lb, pre = like["blocks"][i], f"model.layers.{i}"
-        block = {"attn_norm": {"scale": cast(take(f"{pre}.input_layernorm.weight", (d,)), lb["attn_norm"]["scale"])},
-                 "ffn_norm": {"scale": cast(take(f"{pre}.post_attention_layernorm.weight", (d,)), lb["ffn_norm"]["scale"])}}
-        parts = [take(f"{pre}.self_attn.{x}_proj.weight", (d, n * dh), True) for x, n in (("q", h), ("k", kv), ("v", kv))]
-        attn = {"qkv": {"kernel": cast(np.concatenate(parts, axis=1), lb["attn"]["qkv"]["kernel"])},
-                "out": {"kernel": cast(take(f"{pre}.self_attn.o_proj.weight", (d, d), True), lb["attn"]["out"]["kernel"])}}
+        qkv = lb["attn"]["qkv"]["kernel"]
+        parts = [take(f"{pre}.self_attn.{x}_proj.weight", qkv) for x in "qkv"]  # [D, H Dh], [D, K Dh], [D, K Dh]
+        attn = {"qkv": {"kernel": np.concatenate(parts, axis=1)},
+                "out": {"kernel": take(f"{pre}.self_attn.o_proj.weight", lb["attn"]["out"]["kernel"])}}
         for norm in ("q_norm", "k_norm"):
             if norm in lb["attn"]:
-                attn[norm] = {"scale": cast(take(f"{pre}.self_attn.{norm}.weight", (dh,)), lb["attn"][norm]["scale"])}
-        block["attn"] = attn
+                attn[norm] = {"scale": take(f"{pre}.self_attn.{norm}.weight", lb["attn"][norm]["scale"], False)}
+        block = {"attn_norm": {"scale": take(f"{pre}.input_layernorm.weight", lb["attn_norm"]["scale"], False)},
+                 "ffn_norm": {"scale": take(f"{pre}.post_attention_layernorm.weight", lb["ffn_norm"]["scale"], False)},
+                 "attn": attn}
         if "moe" not in lb:
-            block["mlp"] = {w: cast(take(f"{pre}.mlp.{name}.weight", lb["mlp"][w].shape, True), lb["mlp"][w])
-                            for name, w in zip(("gate_proj", "up_proj", "down_proj"), _SWIGLU)}
+            block["mlp"] = dense(f"{pre}.mlp", lb["mlp"])
         else:
-            block["moe"] = _moe_from(arch, i, lb["moe"], take, cast)
+            lm, mp = lb["moe"], _moe_prefix(arch, i)
+            moe = {"router": take(f"{mp}.gate.weight", lm["router"])}
+            for name, w in zip(_EXPERT_NAMES[arch], _SWIGLU):
+                moe[w] = np.stack([take(f"{mp}.experts.{e}.{name}.weight", lm[w]) for e in range(lm[w].shape[0])])
+            if "shared_experts" in lm:
+                moe["shared_experts"] = dense(f"{mp}.shared_expert", lm["shared_experts"])
+                moe["shared_expert_gate"] = take(f"{mp}.shared_expert_gate.weight", lm["shared_expert_gate"])
+            block["moe"] = moe
         out["blocks"][i] = block
-    extra = sorted(names - used)
-    if extra:
-        raise InteropError(f"{source} holds tensors island_jax's model has no place for: {', '.join(extra[:5])}"
-                           f"{' ...' if len(extra) > 5 else ''} ({len(extra)} in all)")
     return out
-
-
-def _moe_from(arch: str, i: int, like: dict, take, cast) -> dict:
-    """One MoE layer's parameters from its per-expert tensors (what `save_pretrained` writes)."""
-    mp = _moe_prefix(arch, i)
-    e, d, _ = like["w_gate"].shape
-    moe = {"router": cast(take(f"{mp}.gate.weight", (d, e), True), like["router"])}
-    for name, w in zip(_EXPERT_NAMES[arch], _SWIGLU):
-        shape = like[w].shape[1:]
-        moe[w] = cast(np.stack([take(f"{mp}.experts.{x}.{name}.weight", shape, True) for x in range(e)]), like[w])
-    if "shared_experts" in like:
-        moe["shared_experts"] = {w: cast(take(f"{mp}.shared_expert.{name}.weight", like["shared_experts"][w].shape, True),
-                                         like["shared_experts"][w])
-                                 for name, w in zip(("gate_proj", "up_proj", "down_proj"), _SWIGLU)}
-        moe["shared_expert_gate"] = cast(take(f"{mp}.shared_expert_gate.weight", (d, 1), True), like["shared_expert_gate"])
-    return moe
-
 
 
 WEIGHTS_FILE = "model.safetensors"  # one file; past `max_shard_size`, model-0000k-of-0000n.safetensors and:

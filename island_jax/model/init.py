@@ -67,8 +67,9 @@ def _imported(config: ml_collections.ConfigDict, mesh: jax.sharding.Mesh | None)
     if mesh is not None and any(d.platform != "cpu" for d in mesh.devices.flat):
         raise ValueError("a checkpoint is placed from the CPU: give a mesh of CPU devices, or none")
     graphdef, like, specs = abstract_params(config)
-    get, names, source = hf.read_weights(folder)
-    params = hf.from_tensors(config, hf.unstack_shapes(like), read_hf_config(folder)["model_type"], get, names, source)
+    arch = read_hf_config(folder)["model_type"]
+    hf.check_shapes(config, like, arch, *hf.held_shapes(folder))
+    params = hf.from_tensors(config, hf.unstack_shapes(like), arch, hf.read_weights(folder)[0])
     params = stacking.to_layout(params, config.model.get("scan_layers", False), config.moe.every_n_layers)
     if mesh is None:
         return graphdef, params, specs

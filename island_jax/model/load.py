@@ -19,6 +19,7 @@ import ml_collections
 import numpy as np
 
 from island_jax.config import evaluating_island, read_json
+from island_jax.data.records import TOKENIZER_FILE
 from island_jax.model import stacking
 
 WEIGHTS_FILE = "model.safetensors"
@@ -203,7 +204,7 @@ def from_export(folder: str, scan_layers: bool | None = None) -> tuple[ml_collec
 
 
 HF_ISLAND_CONFIG_FILE = "island_jax_config.json"  # an HF export's island_jax config, beside transformers' config.json
-HF_TOKENIZER_FILE = "tokenizer.json"
+HF_TOKENIZER_FILE = TOKENIZER_FILE  # the file name both tokenizers and transformers read
 HF_TOKENIZER_CONFIG_FILE = "tokenizer_config.json"
 
 
@@ -249,7 +250,7 @@ def save_hf(folder: str, config: ml_collections.ConfigDict, params: dict, tokeni
     tensors = hf.to_tensors(config, params, arch)
     os.makedirs(folder, exist_ok=True)
     files = hf.write_weights(folder, tensors, max_shard_size, metadata)
-    with open(os.path.join(folder, "config.json"), "w", encoding="utf-8") as f:
+    with open(os.path.join(folder, CONFIG_FILE), "w", encoding="utf-8") as f:  # transformers' config.json
         json.dump(hf_config(config, arch, eos), f, indent=2, sort_keys=True)
     with open(os.path.join(folder, HF_ISLAND_CONFIG_FILE), "w", encoding="utf-8") as f:
         f.write(config.to_json_best_effort(indent=2, sort_keys=True))
@@ -265,7 +266,7 @@ def save_hf(folder: str, config: ml_collections.ConfigDict, params: dict, tokeni
                    "clean_up_tokenization_spaces": False, **special}, f, indent=2)
     index = [os.path.join(folder, hf.INDEX_FILE)] if len(files) > 1 else []
     written = [*files, *index, *(os.path.join(folder, name) for name in (
-        "config.json", HF_ISLAND_CONFIG_FILE, HF_TOKENIZER_FILE, HF_TOKENIZER_CONFIG_FILE))]
+        CONFIG_FILE, HF_ISLAND_CONFIG_FILE, HF_TOKENIZER_FILE, HF_TOKENIZER_CONFIG_FILE))]
     return dict(architecture=arch, files=files, tensors=len(tensors), written=written)
 
 
