@@ -235,6 +235,23 @@ def test_load_config_finds_an_experiment_file_from_any_folder(tmp_path, monkeypa
         experiment.load_config("experiments/configs/nope.py")
 
 
+def test_load_config_passes_an_argument_and_diloco_m_splits_baseline_dps_batch_over_m_islands():
+    from island_jax.config import ConfigError
+
+    for arg, names, devices, batch, rounds in (("1,25", "a", 6, 12, 60), ("2,50", "ab", 3, 6, 30),
+                                                ("4,25", "abcd", 1, 3, 60)):
+        config = experiment.load_config(f"experiments/configs/diloco_m.py:{arg}")
+        assert list(config.islands) == list(names) and config.outer.rounds == rounds
+        assert {(i.num_devices, i.batch_size, i.inner_steps) for i in config.islands.values()} == {
+            (devices, batch, int(arg.split(",")[1]))}
+        assert (config.outer.momentum, config.outer.nesterov, config.outer.momentum_warmup_rounds) == (0.9, True, 0)
+    assert experiment.load_config("experiments/configs/diloco_m.py").islands.b.batch_size == 6  # "2,25"
+    with pytest.raises(ConfigError, match=r"diloco_m.py:3,25: M must be one of \[1, 2, 4\] and H must divide 1500"):
+        experiment.load_config("experiments/configs/diloco_m.py:3,25")
+    with pytest.raises(ConfigError, match="give M,H as two integers"):
+        experiment.load_config("experiments/configs/diloco_m.py:two")
+
+
 class _Bars:
     """Stands in for tqdm.auto.tqdm and records each bar's description, total and final count."""
 

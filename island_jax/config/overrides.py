@@ -37,7 +37,8 @@ def unknown_field(config: ml_collections.ConfigDict, path: str) -> ConfigError:
 def load_config(path: str) -> ml_collections.ConfigDict:
     """The config of an experiment file's `get_config()` (e.g. "experiments/configs/two_islands.py").
 
-    A relative path is looked up from the working directory, then from the
+    `FILE:ARG` passes the string ARG to `get_config(ARG)`, as `--config=FILE:ARG` does on a command line
+    (e.g. "experiments/configs/diloco_m.py:2,25"). A relative path is looked up from the working directory, then from the
     repository this package sits in, so a notebook finds the configs from any folder.
 
     Raises:
@@ -46,6 +47,7 @@ def load_config(path: str) -> ml_collections.ConfigDict:
     """
     import importlib.util
 
+    path, sep, arg = path.partition(":") if not os.path.isfile(path) else (path, "", "")
     found = next((p for p in (path, os.path.join(REPO_ROOT, path)) if os.path.isfile(p)), None)
     if found is None:
         raise FileNotFoundError(f"no config file {path} (looked in {os.getcwd()} and {REPO_ROOT})")
@@ -54,7 +56,7 @@ def load_config(path: str) -> ml_collections.ConfigDict:
     spec.loader.exec_module(module)
     if not hasattr(module, "get_config"):
         raise AttributeError(f"{found} defines no get_config(); an experiment config file returns its config from it")
-    return module.get_config()
+    return module.get_config(arg) if sep else module.get_config()
 
 
 def _fields(config: ml_collections.ConfigDict, key: str) -> list[tuple[ml_collections.ConfigDict, str]]:
