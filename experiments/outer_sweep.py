@@ -16,6 +16,10 @@ Each finished run appends a row to `--table` (CSV, committed: experiments/notebo
 with the `baseline_dp` row of its seed on its CPU). A point already in the table is skipped (a
 `baseline_dp` row only on the same CPU), so the command resumes across machines and days. Only the
 final evaluation runs (`eval.every_rounds` = the rounds): the same windows and figure as every 10 rounds.
+
+  python experiments/outer_sweep.py --summary
+
+prints each point's mean over seeds and its paired difference to `baseline_dp` (`experiment.paired_difference`).
 Needs pandas and tqdm (`pip install island_jax[notebook]`).
 """
 
@@ -33,7 +37,8 @@ _H = flags.DEFINE_list("h", ["25"], "Inner steps per round.")
 _LR = flags.DEFINE_list("lr", ["0.2", "0.4", "0.6", "0.8", "1.0"], "Outer learning rates.")
 _WARMUP = flags.DEFINE_list("warmup", ["0"], "Outer momentum warm-up, in rounds.")
 _SEEDS = flags.DEFINE_list("seeds", ["0"], "Seeds, run one after the other.")
-flags.mark_flags_as_required(["workdir"])
+_SUMMARY = flags.DEFINE_bool("summary", False, "Print the table's points against baseline_dp (paired by seed and CPU) "
+                             "and run nothing.")
 
 COLUMNS = ("run", "m", "h", "outer_lr", "warmup_rounds", "seed", "eval_loss_final", "eval_loss_final_stderr",
            "eval_windows_sha256", "wall_seconds", "cpu")
@@ -75,6 +80,18 @@ def append_row(path: str, row: dict) -> None:
         writer.writerow(row)
 
 
+def summary(path: str):
+    """The table's DiLoCo points against `baseline_dp`, paired by seed and CPU (`experiment.paired_difference`),
+    one row per (m, h, warmup_rounds, outer_lr)."""
+    import pandas as pd
+
+    from island_jax import experiment
+
+    table = pd.read_csv(path)
+    diloco, dp = table[table["run"] == "diloco"], table[table["run"] == "baseline_dp"]
+    return experiment.paired_difference(diloco, dp, ["m", "h", "warmup_rounds", "outer_lr"], on=("seed", "cpu"))
+
+
 def run_one(config, grid: dict, folder: str, seed: int, row: dict, table: str) -> None:
     """Runs one variant through `experiment.sweep` and appends its row to `table`."""
     from island_jax import experiment
@@ -96,6 +113,12 @@ def run_one(config, grid: dict, folder: str, seed: int, row: dict, table: str) -
 def main(argv):
     del argv
     from island_jax.config import load_config
+
+    if _SUMMARY.value:
+        print(summary(_TABLE.value).round(4).to_string(index=False))
+        return
+    if not _WORKDIR.value:
+        raise app.UsageError("--workdir is required to run the sweep")
 
     cpu = cpu_model()
     done = {key(r) for r in read_table(_TABLE.value)}

@@ -227,6 +227,27 @@ def test_over_seeds_gives_mean_spread_and_count_per_group():
     assert table["std"][0] == pytest.approx(0.3535533905932738, rel=1e-12) and pd.isna(table["std"][1])
 
 
+def test_paired_difference_pairs_runs_with_their_baseline_by_seed():
+    baseline = pd.DataFrame({"seed": [0, 1, 2], "eval_loss_final": [2.0, 1.0, 4.0], "error": [None] * 3})
+    rows = pd.DataFrame(
+        {
+            "m": [1, 1, 2, 2, 2],
+            "seed": [0, 1, 0, 1, 3],  # seed 3 has no baseline
+            "eval_loss_final": [2.02, 1.0, 2.2, 1.3, 9.0],
+            "error": [None, None, None, None, None],
+        }
+    )
+    table = experiment.paired_difference(rows, baseline, ["m"])
+    assert table["m"].tolist() == [1, 2] and table["seeds"].tolist() == [2, 2]
+    assert table["mean"].tolist() == pytest.approx([1.51, 1.75], rel=1e-12)
+    assert table["baseline_mean"].tolist() == [1.5, 1.5]
+    # pairs: m = 1: +1%, 0%; m = 2: +10%, +30%
+    assert table["diff_pct"].tolist() == pytest.approx([0.5, 20.0], rel=1e-9)
+    assert table["diff_pct_stderr"].tolist() == pytest.approx([0.5, 10.0], rel=1e-9)  # sd / sqrt(2)
+    with pytest.raises(ValueError, match=r"baseline holds two runs with the same \['seed'\]"):
+        experiment.paired_difference(rows, pd.concat([baseline, baseline]), ["m"])
+
+
 def test_load_config_finds_an_experiment_file_from_any_folder(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     config = experiment.load_config("experiments/configs/two_islands.py")

@@ -18,6 +18,7 @@ SECTIONS = [
     "7. Outer optimizer",
     "8. Islands with different data (non-IID) against IID islands",
     "9. Top-k pseudo-gradients (SparseLoCo) against int8 and int4 with error feedback",
+    "10. The outer learning rate against M (Scaling Laws for DiLoCo's sweep)",
 ]
 
 

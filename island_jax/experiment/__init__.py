@@ -4,7 +4,7 @@
              WORKDIR`), resumed from its checkpoints or read back when finished
   result     `Result`: what a finished run wrote, as pandas DataFrames
   sweeps     `sweep`: every combination of a grid of overrides times seeds, one row per variant;
-             `over_seeds`: the mean and spread over seeds
+             `over_seeds`: the mean and spread over seeds; `paired_difference`: against a baseline, paired seeds
 
 `load_config`, `apply_override` and `parse_override` live in island_jax.config (config/overrides.py) and are
 exported here too, for notebooks.
@@ -24,10 +24,18 @@ from island_jax.experiment.runner import (
     kill_running,
     run,
 )
-from island_jax.experiment.sweeps import ROW_COLUMNS, Variant, grid_keys, over_seeds, sweep, variants
+from island_jax.experiment.sweeps import (
+    ROW_COLUMNS,
+    Variant,
+    grid_keys,
+    over_seeds,
+    paired_difference,
+    sweep,
+    variants,
+)
 
 __all__ = [
     "LOG_FILE", "POLL_SECONDS", "REPO_ROOT", "ROW_COLUMNS", "STDERR_TAIL_LINES", "VARIANT_FILE", "ExperimentError",
     "Result", "Variant", "apply_override", "grid_keys", "kill_running", "load_config", "over_seeds",
-    "parse_override", "run", "sweep", "variants",
+    "paired_difference", "parse_override", "run", "sweep", "variants",
 ]

@@ -1,5 +1,6 @@
 """A sweep: every combination of a grid of overrides (dotted config paths) times seeds, one `run` and workdir per
-variant, tabulated one row per variant (`sweep`), and the rows' mean over seeds (`over_seeds`)."""
+variant, tabulated one row per variant (`sweep`), the rows' mean over seeds (`over_seeds`), and groups against a baseline with
+paired seeds (`paired_difference`)."""
 
 from __future__ import annotations
 
@@ -218,6 +219,43 @@ def over_seeds(rows, by: Sequence[str], value: str = "eval_loss_final"):
     ok = rows[rows["error"].isna()] if "error" in rows else rows
     groups = ok.groupby(list(by), sort=False, dropna=False)[value]
     return groups.agg(mean="mean", std="std", seeds="count").reset_index()
+
+
+def paired_difference(rows, baseline, by: Sequence[str], on: Sequence[str] = ("seed",),
+                      value: str = "eval_loss_final"):
+    """Each group of `rows` against `baseline` with paired seeds: the relative difference per pair, its mean and
+    standard error over pairs (Student's paired design: the pairs share `on`, e.g. the seed, so their common
+    part cancels).
+
+    Args:
+      rows: runs (a DataFrame with the `by` and `on` columns and `value`); rows with an `error` are left out.
+      baseline: the runs compared against, one per value of `on` (e.g. data parallel, one run per seed).
+      by: the columns that make a group (e.g. M and the outer learning rate).
+      on: the columns a run and its baseline share; a run without a baseline is left out.
+      value: the column compared (lower is better, e.g. the final eval loss).
+
+    Returns:
+      A DataFrame, one row per group in order of first appearance: `by`, `mean` and `std` (ddof 1; NaN for one
+      pair) of `value`, `seeds` (pairs), `baseline_mean` (of the paired baselines), `diff_pct` (the mean over
+      pairs of 100 x (value / baseline - 1), in %) and `diff_pct_stderr` (its standard error: the pairs'
+      standard deviation / sqrt(pairs); NaN for one pair).
+
+    Raises:
+      ValueError: `baseline` holds two runs with the same `on`.
+    """
+    import pandas as pd
+
+    ok = rows[rows["error"].isna()] if "error" in rows else rows
+    base = baseline[baseline["error"].isna()] if "error" in baseline else baseline
+    if base.duplicated(list(on)).any():
+        raise ValueError(f"baseline holds two runs with the same {list(on)}; keep one per pair")
+    merged = ok.merge(base[[*on, value]].rename(columns={value: "_baseline"}), on=list(on), how="inner")
+    merged["_diff"] = 100.0 * (merged[value] / merged["_baseline"] - 1.0)
+    groups = merged.groupby(list(by), sort=False, dropna=False)
+    out = groups.agg(mean=(value, "mean"), std=(value, "std"), seeds=(value, "count"),
+                     baseline_mean=("_baseline", "mean"), diff_pct=("_diff", "mean"), _sd=("_diff", "std"))
+    out["diff_pct_stderr"] = out["_sd"] / out["seeds"] ** 0.5
+    return pd.DataFrame(out.drop(columns="_sd")).reset_index()
 
 
 def _float(value) -> float:
