@@ -26,7 +26,6 @@ Needs pandas and tqdm (`pip install island_jax[notebook]`).
 import csv
 import json
 import os
-import platform
 
 from absl import app, flags
 
@@ -42,18 +41,6 @@ _SUMMARY = flags.DEFINE_bool("summary", False, "Print the table's points against
 
 COLUMNS = ("run", "m", "h", "outer_lr", "warmup_rounds", "seed", "eval_loss_final", "eval_loss_final_stderr",
            "eval_windows_sha256", "wall_seconds", "cpu")
-
-
-def cpu_model() -> str:
-    """The CPU's model name (/proc/cpuinfo on Linux; `platform.processor()` elsewhere)."""
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
 
 
 def key(row: dict) -> tuple:
@@ -113,6 +100,7 @@ def run_one(config, grid: dict, folder: str, seed: int, row: dict, table: str) -
 def main(argv):
     del argv
     from island_jax.config import load_config
+    from island_jax.provenance import cpu_model
 
     if _SUMMARY.value:
         print(summary(_TABLE.value).round(4).to_string(index=False))
