@@ -13,7 +13,8 @@ Each finished run appends a row to `--table` (CSV, committed: experiments/notebo
 `run` ("baseline_dp" or "diloco"), `m`, `h`, `outer_lr`, `warmup_rounds`, `seed`, `eval_loss_final`
 (nats per byte), `eval_loss_final_stderr` (over the held-out windows), `eval_windows_sha256`,
 `wall_seconds`, `cpu` (the CPU model: final losses differ between CPU models, so a DiLoCo row is paired
-with the `baseline_dp` row of its seed on its CPU). A point already in the table is skipped (a
+with the `baseline_dp` row of its seed on its CPU), `param_norm_final` (the L2 norm of all the final global
+parameters, `param_norm`). A point already in the table is skipped (a
 `baseline_dp` row only on the same CPU), so the command resumes across machines and days. Only the
 final evaluation runs (`eval.every_rounds` = the rounds): the same windows and figure as every 10 rounds.
 
@@ -40,7 +41,7 @@ _SUMMARY = flags.DEFINE_bool("summary", False, "Print the table's points against
                              "and run nothing.")
 
 COLUMNS = ("run", "m", "h", "outer_lr", "warmup_rounds", "seed", "eval_loss_final", "eval_loss_final_stderr",
-           "eval_windows_sha256", "wall_seconds", "cpu")
+           "eval_windows_sha256", "wall_seconds", "cpu", "param_norm_final")
 
 
 def key(row: dict) -> tuple:
@@ -49,6 +50,18 @@ def key(row: dict) -> tuple:
         return ("baseline_dp", int(row["seed"]), row["cpu"])
     return ("diloco", int(row["m"]), int(row["h"]), float(row["outer_lr"]), int(row["warmup_rounds"]),
             int(row["seed"]))
+
+
+def param_norm(workdir: str) -> float:
+    """The L2 norm over every element of a finished run's final global parameters (island a's last checkpoint,
+    `model.load.from_workdir`), in float64."""
+    import jax
+    import numpy as np
+
+    from island_jax.model.load import from_workdir
+
+    _, params, _ = from_workdir(workdir)
+    return float(np.sqrt(sum(np.sum(np.square(np.asarray(x, np.float64))) for x in jax.tree.leaves(params))))
 
 
 def read_table(path: str) -> list[dict]:
@@ -93,7 +106,8 @@ def run_one(config, grid: dict, folder: str, seed: int, row: dict, table: str) -
     append_row(table, {**row, "eval_loss_final": repr(summary["eval_loss_final"]),
                        "eval_loss_final_stderr": repr(summary["eval_loss_final_stderr"]),
                        "eval_windows_sha256": summary["eval_windows_sha256"],
-                       "wall_seconds": f"{summary['wall_seconds']:.1f}"})
+                       "wall_seconds": f"{summary['wall_seconds']:.1f}",
+                       "param_norm_final": f"{param_norm(result['workdir']):.4f}"})
     print(f"{row} -> {summary['eval_loss_final']:.6f}", flush=True)
 
 
