@@ -88,7 +88,8 @@ def summary(path: str):
     from island_jax import experiment
 
     table = pd.read_csv(path)
-    diloco, dp = table[table["run"] == "diloco"], table[table["run"] == "baseline_dp"]
+    diloco = table[table["run"] == "diloco"].astype({"warmup_rounds": int})
+    dp = table[table["run"] == "baseline_dp"]
     return experiment.paired_difference(diloco, dp, ["m", "h", "warmup_rounds", "outer_lr"], on=("seed", "cpu"))
 
 
