@@ -11,7 +11,7 @@ momentum warmed up over 20 rounds.
 (a coordinator and one process per island, over gRPC; `experiments/train.py`
 with the same flags runs all of them in one process, to the same bits).
 
-Reaches: eval loss 5.545 -> 1.445 nats per byte (seed 0; 1.444 over seeds 0-2) on
+Reaches: eval loss 5.545 -> 1.408 nats per byte (seed 0; 1.413 over seeds 0-2) on
 the held-out standard-library windows (2.3M tokens over both islands), every island holding bit-identical
 global parameters after each round, with the launcher and in one process alike.
 Wall-clock times of both are in docs/results.md.
