@@ -8,6 +8,7 @@ Every point is `experiments/configs/diloco_m.py:M,H` with `outer.learning_rate` 
 `island_jax.experiment.sweep` in WORKDIR/m{M}_h{H}; each seed's `baseline_dp` runs first, in
 WORKDIR/baseline_dp, so that every DiLoCo point has its data-parallel pair (same seed: the same
 initial parameters; the same held-out windows). Points run seed by seed, then in the order of the flags.
+`--warmup` counts rounds: the same share of the run at another H is 20 x 25 / H (10 at H = 50).
 
 Each finished run appends a row to `--table` (CSV, committed: experiments/notebooks/outer_sweep.csv):
 `run` ("baseline_dp" or "diloco"), `m`, `h`, `outer_lr`, `warmup_rounds`, `seed`, `eval_loss_final`
