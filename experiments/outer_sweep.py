@@ -26,7 +26,6 @@ Needs pandas and tqdm (`pip install island_jax[notebook]`).
 """
 
 import csv
-import json
 import os
 
 from absl import app, flags
@@ -103,10 +102,9 @@ def run_one(config, grid: dict, folder: str, seed: int, row: dict, table: str) -
     result = rows.iloc[0]
     if result["error"] is not None:
         raise SystemExit(f"{row}: {result['error']}")
-    with open(os.path.join(result["workdir"], "summary.json"), encoding="utf-8") as f:
-        summary = json.load(f)
-    append_row(table, {**row, "eval_loss_final": repr(summary["eval_loss_final"]),
-                       "eval_loss_final_stderr": repr(summary["eval_loss_final_stderr"]),
+    summary = experiment.Result.load(result["workdir"]).summary.iloc[0]
+    append_row(table, {**row, "eval_loss_final": repr(float(summary["eval_loss_final"])),
+                       "eval_loss_final_stderr": repr(float(summary["eval_loss_final_stderr"])),
                        "eval_windows_sha256": summary["eval_windows_sha256"],
                        "wall_seconds": f"{summary['wall_seconds']:.1f}",
                        "param_norm_final": f"{param_norm(result['workdir']):.4f}"})
