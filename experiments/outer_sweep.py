@@ -1,7 +1,7 @@
 """The outer step's sweep: outer lr x M x H (x the momentum warm-up) against data parallel, with paired seeds.
 
   python experiments/outer_sweep.py --workdir=/tmp/outer_sweep --m=1,2 --h=25 \\
-      --lr=0.2,0.4,0.6,0.8,1.0 --warmup=0 --seeds=0,1,2
+      --lr=0.2,0.4,0.6,0.8,1.0 --warmup=0,20 --seeds=0,1,2
 
 Every point is `experiments/configs/diloco_m.py:M,H` with `outer.learning_rate` and
 `outer.momentum_warmup_rounds` set (Nesterov, momentum 0.9), run through
@@ -11,7 +11,8 @@ initial parameters; the same held-out windows). Points run seed by seed, then in
 `--warmup` counts rounds: the same share of the run at another H is 20 x 25 / H (10 at H = 50).
 
 Each finished run appends a row to `--table` (CSV, committed: experiments/notebooks/outer_sweep.csv):
-`run` ("baseline_dp" or "diloco"), `m`, `h`, `outer_lr`, `warmup_rounds`, `seed`, `eval_loss_final`
+`run` ("baseline_dp" or "diloco"), `m`, `h` (1 and 25 on every `baseline_dp` row, which has no rounds:
+DiLoCo rows of any H pair with it), `outer_lr`, `warmup_rounds`, `seed`, `eval_loss_final`
 (nats per byte), `eval_loss_final_stderr` (over the held-out windows), `eval_windows_sha256`,
 `wall_seconds`, `cpu` (the CPU model: final losses differ between CPU models, so a DiLoCo row is paired
 with the `baseline_dp` row of its seed on its CPU), `param_norm_final` (the L2 norm of all the final global
@@ -102,13 +103,13 @@ def run_one(config, grid: dict, folder: str, seed: int, row: dict, table: str) -
     result = rows.iloc[0]
     if result["error"] is not None:
         raise SystemExit(f"{row}: {result['error']}")
-    summary = experiment.Result.load(result["workdir"]).summary.iloc[0]
-    append_row(table, {**row, "eval_loss_final": repr(float(summary["eval_loss_final"])),
-                       "eval_loss_final_stderr": repr(float(summary["eval_loss_final_stderr"])),
-                       "eval_windows_sha256": summary["eval_windows_sha256"],
-                       "wall_seconds": f"{summary['wall_seconds']:.1f}",
+    figures = experiment.Result.load(result["workdir"]).summary.iloc[0]
+    append_row(table, {**row, "eval_loss_final": repr(float(figures["eval_loss_final"])),
+                       "eval_loss_final_stderr": repr(float(figures["eval_loss_final_stderr"])),
+                       "eval_windows_sha256": figures["eval_windows_sha256"],
+                       "wall_seconds": f"{figures['wall_seconds']:.1f}",
                        "param_norm_final": f"{param_norm(result['workdir']):.4f}"})
-    print(f"{row} -> {summary['eval_loss_final']:.6f}", flush=True)
+    print(f"{row} -> {figures['eval_loss_final']:.6f}", flush=True)
 
 
 def main(argv):

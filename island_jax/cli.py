@@ -148,21 +148,14 @@ def _has_field(config, path: str) -> bool:
 
 def _load(path: str):
     """The config `--config=PATH[:ARG]` names (after `config_argv`): a recorded config.json or a config file's."""
-    file, _, arg = path.partition(":")
+    file = path.partition(":")[0]
     if file.endswith(".json"):
         from island_jax.config import read_json
 
         return read_json(file)
     from island_jax.config import load_config
 
-    if not arg:
-        return load_config(file)
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("_island_jax_cli_config", file)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module.get_config(arg)
+    return load_config(path)
 
 
 def parse_flags(argv: list[str], from_workdir: bool = False) -> list[str]:

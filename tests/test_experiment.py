@@ -246,6 +246,14 @@ def test_paired_difference_pairs_runs_with_their_baseline_by_seed():
     assert table["diff_pct_stderr"].tolist() == pytest.approx([0.5, 10.0], rel=1e-9)  # sd / sqrt(2)
     with pytest.raises(ValueError, match=r"baseline holds two runs with the same \['seed'\]"):
         experiment.paired_difference(rows, pd.concat([baseline, baseline]), ["m"])
+    # a failed run is left out; pairs on (seed, cpu): a run pairs only with its own CPU's baseline
+    failed = pd.DataFrame({"m": [1], "seed": [2], "eval_loss_final": [float("nan")], "error": ["killed"]})
+    both = pd.concat([baseline.assign(cpu="x"), baseline.assign(cpu="y", eval_loss_final=[1.0, 2.0, 2.0])])
+    on_cpu = experiment.paired_difference(pd.concat([rows.assign(cpu=["x", "y", "x", "y", "x"]), failed.assign(cpu="x")]),
+                                          both, ["m"], on=("seed", "cpu"))
+    # pairs: m = 1: 2.02 / 2.0 (x), 1.0 / 2.0 (y): +1%, -50%; m = 2: 2.2 / 2.0 (x), 1.3 / 2.0 (y): +10%, -35%
+    assert on_cpu["seeds"].tolist() == [2, 2] and on_cpu["baseline_mean"].tolist() == [2.0, 2.0]
+    assert on_cpu["diff_pct"].tolist() == pytest.approx([-24.5, -12.5], rel=1e-9)
 
 
 def test_load_config_finds_an_experiment_file_from_any_folder(tmp_path, monkeypatch):
@@ -265,10 +273,13 @@ def test_load_config_passes_an_argument_and_diloco_m_splits_baseline_dps_batch_o
         assert list(config.islands) == list(names) and config.outer.rounds == rounds
         assert {(i.num_devices, i.batch_size, i.inner_steps) for i in config.islands.values()} == {
             (devices, batch, int(arg.split(",")[1]))}
-        assert (config.outer.momentum, config.outer.nesterov, config.outer.momentum_warmup_rounds) == (0.9, True, 0)
+        assert (config.outer.learning_rate, config.outer.momentum, config.outer.nesterov,
+                config.outer.momentum_warmup_rounds) == (0.4, 0.9, True, 20)
     assert experiment.load_config("experiments/configs/diloco_m.py").islands.b.batch_size == 6  # "2,25"
-    with pytest.raises(ConfigError, match=r"diloco_m.py:3,25: M must be one of \[1, 2, 4\] and H must divide 1500"):
-        experiment.load_config("experiments/configs/diloco_m.py:3,25")
+    for arg in ("3,25", "2,0", "2,-25", "2,7"):
+        with pytest.raises(ConfigError, match=rf"diloco_m.py:{arg}: M must be one of \[1, 2, 4\] and H a positive "
+                                              "divisor of 1500"):
+            experiment.load_config(f"experiments/configs/diloco_m.py:{arg}")
     with pytest.raises(ConfigError, match="give M,H as two integers"):
         experiment.load_config("experiments/configs/diloco_m.py:two")
 

@@ -374,7 +374,7 @@ def test_one_island_with_outer_lr_1_no_momentum_and_no_codec_is_data_parallel(tm
                                     config.model.seq_len, config.eval.num_windows, config.eval.seed)
     batches = list(data_lib.eval_batches(windows, 6))
     diloco_losses, dp_losses = isl.evaluate(batches), dp.evaluate(batches)
-    assert diloco_losses.dtype == np.float32 and len(dp_losses) == 8
+    assert diloco_losses.dtype == dp_losses.dtype == np.float32 and len(dp_losses) == 8
     assert np.all(np.abs(diloco_losses - dp_losses) <= 2 * np.spacing(dp_losses))
 
 
