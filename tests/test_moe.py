@@ -124,6 +124,8 @@ def test_uneven_batch_drops_in_token_order_and_padding_takes_no_slot():
     np.testing.assert_array_equal(served[1], expected)
     assert float(stats["dropped_fraction"]) == np.float32(8) / np.float32(28)
     np.testing.assert_array_equal(stats["expert_load"], [1.0, 0.0])  # before drops
+    assert stats["routed_counts"].dtype == np.int32
+    np.testing.assert_array_equal(stats["routed_counts"], [28, 0])  # 16 + 12 real tokens, k = 1, before drops
 
 
 def test_load_balancing_loss_per_layer_then_mean():
@@ -210,6 +212,7 @@ def test_routing_bias_update_and_choice():
     x = _inputs((1, 8, D), seed=7)[0]
     out, stats, _ = run(layer, (1, 1), x)
     np.testing.assert_array_equal(stats["expert_load"], [0.0, 0.0, 0.0, 1.0])
+    np.testing.assert_array_equal(stats["routed_counts"], [0, 0, 0, 8])
     w = nnx.to_pure_dict(nnx.state(layer, nnx.Param))
     xt = x.reshape(8, D)
     p3 = jax.nn.softmax(xt @ w["router"], axis=-1)[:, 3:4]  # the weight is the probability, not prob + bias

@@ -176,7 +176,9 @@ def test_inner_steps_log_routing_metrics_per_moe_layer(run):
         for r in inner:
             moe = r["moe"]
             assert set(moe) == {"expert_load", "dropped_fraction", "router_entropy", "load_balancing_loss",
-                                "router_z_loss", "capacity"}
+                                "router_z_loss", "capacity", "routed_counts"}
+            # every real token (a: 8, b: 4 sequences of 32, none padded) routed to k = 2 experts, before drops
+            assert sum(moe["routed_counts"][0]) == {"a": 8, "b": 4}[name] * 32 * 2
             assert len(moe["expert_load"]) == 1 and len(moe["expert_load"][0]) == 4
             assert abs(sum(moe["expert_load"][0]) - 1.0) < 1e-6
             assert 0.0 < moe["router_entropy"][0] <= np.log(4) + 1e-6
@@ -360,6 +362,10 @@ def test_one_island_with_outer_lr_1_no_momentum_and_no_codec_is_data_parallel(tm
     for r in range(config.outer.rounds):
         dp.train_round()
         result = isl.train_round()
+        # the round's routed assignments: its steps' summed, every real token to num_experts_per_token experts
+        assert result["routed_counts"].dtype == np.int64
+        assert result["routed_counts"].tolist() == np.sum([m["routed_counts"] for m in result["layers"]], 0).tolist()
+        assert result["routed_counts"].sum(1).tolist() == [result["tokens"] * config.moe.num_experts_per_token]
         local = leaves(isl.params)
         if r == 0:  # the same inner steps from the same parameters
             assert checksum(jax.device_get(isl.params)) == checksum(jax.device_get(dp.params))

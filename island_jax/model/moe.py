@@ -11,7 +11,8 @@ combine. `dispatch="dropless"`: `jax.lax.ragged_dot` over groups sorted by exper
 (which XLA:CPU lacks: `check_dispatch`). Statistics (`LAYER_METRICS`), over the island batch's real tokens:
 
   load_balancing_loss = E * sum_i f_i * P_i (Switch eq. 4), router_z_loss = mean logsumexp(logits)^2 (ST-MoE,
-  arXiv 2202.08906, eq. 5), router_entropy (nats), dropped_fraction, capacity (C), expert_load (f_i, [E]).
+  arXiv 2202.08906, eq. 5), router_entropy (nats), dropped_fraction, capacity (C), expert_load (f_i, [E]), routed_counts (the assignments per
+  expert before drops, [E] int32, summing to real tokens x k).
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ from island_jax.mesh import platform as mesh_platform
 # The statistics an MoE layer returns; the first four are scalars whose mean over
 # MoE layers each inner step reports (`transformer.aggregate_stats`).
 MEAN_METRICS = ("load_balancing_loss", "router_z_loss", "router_entropy", "dropped_fraction")
-LAYER_METRICS = MEAN_METRICS + ("capacity", "expert_load")
+LAYER_METRICS = MEAN_METRICS + ("capacity", "expert_load", "routed_counts")
 
 
 class DispatchError(ValueError):
@@ -224,7 +225,8 @@ def _moe_shard(x, mask, key, router, bias, w_gate, w_up, w_down, *, k, capacity_
     flat_e = top_e.reshape(-1)  # [A = T*k], token-major: earlier tokens first
     real_a = jnp.repeat(real, k)
     counts = jnp.sum(jax.nn.one_hot(flat_e, num_experts, dtype=jnp.int32) * real_a[:, None], axis=0)  # [E]
-    load = _psum(counts).astype(jnp.float32) / (n_real * k)
+    routed = _psum(counts)  # [E] int32: the island batch's real assignments per expert, before drops
+    load = routed.astype(jnp.float32) / (n_real * k)
     mean_prob = _psum(jnp.sum(probs * realf[:, None], axis=0)) / n_real
     z = jax.nn.logsumexp(logits, axis=-1)
     entropy = -jnp.sum(jax.scipy.special.xlogy(probs, probs), axis=-1)
@@ -244,6 +246,7 @@ def _moe_shard(x, mask, key, router, bias, w_gate, w_up, w_down, *, k, capacity_
         dropped_fraction=_psum(jnp.sum(real_a & ~kept)).astype(jnp.float32) / (n_real * k),
         capacity=jnp.asarray(cap, jnp.int32),
         expert_load=load,
+        routed_counts=routed,
     )
     return out.astype(x.dtype).reshape(b, s, d), stats
 
@@ -294,7 +297,7 @@ class MoE(nnx.Module):
       (y [B, S, D] in x's dtype, stats (`LAYER_METRICS`): load_balancing_loss [],
       router_z_loss [], router_entropy [] (nats), dropped_fraction [] float32,
       capacity [] int32, expert_load [E] float32 (fraction of assignments per
-      expert, before drops)).
+      expert, before drops), routed_counts [E] int32 (those assignments: real tokens x k in all)).
 
     Raises (on call):
       DispatchError: a dispatch the backend and mesh cannot run (`check_dispatch`).

@@ -271,7 +271,7 @@ class Transformer(nnx.Module):
     [B, S, vocab] float32, stats). With L the number of MoE layers, stats hold
     per layer (`moe.LAYER_METRICS`) `load_balancing_loss`, `router_z_loss`,
     `router_entropy` (nats), `dropped_fraction` [L] float32, `capacity` [L]
-    int32 and `expert_load` [L, E] float32; the losses the optimizer sees are
+    int32, `expert_load` [L, E] float32 and `routed_counts` [L, E] int32; the losses the optimizer sees are
     their means over layers (`aggregate_stats`).
     """
 
