@@ -154,7 +154,7 @@ def test_a_config_the_target_cannot_hold_is_refused_naming_the_island_and_the_by
     results = memory.dry_run(c, ["a"], (), aot.parse_targets("a=tpu-v5e-1", ["a", "b"]), programs=["inner_step"])
     [inner] = results["a"].compiled.programs
     assert (results["a"].hardware, results["a"].memory_gb) == ("tpu-v5e", 0.1)
-    assert (inner.argument, inner.temp, inner.resident, inner.peak) == (23_050_752, 65_696_256, 7_680_512, 114_972_672)
+    assert (inner.argument, inner.temp, inner.resident, inner.peak) == (23_050_752, 65_696_256, 7_680_512, 114_979_840)
     with pytest.raises(ConfigError) as refused:
         memory.check_compiled(results)
     assert str(refused.value).startswith(
