@@ -1,6 +1,6 @@
-"""Per-expert merge weights from the tokens each island routed to each expert (`outer.expert_weighting`).
+"""Per-expert merge weights from the tokens each island routed to each expert (no config selects them yet).
 
-With "tokens_routed", the rows of a routed expert (its `w_gate`, `w_up` and `w_down` in one MoE layer) are
+Merged this way, the rows of a routed expert (its `w_gate`, `w_up` and `w_down` in one MoE layer) are
 merged with weights proportional to the assignments each contributing island routed to that expert over the
 contribution's steps; every other leaf keeps `outer.weighting`'s per-island weights (`merge_weights`). For
 island k, MoE layer l and expert e, with c_k[l, e] its routed assignments (before capacity drops):
@@ -30,7 +30,7 @@ def check_routed_counts(counts, num_layers: int, num_experts: int, tokens: int, 
       num_layers: MoE layers of the model.
       num_experts: routed experts per MoE layer (`moe.num_experts`).
       tokens: tokens the contribution covers (its header's).
-      top_k: experts each token is routed to (`moe.top_k`).
+      top_k: experts each token is routed to (`moe.num_experts_per_token`).
 
     Returns:
       int64 [num_layers, num_experts], the counts.
