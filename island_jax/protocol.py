@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import threading
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
     from island_jax.comm.link import LinkEmulator
@@ -48,6 +48,10 @@ class ContributionHeader:
       overlap_steps: tau, the inner steps the island trains before applying this fragment's update, when it was
         chosen from measured times (`outer.overlap_steps = "auto"`), so that a replay applies it alike (None:
         the config's).
+      routed_counts: of an MoE model, the assignments the island's routers sent to each routed expert over the
+        steps the contribution covers (since the fragment's last contribution), before capacity drops: int
+        [MoE layers, experts], each layer summing to tokens x `moe.num_experts_per_token`
+        (`coordinator.expert_merge.check_routed_counts`); None: not sent.
     """
 
     round: int
@@ -57,6 +61,7 @@ class ContributionHeader:
     step_seconds: float | None = None
     fragment: int = 0
     overlap_steps: int | None = None
+    routed_counts: Any = None
 
 
 class HandshakeError(ValueError):

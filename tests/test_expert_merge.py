@@ -1,11 +1,23 @@
 """The per-expert merge weights (`coordinator.expert_merge`) and the checks of a contribution's routed counts."""
 
+import re
+
+import jax
+import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 
+from island_jax.comm.grpc_client import GrpcTransport
+from island_jax.comm.grpc_server import serve
+from island_jax.config import default_config, fingerprint_fields, island
+from island_jax.coordinator import ContributionError, ContributionHeader, Coordinator
 from island_jax.coordinator.contribution import Contribution
 from island_jax.coordinator.expert_merge import check_routed_counts, expert_merge_weights
 from island_jax.coordinator.partial_merge import merge_weights
+from island_jax.outer import codec
+from island_jax.outer.optimizer import outer_optimizer
+from island_jax.protocol import ExchangeError
 
 
 def test_an_expert_is_weighted_by_the_assignments_routed_to_it_and_other_leaves_by_tokens():
@@ -56,3 +68,146 @@ def test_counts_of_different_shapes_or_no_contributors_are_refused():
         expert_merge_weights({"a": np.zeros((1, 2), np.int64), "b": np.zeros((2, 2), np.int64)})
     with pytest.raises(ValueError, match="a merge needs at least one contribution"):
         expert_merge_weights({})
+
+
+# -- through the coordinator: one MoE layer of 2 experts, k = 1 ----------------------------------------------
+
+D, F = 4, 8  # d_model, expert hidden width: an expert's slice (32 elements) is part of a row (256): per element
+ROWS = 16, 32  # ... and one of 512 elements, two whole rows: per row
+
+
+def _moe_config(expert_weighting, momentum=0.0, kind="none", width=(D, F)):
+    c = default_config()
+    c.model.update(num_layers=1, d_model=width[0])
+    c.moe.update(num_experts=2, num_experts_per_token=1, every_n_layers=1, expert_hidden_dim=width[1])
+    c.islands.a = island(1, 1, 1, 1, 1)
+    c.islands.b = island(1, 1, 1, 1, 1)
+    c.codec.update(kind=kind, topk_group=64, topk_k=16)
+    c.outer.update(learning_rate=1.0, momentum=momentum, nesterov=False, expert_weighting=expert_weighting)
+    return c
+
+
+def _params(width=(D, F)):
+    """A per-layer parameter tree with one MoE layer (router, 2 routed experts of `width` (d_model, hidden)) and
+    an embedding."""
+    D, F = width
+    rng = np.random.default_rng(0)
+    leaf = lambda *shape: rng.normal(size=shape).astype(np.float32)  # noqa: E731
+    return {"blocks": {0: {"moe": {"router": leaf(D, 2), "w_gate": leaf(2, D, F), "w_up": leaf(2, D, F),
+                                   "w_down": leaf(2, F, D)}}}, "embedding": leaf(16, D)}
+
+
+def _merge(config, pseudo_gradients, tokens, routed, width=(D, F)):
+    """A coordinator of `_params(width)` after one round of the islands' `pseudo_gradients` (pytrees)."""
+    params = _params(width)
+    coordinator = Coordinator(config, params, ["a", "b"])
+    for name in ("a", "b"):
+        coordinator.join(name, fingerprint_fields(config), coordinator.checksum)
+    for name in ("a", "b"):
+        payload = codec.encode(pseudo_gradients[name], codec.Codec.of(config.codec))
+        coordinator.contribute(ContributionHeader(0, name, tokens[name], routed_counts=routed[name]), payload)
+    return coordinator
+
+
+def _master(coordinator):
+    """The coordinator's master parameters (one fragment) as `_params()`' tree."""
+    return jax.tree.unflatten(jax.tree.structure(_params()), list(coordinator.fragments[0].state()["master"]))
+
+
+def _pseudo_gradients(fill, width=(D, F)):
+    """Each leaf of `_params(width)` filled with `fill[island]` (whole numbers: every weighted sum below is exact)."""
+    return {n: jax.tree.map(lambda x, v=v: np.full(x.shape, v, np.float32), _params(width)) for n, v in fill.items()}
+
+
+@pytest.mark.parametrize("width, per_row", [((D, F), False), (ROWS, True)], ids=["per_element", "per_row"])
+def test_the_coordinator_merges_each_expert_by_its_routed_counts_and_other_leaves_by_tokens(width, per_row):
+    start = _params(width)
+    pgs = _pseudo_gradients({"a": 4.0, "b": 8.0}, width)
+    config = _moe_config("tokens_routed", width=width)
+    coordinator = _merge(config, pgs, {"a": 40, "b": 10}, {"a": [[30, 10]], "b": [[10, 0]]}, width)
+    state = coordinator.fragments[0]._state
+    slots = state.expert_slots[0]  # the one chunk's weight slot per row, or per element
+    assert slots.size == state.num_rows * (1 if per_row else state.width)
+    assert sorted(set(slots.tolist())) == [0, 1, 2]
+    master = _master(coordinator)
+    moe, moe0 = master["blocks"][0]["moe"], start["blocks"][0]["moe"]
+    for name in ("w_gate", "w_up", "w_down"):  # lr 1, no momentum: master = start - merged
+        np.testing.assert_array_equal(moe[name][0], moe0[name][0] - np.float32(0.75 * 4 + 0.25 * 8))  # 5
+        np.testing.assert_array_equal(moe[name][1], moe0[name][1] - np.float32(4.0))  # a alone
+    same = _merge(_moe_config("same", width=width), pgs, {"a": 40, "b": 10}, {"a": [[30, 10]], "b": [[10, 0]]}, width)
+    same = _master(same)
+    for leaf in (lambda t: t["embedding"], lambda t: t["blocks"][0]["moe"]["router"]):  # 0.8 / 0.2, as `same`
+        np.testing.assert_array_equal(leaf(master), leaf(same))
+    np.testing.assert_allclose(master["embedding"], start["embedding"] - 4.8, rtol=1e-6)
+    np.testing.assert_allclose(same["blocks"][0]["moe"]["w_up"], moe0["w_up"] - 4.8, rtol=1e-6)
+    record = coordinator.fragments[0].history[-1]
+    assert record.weights == {"a": 0.8, "b": 0.2}
+    assert record.expert_weights == {"a": [[0.75, 1.0]], "b": [[0.25, 0.0]]}
+
+
+@pytest.mark.parametrize("kind", ["none", "int8", "topk"])
+@pytest.mark.parametrize("width", [(D, F), ROWS], ids=["per_element", "per_row"])
+def test_counts_in_proportion_to_tokens_merge_bit_for_bit_as_same(kind, width):
+    rng = np.random.default_rng(1)
+    pgs = {n: jax.tree.map(lambda x: rng.normal(size=x.shape).astype(np.float32), _params(width)) for n in "ab"}
+    tokens, routed = {"a": 30, "b": 10}, {"a": [[21, 9]], "b": [[7, 3]]}
+    routed_merge = _merge(_moe_config("tokens_routed", 0.9, kind, width), pgs, tokens, routed, width)
+    same = _merge(_moe_config("same", 0.9, kind, width), pgs, tokens, routed, width)
+    for x, y in zip(jax.tree.leaves(routed_merge.state()), jax.tree.leaves(same.state())):
+        assert np.asarray(x).tobytes() == np.asarray(y).tobytes()
+    assert routed_merge.fetch_update(0, "a") == same.fetch_update(0, "a")
+
+
+def test_an_expert_no_island_routed_to_takes_the_outer_step_on_zero():
+    config = _moe_config("tokens_routed", momentum=0.9)
+    params = _params()
+    coordinator = Coordinator(config, params, ["a", "b"])
+    for name in ("a", "b"):
+        coordinator.join(name, fingerprint_fields(config), coordinator.checksum)
+    tx = outer_optimizer(config)
+    w = params["blocks"][0]["moe"]["w_up"][1]
+    expected, state = jnp.asarray(w), tx.init(jnp.asarray(w))
+    for round, (routed, pg) in enumerate([({"a": [[20, 20]], "b": [[5, 5]]}, 2.0),
+                                          ({"a": [[40, 0]], "b": [[10, 0]]}, 3.0)]):
+        for name in ("a", "b"):
+            payload = codec.encode(_pseudo_gradients({name: pg})[name], "none", config.codec.block_size)
+            coordinator.contribute(ContributionHeader(round, name, 40 if name == "a" else 10,
+                                                      routed_counts=routed[name]), payload)
+        # expert 1 merged from pg (round 0: both routed to it), then from nothing (round 1): zero
+        merged = jnp.full(w.shape, pg if round == 0 else 0.0, jnp.float32)
+        updates, state = tx.update(merged, state, expected)
+        expected = optax.apply_updates(expected, updates)
+        got = _master(coordinator)["blocks"][0]["moe"]["w_up"][1]
+        assert got.tobytes() == np.asarray(expected).tobytes(), round
+    assert not np.array_equal(got, w - 2.0)  # momentum alone moved it in round 1
+    assert coordinator.fragments[0].history[-1].expert_weights == {"a": [[0.8, 0.0]], "b": [[0.2, 0.0]]}
+
+
+@pytest.mark.parametrize(
+    "counts, match",
+    [
+        ([[30, 10], [0, 0]], r"the model has 1 MoE layers of 2 experts: send \[1, 2\] integers"),
+        ([30, 5, 5], r"shape \[3\]; the model has 1 MoE layers of 2 experts"),
+        ([[45, -5]], r"layer 0, expert 1 is -5"),
+        ([[30, 5]], r"layer 0 sum to 35; 40 tokens routed to 1 experts each make 40"),
+    ],
+)
+def test_counts_that_do_not_fit_the_model_are_refused_with_invalid_argument_and_nothing_is_merged(counts, match):
+    config = _moe_config("tokens_routed")
+    coordinator = Coordinator(config, _params(), ["a", "b"])
+    server, _, port = serve(coordinator, "localhost:0", config.comm.chunk_bytes)
+    try:
+        a = GrpcTransport(f"localhost:{port}", config.comm.chunk_bytes, join_timeout=30, round_timeout=30)
+        a.join("a", fingerprint_fields(config), coordinator.checksum)
+        payload = codec.encode(_pseudo_gradients({"a": 1.0})["a"], "none", config.codec.block_size)
+        with pytest.raises(ExchangeError) as refused:
+            a.contribute(ContributionHeader(0, "a", 40, routed_counts=counts), payload)
+        assert "refused it (INVALID_ARGUMENT: WireError: island 'a', round 0, fragment 0: " in str(refused.value)
+        assert re.search(match, str(refused.value)), str(refused.value)
+        assert coordinator.fragments[0].pending == {} and coordinator.round == 0
+        assert a.contribute(ContributionHeader(0, "a", 40, routed_counts=[[30, 10]]), payload) == "accepted"
+        a.close()
+    finally:
+        server.stop(grace=0)
+    with pytest.raises(ContributionError, match=match):  # the coordinator's own method, called directly
+        Coordinator(config, _params(), ["a"]).fragments[0].routed_counts_of("a", 0, 40, counts)

@@ -193,8 +193,8 @@ class ExchangeSession:
         return self.coordinator.fragments[header.fragment]
 
     def check_header(self, header: pb.PayloadHeader) -> None:
-        """Raises WireError (INVALID_ARGUMENT) for a header whose payload size, layout or share is not its
-        fragment's."""
+        """Raises WireError (INVALID_ARGUMENT) for a header whose payload size, layout, share or routed counts
+        (`FragmentCoordinator.routed_counts_of`) are not its fragment's; nothing of it is merged."""
         c = self.fragment(header)
         if header.total_bytes != c.payload_bytes:
             raise wire.WireError(
@@ -209,6 +209,10 @@ class ExchangeSession:
                 f"but the coordinator expects {layout} (leaf shapes, codec, block size differ); refused"
             )
         share(c.plan, header)  # a share's bitmap must fit the plan
+        try:
+            c.routed_counts_of(header.island, header.round, header.tokens, header.routed_counts)
+        except ValueError as e:
+            raise wire.WireError(str(e)) from None
 
     def _forget_share(self, header: pb.PayloadHeader, entry: Attempt, reason: str, keep_complete: bool) -> None:
         c = self.fragment(header)
@@ -245,6 +249,7 @@ class ExchangeSession:
                     header.round, header.island, header.tokens, header.params_checksum or None,
                     header.step_seconds or None, header.fragment,
                     header.overlap_steps - 1 if header.overlap_steps else None,
+                    c.routed_counts_of(header.island, header.round, header.tokens, header.routed_counts),
                 ))
             entry = self._open[key] = Attempt(status, max(header.streams, 1), header.attempt)
             for old in [k for k in self._open if k[0] == header.fragment and k[1] < c.round - 1]:

@@ -156,6 +156,7 @@ def payload_header(
         overlap_steps=0 if header.overlap_steps is None else header.overlap_steps + 1,  # 0: the config's tau
         parts=parts if parts > 1 else 0,  # one process: the header of before (no share fields)
         share=share,  # b"" but of several processes, or of a coordinator shard's range
+        routed_counts=() if header.routed_counts is None else np.asarray(header.routed_counts, np.int64).reshape(-1),
     )
 
 

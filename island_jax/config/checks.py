@@ -21,6 +21,7 @@ from island_jax.config.schema import (
     CODEC_KINDS,
     DISPATCH,
     DTYPES,
+    EXPERT_WEIGHTINGS,
     MAX_CHUNK_BYTES,
     MAX_CONNECTIONS,
     POSITIONS,
@@ -192,6 +193,11 @@ def _check_outer(outer: ml_collections.ConfigDict, islands: ml_collections.Confi
     _require(
         outer.weighting in WEIGHTINGS,
         f"outer.weighting is {outer.weighting!r}; choose 'tokens' (by each island's tokens) or 'uniform' (1/K each)",
+    )
+    _require(
+        outer.get("expert_weighting", "same") in EXPERT_WEIGHTINGS,
+        f"outer.expert_weighting is {outer.get('expert_weighting')!r}; choose 'same' (experts weighed as every other "
+        "parameter, by outer.weighting) or 'tokens_routed' (each expert by the tokens each island routed to it)",
     )
     _require(
         outer.auto_from in AUTO_FROM,

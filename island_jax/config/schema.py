@@ -26,6 +26,7 @@ CODEC_KINDS = ("none", "bf16", "int8", "int4", "topk")  # `codec.kind`, every co
 SYNC = ("steps", "auto", "time")  # values of outer.sync (island_jax/outer/inner_steps.py)
 AUTO_FROM = ("catalog", "measured")  # values of outer.auto_from
 WEIGHTINGS = ("tokens", "uniform")  # values of outer.weighting
+EXPERT_WEIGHTINGS = ("same", "tokens_routed")  # values of outer.expert_weighting
 MIB = 1 << 20
 MAX_CHUNK_BYTES = 64 * MIB  # far below protobuf's 2 GiB message ceiling
 MAX_CONNECTIONS = 256
@@ -234,6 +235,10 @@ def _outer() -> dict:
         # how the merge weighs the round's contributions: "tokens" (each island's share of the round's tokens,
         # Decoupled DiLoCo) or "uniform" (1/K for each of the K contributors, DiLoCo's plain average)
         weighting="tokens",
+        # how the routed experts' rows (w_gate, w_up, w_down of each MoE layer) are weighed: "same" (as every
+        # other parameter, by `weighting`) or "tokens_routed" (expert e of layer l by the assignments each island
+        # routed to it over the round, c_k[l, e] / sum_j c_j[l, e]: coordinator/expert_merge.py, docs/moe.md)
+        expert_weighting="same",
         sync="steps",  # steps: each island's inner_steps; auto: scaled by devices x catalog peak; time: round_seconds
         reference_island="",  # with sync=auto, the island whose inner_steps is kept ("" = the first)
         auto_from="catalog",  # with sync=auto: "catalog" peaks, or "measured" step times of round 0

@@ -29,6 +29,7 @@ class Contribution:
     everywhere: bool = True  # on the leader of coordinator shards: complete on every other shard too
     tau: int | None = None  # the island's tau for this contribution when chosen by measurement (overlap "auto")
     digests: dict[int, str] = field(default_factory=dict)  # chunk index -> SHA-256 of its bytes (kept updates on)
+    routed: np.ndarray | None = None  # int64 [MoE layers, experts]: its routed counts (`expert_merge`), None: not sent
 
     def has_chunks(self, num_chunks: int) -> bool:
         return len(self.chunks) == num_chunks

@@ -18,7 +18,7 @@ import jax
 import ml_collections
 
 from island_jax.config import fingerprint_fields
-from island_jax.coordinator import handshake
+from island_jax.coordinator import expert_merge, handshake
 from island_jax.coordinator.fragment import FragmentCoordinator
 from island_jax.coordinator.partial_merge import RoundRecord, merge_stats
 from island_jax.coordinator.replay import KeptUpdates
@@ -80,8 +80,10 @@ class Coordinator:
         params = stacking.unstack(params)
         leaves = jax.tree.leaves(params)
         self.partition = fragments_lib.partition_params(params, config.outer.fragments, by_layer)
+        experts = expert_merge.expert_leaves(params)  # per leaf: the MoE layer of its routed experts, or None
         self.fragments = [
-            FragmentCoordinator(config, [leaves[i] for i in idx], islands, clock, shard=shard, index=p)
+            FragmentCoordinator(config, [leaves[i] for i in idx], islands, clock, shard=shard, index=p,
+                                expert_layers=[experts[i] for i in idx])
             for p, idx in enumerate(self.partition)
         ]
         for p, part in enumerate(self.fragments):

@@ -15,8 +15,9 @@ quotient of the same rational number. docs/moe.md derives the rule.
 
 from __future__ import annotations
 
-from typing import Mapping
+from typing import Any, Mapping, Sequence
 
+import jax
 import numpy as np
 
 
@@ -83,3 +84,60 @@ def expert_merge_weights(routed: Mapping[str, np.ndarray]) -> dict[str, np.ndarr
     # integer counts divided in float64: correctly rounded, so equal ratios give equal bits
     safe = np.where(total > 0, total, 1).astype(np.float64)
     return {name: np.where(total > 0, c.astype(np.float64) / safe, 0.0) for name, c in counts.items()}
+
+
+ROUTED_EXPERT_LEAVES = ("w_gate", "w_up", "w_down")  # an MoE layer's routed experts' weights, [E, ...] each
+
+
+def expert_leaves(params: Any) -> list[int | None]:
+    """For each leaf of a per-layer parameter tree (`stacking.unstack`'s form, `jax.tree.leaves` order), the MoE
+    layer (0-based, among the model's MoE layers in layer order) whose routed experts it holds, or None.
+
+    A routed expert leaf is `blocks.{i}.moe.{w_gate, w_up, w_down}`, shaped [E, ...]: expert e's weights are its
+    slice e, elements [e S, (e + 1) S) of the flattened leaf for S = size / E. The router, routing biases and
+    shared experts (`moe.shared_experts`) are not. With `model.scan_layers` the stacked leaves [U, E, ...] are
+    unstacked into per-layer leaves first, so each (layer, expert) slice of a stacked leaf is one such slice.
+    """
+    moe_blocks: dict = {}
+    out = []
+    for path, _ in jax.tree_util.tree_leaves_with_path(params):
+        keys = [getattr(k, "key", getattr(k, "idx", None)) for k in path]
+        routed = (len(keys) == 4 and keys[0] == "blocks" and keys[2] == "moe" and keys[3] in ROUTED_EXPERT_LEAVES)
+        out.append(keys[1] if routed else None)
+        if routed:
+            moe_blocks[keys[1]] = None
+    order = {block: layer for layer, block in enumerate(sorted(moe_blocks, key=int))}
+    return [None if block is None else order[block] for block in out]
+
+
+def expert_slots(leaf_layers: Sequence[int | None], leaf_sizes: Sequence[int], num_experts: int, layout,
+                 width: int, num_rows: int) -> np.ndarray | None:
+    """Which weight each element of one chunk's rows takes: 0 for `outer.weighting`'s, 1 + l E + e for expert e of
+    MoE layer l.
+
+    Args:
+      leaf_layers: per leaf of the fragment, `expert_leaves`' MoE layer or None.
+      leaf_sizes: per leaf, its elements.
+      num_experts: E.
+      layout: the chunk's `chunk_step.RowLayout`; width, num_rows: W and R of the rows.
+
+    Returns:
+      None for a chunk with no routed expert's elements; int32 [R] when every row lies within one expert's
+      slice (each slice starts on a row: a row's weight is the slice's); int32 [R * W] otherwise (a weight per
+      element). Padding takes the slot of the piece it ends, or 0 (its values are zero either way).
+    """
+    pieces = [(p, row) for p, row in zip(layout.chunk.pieces, layout.row_offsets) if leaf_layers[p.leaf] is not None]
+    if not pieces:
+        return None
+    slots = np.zeros(num_rows * width, np.int32)
+    for piece, row in pieces:
+        per_expert = leaf_sizes[piece.leaf] // num_experts
+        n = piece.stop - piece.start
+        # the piece's last row is padded past its end: the padding takes the last element's slot
+        element = np.minimum(np.arange(-(-n // width) * width, dtype=np.int64), n - 1) + piece.start
+        start = row * width
+        slots[start : start + element.size] = 1 + leaf_layers[piece.leaf] * num_experts + element // per_expert
+    rows = slots.reshape(num_rows, width)
+    if (rows == rows[:, :1]).all():
+        return np.ascontiguousarray(rows[:, 0])
+    return slots

@@ -18,7 +18,7 @@ import ml_collections
 import numpy as np
 
 from island_jax.config import fingerprint_fields
-from island_jax.coordinator import handshake
+from island_jax.coordinator import expert_merge, handshake
 from island_jax.coordinator.contribution import Contribution
 from island_jax.coordinator.partial_merge import PartialMerge, RoundRecord
 from island_jax.coordinator.quorum import Quorum, RoundState
@@ -26,6 +26,7 @@ from island_jax.coordinator.replay import KeptUpdates
 from island_jax.coordinator.shards import Shard
 from island_jax.coordinator.state import FragmentState
 from island_jax.model.init import combine_parts
+from island_jax.model.transformer import routing_shape
 from island_jax.outer.inner_steps import plan_from_step_times
 from island_jax.protocol import ContributionError, ContributionHeader, StaleRoundError, UpdateNotReady, chunk_digest
 
@@ -34,7 +35,8 @@ class FragmentCoordinator:
     """The coordinator of one fragment (the whole model with `outer.fragments = 1`): its rounds, chunk by chunk.
 
     Args: `config`, `islands` and `clock` as for `Coordinator`; `params`
-    the fragment's initial parameters (float32 or bfloat16 NumPy arrays).
+    the fragment's initial parameters (float32 or bfloat16 NumPy arrays); `expert_layers` per leaf of `params`
+    the MoE layer whose routed experts it holds, or None (`expert_merge.expert_leaves`; None: no leaf does).
 
     A contribution arrives as chunks: `begin_contribution`, `add_chunk` per
     chunk in any order, `end_contribution` (`contribute` does all three for a
@@ -49,6 +51,7 @@ class FragmentCoordinator:
     def __init__(
         self, config: ml_collections.ConfigDict, params: Any, islands: Sequence[str],
         clock: Callable[[], float] = time.monotonic, shard: Shard | None = None, index: int = 0,
+        expert_layers: Sequence[int | None] | None = None,
     ):
         self.config = config
         self.shard, self.index = shard, index  # of a coordinator of several shards: this one, and the fragment
@@ -57,7 +60,8 @@ class FragmentCoordinator:
         # a shard merges a round only once the leader's set is known (`poll`), so not chunk by chunk as they come
         self.pipeline = bool(config.comm.pipeline) and shard is None
         self.weighting = config.outer.weighting
-        self._state = FragmentState(config, params, owner=shard)
+        self.expert_weighting = config.outer.get("expert_weighting", "same")
+        self._state = FragmentState(config, params, owner=shard, expert_layers=expert_layers)
         self.codec, self.update_codec = self._state.codec, self._state.update_codec
         # one plan both ways, each in its own codec's bytes (`codec.chunk_plan`'s `other`)
         self.plan, self.payload_bytes = self._state.plan, self._state.payload_bytes
@@ -251,12 +255,36 @@ class FragmentCoordinator:
                 f"island {island!r} trained round {round} from parameters with checksum {params_checksum}, not the "
                 f"global {self.checksum}; its contribution was refused (restart the island from the workdir)"
             )
-        self._round.pending[island] = Contribution(island, int(tokens), tau=header.overlap_steps)
+        routed = self.routed_counts_of(island, round, tokens, header.routed_counts)
+        self._round.pending[island] = Contribution(island, int(tokens), tau=header.overlap_steps, routed=routed)
         if self.ends_replay:  # its last fragment's current round: whatever it replayed is behind it
             self.replaying.discard(island)
         if header.step_seconds and round == 0:
             self.step_seconds[island] = float(header.step_seconds)
         return "accepted"
+
+    def routed_counts_of(self, island: str, round: int, tokens: int, counts) -> np.ndarray | None:
+        """A contribution's routed counts (`ContributionHeader.routed_counts`, [MoE layers, experts] or the wire's
+        row-major list), checked against the model (`expert_merge.check_routed_counts`): int64 [L, E], or None
+        for none sent (an empty list).
+
+        Raises:
+          ContributionError: counts of a dense model, or of the wrong shape, not integers, negative, or a layer
+            whose counts do not sum to tokens x `moe.num_experts_per_token`; the message names the island and
+            round (over the wire: INVALID_ARGUMENT, `ExchangeSession.check_header`).
+        """
+        if counts is None or np.size(counts) == 0:
+            return None
+        layers, experts, top_k = routing_shape(self.config)
+        try:
+            if layers == 0:
+                raise ValueError("the model has no MoE layer; send no routed counts")
+            array = np.asarray(counts)
+            if array.ndim == 1 and array.size == layers * experts:  # the wire's row-major list
+                array = array.reshape(layers, experts)
+            return expert_merge.check_routed_counts(array, layers, experts, int(tokens), top_k)
+        except ValueError as e:
+            raise ContributionError(f"island {island!r}, round {round}, fragment {self.index}: {e}; refused") from None
 
     def add_chunk(self, round: int, island: str, index: int, data) -> None:
         """Takes chunk `index` of an open contribution (bytes or memoryview of `plan[index].nbytes`).
@@ -417,7 +445,7 @@ class FragmentCoordinator:
         if not self.pipeline and not all(c.complete(self.num_chunks) for c in contributions):
             return False
         if self._round.merge is None:
-            self._round.merge = PartialMerge.start(contributions, self._state, self.weighting)
+            self._round.merge = PartialMerge.start(contributions, self._state, self.weighting, self.expert_weighting)
         if not self._round.merge.merge_ready(contributions, self._state):
             return False
         if not all(c.complete(self.num_chunks) for c in contributions):  # chunks merged; their streams not ended

@@ -18,6 +18,7 @@ from typing import Any, Callable
 import numpy as np
 
 from island_jax.coordinator.contribution import Contribution
+from island_jax.coordinator.expert_merge import expert_merge_weights
 from island_jax.coordinator.state import FragmentState
 from island_jax.outer.optimizer import outer_hyperparams
 
@@ -30,6 +31,8 @@ class RoundRecord:
     contributors: list[str] = field(default_factory=list)
     tokens: dict[str, int] = field(default_factory=dict)
     weights: dict[str, float] = field(default_factory=dict)
+    # "tokens_routed": island -> [MoE layer][expert] its weight for that expert's rows (6 decimals); None: `weights`
+    expert_weights: dict[str, list] | None = None
     pseudo_gradient_norm: dict[str, float] = field(default_factory=dict)
     cosine_similarity: dict[str, float] = field(default_factory=dict)  # "a/b": cos(pg_a, pg_b)
     update_bytes: int = 0
@@ -107,20 +110,45 @@ class PartialMerge:
     dots: Any = 0.0
     intended_sq: float = 0.0
     lost_sq: float = 0.0
+    experts: dict[str, np.ndarray] | None = None  # `expert_merge_weights` (float64 [L, E] each), or None: `shares`
 
     @classmethod
-    def start(cls, contributions: list[Contribution], state: FragmentState, weighting: str) -> "PartialMerge":
-        """A merge of `contributions` (in run order) from the fragment's current rows, weighted by `merge_weights`."""
+    def start(cls, contributions: list[Contribution], state: FragmentState, weighting: str,
+              expert_weighting: str = "same") -> "PartialMerge":
+        """A merge of `contributions` (in run order) from the fragment's current rows, weighted by `merge_weights`;
+        with `expert_weighting` "tokens_routed" the routed experts' rows by `expert_merge_weights` of the
+        contributions' routed counts (a contribution that sent none counts as having routed nothing)."""
+        experts = None
+        if expert_weighting == "tokens_routed" and any(s is not None for s in state.expert_slots):
+            nothing = np.zeros(state.routing_shape, np.int64)
+            experts = expert_merge_weights(
+                {c.island: nothing if c.routed is None else c.routed for c in contributions})
         return cls(
             contributors=[c.island for c in contributions],
             shares=merge_weights(contributions, weighting),
             master=list(state.master_rows), opt=list(state.opt), view=list(state.view_rows),
+            experts=experts,
         )
 
     @functools.cached_property
     def weights(self) -> np.ndarray:
         """float32 [K]: `shares` in contributor order, as the merge program takes them."""
         return np.asarray([np.float32(self.shares[n]) for n in self.contributors], np.float32)
+
+    @functools.cached_property
+    def _slot_weights(self) -> np.ndarray:
+        """float32 [K, 1 + L E]: slot 0 `weights`, slot 1 + l E + e each contributor's weight for expert e of MoE
+        layer l (`expert_merge.expert_slots`)."""
+        per_expert = np.stack([self.experts[n].reshape(-1) for n in self.contributors]).astype(np.float32)
+        return np.concatenate([self.weights[:, None], per_expert], axis=1)
+
+    def chunk_weights(self, index: int, state: FragmentState) -> np.ndarray:
+        """The weights chunk `index` is merged with: float32 [K] (`weights`), or, for a chunk holding routed
+        experts' rows under "tokens_routed", [K, R] per row or [K, R * W] per element (`state.expert_slots`)."""
+        slots = state.expert_slots[index]
+        if self.experts is None or slots is None:
+            return self.weights
+        return self._slot_weights[:, slots]
 
     def merge_ready(self, contributions: list[Contribution], state: FragmentState) -> bool:
         """Merges every chunk that all `contributions` hold and is not merged yet; whether all are merged."""
@@ -130,7 +158,7 @@ class PartialMerge:
             values = np.stack([c.chunks[k][0] for c in contributions])
             scales = np.stack([c.chunks[k][1] for c in contributions])
             self.master[k], self.opt[k], self.view[k], self.chunks[k], stats = state.step(
-                k, values, scales, self.weights, self.master[k], self.opt[k], self.view[k]
+                k, values, scales, self.chunk_weights(k, state), self.master[k], self.opt[k], self.view[k]
             )
             self.dots = self.dots + stats["dots"].astype(np.float64)
             self.intended_sq += float(stats["intended_sq"])
@@ -150,6 +178,8 @@ class PartialMerge:
             contributors=list(self.contributors),
             tokens={c.island: c.tokens for c in contributions},
             weights=dict(self.shares),
+            expert_weights=None if self.experts is None else {
+                n: np.round(w, 6).tolist() for n, w in self.experts.items()},
             **merge_stats(self.contributors, self.dots, self.intended_sq, self.lost_sq,
                           sum(len(c) for c in self.chunks.values())),
             **(outer_hyperparams(next(o for o in self.opt if o is not None))

@@ -9,7 +9,9 @@ import ml_collections
 import ml_dtypes
 import numpy as np
 
+from island_jax.coordinator import expert_merge
 from island_jax.model.init import checksum, checksum_parts
+from island_jax.model.transformer import routing_shape
 from island_jax.outer import chunk_step, codec
 from island_jax.outer.optimizer import outer_optimizer
 
@@ -33,12 +35,14 @@ class FragmentState:
       owner: a coordinator shard (`shards.Shard`), whose range of the plan (`owned`) this holds; None: every
         chunk. The plan, layouts and padded row count are the whole plan's either way, so each chunk's
         program and bits are the same; rows of other chunks are None and never allocated.
+      expert_layers: per leaf of `params`, the MoE layer whose routed experts it holds
+        (`expert_merge.expert_leaves`) or None; None: no leaf does. `expert_slots` follows from it.
 
     Raises:
       ValueError: a leaf of another dtype.
     """
 
-    def __init__(self, config: ml_collections.ConfigDict, params: Any, owner=None):
+    def __init__(self, config: ml_collections.ConfigDict, params: Any, owner=None, expert_layers=None):
         self.codec = codec.Codec.of(config.codec)
         self.update_codec = codec.Codec.of(config.codec, update=True)
         self._treedef = jax.tree.structure(params)
@@ -62,6 +66,15 @@ class FragmentState:
         self._step = chunk_step.ChunkStep(outer_optimizer(config), self.codec, self.update_codec, self.width,
                                           self.num_rows)
         self._bf16_rows = [self._bf16_mask(lay) for lay in self.layouts]
+        self.routing_shape = routing_shape(config)[:2]  # (MoE layers, experts): a contribution's counts
+        # per chunk: the weight slot of each row or element (`expert_merge.expert_slots`); None: no routed expert
+        layers = expert_layers if expert_layers is not None else [None] * len(self._leaf_specs)
+        sizes = [int(np.prod(shape)) for shape, _ in self._leaf_specs]
+        self.expert_slots = [
+            expert_merge.expert_slots(layers, sizes, self.routing_shape[1], lay, self.width, self.num_rows)
+            if k in self.owned and any(x is not None for x in layers) else None
+            for k, lay in enumerate(self.layouts)
+        ]
         self.master_rows = self._rows_of(params)
         self.opt = [None if m is None else self._step.place(self._step.init(m)) for m in self.master_rows]
         # The view lives in rows next to the master (the merge program replaces them; `view` lays them out). At
@@ -130,7 +143,8 @@ class FragmentState:
 
         Args:
           values, scales: K contributions' chunks (`decode`), stacked.
-          weights: float32 [K], the token weights (summing to 1).
+          weights: float32 [K], the contributors' weights (summing to 1); or per row [K, R] or per element
+            [K, R * W] (`PartialMerge.chunk_weights`, experts merged by their routed counts).
           master, opt, view: the chunk's rows and optimizer state to start from.
 
         Returns:

@@ -21,6 +21,7 @@ from typing import Any, Sequence
 import jax
 import ml_collections
 import numpy as np
+from absl import logging
 from flax import nnx
 
 from island_jax import data as data_lib
@@ -36,6 +37,7 @@ from island_jax.mesh import island_mesh
 from island_jax.model.flops import model_size
 from island_jax.model.init import checksum
 from island_jax.model.moe import LAYER_METRICS, check_dispatch
+from island_jax.model.transformer import routing_shape
 from island_jax.outer.inner_steps import plan_inner_steps
 
 
@@ -154,6 +156,10 @@ class Island(FragmentExchange, CheckpointState):
             self.anchor = self.shardings.place(params, copy=True)  # the inner steps donate the parameters
             self.opt_state = jax.jit(self.tx.init)(self.params)
         self._plan_fragments()
+        # per fragment: the assignments routed to each expert since its last contribution (int64 [F, L, E]; None
+        # for a model without MoE layers), what its next contribution's header carries (`take_routed_counts`)
+        layers, experts, _ = routing_shape(config)
+        self.routed_pending = np.zeros((len(self.partition), layers, experts), np.int64) if layers else None
 
     def _build_train_step(self, total_steps: int) -> None:
         """The inner optimizer for `total_steps` steps in all, and the jitted step that uses it (its first
@@ -242,6 +248,8 @@ class Island(FragmentExchange, CheckpointState):
                 if sleep > 0:
                     time.sleep(sleep)
                 history.append(metrics)
+                if self.routed_pending is not None:  # [L, E] int32, replicated: before `after_step` contributes
+                    self.routed_pending += self.shardings.to_host(metrics["layers"]["routed_counts"])
                 self.step += 1
                 if after_step is not None:
                     after_step(len(history), time.perf_counter() - start, step_times[-1])
@@ -263,6 +271,30 @@ class Island(FragmentExchange, CheckpointState):
             step_times=step_times,
         )
         return out
+
+    def take_routed_counts(self, fragment: int, tokens: int) -> np.ndarray | None:
+        """The assignments this island's routers sent to each routed expert since `fragment`'s last contribution,
+        before capacity drops, for a contribution of `tokens` tokens, and a new count from zero.
+
+        Returns:
+          int64 [MoE layers, experts], each layer summing to tokens x `moe.num_experts_per_token`; None for a model
+          without MoE layers, for no steps since the last contribution, and for counts that cover fewer tokens
+          (padding in the batches, as in a prepared dataset's last record: logged, and the contribution goes
+          without counts, so under `outer.expert_weighting = "tokens_routed"` it adds nothing to the experts).
+        """
+        if self.routed_pending is None:
+            return None
+        counts = self.routed_pending[fragment].copy()
+        self.routed_pending[fragment] = 0
+        if not counts.any():
+            return None
+        k = self.config.moe.num_experts_per_token
+        if (counts.sum(axis=1) != tokens * k).any():
+            logging.warning("island %s: the routed counts of fragment %d cover %d of its contribution's %d tokens "
+                            "(padding in the batches); it is sent without them", self.name, fragment,
+                            int(counts[0].sum()) // k, tokens)
+            return None
+        return counts
 
     def mfu(self, step_seconds: float) -> float:
         """Model FLOPs utilization of an inner step of `step_seconds` s: FLOPs per token x tokens per step /

@@ -376,17 +376,24 @@ class StreamingSync:
         schedule.last_tau = tau
         step_seconds = self.clean_step_seconds()
         tokens = max(steps, 1) * island.tokens_per_step
+        routed = self._routed_counts(fragment, tokens)
         future = self._pool.submit(self._exchange, fragment, round, tokens, pseudo_gradient, step_seconds, tau, checksum,
-                                   self.transport)  # a replay's, for a kept round, whenever the thread runs
+                                   self.transport, routed)  # a replay's, for a kept round, whenever the thread runs
         self.inflight[fragment] = Flight(fragment, round, island.step + tau, tau, future)
         schedule.next_round[fragment] = round + 1
         schedule.contributed.add(fragment)
         if tau == 0:
             self._apply(fragment)
 
+    def _routed_counts(self, fragment: int, tokens: int):
+        """The fragment's routed counts for its header (`Island.take_routed_counts`); None from an island without
+        them (a test's stand-in)."""
+        take = getattr(self.island, "take_routed_counts", None)
+        return take(fragment, tokens) if take is not None else None
+
     def _exchange(
         self, fragment: int, round: int, tokens: int, pseudo_gradient, step_seconds: float, tau: int,
-        checksum: str | None = None, transport: Transport | None = None,
+        checksum: str | None = None, transport: Transport | None = None, routed=None,
     ) -> dict:
         """On a background thread: encode, contribute, fetch the update, decode it and place it on the
         island's devices (over `transport`, default the sync's)."""
@@ -395,7 +402,8 @@ class StreamingSync:
         encoder = island.encode_fragment(fragment, pseudo_gradient)
         checksum = checksum or island.fragment_checksum(fragment)
         header = ContributionHeader(round, island.name, tokens, checksum, step_seconds, fragment,
-                                    overlap_steps=tau if self.settings.auto else None)  # kept for a replay
+                                    overlap_steps=tau if self.settings.auto else None,  # kept for a replay
+                                    routed_counts=routed)
         status = transport.contribute(header, encoder)
         t1 = time.time()
         self.events.add("send", t0, t1, round=round + 1, fragment=fragment)
@@ -496,8 +504,16 @@ class StreamingSync:
             logging.warning("island %s rejoined the run at round %d from the view, its replay ended (%s)",
                             self.island.name, min(rounds) + 1, self.rejoin_reason)
         log_view_taken(self.island, self.transport)
-        self.schedule.start_at(rounds, self.island.step)
+        self._start_schedule(rounds)
         self.rejoined_round = min(rounds)
+
+    def _start_schedule(self, rounds: list[int]) -> None:
+        """Every fragment's next round (`rounds`) and last contribution now: its tokens and routed counts count
+        from the island's current step."""
+        self.schedule.start_at(rounds, self.island.step)
+        pending = getattr(self.island, "routed_pending", None)
+        if pending is not None:
+            pending[...] = 0
 
     def forget_inflight(self, timeout: float | None = None) -> None:
         """Waits (up to `timeout` seconds) for the exchanges in flight to end and forgets them, errors and all."""
@@ -510,7 +526,7 @@ class StreamingSync:
         to `timeout` seconds for their threads), the schedule and the round clock start afresh."""
         self.forget_inflight(timeout)
         fragments = self.settings.fragments
-        self.schedule.start_at(fragment_rounds or [first_round] * fragments, self.island.step)
+        self._start_schedule(fragment_rounds or [first_round] * fragments)
         self.schedule.contributed = set()
         self.clock = RoundClock(round=first_round, first_round=first_round)
         self.rejoined_round = self.rejoin_reason = None

@@ -78,8 +78,10 @@ class CheckpointState:
         """What a checkpoint holds after `round` completed rounds: `params`, `anchor`,
         `opt_state` (AdamW), `step` (inner steps taken, also the data position; int64 []) and `round` (int64
         []); with error feedback (`config.error_feedback`) also `residual` (`_residual_rows`: each process's own pieces, one row
-        per process, so a resume needs the same processes and layout). A `template` is only a state to
-        restore into (its residual is zeros)."""
+        per process, so a resume needs the same processes and layout); with several fragments of an MoE model
+        `routed_pending` (int64 [F, MoE layers, experts]: each fragment's routed counts since its last
+        contribution, `Island.take_routed_counts`). A `template` is only a state to restore into (its residual
+        is zeros)."""
         out = dict(
             params=self.params,
             anchor=self.anchor,
@@ -90,6 +92,8 @@ class CheckpointState:
         if error_feedback(self.config.codec):
             out["residual"] = self._residual_rows(template)
             out["residual_layout"] = self._residual_layout()
+        if self.routed_pending is not None and len(self.partition) > 1:
+            out["routed_pending"] = self.routed_pending.copy()  # fragments contributed within the round
         return out
 
     def _residual_layout(self) -> np.ndarray:
@@ -128,5 +132,7 @@ class CheckpointState:
                     f"owned under another layout ({saved[16:].rstrip(bytes(1)).decode()}) than this run's "
                     f"({self.layout_name()}); resume with that layout, or start a new --workdir")
             self._load_residual(state["residual"])
+        if "routed_pending" in state:
+            self.routed_pending = np.array(state["routed_pending"], np.int64)
         self.step = int(state["step"])
         return int(state["round"])

@@ -206,6 +206,14 @@ def is_moe_layer(layer: int, every_n_layers: int) -> bool:
     return (layer + 1) % every_n_layers == 0
 
 
+def routing_shape(config: ml_collections.ConfigDict) -> tuple[int, int, int]:
+    """(MoE layers, routed experts per layer, experts per token k) of the config's model (`model.num_layers`,
+    `moe.every_n_layers`, `moe.num_experts`, `moe.num_experts_per_token`): the shape of its routed counts."""
+    moe = config.moe
+    layers = sum(is_moe_layer(i, moe.every_n_layers) for i in range(config.model.num_layers))
+    return layers, int(moe.num_experts), int(moe.num_experts_per_token)
+
+
 class Block(nnx.Module):
     """Pre-norm transformer block with an MoE (or, between MoE layers, dense SwiGLU) feed-forward layer.
 

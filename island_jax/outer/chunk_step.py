@@ -7,6 +7,8 @@ compiled program serves all; zeros stay zero through merge, step and codec. Top-
 2311.08105, Algorithm 1, lines 12-14; `outer/reference.py` shows it over whole trees):
 
   merged = sum_k weight[k] * dequantize(codes[k], scales[k])     [R * W] float32, in island order
+           (weight[k] one number, or per row / element where routed experts' rows take the weights of their
+           routed counts: `coordinator/expert_merge.py`)
   master, opt_state = optax outer step(merged);  delta = master - view
   update = quantize(delta) (`codec.blocks`; a top-k update is cut on the host)
   view = view + dequantize(update), rounded to bfloat16 on bfloat16 leaves' rows: a second program, since
@@ -183,15 +185,23 @@ class ChunkStep:
         with jax.default_device(self.cpu):
             return jax.device_get(self.tx.init(jnp.asarray(master_rows)))
 
+    def _elements(self, weights):
+        """Contributor k's weight of each element, [K, R * W], from per-row weights [K, R] or per-element ones."""
+        if weights.shape[1] == self.num_rows * self.width:
+            return weights
+        return jnp.repeat(weights, self.width, axis=1)
+
     def _merge(self, values, scales, weights):
-        """The token-weighted mean of K contributions' rows, sum_k (t_k / sum t) * g_k in island order, and their
-        dot products [K, K]."""
+        """The weighted mean of K contributions' rows, sum_k w_k * g_k in island order, and their dot products
+        [K, K]. `weights`: float32 [K] (one per contribution), [K, R] (per row) or [K, R * W] (per element)."""
         n, count = self.num_rows * self.width, values.shape[0]
         if self.up.kind == "topk":  # a sparse add of each island's kept values; `scales` holds their positions
             merged = jnp.zeros(n, jnp.float32)
             dense = []
             for k in range(count):
-                merged = merged.at[scales[k]].add(weights[k] * values[k], mode="drop")
+                w = weights[k] if weights.ndim == 1 else jnp.take(self._elements(weights)[k], scales[k], mode="fill",
+                                                                  fill_value=0)
+                merged = merged.at[scales[k]].add(w * values[k], mode="drop")
                 dense.append(jnp.zeros(n, jnp.float32).at[scales[k]].set(values[k], mode="drop"))
             dots = jnp.stack([
                 jnp.stack([jnp.sum(jnp.take(dense[i], scales[j], mode="fill", fill_value=0) * values[j])
@@ -203,6 +213,8 @@ class ChunkStep:
         shape = (count, n // block, block)
         pseudo_gradients = blocks.dequantize(values.astype(jnp.float32).reshape(shape), scales.reshape(shape[:2]))
         merged = jnp.zeros(shape[1:], jnp.float32)
+        if weights.ndim == 2:  # per row or element: [K, R * W / block, block]
+            weights = self._elements(weights).reshape(shape)
         for k in range(count):
             merged = merged + weights[k] * pseudo_gradients[k]
         flat = pseudo_gradients.reshape(count, -1)
@@ -243,7 +255,8 @@ class ChunkStep:
         return b"".join(out), sent
 
     def __call__(self, values, scales, weights, master, opt_state, view, bf16_rows, layout: RowLayout):
-        """One chunk: K contributions' rows (`wire_to_rows`, stacked), float32 weights [K], master / view rows
+        """One chunk: K contributions' rows (`wire_to_rows`, stacked), float32 weights [K] (or per row [K, R] or
+        per element [K, R * W]), master / view rows
         [R * W], the chunk's state, which rows hold bfloat16 leaves (bool [R]), and the chunk's `layout`.
 
         Returns:
