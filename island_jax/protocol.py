@@ -52,6 +52,11 @@ class ContributionHeader:
         steps the contribution covers (since the fragment's last contribution), before capacity drops: int
         [MoE layers, experts], each layer summing to tokens x `moe.num_experts_per_token`
         (`coordinator.expert_merge.check_routed_counts`); None: not sent.
+      routing_probe: the experts the island's routers chose for the fixed probe batch's first tokens at the end
+        of the round (the round's last fragment): uint8 (uint16 past 256 experts) [MoE layers, tokens, k]
+        (`coordinator/routing.py`); None: not sent.
+      post_sync_loss_change: loss of the island's first inner step after the previous round's update less the
+        loss of the step before it (the round's last fragment); None: not measured.
     """
 
     round: int
@@ -62,6 +67,8 @@ class ContributionHeader:
     fragment: int = 0
     overlap_steps: int | None = None
     routed_counts: Any = None
+    routing_probe: Any = None
+    post_sync_loss_change: float | None = None
 
 
 class HandshakeError(ValueError):

@@ -157,6 +157,8 @@ def payload_header(
         parts=parts if parts > 1 else 0,  # one process: the header of before (no share fields)
         share=share,  # b"" but of several processes, or of a coordinator shard's range
         routed_counts=() if header.routed_counts is None else np.asarray(header.routed_counts, np.int64).reshape(-1),
+        routing_probe=b"" if header.routing_probe is None else np.ascontiguousarray(header.routing_probe).tobytes(),
+        post_sync_loss_change=header.post_sync_loss_change,
     )
 
 

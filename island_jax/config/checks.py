@@ -314,6 +314,9 @@ def _check_metrics(metrics: ml_collections.ConfigDict) -> None:
         _require(name == "jsonl" or name in WRITERS or (":" in name and all(name.partition(":")[::2])),
                  f"metrics.writers names {name!r}; use {', '.join(['jsonl', *WRITERS])} or MODULE:CLASS of a writer "
                  "(island_jax/metrics.py)")
+    probe = metrics.get("routing_probe_tokens", 0)
+    _require(isinstance(probe, int) and probe >= 0,
+             f"metrics.routing_probe_tokens is {probe!r}; use a whole number of tokens (0: no routing probe)")
     _require(metrics.get("progress_seconds", 0.0) >= 0,
              f"metrics.progress_seconds is {metrics.get('progress_seconds')}; give the seconds between progress lines "
              "within a round (0: none)")

@@ -138,6 +138,9 @@ def _metrics() -> dict:
         # a log line with the step time every this many seconds of a round's inner steps (a shorter round logs
         # none); 0: none
         progress_seconds=30.0,
+        # tokens of the fixed routing probe (the first windows of the shared held-out set) whose top-k experts every
+        # island sends with its round's last contribution, for the round record's top-k overlap (docs/moe.md); 0: none
+        routing_probe_tokens=128,
         wandb=dict(  # with "wandb" in writers (pip install island_jax[wandb])
             project="island_jax",  # the W&B project of the run's runs (one per role, grouped by the workdir's name)
             entity="",  # the W&B entity (team or user); "": the account's default

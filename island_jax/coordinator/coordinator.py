@@ -22,6 +22,7 @@ from island_jax.coordinator import expert_merge, handshake
 from island_jax.coordinator.fragment import FragmentCoordinator
 from island_jax.coordinator.partial_merge import RoundRecord, merge_stats
 from island_jax.coordinator.replay import KeptUpdates
+from island_jax.coordinator.routing import with_router_distance
 from island_jax.coordinator.shards import Shard, combine_stats
 from island_jax.model import stacking
 from island_jax.model.init import checksum, combine_parts
@@ -81,9 +82,10 @@ class Coordinator:
         leaves = jax.tree.leaves(params)
         self.partition = fragments_lib.partition_params(params, config.outer.fragments, by_layer)
         experts = expert_merge.expert_leaves(params)  # per leaf: the MoE layer of its routed experts, or None
+        routers = expert_merge.router_leaves(params)  # ... of its router, or None
         self.fragments = [
             FragmentCoordinator(config, [leaves[i] for i in idx], islands, clock, shard=shard, index=p,
-                                expert_layers=[experts[i] for i in idx])
+                                expert_layers=[experts[i] for i in idx], router_layers=[routers[i] for i in idx])
             for p, idx in enumerate(self.partition)
         ]
         for p, part in enumerate(self.fragments):
@@ -168,8 +170,11 @@ class Coordinator:
         if self.shard is None or not self.shard.leader:
             return record
         stats = combine_stats(self.shard.gather("stats", fragment, record.round + 1))
+        router_sq, router_norm_sq = stats.pop("router_sq"), stats.pop("router_norm_sq")
         for key, value in merge_stats(record.contributors, **stats).items():
             setattr(record, key, value)
+        if record.routing is not None:
+            record.routing = with_router_distance(record.routing, router_sq, router_norm_sq)
         return record
 
     def check_island(self, island: str, config_fingerprint: dict) -> None:

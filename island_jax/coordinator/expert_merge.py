@@ -89,6 +89,21 @@ def expert_merge_weights(routed: Mapping[str, np.ndarray]) -> dict[str, np.ndarr
 ROUTED_EXPERT_LEAVES = ("w_gate", "w_up", "w_down")  # an MoE layer's routed experts' weights, [E, ...] each
 
 
+def _moe_leaves(params: Any, names: Sequence[str]) -> list[int | None]:
+    """For each leaf of a per-layer parameter tree, the MoE layer (0-based among the model's MoE layers) whose
+    `blocks.{i}.moe.{name}` it is for a name of `names`, or None."""
+    moe_blocks: set = set()
+    found = []
+    for path, _ in jax.tree_util.tree_leaves_with_path(params):
+        keys = [getattr(k, "key", getattr(k, "idx", None)) for k in path]
+        if len(keys) == 4 and keys[0] == "blocks" and keys[2] == "moe":
+            moe_blocks.add(keys[1])
+        found.append(keys[1] if len(keys) == 4 and keys[0] == "blocks" and keys[2] == "moe" and keys[3] in names
+                     else None)
+    order = {block: layer for layer, block in enumerate(sorted(moe_blocks, key=int))}
+    return [None if block is None else order[block] for block in found]
+
+
 def expert_leaves(params: Any) -> list[int | None]:
     """For each leaf of a per-layer parameter tree (`stacking.unstack`'s form, `jax.tree.leaves` order), the MoE
     layer (0-based, among the model's MoE layers in layer order) whose routed experts it holds, or None.
@@ -98,16 +113,25 @@ def expert_leaves(params: Any) -> list[int | None]:
     shared experts (`moe.shared_experts`) are not. With `model.scan_layers` the stacked leaves [U, E, ...] are
     unstacked into per-layer leaves first, so each (layer, expert) slice of a stacked leaf is one such slice.
     """
-    moe_blocks: dict = {}
-    out = []
-    for path, _ in jax.tree_util.tree_leaves_with_path(params):
-        keys = [getattr(k, "key", getattr(k, "idx", None)) for k in path]
-        routed = (len(keys) == 4 and keys[0] == "blocks" and keys[2] == "moe" and keys[3] in ROUTED_EXPERT_LEAVES)
-        out.append(keys[1] if routed else None)
-        if routed:
-            moe_blocks[keys[1]] = None
-    order = {block: layer for layer, block in enumerate(sorted(moe_blocks, key=int))}
-    return [None if block is None else order[block] for block in out]
+    return _moe_leaves(params, ROUTED_EXPERT_LEAVES)
+
+
+def router_leaves(params: Any) -> list[int | None]:
+    """For each leaf of a per-layer parameter tree, the MoE layer whose router (`blocks.{i}.moe.router`, [D, E]) it
+    is, or None (what the round record's router distance measures, `coordinator/routing.py`)."""
+    return _moe_leaves(params, ("router",))
+
+
+def leaf_mask(leaf_layers: Sequence[int | None], layout, width: int, num_rows: int) -> np.ndarray | None:
+    """bool [R * W]: the elements of one chunk's rows that belong to a leaf `leaf_layers` names (not None); None
+    for a chunk with none of them."""
+    pieces = [(p, row) for p, row in zip(layout.chunk.pieces, layout.row_offsets) if leaf_layers[p.leaf] is not None]
+    if not pieces:
+        return None
+    mask = np.zeros(num_rows * width, bool)
+    for piece, row in pieces:
+        mask[row * width : row * width + piece.stop - piece.start] = True
+    return mask
 
 
 def expert_slots(leaf_layers: Sequence[int | None], leaf_sizes: Sequence[int], num_experts: int, layout,

@@ -36,7 +36,8 @@ class FragmentCoordinator:
 
     Args: `config`, `islands` and `clock` as for `Coordinator`; `params`
     the fragment's initial parameters (float32 or bfloat16 NumPy arrays); `expert_layers` per leaf of `params`
-    the MoE layer whose routed experts it holds, or None (`expert_merge.expert_leaves`; None: no leaf does).
+    the MoE layer whose routed experts it holds, or None (`expert_merge.expert_leaves`; None: no leaf does);
+    `router_layers` likewise of the routers (`expert_merge.router_leaves`).
 
     A contribution arrives as chunks: `begin_contribution`, `add_chunk` per
     chunk in any order, `end_contribution` (`contribute` does all three for a
@@ -51,7 +52,7 @@ class FragmentCoordinator:
     def __init__(
         self, config: ml_collections.ConfigDict, params: Any, islands: Sequence[str],
         clock: Callable[[], float] = time.monotonic, shard: Shard | None = None, index: int = 0,
-        expert_layers: Sequence[int | None] | None = None,
+        expert_layers: Sequence[int | None] | None = None, router_layers: Sequence[int | None] | None = None,
     ):
         self.config = config
         self.shard, self.index = shard, index  # of a coordinator of several shards: this one, and the fragment
@@ -61,7 +62,8 @@ class FragmentCoordinator:
         self.pipeline = bool(config.comm.pipeline) and shard is None
         self.weighting = config.outer.weighting
         self.expert_weighting = config.outer.get("expert_weighting", "same")
-        self._state = FragmentState(config, params, owner=shard, expert_layers=expert_layers)
+        self._state = FragmentState(config, params, owner=shard, expert_layers=expert_layers,
+                                    router_layers=router_layers)
         self.codec, self.update_codec = self._state.codec, self._state.update_codec
         # one plan both ways, each in its own codec's bytes (`codec.chunk_plan`'s `other`)
         self.plan, self.payload_bytes = self._state.plan, self._state.payload_bytes
@@ -256,7 +258,9 @@ class FragmentCoordinator:
                 f"global {self.checksum}; its contribution was refused (restart the island from the workdir)"
             )
         routed = self.routed_counts_of(island, round, tokens, header.routed_counts)
-        self._round.pending[island] = Contribution(island, int(tokens), tau=header.overlap_steps, routed=routed)
+        probe = self.routing_probe_of(island, round, header.routing_probe)
+        self._round.pending[island] = Contribution(island, int(tokens), tau=header.overlap_steps, routed=routed,
+                                                   probe=probe, post_sync=header.post_sync_loss_change)
         if self.ends_replay:  # its last fragment's current round: whatever it replayed is behind it
             self.replaying.discard(island)
         if header.step_seconds and round == 0:
@@ -285,6 +289,36 @@ class FragmentCoordinator:
             return expert_merge.check_routed_counts(array, layers, experts, int(tokens), top_k)
         except ValueError as e:
             raise ContributionError(f"island {island!r}, round {round}, fragment {self.index}: {e}; refused") from None
+
+    def routing_probe_of(self, island: str, round: int, data) -> np.ndarray | None:
+        """A contribution's top-k choices on the routing probe (`ContributionHeader.routing_probe`: an array, or
+        the wire's bytes), checked against the model: int64 [MoE layers, tokens, k] for up to
+        `metrics.routing_probe_tokens` tokens (fewer where the held-out set is smaller), or None for none sent.
+
+        Raises:
+          ContributionError: a size that is not [MoE layers, tokens, k] of one byte each (two past 256 experts)
+            for 1..`metrics.routing_probe_tokens` tokens, or an expert index past the model's; the message names
+            the island and round.
+        """
+        if data is None or len(data) == 0:
+            return None
+        layers, experts, k = routing_shape(self.config)
+        dtype = np.dtype(np.uint8 if experts <= 256 else "<u2")
+        tokens = self.config.metrics.get("routing_probe_tokens", 0)
+        array = np.frombuffer(data, dtype) if isinstance(data, bytes) else np.asarray(data)
+        per_token = layers * k
+        if (not per_token or array.size % per_token or not 0 < array.size // per_token <= tokens
+                or (isinstance(data, bytes) and len(data) % dtype.itemsize)):
+            raise ContributionError(
+                f"island {island!r}, round {round}, fragment {self.index}: the routing probe holds {array.size} "
+                f"expert indices; send {layers} MoE layers x at most {tokens} tokens (metrics.routing_probe_tokens) "
+                f"x k {k}, {dtype.itemsize} byte(s) each; refused")
+        array = array.reshape(layers, -1, k).astype(np.int64)
+        if array.size and (array.min() < 0 or array.max() >= experts):
+            raise ContributionError(
+                f"island {island!r}, round {round}, fragment {self.index}: the routing probe names expert "
+                f"{int(array.max())}; the model has {experts}; refused")
+        return array
 
     def add_chunk(self, round: int, island: str, index: int, data) -> None:
         """Takes chunk `index` of an open contribution (bytes or memoryview of `plan[index].nbytes`).

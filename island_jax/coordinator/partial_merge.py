@@ -19,6 +19,7 @@ import numpy as np
 
 from island_jax.coordinator.contribution import Contribution
 from island_jax.coordinator.expert_merge import expert_merge_weights
+from island_jax.coordinator.routing import DECIMALS, round_diagnostics
 from island_jax.coordinator.state import FragmentState
 from island_jax.outer.optimizer import outer_hyperparams
 
@@ -33,6 +34,7 @@ class RoundRecord:
     weights: dict[str, float] = field(default_factory=dict)
     # "tokens_routed": island -> [MoE layer][expert] its weight for that expert's rows (6 decimals); None: `weights`
     expert_weights: dict[str, list] | None = None
+    routing: dict | None = None  # the routing diagnostics (`routing.round_diagnostics`); None: no routed counts sent
     pseudo_gradient_norm: dict[str, float] = field(default_factory=dict)
     cosine_similarity: dict[str, float] = field(default_factory=dict)  # "a/b": cos(pg_a, pg_b)
     update_bytes: int = 0
@@ -111,6 +113,8 @@ class PartialMerge:
     intended_sq: float = 0.0
     lost_sq: float = 0.0
     experts: dict[str, np.ndarray] | None = None  # `expert_merge_weights` (float64 [L, E] each), or None: `shares`
+    router_sq: dict[str, float] = field(default_factory=dict)  # island -> sum (R_k - R)^2 over its routers' rows
+    router_norm_sq: float = 0.0  # sum R^2 over the merged routers' rows (`routing.round_diagnostics`)
 
     @classmethod
     def start(cls, contributions: list[Contribution], state: FragmentState, weighting: str,
@@ -157,18 +161,33 @@ class PartialMerge:
                 continue
             values = np.stack([c.chunks[k][0] for c in contributions])
             scales = np.stack([c.chunks[k][1] for c in contributions])
+            anchor = self.view[k]
             self.master[k], self.opt[k], self.view[k], self.chunks[k], stats = state.step(
                 k, values, scales, self.chunk_weights(k, state), self.master[k], self.opt[k], self.view[k]
             )
+            if state.router_masks[k] is not None:
+                self._router_sums(k, contributions, state, anchor)
             self.dots = self.dots + stats["dots"].astype(np.float64)
             self.intended_sq += float(stats["intended_sq"])
             self.lost_sq += float(stats["lost_sq"])
         return len(self.chunks) == len(state.owned)
 
+    def _router_sums(self, k: int, contributions: list[Contribution], state: FragmentState, anchor) -> None:
+        """Adds chunk k's router rows to `router_sq` and `router_norm_sq`: each island's router at the end of its
+        round, anchor - pg_k (its contribution as decoded), against the merged view the update leads to."""
+        mask = state.router_masks[k]
+        merged = np.asarray(self.view[k], np.float64)[mask]
+        start = np.asarray(anchor, np.float64)[mask]
+        self.router_norm_sq += float(np.dot(merged, merged))
+        for c in contributions:
+            local = start - state.dequantized(*c.chunks[k]).astype(np.float64)[mask]
+            self.router_sq[c.island] = self.router_sq.get(c.island, 0.0) + float(np.sum((local - merged) ** 2))
+
     def partial_stats(self) -> dict:
         """This shard's sums of the round's statistics (`shards.combine_stats` adds every shard's), as JSON."""
         return dict(dots=np.asarray(self.dots, np.float64).tolist(), intended_sq=self.intended_sq, lost_sq=self.lost_sq,
-                    update_bytes=sum(len(c) for c in self.chunks.values()))
+                    update_bytes=sum(len(c) for c in self.chunks.values()), router_sq=dict(self.router_sq),
+                    router_norm_sq=self.router_norm_sq)
 
     def record(self, round: int, contributions: list[Contribution], view_checksum: Callable[[], str]) -> RoundRecord:
         """The round's record: tokens, weights, pseudo-gradient norms and cosines, update size and codec error,
@@ -179,7 +198,11 @@ class PartialMerge:
             tokens={c.island: c.tokens for c in contributions},
             weights=dict(self.shares),
             expert_weights=None if self.experts is None else {
-                n: np.round(w, 6).tolist() for n, w in self.experts.items()},
+                n: np.round(w, DECIMALS).tolist() for n, w in self.experts.items()},
+            routing=round_diagnostics({c.island: c.routed for c in contributions},
+                                      {c.island: c.probe for c in contributions},
+                                      {c.island: c.post_sync for c in contributions}, self.router_sq,
+                                      self.router_norm_sq),
             **merge_stats(self.contributors, self.dots, self.intended_sq, self.lost_sq,
                           sum(len(c) for c in self.chunks.values())),
             **(outer_hyperparams(next(o for o in self.opt if o is not None))

@@ -322,12 +322,18 @@ class Shard:
 
 def combine_stats(stats: list[dict]) -> dict[str, Any]:
     """The round's statistics from every shard's partial sums (in shard order): `dots` [K, K], `intended_sq`,
-    `lost_sq` summed, `update_bytes` summed."""
+    `lost_sq`, `update_bytes`, `router_norm_sq` and each island's `router_sq` summed."""
     import numpy as np
 
+    router_sq: dict[str, float] = {}
+    for s in stats:
+        for name, value in s.get("router_sq", {}).items():
+            router_sq[name] = router_sq.get(name, 0.0) + value
     return dict(
         dots=sum(np.asarray(s["dots"], np.float64) for s in stats),
         intended_sq=sum(s["intended_sq"] for s in stats),
         lost_sq=sum(s["lost_sq"] for s in stats),
         update_bytes=sum(s["update_bytes"] for s in stats),
+        router_sq=router_sq,
+        router_norm_sq=sum(s.get("router_norm_sq", 0.0) for s in stats),
     )

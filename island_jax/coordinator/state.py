@@ -37,12 +37,15 @@ class FragmentState:
         program and bits are the same; rows of other chunks are None and never allocated.
       expert_layers: per leaf of `params`, the MoE layer whose routed experts it holds
         (`expert_merge.expert_leaves`) or None; None: no leaf does. `expert_slots` follows from it.
+      router_layers: likewise the MoE layer whose router a leaf is (`expert_merge.router_leaves`), for
+        `router_masks`.
 
     Raises:
       ValueError: a leaf of another dtype.
     """
 
-    def __init__(self, config: ml_collections.ConfigDict, params: Any, owner=None, expert_layers=None):
+    def __init__(self, config: ml_collections.ConfigDict, params: Any, owner=None, expert_layers=None,
+                 router_layers=None):
         self.codec = codec.Codec.of(config.codec)
         self.update_codec = codec.Codec.of(config.codec, update=True)
         self._treedef = jax.tree.structure(params)
@@ -73,6 +76,12 @@ class FragmentState:
         self.expert_slots = [
             expert_merge.expert_slots(layers, sizes, self.routing_shape[1], lay, self.width, self.num_rows)
             if k in self.owned and any(x is not None for x in layers) else None
+            for k, lay in enumerate(self.layouts)
+        ]
+        # per chunk: which elements of its rows are routers' (bool [R * W]), or None
+        routers = router_layers if router_layers is not None else [None] * len(self._leaf_specs)
+        self.router_masks = [
+            expert_merge.leaf_mask(routers, lay, self.width, self.num_rows) if k in self.owned else None
             for k, lay in enumerate(self.layouts)
         ]
         self.master_rows = self._rows_of(params)
@@ -152,6 +161,16 @@ class FragmentState:
           the payload layout, stats with `dots` [K, K], `intended_sq`, `lost_sq`).
         """
         return self._step(values, scales, weights, master, opt, view, self._bf16_rows[index], self.layouts[index])
+
+    def dequantized(self, values, scales) -> np.ndarray:
+        """A contribution's chunk (`decode`) as float32 rows [R * W], on the host: what the merge adds of it."""
+        n = self.num_rows * self.width
+        if self.codec.kind == "topk":  # `scales` holds the kept values' positions (R * W for padding)
+            dense = np.zeros(n + 1, np.float32)
+            dense[np.minimum(scales, n)] = values
+            return dense[:n]
+        block = self.codec.block_size
+        return (np.asarray(values, np.float32).reshape(-1, block) * np.asarray(scales)[:, None]).reshape(-1)
 
     def warm_up(self, contributors: int) -> None:
         """Compiles the chunk program for `contributors` islands now, so the first merge does not wait for XLA."""

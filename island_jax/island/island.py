@@ -160,6 +160,8 @@ class Island(FragmentExchange, CheckpointState):
         # for a model without MoE layers), what its next contribution's header carries (`take_routed_counts`)
         layers, experts, _ = routing_shape(config)
         self.routed_pending = np.zeros((len(self.partition), layers, experts), np.int64) if layers else None
+        self.step_losses: dict[int, float] = {}  # step (over the run) -> its loss, for the recent steps
+        self._probe = None  # the routing probe batch (`set_routing_probe`) and its program
 
     def _build_train_step(self, total_steps: int) -> None:
         """The inner optimizer for `total_steps` steps in all, and the jitted step that uses it (its first
@@ -248,8 +250,13 @@ class Island(FragmentExchange, CheckpointState):
                 if sleep > 0:
                     time.sleep(sleep)
                 history.append(metrics)
-                if self.routed_pending is not None:  # [L, E] int32, replicated: before `after_step` contributes
-                    self.routed_pending += self.shardings.to_host(metrics["layers"]["routed_counts"])
+                # two small replicated arrays, before `after_step` contributes: the loss (the post-sync change)
+                # and the routed counts [L, E] int32
+                host = self.shardings.to_host((metrics["loss"], metrics.get("layers", {}).get("routed_counts")))
+                self.step_losses[self.step] = float(host[0])
+                self.step_losses.pop(self.step - 4 * max(self.inner_steps, 1), None)
+                if self.routed_pending is not None:
+                    self.routed_pending += host[1]
                 self.step += 1
                 if after_step is not None:
                     after_step(len(history), time.perf_counter() - start, step_times[-1])
@@ -295,6 +302,34 @@ class Island(FragmentExchange, CheckpointState):
                             int(counts[0].sum()) // k, tokens)
             return None
         return counts
+
+    def set_routing_probe(self, batch: tuple[np.ndarray, int] | None, tokens: int) -> None:
+        """The fixed probe batch the island routes at the end of each round (`route_probe`): the first
+        `data.eval_batches` batch of the shared held-out set, (windows, how many are real), of which the first
+        `tokens` tokens are kept; None or 0 tokens: no probe."""
+        if batch is None or tokens <= 0 or self.routed_pending is None:
+            self._probe = None
+            return
+        windows, real = batch
+        mask = np.zeros((len(windows), windows.shape[-1] - 1), np.float32)
+        mask[:real] = 1.0
+        self._probe = (windows, mask, min(tokens, real * mask.shape[1]), step_lib.build_probe_step(self._graphdef))
+
+    def route_probe(self) -> np.ndarray | None:
+        """The experts this island's routers choose, with its current parameters, for the probe's first tokens:
+        uint8 (uint16 past 256 experts) [MoE layers, tokens, k]; None without a probe (`set_routing_probe`)."""
+        if self._probe is None:
+            return None
+        windows, mask, tokens, probe = self._probe
+        rows = self.shardings.local_rows(len(windows))
+        with self.device_lock, jax.set_mesh(self.mesh):
+            inputs, _, segments = self.shardings.batch_of(windows[rows], len(windows))
+            mask = self.shardings.rows_of(mask[rows], len(windows))
+            top = probe(self.params, inputs, mask) if segments is None else probe(self.params, inputs, mask, segments)
+            top = np.asarray(self.shardings.to_host(top))
+        layers, _, _, k = top.shape
+        dtype = np.uint8 if self.config.moe.num_experts <= 256 else np.dtype("<u2")
+        return top.reshape(layers, -1, k)[:, :tokens].astype(dtype)
 
     def mfu(self, step_seconds: float) -> float:
         """Model FLOPs utilization of an inner step of `step_seconds` s: FLOPs per token x tokens per step /

@@ -186,6 +186,7 @@ class StreamingSync:
         self.replay: ReplayPlan | None = None  # the rounds being replayed (`replay_from`)
         self._between = BetweenRounds()  # seconds since the last round ended
         self._exchange_running = False  # an exchange was running when the step now running started
+        self._synced_at: int | None = None  # the first step after the last applied update of the round's last fragment
         self._pool = futures.ThreadPoolExecutor(max_workers=settings.fragments, thread_name_prefix="fragment-exchange")
 
     # -- the schedule ----------------------------------------------------------------------------------
@@ -376,24 +377,34 @@ class StreamingSync:
         schedule.last_tau = tau
         step_seconds = self.clean_step_seconds()
         tokens = max(steps, 1) * island.tokens_per_step
-        routed = self._routed_counts(fragment, tokens)
+        diagnostics = self._diagnostics(fragment, tokens)
         future = self._pool.submit(self._exchange, fragment, round, tokens, pseudo_gradient, step_seconds, tau, checksum,
-                                   self.transport, routed)  # a replay's, for a kept round, whenever the thread runs
+                                   self.transport, diagnostics)  # a replay's, for a kept round, whenever the thread runs
         self.inflight[fragment] = Flight(fragment, round, island.step + tau, tau, future)
         schedule.next_round[fragment] = round + 1
         schedule.contributed.add(fragment)
         if tau == 0:
             self._apply(fragment)
 
-    def _routed_counts(self, fragment: int, tokens: int):
-        """The fragment's routed counts for its header (`Island.take_routed_counts`); None from an island without
-        them (a test's stand-in)."""
-        take = getattr(self.island, "take_routed_counts", None)
-        return take(fragment, tokens) if take is not None else None
+    def _diagnostics(self, fragment: int, tokens: int) -> dict:
+        """What the fragment's contribution header carries for the routing diagnostics (`coordinator/routing.py`):
+        its routed counts (`Island.take_routed_counts`) and, on the round's last fragment, the island's top-k
+        choices on the probe (`Island.route_probe`) and the loss change over the first step after the previous
+        update (`post_sync_loss_change`). An island without them (a test's stand-in) sends none."""
+        island = self.island
+        take = getattr(island, "take_routed_counts", None)
+        out = dict(routed_counts=take(fragment, tokens) if take is not None else None)
+        if fragment == self.settings.fragments - 1 and take is not None:
+            out["routing_probe"] = island.route_probe()
+            losses, after = island.step_losses, self._synced_at
+            if after is not None and after in losses and after - 1 in losses:
+                out["post_sync_loss_change"] = losses[after] - losses[after - 1]
+                self._synced_at = None
+        return out
 
     def _exchange(
         self, fragment: int, round: int, tokens: int, pseudo_gradient, step_seconds: float, tau: int,
-        checksum: str | None = None, transport: Transport | None = None, routed=None,
+        checksum: str | None = None, transport: Transport | None = None, diagnostics: dict | None = None,
     ) -> dict:
         """On a background thread: encode, contribute, fetch the update, decode it and place it on the
         island's devices (over `transport`, default the sync's)."""
@@ -403,7 +414,7 @@ class StreamingSync:
         checksum = checksum or island.fragment_checksum(fragment)
         header = ContributionHeader(round, island.name, tokens, checksum, step_seconds, fragment,
                                     overlap_steps=tau if self.settings.auto else None,  # kept for a replay
-                                    routed_counts=routed)
+                                    **(diagnostics or {}))
         status = transport.contribute(header, encoder)
         t1 = time.time()
         self.events.add("send", t0, t1, round=round + 1, fragment=fragment)
@@ -449,6 +460,8 @@ class StreamingSync:
         self.schedule.exchange_seconds.append(done["seconds"])
         mix = None if flight.tau == 0 else self.settings.mix_alpha
         self.island.apply_fragment(fragment, done.pop("new_leaves"), mix, placed=done.pop("placed"))
+        if fragment == self.settings.fragments - 1:  # the round's update is in: the next step is the first after it
+            self._synced_at = self.island.step
         self.accounting.exchanges.append(done)
         if done["planned"]:
             self.schedule.planned_inner_steps = done["planned"]

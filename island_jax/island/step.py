@@ -22,7 +22,7 @@ from flax import nnx
 from island_jax.island.placement import Shardings
 from island_jax.model import stacking
 from island_jax.model.init import init_params
-from island_jax.model.moe import MEAN_METRICS
+from island_jax.model.moe import MEAN_METRICS, MoE
 from island_jax.model.transformer import aggregate_stats, update_routing_biases
 
 # Scalars each inner step reports (see `Island.train_round`); the MoE ones are means over MoE layers.
@@ -210,6 +210,23 @@ def build_eval_step(graphdef: nnx.GraphDef) -> Callable:
         return jnp.sum(losses * loss_mask, axis=-1) / jnp.maximum(jnp.sum(loss_mask, axis=-1), 1.0)
 
     return jax.jit(eval_step)
+
+
+def build_probe_step(graphdef: nnx.GraphDef) -> Callable:
+    """The jitted `(params, inputs, mask, segments=None) -> top_experts`: int32 [L, B, S, k], the experts each MoE
+    layer's router chose for every token of the probe batch (`moe.MoE.capture_routing`: nothing dropped, so a
+    token's choices depend on its own window alone, whatever the mesh), no router jitter."""
+
+    def probe_step(params, inputs, mask, segments=None):
+        model_mask, _, segment_ids = packed_masks(segments, mask)
+        model = nnx.merge(graphdef, nnx.State(params))
+        for _, module in model.iter_modules():
+            if isinstance(module, MoE):
+                module.capture_routing = True
+        _, per_layer = model(inputs, model_mask, None, segment_ids)
+        return per_layer["top_experts"]
+
+    return jax.jit(probe_step)
 
 
 @jax.jit

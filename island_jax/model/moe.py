@@ -196,8 +196,9 @@ def _dropless_experts(xc, flat_e, real_a, counts, k, w_gate, w_up, w_down):
 
 
 def _moe_shard(x, mask, key, router, bias, w_gate, w_up, w_down, *, k, capacity_factor, renormalize, jitter,
-               dispatch, compute_dtype):
-    """Per-device body. x [b, s, D] and mask [b, s] local; w_* [E_local, ...] local experts."""
+               dispatch, compute_dtype, capture=False):
+    """Per-device body. x [b, s, D] and mask [b, s] local; w_* [E_local, ...] local experts. `capture`: the stats
+    also hold `top_experts` int32 [b, s, k], each token's chosen experts."""
     b, s, d = x.shape
     num_experts = router.shape[1]
     tokens = b * s
@@ -248,6 +249,8 @@ def _moe_shard(x, mask, key, router, bias, w_gate, w_up, w_down, *, k, capacity_
         expert_load=load,
         routed_counts=routed,
     )
+    if capture:
+        stats["top_experts"] = top_e.reshape(b, s, k).astype(jnp.int32)
     return out.astype(x.dtype).reshape(b, s, d), stats
 
 
@@ -297,7 +300,9 @@ class MoE(nnx.Module):
       (y [B, S, D] in x's dtype, stats (`LAYER_METRICS`): load_balancing_loss [],
       router_z_loss [], router_entropy [] (nats), dropped_fraction [] float32,
       capacity [] int32, expert_load [E] float32 (fraction of assignments per
-      expert, before drops), routed_counts [E] int32 (those assignments: real tokens x k in all)).
+      expert, before drops), routed_counts [E] int32 (those assignments: real tokens x k in all)); with
+      `capture_routing` set (a probe of the routing, `island.step.build_probe_step`) nothing is dropped
+      (capacity_factor 0) and the stats also hold top_experts [B, S, k] int32, each token's chosen experts.
 
     Raises (on call):
       DispatchError: a dispatch the backend and mesh cannot run (`check_dispatch`).
@@ -344,6 +349,7 @@ class MoE(nnx.Module):
         self.dispatch = dispatch
         self.jitter = jitter_noise
         self.compute_dtype = compute_dtype
+        self.capture_routing = False  # a routing probe: no drops, and each token's top-k experts in the stats
 
     def __call__(self, x: jax.Array, mask: jax.Array | None = None, key: jax.Array | None = None):
         check_dispatch(self.dispatch, jax.sharding.get_abstract_mesh().shape[EXPERT_AXIS], mesh_platform())
@@ -353,15 +359,17 @@ class MoE(nnx.Module):
         if key is None:
             key = jax.random.PRNGKey(0)
         bias = None if self.routing_bias is None else self.routing_bias[...]
+        capture = self.capture_routing
         body = lambda x, mask, key, router, bias, *w: _moe_shard(  # noqa: E731
             x, mask, key, router, bias, *w,
-            k=self.k, capacity_factor=self.capacity_factor, renormalize=self.renormalize, jitter=jitter,
-            dispatch=self.dispatch, compute_dtype=self.compute_dtype,
+            k=self.k, capacity_factor=0.0 if capture else self.capacity_factor, renormalize=self.renormalize,
+            jitter=jitter, dispatch=self.dispatch, compute_dtype=self.compute_dtype, capture=capture,
         )
+        stats_specs = {name: P() for name in LAYER_METRICS} | ({"top_experts": P(BATCH_AXES)} if capture else {})
         y, stats = jax.shard_map(
             body,
             in_specs=(P(BATCH_AXES), P(BATCH_AXES), P(), P(), P(), P(EXPERT_AXIS), P(EXPERT_AXIS), P(EXPERT_AXIS)),
-            out_specs=(P(BATCH_AXES), {name: P() for name in LAYER_METRICS}),
+            out_specs=(P(BATCH_AXES), stats_specs),
         )(*self._placed(x, mask, key, bias))
         if self.shared_experts is not None:
             shared = self.shared_experts(x)

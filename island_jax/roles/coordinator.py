@@ -349,6 +349,8 @@ def _round_record(rec: RoundRecord, r: int, p: int, received: dict, seconds: flo
         update_bytes=rec.update_bytes, update_codec_relative_error=rec.update_codec_relative_error,
         outer_learning_rate=rec.outer_learning_rate, outer_momentum=rec.outer_momentum,
         wire_bytes_received=received, checksum=rec.checksum, seconds=seconds,
+        **({} if rec.expert_weights is None else dict(expert_weights=rec.expert_weights)),
+        **({} if rec.routing is None else dict(routing=rec.routing)),
         **({} if shard is None else dict(shard=shard.index, shards=shard.count)),
     )
 

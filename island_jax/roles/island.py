@@ -202,6 +202,9 @@ def run_island(
         if name in corpus.own_eval:  # data of its own: its own held-out split too
             evaluators.append(_Evaluator(config, corpus.own_eval[name], corpus.token_bytes, island, role,
                                          transport is not None, kind="own_eval"))
+        probe = data_lib.eval_windows(corpus.eval, config.model.seq_len, config.eval.batch_size, config.eval.seed)
+        island.set_routing_probe(data_lib.eval_batches(probe, config.eval.batch_size)[0] if len(probe) else None,
+                                 config.metrics.get("routing_probe_tokens", 0))  # the same windows on every island
         fingerprint = join_fingerprint(config, corpus)
         first, fragment_rounds, plan = _join(config, island, transport, role, first, evaluators, fingerprint)
         events = EventLog(os.path.join(role.path, "events.jsonl") if primary else None, name)
