@@ -49,6 +49,83 @@ def plot_expert_load(metrics_path: str, png_path: str) -> str:
     return png_path
 
 
+def routing_records(metrics_path: str) -> list[dict]:
+    """The coordinator's round records with routing diagnostics (`coordinator/routing.py`), one per round: with
+    fragments, the round's last fragment's (the one that carries the probe); a round logged again (a resume) once,
+    its latest record."""
+    by_round: dict = {}
+    for r in read_jsonl(metrics_path):
+        if r.get("kind") == "round" and r.get("routing"):
+            if r["round"] not in by_round or r.get("fragment", 0) >= by_round[r["round"]].get("fragment", 0):
+                by_round[r["round"]] = r
+    return [by_round[k] for k in sorted(by_round)]
+
+
+def plot_routing(metrics_path: str, png_path: str) -> str:
+    """Draws the expert load per island over rounds and the Jensen-Shannon divergence between the islands' loads.
+
+    One heatmap per island (x: round, y: MoE layer and expert, colour: the expert's share of the layer's
+    assignments that round, times E, so 1 is a balanced share), then one panel of the divergence per MoE layer
+    (thin lines) and its mean over layers (bits, `routing.js_divergence`), with the top-k overlap's mean on the
+    probe where the records hold it (right axis).
+
+    Args:
+      metrics_path: the coordinator's `metrics.jsonl` (`WORKDIR/coordinator/`).
+      png_path: where to write the PNG (8 inches wide, 100 dpi).
+
+    Returns:
+      `png_path`.
+
+    Raises:
+      ValueError: the file holds no round records with routing diagnostics (a model without MoE layers).
+    """
+    routing_figure(metrics_path).savefig(png_path)
+    return png_path
+
+
+def routing_figure(metrics_path: str):
+    """`plot_routing`'s matplotlib `Figure`, not saved (for a notebook)."""
+    from matplotlib.figure import Figure
+
+    records = routing_records(metrics_path)
+    if not records:
+        raise ValueError(f"{metrics_path} holds no round records with routing diagnostics; pass the coordinator's "
+                         "metrics.jsonl (WORKDIR/coordinator/metrics.jsonl) of a run of an MoE model")
+    rounds = [r["round"] for r in records]
+    names = list(dict.fromkeys(n for r in records for n in r["routing"]["load"]))
+    fig = Figure(figsize=(8, 2.2 * (len(names) + 1)), dpi=100)
+    axes = fig.subplots(len(names) + 1, 1, sharex=True, squeeze=False)[:, 0]
+    for ax, name in zip(axes, names):
+        load = np.asarray([np.asarray(r["routing"]["load"].get(name), np.float64) if name in r["routing"]["load"]
+                           else np.full(np.shape(records[0]["routing"]["load"][names[0]]), np.nan) for r in records])
+        layers, experts = load.shape[1:]
+        image = ax.imshow((load * experts).reshape(len(records), -1).T, aspect="auto", cmap="viridis", origin="lower",
+                          interpolation="nearest", extent=(rounds[0] - 0.5, rounds[-1] + 0.5, -0.5, layers * experts - 0.5))
+        ax.set_yticks([layer * experts + (experts - 1) / 2 for layer in range(layers)],
+                      [f"layer {layer}" for layer in range(layers)], fontsize=7)
+        ax.set_title(f"island {name}: expert load x E (1 = balanced), experts within each layer", fontsize=9)
+        fig.colorbar(image, ax=ax, pad=0.01)
+    ax = axes[-1]
+    js = np.asarray([r["routing"]["js_divergence"] for r in records], np.float64)
+    for layer in range(js.shape[1]):
+        ax.plot(rounds, js[:, layer], linewidth=0.8, alpha=0.5, color="tab:blue")
+    ax.plot(rounds, np.nanmean(js, axis=1), linewidth=2, color="tab:blue", label="JS divergence (mean of layers)")
+    ax.set_ylabel("bits")
+    ax.set_xlabel("round")
+    if any("topk_overlap" in r["routing"] for r in records):
+        overlap = [np.nanmean([np.mean(v) for v in r["routing"].get("topk_overlap", {}).values()] or [np.nan])
+                   for r in records]
+        twin = ax.twinx()
+        twin.plot(rounds, overlap, color="tab:orange", linewidth=1.5, label="top-k overlap (mean)")
+        twin.set_ylim(0, 1.05)
+        twin.set_ylabel("overlap")
+        twin.legend(fontsize=7, loc="upper right")
+    ax.legend(fontsize=7, loc="upper left")
+    ax.set_title("divergence between the islands' expert loads", fontsize=9)
+    fig.tight_layout()
+    return fig
+
+
 # (lane label, event kinds drawn in it, color)
 _LANES = (
     ("compute", ("compute",), "tab:green"),

@@ -25,7 +25,7 @@ import ml_collections
 from absl import logging
 
 from island_jax.metrics import MetricsWriter, NoMetrics, gbps, make_writers, read_jsonl, write_json
-from island_jax.plots import plot_timeline
+from island_jax.plots import plot_routing, plot_timeline, routing_records
 from island_jax.provenance import record_start
 
 if TYPE_CHECKING:  # imported where used: the launcher reads workdirs without importing JAX (orbax needs it)
@@ -480,6 +480,9 @@ def combine_summaries(config: ml_collections.ConfigDict, workdir: str, wall_seco
     events = [p for p in events if os.path.exists(p) and os.path.getsize(p)]
     if events:
         plot_timeline(events, os.path.join(workdir, "timeline.png"))
+    coordinator_metrics = os.path.join(coordinator_dir(workdir), "metrics.jsonl")
+    if os.path.exists(coordinator_metrics) and routing_records(coordinator_metrics):
+        plot_routing(coordinator_metrics, os.path.join(workdir, "routing.png"))
     return summary
 
 

@@ -15,6 +15,17 @@ from island_jax.coordinator import ContributionError, ContributionHeader, Coordi
 from island_jax.coordinator.contribution import Contribution
 from island_jax.coordinator.expert_merge import check_routed_counts, expert_merge_weights
 from island_jax.coordinator.partial_merge import merge_weights
+from island_jax.coordinator.routing import (
+    expert_load,
+    js_divergence,
+    round_diagnostics,
+    topk_overlap,
+    utilization_entropy,
+)
+from island_jax.island import step as step_lib
+from island_jax.island.placement import Shardings
+from island_jax.mesh import island_mesh
+from island_jax.model.init import init_params
 from island_jax.outer import codec
 from island_jax.outer.optimizer import outer_optimizer
 from island_jax.protocol import ExchangeError
@@ -211,3 +222,70 @@ def test_counts_that_do_not_fit_the_model_are_refused_with_invalid_argument_and_
         server.stop(grace=0)
     with pytest.raises(ContributionError, match=match):  # the coordinator's own method, called directly
         Coordinator(config, _params(), ["a"]).fragments[0].routed_counts_of("a", 0, 40, counts)
+
+
+# -- routing diagnostics (coordinator/routing.py) --------------------------------------------------------------
+
+
+def test_identical_islands_give_js_zero_and_overlap_one_and_disjoint_ones_their_bounds():
+    a = np.array([[[0, 1], [2, 3], [1, 2]]])  # one layer, 3 tokens, k = 2
+    disjoint = np.array([[[2, 3], [0, 1], [0, 3]]])
+    assert topk_overlap(a, a).tolist() == [1.0] and topk_overlap(a, disjoint).tolist() == [0.0]
+    assert topk_overlap(a, np.array([[[1, 0], [3, 0], [0, 3]]])).tolist() == [0.5]  # 2 + 1 + 0 of 6, in any order
+    same = expert_load([[10, 30, 0, 60], [5, 5, 5, 5]])
+    assert same.tolist() == [[0.1, 0.3, 0.0, 0.6], [0.25, 0.25, 0.25, 0.25]]
+    assert js_divergence(np.stack([same, same])).tolist() == [0.0, 0.0]
+    apart = np.stack([expert_load([[1, 1, 0, 0]]), expert_load([[0, 0, 1, 1]])])
+    assert js_divergence(apart).tolist() == [1.0]  # log2 K bits for K = 2 islands on disjoint experts
+    three = np.stack([expert_load([[1, 0, 0]]), expert_load([[0, 1, 0]]), expert_load([[0, 0, 1]])])
+    assert js_divergence(three).tolist() == [np.log2(3)]
+    assert utilization_entropy(expert_load([[5, 5, 5, 5], [7, 0, 0, 0], [1, 1, 0, 0]])).tolist() == [1.0, 0.0, 0.5]
+
+
+def test_the_round_record_holds_the_diagnostics_of_the_contributions():
+    routed = {"a": np.array([[30, 10]]), "b": np.array([[10, 30]])}
+    probes = {"a": np.array([[[0], [1], [1], [0]]]), "b": np.array([[[0], [0], [1], [1]]])}
+    out = round_diagnostics(routed, probes, {"a": 0.25, "b": None}, {"a": 1.0, "b": 4.0}, 16.0)
+    assert out == dict(load={"a": [[0.75, 0.25]], "b": [[0.25, 0.75]]}, entropy={"a": [0.811278], "b": [0.811278]},
+                       js_divergence=[0.188722], topk_overlap={"a/b": [0.5]},
+                       router_distance={"a": 0.25, "b": 0.5}, post_sync_loss_change={"a": 0.25})
+    assert round_diagnostics({"a": None, "b": None}, probes, {}, None) is None  # no counts: nothing to say
+
+
+def test_router_distance_is_each_islands_router_against_the_merged_one():
+    params = _params()
+    params["blocks"][0]["moe"]["router"][...] = 4.0  # R = 4 - (1 + 3) / 2 = 2; R_a = 3, R_b = 1: |R_k - R| = |R| / 2
+    pgs = _pseudo_gradients({"a": 1.0, "b": 3.0})
+    config = _moe_config("same")
+    coordinator = Coordinator(config, params, ["a", "b"])
+    for name in ("a", "b"):
+        coordinator.join(name, fingerprint_fields(config), coordinator.checksum)
+    for name, probe in (("a", [[[0], [1]]]), ("b", [[[0], [0]]])):
+        header = ContributionHeader(0, name, 20, routed_counts=[[10, 10]], routing_probe=np.array(probe, np.uint8),
+                                    post_sync_loss_change=None)
+        coordinator.contribute(header, codec.encode(pgs[name], "none", config.codec.block_size))
+    routing = coordinator.fragments[0].history[-1].routing
+    assert routing["router_distance"] == {"a": 0.5, "b": 0.5}
+    assert routing["topk_overlap"] == {"a/b": [0.5]} and routing["js_divergence"] == [0.0]
+
+
+def test_the_probe_routes_each_token_alike_on_any_mesh_and_layout():
+    c = _moe_config("same")
+    c.model.update(num_layers=2, d_model=32, num_heads=2, seq_len=16)
+    c.moe.update(num_experts=4, num_experts_per_token=2, expert_hidden_dim=32, capacity_factor=0.5)
+    inputs = np.random.default_rng(0).integers(0, 256, (4, 16)).astype(np.int32)
+    choices = []
+    for scan in (False, True):
+        c.model.scan_layers = scan
+        graphdef, params, specs = init_params(c)
+        probe = step_lib.build_probe_step(graphdef)
+        for data, expert in ((1, 1), (2, 2)):
+            mesh = island_mesh(data, expert, jax.devices()[: data * expert])
+            shardings = Shardings(mesh, specs, params)
+            with jax.set_mesh(mesh):
+                top = probe(shardings.place(params), shardings.rows_of(inputs, 4),
+                            shardings.rows_of(np.ones((4, 16), np.float32), 4))
+            choices.append(np.asarray(top))
+    assert choices[0].shape == (2, 4, 16, 2) and len(np.unique(choices[0])) == 4
+    for other in choices[1:]:  # capacity 0.5 would drop; the probe drops nothing, so meshes agree
+        np.testing.assert_array_equal(other, choices[0])

@@ -6,7 +6,16 @@ import struct
 import pytest
 from matplotlib.collections import LineCollection, PolyCollection
 
-from island_jax.plots import MIN_WIDTH, _Gaps, plot_expert_load, plot_timeline, timeline_figure
+from island_jax.plots import (
+    MIN_WIDTH,
+    _Gaps,
+    plot_expert_load,
+    plot_routing,
+    plot_timeline,
+    routing_figure,
+    routing_records,
+    timeline_figure,
+)
 
 
 def test_expert_load_png_has_one_panel_per_layer(tmp_path):
@@ -95,3 +104,31 @@ def test_the_cut_time_axis_maps_back_to_seconds():
         assert gaps.t(gaps.x(t)) == pytest.approx(t)
     assert (gaps.x(15.0), gaps.x(330.0)) == (15.0, pytest.approx(30.9))
     assert _Gaps([(0.0, 10.0), (300.0, 310.0)], float("inf")).cuts == []
+
+
+def test_routing_figure_has_a_heatmap_per_island_and_the_divergence_once_per_round(tmp_path):
+    metrics = tmp_path / "metrics.jsonl"
+
+    def record(round, fragment, load_a):
+        routing = dict(load={"a": load_a, "b": [[0.5, 0.5], [0.25, 0.75]]}, js_divergence=[0.1 * round, 0.0],
+                       topk_overlap={"a/b": [1.0, 0.5]})
+        return dict(kind="round", round=round, fragment=fragment, routing=routing)
+
+    with open(metrics, "w") as f:
+        for r in (record(1, 0, [[1.0, 0.0], [0.5, 0.5]]), record(1, 1, [[0.75, 0.25], [0.5, 0.5]]),
+                  record(2, 1, [[0.5, 0.5], [0.5, 0.5]]), dict(kind="round", round=3),  # no routing: left out
+                  record(2, 1, [[0.25, 0.75], [0.5, 0.5]])):  # round 2 logged again by a resume: the latest
+            f.write(json.dumps(r) + "\n")
+    kept = routing_records(str(metrics))
+    assert [(r["round"], r["fragment"], r["routing"]["load"]["a"][0]) for r in kept] == [(1, 1, [0.75, 0.25]),
+                                                                                         (2, 1, [0.25, 0.75])]
+    fig = routing_figure(str(metrics))
+    heatmaps = [ax for ax in fig.axes if ax.images]
+    assert len(heatmaps) == 2
+    assert heatmaps[0].images[0].get_array().tolist() == [[1.5, 0.5], [0.5, 1.5], [1.0, 1.0], [1.0, 1.0]]  # x E
+    js = next(ax for ax in fig.axes if ax.get_ylabel() == "bits")
+    assert list(js.lines[-1].get_ydata()) == [0.05, 0.1]  # the mean over layers, per round
+    assert plot_routing(str(metrics), str(tmp_path / "routing.png")) == str(tmp_path / "routing.png")
+    (tmp_path / "dense.jsonl").write_text(json.dumps(dict(kind="round", round=1)) + "\n")
+    with pytest.raises(ValueError, match="no round records with routing diagnostics"):
+        routing_figure(str(tmp_path / "dense.jsonl"))

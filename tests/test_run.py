@@ -10,6 +10,7 @@ import pytest
 from tiny_config import get_config, write_corpus
 
 from island_jax import data as data_lib
+from island_jax import experiment
 from island_jax.comm import exchange_pb2 as pb
 from island_jax.comm import wire
 from island_jax.config import fingerprint_fields, island
@@ -116,6 +117,7 @@ def test_the_workdir_holds_every_roles_folder(run):
         saved = records(workdir, role, "checkpoint")
         assert [r["round"] for r in saved] == [1, 2, 3, 4]
     assert (workdir / "timeline.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert (workdir / "routing.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"  # beside it: plots.plot_routing
     evals = records(workdir, "islands/a", "eval")
     assert [r["round"] for r in evals] == [0, 3, 4] and not records(workdir, "islands/b", "eval")
 
@@ -166,6 +168,15 @@ def test_stopped_after_round_two_resumes_to_the_same_bits(run, tmp_path):
         resumed = {r["round"]: r["checksum"] for r in records(workdir, role, "round")}
         assert resumed == {r["round"]: r["checksum"] for r in records(straight, role, "round")}
     assert summary["islands"]["b"]["inner_steps"] == ROUNDS * 2  # rounds trained twice count once
+    # the routing diagnostics read back as the summaries read rounds: each round once, none missing, as straight
+    rounds = {name: experiment.Result.load(str(w)).rounds for name, w in (("resumed", workdir), ("straight", straight))}
+    routing = {name: r[r["role"] == "coordinator"].set_index("round").filter(like="routing.") for name, r in rounds.items()}
+    assert list(routing["resumed"].index) == list(range(1, ROUNDS + 1))
+    spikes = ["routing.post_sync_loss_change.a", "routing.post_sync_loss_change.b"]
+    assert routing["resumed"][spikes].iloc[1:].notna().all().all()  # from round 2: the step after round 1's update
+    assert routing["resumed"][spikes].iloc[0].isna().all()
+    for column in ["routing.js_divergence", "routing.topk_overlap.a/b", "routing.router_distance.a", *spikes]:
+        assert routing["resumed"][column].tolist()[1:] == routing["straight"][column].tolist()[1:], column
 
 
 def test_inner_steps_log_routing_metrics_per_moe_layer(run):

@@ -520,6 +520,14 @@ class StreamingSync:
         self._start_schedule(rounds)
         self.rejoined_round = min(rounds)
 
+    def resumed_after_update(self, loss_before: float | None) -> None:
+        """A resume from a checkpoint (taken with every update applied): the island's next step is the first after
+        an update, and `loss_before` the loss of the step before it (from the run's record; None: unknown), so the
+        first round's post-sync loss change is measured as in a run never stopped."""
+        if loss_before is not None:
+            self.island.step_losses[self.island.step - 1] = float(loss_before)
+            self._synced_at = self.island.step
+
     def _start_schedule(self, rounds: list[int]) -> None:
         """Every fragment's next round (`rounds`) and last contribution now: its tokens and routed counts count
         from the island's current step."""

@@ -220,7 +220,7 @@ def build_probe_step(graphdef: nnx.GraphDef) -> Callable:
     def probe_step(params, inputs, mask, segments=None):
         model_mask, _, segment_ids = packed_masks(segments, mask)
         model = nnx.merge(graphdef, nnx.State(params))
-        for _, module in model.iter_modules():
+        for _, module in nnx.iter_modules(model):
             if isinstance(module, MoE):
                 module.capture_routing = True
         _, per_layer = model(inputs, model_mask, None, segment_ids)

@@ -37,7 +37,7 @@ from island_jax.island.outer_loop import log_view_taken
 from island_jax.island.replay import ReplayPlan, short_reason
 from island_jax.island.step import learning_rates
 from island_jax.mesh import island_mesh
-from island_jax.metrics import gbps, write_json
+from island_jax.metrics import gbps, read_jsonl, write_json
 from island_jax.model.init import checksum, count, init_params
 from island_jax.model.load import check_init_from
 from island_jax.progress import Eta
@@ -212,6 +212,8 @@ def run_island(
         sync = StreamingSync(island, transport, config, first, link=link, events=events, fragment_rounds=fragment_rounds)
         if plan is not None:
             sync.replay_from(plan)
+        elif first > 0:  # a resume: its first step is the first after the checkpoint round's update
+            sync.resumed_after_update(_logged_loss(role.path, island.step))
         _train_rounds(config, island, sync, role, evaluators, first, stop, fingerprint)
     except ExchangeError:
         if not run_finished(workdir, rounds):
@@ -233,6 +235,16 @@ def run_island(
         summary["corpus"] = corpus.fingerprint
     write_json(os.path.join(role.path, "summary.json"), summary)
     return summary
+
+
+def _logged_loss(folder: str, step: int) -> float | None:
+    """The loss the role's own record (`metrics.jsonl`) holds for inner step `step` (1-based), or None."""
+    path = os.path.join(folder, "metrics.jsonl")
+    found = None
+    for record in read_jsonl(path) if os.path.exists(path) else []:
+        if record.get("kind") == "inner" and record.get("step") == step:
+            found = record["loss"]
+    return found
 
 
 class _Evaluator:
