@@ -19,6 +19,7 @@ SECTIONS = [
     "8. Islands with different data (non-IID) against IID islands",
     "9. Top-k pseudo-gradients (SparseLoCo) against int8 and int4 with error feedback",
     "10. The outer learning rate against M (Scaling Laws for DiLoCo's sweep)",
+    "11. Experts merged by the tokens routed to them, on non-IID islands",
 ]
 
 
@@ -77,6 +78,6 @@ def test_the_notebook_executes_at_smoke_with_a_table_and_a_figure_per_section(tm
         assert tables and figures, f"section {name!r}: {len(tables)} tables, {len(figures)} figures"
     # every variant ran in its own folder under the workdir the environment named
     assert sorted(os.listdir(tmp_path / "ablations")) == [
-        "codec", "diloco_vs_dp", "fragments", "inner_steps", "islands", "non_iid", "outer_optimizer", "topk",
-        "weighting",
+        "codec", "diloco_vs_dp", "expert_merge", "fragments", "inner_steps", "islands", "non_iid", "outer_optimizer",
+        "topk", "weighting",
     ]

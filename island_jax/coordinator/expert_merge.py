@@ -1,4 +1,4 @@
-"""Per-expert merge weights from the tokens each island routed to each expert (no config selects them yet).
+"""Per-expert merge weights from the tokens each island routed to each expert (`outer.expert_weighting`).
 
 Merged this way, the rows of a routed expert (its `w_gate`, `w_up` and `w_down` in one MoE layer) are
 merged with weights proportional to the assignments each contributing island routed to that expert over the
