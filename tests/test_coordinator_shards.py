@@ -29,6 +29,7 @@ def sharded_config(tmp_path, shards: int):
     c.outer.rounds = ROUNDS
     c.comm.chunk_bytes = 8192  # several chunks per payload, so that every shard owns some
     c.coordinator.shards = shards
+    c.outer.expert_weighting = "tokens_routed"  # every share's header carries the routed counts to every shard
     return c
 
 
@@ -52,6 +53,12 @@ def test_two_shards_end_every_round_on_the_bits_of_one(runs):
     for name in ("a", "b"):
         assert round_checksums(runs[2][1], f"islands/{name}") == one
     assert runs[2][0]["checksums_agree_every_round"] is True
+    # the leader's record: the per-expert weights, and the routing diagnostics from every shard's sums, as one's
+    records = {k: [r for r in read_jsonl(runs[k][1] / "coordinator" / "metrics.jsonl") if r["kind"] == "round"]
+               for k in (1, 2)}
+    for one_record, two_record in zip(records[1], records[2]):
+        assert two_record["expert_weights"] == one_record["expert_weights"]
+        assert two_record["routing"] == one_record["routing"] and "router_distance" in one_record["routing"]
 
 
 # -- shards by hand: K coordinators of one process over a LocalBus ----------------------------------------------

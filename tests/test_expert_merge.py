@@ -25,6 +25,7 @@ from island_jax.coordinator.routing import (
 from island_jax.island import step as step_lib
 from island_jax.island.placement import Shardings
 from island_jax.mesh import island_mesh
+from island_jax.metrics import scalars
 from island_jax.model.init import init_params
 from island_jax.outer import codec
 from island_jax.outer.optimizer import outer_optimizer
@@ -250,6 +251,9 @@ def test_the_round_record_holds_the_diagnostics_of_the_contributions():
                        js_divergence=[0.188722], topk_overlap={"a/b": [0.5]},
                        router_distance={"a": 0.25, "b": 0.5}, post_sync_loss_change={"a": 0.25})
     assert round_diagnostics({"a": None, "b": None}, probes, {}, None) is None  # no counts: nothing to say
+    tensorboard = scalars(dict(kind="round", round=1, routing=out))  # the coordinator's record, as TensorBoard tags
+    assert tensorboard["round/routing/js_divergence/0"] == 0.188722
+    assert tensorboard["round/routing/load/b/0/1"] == 0.75 and tensorboard["round/routing/topk_overlap/a/b/0"] == 0.5
 
 
 def test_router_distance_is_each_islands_router_against_the_merged_one():

@@ -306,7 +306,8 @@ class Island(FragmentExchange, CheckpointState):
     def set_routing_probe(self, batch: tuple[np.ndarray, int] | None, tokens: int) -> None:
         """The fixed probe batch the island routes at the end of each round (`route_probe`): the first
         `data.eval_batches` batch of the shared held-out set, (windows, how many are real), of which the first
-        `tokens` tokens are kept; None or 0 tokens: no probe."""
+        `tokens` tokens are kept; None or 0 tokens: no probe. Compiles the probe's program now (every process of
+        an island calls this together), so that no round's clock counts XLA."""
         if batch is None or tokens <= 0 or self.routed_pending is None:
             self._probe = None
             return
@@ -314,6 +315,7 @@ class Island(FragmentExchange, CheckpointState):
         mask = np.zeros((len(windows), windows.shape[-1] - 1), np.float32)
         mask[:real] = 1.0
         self._probe = (windows, mask, min(tokens, real * mask.shape[1]), step_lib.build_probe_step(self._graphdef))
+        self.route_probe()
 
     def route_probe(self) -> np.ndarray | None:
         """The experts this island's routers choose, with its current parameters, for the probe's first tokens:
