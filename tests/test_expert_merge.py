@@ -13,8 +13,8 @@ from island_jax.comm.grpc_server import serve
 from island_jax.config import default_config, fingerprint_fields, island
 from island_jax.coordinator import ContributionError, ContributionHeader, Coordinator
 from island_jax.coordinator.contribution import Contribution
-from island_jax.coordinator.expert_merge import check_routed_counts, expert_merge_weights
-from island_jax.coordinator.partial_merge import merge_weights
+from island_jax.coordinator.expert_merge import check_routed_counts, expert_leaves, expert_merge_weights
+from island_jax.coordinator.partial_merge import PartialMerge, merge_weights
 from island_jax.coordinator.routing import (
     expert_load,
     js_divergence,
@@ -22,6 +22,7 @@ from island_jax.coordinator.routing import (
     topk_overlap,
     utilization_entropy,
 )
+from island_jax.coordinator.state import FragmentState
 from island_jax.island import step as step_lib
 from island_jax.island.placement import Shardings
 from island_jax.mesh import island_mesh
@@ -251,6 +252,8 @@ def test_the_round_record_holds_the_diagnostics_of_the_contributions():
                        js_divergence=[0.188722], topk_overlap={"a/b": [0.5]},
                        router_distance={"a": 0.25, "b": 0.5}, post_sync_loss_change={"a": 0.25})
     assert round_diagnostics({"a": None, "b": None}, probes, {}, None) is None  # no counts: nothing to say
+    other = dict(probes, b=np.array([[[0], [0]]]))  # b's probe of 2 tokens: other tokens, no overlap
+    assert "topk_overlap" not in round_diagnostics(routed, other, {})
     tensorboard = scalars(dict(kind="round", round=1, routing=out))  # the coordinator's record, as TensorBoard tags
     assert tensorboard["round/routing/js_divergence/0"] == 0.188722
     assert tensorboard["round/routing/load/b/0/1"] == 0.75 and tensorboard["round/routing/topk_overlap/a/b/0"] == 0.5
@@ -293,3 +296,29 @@ def test_the_probe_routes_each_token_alike_on_any_mesh_and_layout():
     assert choices[0].shape == (2, 4, 16, 2) and len(np.unique(choices[0])) == 4
     for other in choices[1:]:  # capacity 0.5 would drop; the probe drops nothing, so meshes agree
         np.testing.assert_array_equal(other, choices[0])
+
+
+def test_a_round_with_a_contributor_without_counts_merges_the_experts_by_tokens():
+    rng = np.random.default_rng(2)
+    pgs = {n: jax.tree.map(lambda x: rng.normal(size=x.shape).astype(np.float32), _params()) for n in "ab"}
+    without = _merge(_moe_config("tokens_routed", 0.9), pgs, {"a": 30, "b": 10}, {"a": [[25, 5]], "b": None})
+    same = _merge(_moe_config("same", 0.9), pgs, {"a": 30, "b": 10}, {"a": [[25, 5]], "b": None})
+    for x, y in zip(jax.tree.leaves(without.state()), jax.tree.leaves(same.state())):
+        assert np.asarray(x).tobytes() == np.asarray(y).tobytes()  # nothing of b's experts dropped
+    assert without.fragments[0].history[-1].expert_weights is None
+
+
+def test_a_coordinator_shard_without_expert_rows_still_weighs_experts_by_their_counts():
+    class Owner:  # a coordinator shard that owns the plan's last chunk alone
+        def owned(self, plan):
+            return range(len(plan) - 1, len(plan))
+
+    config = _moe_config("tokens_routed", width=ROWS)
+    config.comm.chunk_bytes = 4096  # several chunks: the last holds the embedding alone
+    params = jax.tree.leaves(_params(ROWS))
+    experts = expert_leaves(_params(ROWS))
+    state = FragmentState(config, params, owner=Owner(), expert_layers=experts)
+    assert len(state.plan) > 2 and all(s is None for s in state.expert_slots) and state.has_experts
+    merge = PartialMerge.start([Contribution("a", 40, routed=np.array([[30, 10]])),
+                                Contribution("b", 10, routed=np.array([[10, 0]]))], state, "tokens", "tokens_routed")
+    assert merge.record(0, [], lambda: "").expert_weights == {"a": [[0.75, 1.0]], "b": [[0.25, 0.0]]}

@@ -62,8 +62,9 @@ class FragmentCoordinator:
         self.pipeline = bool(config.comm.pipeline) and shard is None
         self.weighting = config.outer.weighting
         self.expert_weighting = config.outer.get("expert_weighting", "same")
-        self._state = FragmentState(config, params, owner=shard, expert_layers=expert_layers,
-                                    router_layers=router_layers)
+        self._state = FragmentState(  # the experts' weight slots only where they are used
+            config, params, owner=shard, router_layers=router_layers,
+            expert_layers=expert_layers if self.expert_weighting == "tokens_routed" else None)
         self.codec, self.update_codec = self._state.codec, self._state.update_codec
         # one plan both ways, each in its own codec's bytes (`codec.chunk_plan`'s `other`)
         self.plan, self.payload_bytes = self._state.plan, self._state.payload_bytes
@@ -259,8 +260,10 @@ class FragmentCoordinator:
             )
         routed = self.routed_counts_of(island, round, tokens, header.routed_counts)
         probe = self.routing_probe_of(island, round, header.routing_probe)
-        self._round.pending[island] = Contribution(island, int(tokens), tau=header.overlap_steps, routed=routed,
-                                                   probe=probe, post_sync=header.post_sync_loss_change)
+        post_sync = header.post_sync_loss_change
+        self._round.pending[island] = Contribution(
+            island, int(tokens), tau=header.overlap_steps, routed=routed, probe=probe,
+            post_sync=None if post_sync is None or not np.isfinite(post_sync) else float(post_sync))
         if self.ends_replay:  # its last fragment's current round: whatever it replayed is behind it
             self.replaying.discard(island)
         if header.step_seconds and round == 0:
@@ -273,9 +276,9 @@ class FragmentCoordinator:
         for none sent (an empty list).
 
         Raises:
-          ContributionError: counts of a dense model, or of the wrong shape, not integers, negative, or a layer
-            whose counts do not sum to tokens x `moe.num_experts_per_token`; the message names the island and
-            round (over the wire: INVALID_ARGUMENT, `ExchangeSession.check_header`).
+          ContributionError: counts of the wrong shape, not integers, negative, or a layer whose counts do not sum
+            to tokens x `moe.num_experts_per_token`; the message names the island and round (over the wire:
+            INVALID_ARGUMENT, `ExchangeSession.check_header`).
         """
         if counts is None or np.size(counts) == 0:
             return None

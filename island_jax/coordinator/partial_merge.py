@@ -12,6 +12,7 @@ contributions still arrive; `RoundRecord` is what the coordinator logs of the me
 from __future__ import annotations
 
 import functools
+import logging
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -121,12 +122,17 @@ class PartialMerge:
               expert_weighting: str = "same") -> "PartialMerge":
         """A merge of `contributions` (in run order) from the fragment's current rows, weighted by `merge_weights`;
         with `expert_weighting` "tokens_routed" the routed experts' rows by `expert_merge_weights` of the
-        contributions' routed counts (a contribution that sent none counts as having routed nothing)."""
+        contributions' routed counts. A round in which a contributor sent no counts (its batches held padding)
+        merges its experts by `merge_weights` too, and says so in the log: nothing of a pseudo-gradient is
+        dropped for want of counts."""
         experts = None
-        if expert_weighting == "tokens_routed" and any(s is not None for s in state.expert_slots):
-            nothing = np.zeros(state.routing_shape, np.int64)
-            experts = expert_merge_weights(
-                {c.island: nothing if c.routed is None else c.routed for c in contributions})
+        if expert_weighting == "tokens_routed" and state.has_experts:
+            missing = [c.island for c in contributions if c.routed is None]
+            if missing:
+                logging.warning("round merged without routed counts from %s: its experts are merged by "
+                                "outer.weighting, as every other parameter", missing)
+            else:
+                experts = expert_merge_weights({c.island: c.routed for c in contributions})
         return cls(
             contributors=[c.island for c in contributions],
             shares=merge_weights(contributions, weighting),

@@ -86,7 +86,8 @@ def round_diagnostics(routed: Mapping[str, np.ndarray | None], probes: Mapping[s
 
     Args:
       routed: island -> its routed counts int [L, E], or None (sent none); contributor order.
-      probes: island -> its top-k choices on the probe int [L, T, k], or None.
+      probes: island -> its top-k choices on the probe int [L, T, k], or None; a pair of other shapes (islands
+        resumed under other `metrics.routing_probe_tokens`) has no overlap.
       spikes: island -> its post-sync loss change, or None.
       router_sq: island -> sum over the routers' elements of (R_k - R)^2; router_norm_sq: sum of R^2.
 
@@ -107,7 +108,8 @@ def round_diagnostics(routed: Mapping[str, np.ndarray | None], probes: Mapping[s
     )
     probed = {n: p for n, p in probes.items() if p is not None}
     names = list(probed)
-    overlap = {f"{a}/{b}": r(topk_overlap(probed[a], probed[b])) for i, a in enumerate(names) for b in names[i + 1:]}
+    overlap = {f"{a}/{b}": r(topk_overlap(probed[a], probed[b])) for i, a in enumerate(names) for b in names[i + 1:]
+               if np.shape(probed[a]) == np.shape(probed[b])}  # probes of other lengths route other tokens
     if overlap:
         out["topk_overlap"] = overlap
     out = with_router_distance(out, router_sq, router_norm_sq, decimals)

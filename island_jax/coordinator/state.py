@@ -72,10 +72,11 @@ class FragmentState:
         self.routing_shape = routing_shape(config)[:2]  # (MoE layers, experts): a contribution's counts
         # per chunk: the weight slot of each row or element (`expert_merge.expert_slots`); None: no routed expert
         layers = expert_layers if expert_layers is not None else [None] * len(self._leaf_specs)
+        self.has_experts = any(x is not None for x in layers)  # of the whole fragment, whatever this shard owns
         sizes = [int(np.prod(shape)) for shape, _ in self._leaf_specs]
         self.expert_slots = [
             expert_merge.expert_slots(layers, sizes, self.routing_shape[1], lay, self.width, self.num_rows)
-            if k in self.owned and any(x is not None for x in layers) else None
+            if k in self.owned and self.has_experts else None
             for k, lay in enumerate(self.layouts)
         ]
         # per chunk: which elements of its rows are routers' (bool [R * W]), or None
@@ -153,7 +154,8 @@ class FragmentState:
         Args:
           values, scales: K contributions' chunks (`decode`), stacked.
           weights: float32 [K], the contributors' weights (summing to 1); or per row [K, R] or per element
-            [K, R * W] (`PartialMerge.chunk_weights`, experts merged by their routed counts).
+            [K, R * W] (`PartialMerge.chunk_weights`, experts merged by their routed counts: each row's or
+            element's weights sum to 1, or to 0 for an expert no contributor routed to).
           master, opt, view: the chunk's rows and optimizer state to start from.
 
         Returns:
@@ -173,17 +175,19 @@ class FragmentState:
         return (np.asarray(values, np.float32).reshape(-1, block) * np.asarray(scales)[:, None]).reshape(-1)
 
     def warm_up(self, contributors: int) -> None:
-        """Compiles the chunk program for `contributors` islands now, so the first merge does not wait for XLA."""
+        """Compiles the chunk program for `contributors` islands now, so the first merge does not wait for XLA: with
+        one weight per contributor, and per row or per element where `expert_slots` asks for them."""
         if not self.owned:
             return
         first, k = self.owned[0], contributors
         layout = self.layouts[first]
         values, scales = self.decode(first, bytes(layout.chunk.nbytes))
-        weights = np.full(k, np.float32(1.0 / k), np.float32)
-        self._step(
-            np.stack([values] * k), np.stack([scales] * k), weights, self.master_rows[first], self.opt[first],
-            self.view_rows[first], self._bf16_rows[first], layout,
-        )
+        sizes = {len(s) for s in self.expert_slots if s is not None}  # R (per row) and / or R * W (per element)
+        for weights in [np.full(k, np.float32(1.0 / k), np.float32), *(np.full((k, n), 1.0 / k, np.float32) for n in sizes)]:
+            self._step(
+                np.stack([values] * k), np.stack([scales] * k), weights, self.master_rows[first], self.opt[first],
+                self.view_rows[first], self._bf16_rows[first], layout,
+            )
 
     def commit(self, master_rows: list, opt: list, view_rows: list) -> None:
         """Makes a merged round's rows and optimizer states (one per chunk) the fragment's state."""

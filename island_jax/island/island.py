@@ -285,9 +285,10 @@ class Island(FragmentExchange, CheckpointState):
 
         Returns:
           int64 [MoE layers, experts], each layer summing to tokens x `moe.num_experts_per_token`; None for a model
-          without MoE layers, for no steps since the last contribution, and for counts that cover fewer tokens
-          (padding in the batches, as in a prepared dataset's last record: logged, and the contribution goes
-          without counts, so under `outer.expert_weighting = "tokens_routed"` it adds nothing to the experts).
+          without MoE layers, for no steps since the last contribution, and for counts that cover other tokens
+          (padding in the batches, as in a prepared dataset's last record; or, of a fragment contributed within a
+          round, steps before a resume that kept no counts): logged, and the contribution goes without counts,
+          so under `outer.expert_weighting = "tokens_routed"` its round merges the experts by `outer.weighting`.
         """
         if self.routed_pending is None:
             return None
@@ -298,8 +299,8 @@ class Island(FragmentExchange, CheckpointState):
         k = self.config.moe.num_experts_per_token
         if (counts.sum(axis=1) != tokens * k).any():
             logging.warning("island %s: the routed counts of fragment %d cover %d of its contribution's %d tokens "
-                            "(padding in the batches); it is sent without them", self.name, fragment,
-                            int(counts[0].sum()) // k, tokens)
+                            "(padding in the batches, or steps before a resume); it is sent without them",
+                            self.name, fragment, int(counts[0].sum()) // k, tokens)
             return None
         return counts
 

@@ -187,6 +187,9 @@ class StreamingSync:
         self._between = BetweenRounds()  # seconds since the last round ended
         self._exchange_running = False  # an exchange was running when the step now running started
         self._synced_at: int | None = None  # the first step after the last applied update of the round's last fragment
+        pending = getattr(island, "routed_pending", None)
+        if pending is not None and (first_round == 0 or settings.round_seconds is not None):
+            pending[...] = 0  # routed counts count from where the tokens do (`fragments.last_contributions`)
         self._pool = futures.ThreadPoolExecutor(max_workers=settings.fragments, thread_name_prefix="fragment-exchange")
 
     # -- the schedule ----------------------------------------------------------------------------------
@@ -524,6 +527,8 @@ class StreamingSync:
         """A resume from a checkpoint (taken with every update applied): the island's next step is the first after
         an update, and `loss_before` the loss of the step before it (from the run's record; None: unknown), so the
         first round's post-sync loss change is measured as in a run never stopped."""
+        if self.island.multi_process:  # process 0's record: every share's header says the same
+            loss_before = self.island.agree(loss_before)[0]
         if loss_before is not None:
             self.island.step_losses[self.island.step - 1] = float(loss_before)
             self._synced_at = self.island.step

@@ -78,9 +78,10 @@ class CheckpointState:
         """What a checkpoint holds after `round` completed rounds: `params`, `anchor`,
         `opt_state` (AdamW), `step` (inner steps taken, also the data position; int64 []) and `round` (int64
         []); with error feedback (`config.error_feedback`) also `residual` (`_residual_rows`: each process's own pieces, one row
-        per process, so a resume needs the same processes and layout); with several fragments of an MoE model
-        `routed_pending` (int64 [F, MoE layers, experts]: each fragment's routed counts since its last
-        contribution, `Island.take_routed_counts`). A `template` is only a state to restore into (its residual
+        per process, so a resume needs the same processes and layout); with several fragments under
+        `outer.expert_weighting = "tokens_routed"` `routed_pending` (int64 [F, MoE layers, experts]: each
+        fragment's routed counts since its last contribution, `Island.take_routed_counts`, which its first
+        contribution after a resume sends whole). A `template` is only a state to restore into (its residual
         is zeros)."""
         out = dict(
             params=self.params,
@@ -92,7 +93,8 @@ class CheckpointState:
         if error_feedback(self.config.codec):
             out["residual"] = self._residual_rows(template)
             out["residual_layout"] = self._residual_layout()
-        if self.routed_pending is not None and len(self.partition) > 1:
+        if self.routed_pending is not None and len(self.partition) > 1 and \
+                self.config.outer.get("expert_weighting", "same") == "tokens_routed":
             out["routed_pending"] = self.routed_pending.copy()  # fragments contributed within the round
         return out
 
