@@ -50,13 +50,15 @@ class ContributionHeader:
         the config's).
       routed_counts: of an MoE model, the assignments the island's routers sent to each routed expert over the
         steps the contribution covers (since the fragment's last contribution), before capacity drops: int
-        [MoE layers, experts], each layer summing to tokens x `moe.num_experts_per_token`
+        [MoE layers, experts], each layer summing to (tokens - unrouted_tokens) x `moe.num_experts_per_token`
         (`coordinator.expert_merge.check_routed_counts`); None: not sent.
       routing_probe: the experts the island's routers chose for the fixed probe batch's first tokens at the end
         of the round (the round's last fragment): uint8 (uint16 past 256 experts) [MoE layers, tokens, k]
         (`coordinator/routing.py`); None: not sent.
       post_sync_loss_change: loss of the island's first inner step after the previous round's update less the
         loss of the step before it (the round's last fragment); None: not measured.
+      unrouted_tokens: of `tokens`, those no router saw (padding in the island's batches), which
+        `routed_counts` do not cover.
     """
 
     round: int
@@ -69,6 +71,7 @@ class ContributionHeader:
     routed_counts: Any = None
     routing_probe: Any = None
     post_sync_loss_change: float | None = None
+    unrouted_tokens: int = 0
 
 
 class HandshakeError(ValueError):

@@ -322,3 +322,23 @@ def test_a_coordinator_shard_without_expert_rows_still_weighs_experts_by_their_c
     merge = PartialMerge.start([Contribution("a", 40, routed=np.array([[30, 10]])),
                                 Contribution("b", 10, routed=np.array([[10, 0]]))], state, "tokens", "tokens_routed")
     assert merge.record(0, [], lambda: "").expert_weights == {"a": [[0.75, 1.0]], "b": [[0.25, 0.0]]}
+
+
+def test_counts_cover_the_tokens_less_the_unrouted_padding():
+    assert check_routed_counts([[30, 5]], 1, 2, 40, 1, unrouted=5).tolist() == [[30, 5]]
+    with pytest.raises(ValueError, match=r"layer 0 sum to 35; 38 tokens \(40 less 2 unrouted\) routed to 1 experts"):
+        check_routed_counts([[30, 5]], 1, 2, 40, 1, unrouted=2)
+    with pytest.raises(ValueError, match="unrouted tokens are 40 of the contribution's 40; send 0..39"):
+        check_routed_counts([[0, 0]], 1, 2, 40, 1, unrouted=40)
+    config = _moe_config("tokens_routed")
+    coordinator = Coordinator(config, _params(), ["a", "b"])
+    for name in ("a", "b"):
+        coordinator.join(name, fingerprint_fields(config), coordinator.checksum)
+    pgs = _pseudo_gradients({"a": 4.0, "b": 8.0})
+    for name, routed, unrouted in (("a", [[28, 10]], 2), ("b", [[10, 0]], 0)):  # a: 2 of its 40 tokens padding
+        header = ContributionHeader(0, name, 40 if name == "a" else 10, routed_counts=routed, unrouted_tokens=unrouted)
+        coordinator.contribute(header, codec.encode(pgs[name], "none", config.codec.block_size))
+    record = coordinator.fragments[0].history[-1]
+    assert record.weights == {"a": 0.8, "b": 0.2}  # by the tokens, padding included, as before
+    assert record.expert_weights == {"a": [[round(28 / 38, 6), 1.0]], "b": [[round(10 / 38, 6), 0.0]]}
+    assert record.routing["unrouted_tokens"] == {"a": 2}

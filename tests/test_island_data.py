@@ -201,3 +201,12 @@ def test_islands_join_with_who_reads_which_records():
     moved.islands.a.data = "/data/prose"  # a now splits b's dataset with it: the plan, and the fingerprint, differ
     assert fingerprint_fields(moved)["data.sharing"] != fingerprint_fields(c)["data.sharing"]
     assert sharing(get_config(), ["a", "b"]) == {} and "data.sharing" not in fingerprint_fields(get_config())
+
+
+def test_islands_reading_padded_records_send_their_routed_counts_every_round(own_run):
+    config, _, workdir = own_run
+    rounds = [r for r in read_jsonl(workdir / "coordinator" / "metrics.jsonl") if r["kind"] == "round"]
+    assert [sorted(r["routing"]["load"]) for r in rounds] == [["a", "b"]] * config.outer.rounds
+    # each shard's last record is padded: the counts cover the tokens less those positions, which the record names
+    padded = [r["routing"].get("unrouted_tokens", {}) for r in rounds]
+    assert any(padded) and all(0 < n < r["tokens"][name] for p, r in zip(padded, rounds) for name, n in p.items())

@@ -63,7 +63,7 @@ class FragmentPlan(_message.Message):
     def __init__(self, payload_bytes: _Optional[int] = ..., layout: _Optional[str] = ..., chunk_offsets: _Optional[_Iterable[int]] = ..., update_payload_bytes: _Optional[int] = ..., update_chunk_offsets: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class PayloadHeader(_message.Message):
-    __slots__ = ("round", "island", "tokens", "total_bytes", "crc32", "layout", "params_checksum", "step_seconds", "inner_steps", "streams", "fragment", "attempt", "fragment_rounds", "incarnation", "part", "parts", "share", "overlap_steps", "routed_counts", "routing_probe", "post_sync_loss_change")
+    __slots__ = ("round", "island", "tokens", "total_bytes", "crc32", "layout", "params_checksum", "step_seconds", "inner_steps", "streams", "fragment", "attempt", "fragment_rounds", "incarnation", "part", "parts", "share", "overlap_steps", "routed_counts", "routing_probe", "post_sync_loss_change", "unrouted_tokens")
     ROUND_FIELD_NUMBER: _ClassVar[int]
     ISLAND_FIELD_NUMBER: _ClassVar[int]
     TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -85,6 +85,7 @@ class PayloadHeader(_message.Message):
     ROUTED_COUNTS_FIELD_NUMBER: _ClassVar[int]
     ROUTING_PROBE_FIELD_NUMBER: _ClassVar[int]
     POST_SYNC_LOSS_CHANGE_FIELD_NUMBER: _ClassVar[int]
+    UNROUTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     round: int
     island: str
     tokens: int
@@ -106,7 +107,8 @@ class PayloadHeader(_message.Message):
     routed_counts: _containers.RepeatedScalarFieldContainer[int]
     routing_probe: bytes
     post_sync_loss_change: float
-    def __init__(self, round: _Optional[int] = ..., island: _Optional[str] = ..., tokens: _Optional[int] = ..., total_bytes: _Optional[int] = ..., crc32: _Optional[int] = ..., layout: _Optional[str] = ..., params_checksum: _Optional[str] = ..., step_seconds: _Optional[float] = ..., inner_steps: _Optional[int] = ..., streams: _Optional[int] = ..., fragment: _Optional[int] = ..., attempt: _Optional[int] = ..., fragment_rounds: _Optional[_Iterable[int]] = ..., incarnation: _Optional[str] = ..., part: _Optional[int] = ..., parts: _Optional[int] = ..., share: _Optional[bytes] = ..., overlap_steps: _Optional[int] = ..., routed_counts: _Optional[_Iterable[int]] = ..., routing_probe: _Optional[bytes] = ..., post_sync_loss_change: _Optional[float] = ...) -> None: ...
+    unrouted_tokens: int
+    def __init__(self, round: _Optional[int] = ..., island: _Optional[str] = ..., tokens: _Optional[int] = ..., total_bytes: _Optional[int] = ..., crc32: _Optional[int] = ..., layout: _Optional[str] = ..., params_checksum: _Optional[str] = ..., step_seconds: _Optional[float] = ..., inner_steps: _Optional[int] = ..., streams: _Optional[int] = ..., fragment: _Optional[int] = ..., attempt: _Optional[int] = ..., fragment_rounds: _Optional[_Iterable[int]] = ..., incarnation: _Optional[str] = ..., part: _Optional[int] = ..., parts: _Optional[int] = ..., share: _Optional[bytes] = ..., overlap_steps: _Optional[int] = ..., routed_counts: _Optional[_Iterable[int]] = ..., routing_probe: _Optional[bytes] = ..., post_sync_loss_change: _Optional[float] = ..., unrouted_tokens: _Optional[int] = ...) -> None: ...
 
 class RawFrame(_message.Message):
     __slots__ = ()

@@ -210,7 +210,7 @@ class ExchangeSession:
             )
         share(c.plan, header)  # a share's bitmap must fit the plan
         try:
-            c.routed_counts_of(header.island, header.round, header.tokens, header.routed_counts)
+            c.routed_counts_of(header.island, header.round, header.tokens, header.routed_counts, header.unrouted_tokens)
             c.routing_probe_of(header.island, header.round, header.routing_probe)
         except ValueError as e:
             raise wire.WireError(str(e)) from None
@@ -250,9 +250,11 @@ class ExchangeSession:
                     header.round, header.island, header.tokens, header.params_checksum or None,
                     header.step_seconds or None, header.fragment,
                     header.overlap_steps - 1 if header.overlap_steps else None,
-                    c.routed_counts_of(header.island, header.round, header.tokens, header.routed_counts),
+                    c.routed_counts_of(header.island, header.round, header.tokens, header.routed_counts,
+                                       header.unrouted_tokens),
                     header.routing_probe or None,
                     header.post_sync_loss_change if header.HasField("post_sync_loss_change") else None,
+                    header.unrouted_tokens,
                 ))
             entry = self._open[key] = Attempt(status, max(header.streams, 1), header.attempt)
             for old in [k for k in self._open if k[0] == header.fragment and k[1] < c.round - 1]:

@@ -159,6 +159,7 @@ def payload_header(
         routed_counts=() if header.routed_counts is None else np.asarray(header.routed_counts, np.int64).reshape(-1),
         routing_probe=b"" if header.routing_probe is None else np.ascontiguousarray(header.routing_probe).tobytes(),
         post_sync_loss_change=header.post_sync_loss_change,
+        unrouted_tokens=header.unrouted_tokens if header.routed_counts is not None else 0,
     )
 
 

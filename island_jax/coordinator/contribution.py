@@ -30,6 +30,7 @@ class Contribution:
     tau: int | None = None  # the island's tau for this contribution when chosen by measurement (overlap "auto")
     digests: dict[int, str] = field(default_factory=dict)  # chunk index -> SHA-256 of its bytes (kept updates on)
     routed: np.ndarray | None = None  # int64 [MoE layers, experts]: its routed counts (`expert_merge`), None: not sent
+    unrouted: int = 0  # of its tokens, those no router saw (padding), which `routed` does not cover
     probe: np.ndarray | None = None  # int64 [MoE layers, tokens, k]: its top-k choices on the routing probe
     post_sync: float | None = None  # its loss change over the first step after the previous update
 

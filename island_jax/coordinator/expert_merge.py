@@ -21,7 +21,8 @@ import jax
 import numpy as np
 
 
-def check_routed_counts(counts, num_layers: int, num_experts: int, tokens: int, top_k: int) -> np.ndarray:
+def check_routed_counts(counts, num_layers: int, num_experts: int, tokens: int, top_k: int,
+                        unrouted: int = 0) -> np.ndarray:
     """A contribution's routed counts, checked against the model and the contribution's tokens.
 
     Args:
@@ -32,14 +33,19 @@ def check_routed_counts(counts, num_layers: int, num_experts: int, tokens: int, 
       num_experts: routed experts per MoE layer (`moe.num_experts`).
       tokens: tokens the contribution covers (its header's).
       top_k: experts each token is routed to (`moe.num_experts_per_token`).
+      unrouted: of `tokens`, those no router saw (padding in the island's batches), in 0..tokens - 1.
 
     Returns:
       int64 [num_layers, num_experts], the counts.
 
     Raises:
-      ValueError: the shape is not [num_layers, num_experts], a count is not an integer or is negative, or a
-        layer's counts do not sum to tokens x top_k; the message names the layer and what was expected.
+      ValueError: the shape is not [num_layers, num_experts], a count is not an integer or is negative, `unrouted`
+        is outside 0..tokens - 1, or a layer's counts do not sum to (tokens - unrouted) x top_k; the message
+        names the layer and what was expected.
     """
+    if not 0 <= unrouted < max(tokens, 1):
+        raise ValueError(f"unrouted tokens are {unrouted} of the contribution's {tokens}; send 0..{tokens - 1} (the "
+                         "padding positions of its batches)")
     array = np.asarray(counts)
     if array.shape != (num_layers, num_experts):
         raise ValueError(f"routed counts have shape {list(array.shape)}; the model has {num_layers} MoE layers of "
@@ -52,11 +58,13 @@ def check_routed_counts(counts, num_layers: int, num_experts: int, tokens: int, 
         raise ValueError(f"routed count of layer {layer}, expert {expert} is {int(array[layer, expert])}; counts are "
                          "assignments and cannot be negative")
     sums = array.sum(axis=1)
-    wrong = np.flatnonzero(sums != tokens * top_k)
+    routed = tokens - unrouted
+    wrong = np.flatnonzero(sums != routed * top_k)
     if wrong.size:
         layer = int(wrong[0])
-        raise ValueError(f"routed counts of layer {layer} sum to {int(sums[layer])}; {tokens} tokens routed to "
-                         f"{top_k} experts each make {tokens * top_k}")
+        of = f" ({tokens} less {unrouted} unrouted)" if unrouted else ""
+        raise ValueError(f"routed counts of layer {layer} sum to {int(sums[layer])}; {routed} tokens{of} routed to "
+                         f"{top_k} experts each make {routed * top_k}")
     return array
 
 

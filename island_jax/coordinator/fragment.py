@@ -258,11 +258,12 @@ class FragmentCoordinator:
                 f"island {island!r} trained round {round} from parameters with checksum {params_checksum}, not the "
                 f"global {self.checksum}; its contribution was refused (restart the island from the workdir)"
             )
-        routed = self.routed_counts_of(island, round, tokens, header.routed_counts)
+        routed = self.routed_counts_of(island, round, tokens, header.routed_counts, header.unrouted_tokens)
         probe = self.routing_probe_of(island, round, header.routing_probe)
         post_sync = header.post_sync_loss_change
         self._round.pending[island] = Contribution(
-            island, int(tokens), tau=header.overlap_steps, routed=routed, probe=probe,
+            island, int(tokens), tau=header.overlap_steps, routed=routed, unrouted=int(header.unrouted_tokens or 0),
+            probe=probe,
             post_sync=None if post_sync is None or not np.isfinite(post_sync) else float(post_sync))
         if self.ends_replay:  # its last fragment's current round: whatever it replayed is behind it
             self.replaying.discard(island)
@@ -270,14 +271,14 @@ class FragmentCoordinator:
             self.step_seconds[island] = float(header.step_seconds)
         return "accepted"
 
-    def routed_counts_of(self, island: str, round: int, tokens: int, counts) -> np.ndarray | None:
+    def routed_counts_of(self, island: str, round: int, tokens: int, counts, unrouted: int = 0) -> np.ndarray | None:
         """A contribution's routed counts (`ContributionHeader.routed_counts`, [MoE layers, experts] or the wire's
-        row-major list), checked against the model (`expert_merge.check_routed_counts`): int64 [L, E], or None
-        for none sent (an empty list).
+        row-major list), checked against the model and the contribution's tokens less its `unrouted` ones
+        (`expert_merge.check_routed_counts`): int64 [L, E], or None for none sent (an empty list).
 
         Raises:
           ContributionError: counts of the wrong shape, not integers, negative, or a layer whose counts do not sum
-            to tokens x `moe.num_experts_per_token`; the message names the island and round (over the wire:
+            to (tokens - unrouted) x `moe.num_experts_per_token`; the message names the island and round (over the wire:
             INVALID_ARGUMENT, `ExchangeSession.check_header`).
         """
         if counts is None or np.size(counts) == 0:
@@ -289,7 +290,7 @@ class FragmentCoordinator:
             array = np.asarray(counts)
             if array.ndim == 1 and array.size == layers * experts:  # the wire's row-major list
                 array = array.reshape(layers, experts)
-            return expert_merge.check_routed_counts(array, layers, experts, int(tokens), top_k)
+            return expert_merge.check_routed_counts(array, layers, experts, int(tokens), top_k, int(unrouted or 0))
         except ValueError as e:
             raise ContributionError(f"island {island!r}, round {round}, fragment {self.index}: {e}; refused") from None
 

@@ -208,7 +208,7 @@ class PartialMerge:
             routing=round_diagnostics({c.island: c.routed for c in contributions},
                                       {c.island: c.probe for c in contributions},
                                       {c.island: c.post_sync for c in contributions}, self.router_sq,
-                                      self.router_norm_sq),
+                                      self.router_norm_sq, {c.island: c.unrouted for c in contributions}),
             **merge_stats(self.contributors, self.dots, self.intended_sq, self.lost_sq,
                           sum(len(c) for c in self.chunks.values())),
             **(outer_hyperparams(next(o for o in self.opt if o is not None))

@@ -81,7 +81,8 @@ DECIMALS = 6  # the round record's floats are rounded to this many decimals
 
 def round_diagnostics(routed: Mapping[str, np.ndarray | None], probes: Mapping[str, np.ndarray | None],
                       spikes: Mapping[str, float | None], router_sq: Mapping[str, float] | None = None,
-                      router_norm_sq: float = 0.0, decimals: int = DECIMALS) -> dict | None:
+                      router_norm_sq: float = 0.0, unrouted: Mapping[str, int] | None = None,
+                      decimals: int = DECIMALS) -> dict | None:
     """A round record's `routing` field, JSON-ready (floats rounded to `decimals`), from the contributions.
 
     Args:
@@ -90,11 +91,13 @@ def round_diagnostics(routed: Mapping[str, np.ndarray | None], probes: Mapping[s
         resumed under other `metrics.routing_probe_tokens`) has no overlap.
       spikes: island -> its post-sync loss change, or None.
       router_sq: island -> sum over the routers' elements of (R_k - R)^2; router_norm_sq: sum of R^2.
+      unrouted: island -> the padding positions among its tokens, which its counts do not cover.
 
     Returns:
       None when no island sent counts; else `load` {island: [L][E]}, `entropy` {island: [L]}, `js_divergence` [L]
       (over the islands that sent counts; with fewer than two, zeros), and where there is something to measure
-      `topk_overlap` {"a/b": [L]}, `router_distance` {island: float}, `post_sync_loss_change` {island: float}.
+      `topk_overlap` {"a/b": [L]}, `router_distance` {island: float}, `post_sync_loss_change` {island: float},
+      `unrouted_tokens` {island: int} (those with padding).
     """
     counted = {n: np.asarray(c) for n, c in routed.items() if c is not None}
     if not counted:
@@ -116,6 +119,9 @@ def round_diagnostics(routed: Mapping[str, np.ndarray | None], probes: Mapping[s
     measured = {n: round(float(s), decimals) for n, s in spikes.items() if s is not None}
     if measured:
         out["post_sync_loss_change"] = measured
+    padded = {n: int(u) for n, u in (unrouted or {}).items() if u and n in counted}
+    if padded:
+        out["unrouted_tokens"] = padded
     return out
 
 

@@ -160,6 +160,7 @@ class Island(FragmentExchange, CheckpointState):
         # for a model without MoE layers), what its next contribution's header carries (`take_routed_counts`)
         layers, experts, _ = routing_shape(config)
         self.routed_pending = np.zeros((len(self.partition), layers, experts), np.int64) if layers else None
+        self.routed_steps = np.zeros(len(self.partition), np.int64)  # per fragment: the steps those counts cover
         self.step_losses: dict[int, float] = {}  # step (over the run) -> its loss, for the recent steps
         self._probe = None  # the routing probe batch (`set_routing_probe`) and its program
 
@@ -257,6 +258,7 @@ class Island(FragmentExchange, CheckpointState):
                 self.step_losses.pop(self.step - 4 * max(self.inner_steps, 1), None)
                 if self.routed_pending is not None:
                     self.routed_pending += host[1]
+                    self.routed_steps += 1
                 self.step += 1
                 if after_step is not None:
                     after_step(len(history), time.perf_counter() - start, step_times[-1])
@@ -279,30 +281,38 @@ class Island(FragmentExchange, CheckpointState):
         )
         return out
 
-    def take_routed_counts(self, fragment: int, tokens: int) -> np.ndarray | None:
+    def take_routed_counts(self, fragment: int, tokens: int) -> dict:
         """The assignments this island's routers sent to each routed expert since `fragment`'s last contribution,
         before capacity drops, for a contribution of `tokens` tokens, and a new count from zero.
 
         Returns:
-          int64 [MoE layers, experts], each layer summing to tokens x `moe.num_experts_per_token`; None for a model
-          without MoE layers, for no steps since the last contribution, and for counts that cover other tokens
-          (padding in the batches, as in a prepared dataset's last record; or, of a fragment contributed within a
-          round, steps before a resume that kept no counts): logged, and the contribution goes without counts,
-          so under `outer.expert_weighting = "tokens_routed"` its round merges the experts by `outer.weighting`.
+          The header's fields (`ContributionHeader`): `routed_counts` int64 [MoE layers, experts], each layer
+          summing to the real (unpadded) tokens x `moe.num_experts_per_token`, and `unrouted_tokens`, the
+          padding positions among `tokens`; {} for a model without MoE layers, for a contribution whose steps the
+          counts do not all cover (of a fragment contributed within a round, steps before a resume that kept no
+          counts: logged), and for one of no real token, so that the contribution goes without counts and under
+          `outer.expert_weighting = "tokens_routed"` its round merges the experts by `outer.weighting`.
         """
         if self.routed_pending is None:
-            return None
-        counts = self.routed_pending[fragment].copy()
-        self.routed_pending[fragment] = 0
-        if not counts.any():
-            return None
+            return {}
+        counts, steps = self.routed_pending[fragment].copy(), int(self.routed_steps[fragment])
+        self.routed_pending[fragment], self.routed_steps[fragment] = 0, 0
         k = self.config.moe.num_experts_per_token
-        if (counts.sum(axis=1) != tokens * k).any():
-            logging.warning("island %s: the routed counts of fragment %d cover %d of its contribution's %d tokens "
-                            "(padding in the batches, or steps before a resume); it is sent without them",
-                            self.name, fragment, int(counts[0].sum()) // k, tokens)
-            return None
-        return counts
+        sums = counts.sum(axis=1)
+        if steps * self.tokens_per_step != tokens:
+            logging.warning("island %s: the routed counts of fragment %d cover %d of its contribution's %d steps "
+                            "(steps before a resume); it is sent without them", self.name, fragment, steps,
+                            tokens // max(self.tokens_per_step, 1))
+            return {}
+        if not sums[0] or (sums != sums[0]).any() or sums[0] % k:
+            return {}
+        return dict(routed_counts=counts, unrouted_tokens=tokens - int(sums[0]) // k)
+
+    def reset_routed_counts(self) -> None:
+        """Every fragment's routed counts start from zero here (its tokens count from the island's current step)."""
+        if self.routed_pending is not None:
+            self.routed_pending[...] = 0
+            self.routed_steps[...] = 0
 
     def set_routing_probe(self, batch: tuple[np.ndarray, int] | None, tokens: int) -> None:
         """The fixed probe batch the island routes at the end of each round (`route_probe`): the first

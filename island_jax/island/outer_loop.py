@@ -187,9 +187,8 @@ class StreamingSync:
         self._between = BetweenRounds()  # seconds since the last round ended
         self._exchange_running = False  # an exchange was running when the step now running started
         self._synced_at: int | None = None  # the first step after the last applied update of the round's last fragment
-        pending = getattr(island, "routed_pending", None)
-        if pending is not None and (first_round == 0 or settings.round_seconds is not None):
-            pending[...] = 0  # routed counts count from where the tokens do (`fragments.last_contributions`)
+        if first_round == 0 or settings.round_seconds is not None:  # counts from where the tokens do
+            self._reset_routed_counts()  # (`fragments.last_contributions`)
         self._pool = futures.ThreadPoolExecutor(max_workers=settings.fragments, thread_name_prefix="fragment-exchange")
 
     # -- the schedule ----------------------------------------------------------------------------------
@@ -396,7 +395,7 @@ class StreamingSync:
         update (`post_sync_loss_change`). An island without them (a test's stand-in) sends none."""
         island = self.island
         take = getattr(island, "take_routed_counts", None)
-        out = dict(routed_counts=take(fragment, tokens) if take is not None else None)
+        out = dict(take(fragment, tokens)) if take is not None else {}
         if fragment == self.settings.fragments - 1 and take is not None:
             out["routing_probe"] = island.route_probe()
             losses, after = island.step_losses, self._synced_at
@@ -537,9 +536,13 @@ class StreamingSync:
         """Every fragment's next round (`rounds`) and last contribution now: its tokens and routed counts count
         from the island's current step."""
         self.schedule.start_at(rounds, self.island.step)
-        pending = getattr(self.island, "routed_pending", None)
-        if pending is not None:
-            pending[...] = 0
+        self._reset_routed_counts()
+
+    def _reset_routed_counts(self) -> None:
+        """The island's routed counts start from zero (`Island.reset_routed_counts`; a stand-in may have none)."""
+        reset = getattr(self.island, "reset_routed_counts", None)
+        if reset is not None:
+            reset()
 
     def forget_inflight(self, timeout: float | None = None) -> None:
         """Waits (up to `timeout` seconds) for the exchanges in flight to end and forgets them, errors and all."""

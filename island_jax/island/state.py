@@ -81,7 +81,7 @@ class CheckpointState:
         per process, so a resume needs the same processes and layout); with several fragments under
         `outer.expert_weighting = "tokens_routed"` `routed_pending` (int64 [F, MoE layers, experts]: each
         fragment's routed counts since its last contribution, `Island.take_routed_counts`, which its first
-        contribution after a resume sends whole). A `template` is only a state to restore into (its residual
+        contribution after a resume sends whole) and `routed_steps` (int64 [F]: the steps they cover). A `template` is only a state to restore into (its residual
         is zeros)."""
         out = dict(
             params=self.params,
@@ -96,6 +96,7 @@ class CheckpointState:
         if self.routed_pending is not None and len(self.partition) > 1 and \
                 self.config.outer.get("expert_weighting", "same") == "tokens_routed":
             out["routed_pending"] = self.routed_pending.copy()  # fragments contributed within the round
+            out["routed_steps"] = self.routed_steps.copy()
         return out
 
     def _residual_layout(self) -> np.ndarray:
@@ -136,5 +137,6 @@ class CheckpointState:
             self._load_residual(state["residual"])
         if "routed_pending" in state:
             self.routed_pending = np.array(state["routed_pending"], np.int64)
+            self.routed_steps = np.array(state["routed_steps"], np.int64)
         self.step = int(state["step"])
         return int(state["round"])
