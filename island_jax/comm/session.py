@@ -209,9 +209,12 @@ class ExchangeSession:
                 f"but the coordinator expects {layout} (leaf shapes, codec, block size differ); refused"
             )
         share(c.plan, header)  # a share's bitmap must fit the plan
-        try:
-            c.routed_counts_of(header.island, header.round, header.tokens, header.routed_counts, header.unrouted_tokens)
-            c.routing_probe_of(header.island, header.round, header.routing_probe)
+        try:  # checked before anything of the contribution is taken (a header without them needs neither call)
+            if header.routed_counts:
+                c.routed_counts_of(header.island, header.round, header.tokens, header.routed_counts,
+                                   header.unrouted_tokens)
+            if header.routing_probe:
+                c.routing_probe_of(header.island, header.round, header.routing_probe)
         except ValueError as e:
             raise wire.WireError(str(e)) from None
 
@@ -250,8 +253,7 @@ class ExchangeSession:
                     header.round, header.island, header.tokens, header.params_checksum or None,
                     header.step_seconds or None, header.fragment,
                     header.overlap_steps - 1 if header.overlap_steps else None,
-                    c.routed_counts_of(header.island, header.round, header.tokens, header.routed_counts,
-                                       header.unrouted_tokens),
+                    list(header.routed_counts) or None,  # checked again there, as a direct call's
                     header.routing_probe or None,
                     header.post_sync_loss_change if header.HasField("post_sync_loss_change") else None,
                     header.unrouted_tokens,
