@@ -79,12 +79,18 @@ def test_frame_bytes_tokens_and_summary(run):
     view = [r["checksum"] for r in records(workdir, "coordinator", "round")]
     for name, batch in (("a", 8), ("b", 4)):
         rounds = records(workdir, f"islands/{name}", "round")
+        inner = records(workdir, f"islands/{name}", "inner")
         for r, rec in enumerate(rounds):
-            # the frames a gRPC island sends: one header (step_seconds is a fixed-size double) and the chunks
+            # the frames a gRPC island sends: one header (step_seconds is a fixed-size double) and the chunks; the
+            # header carries the round's routed counts (varints), the probe's top-2 choices of 128 tokens in its 1
+            # MoE layer (a byte each) and, from the second round on, the post-sync loss change (a double)
+            counts = np.sum([s["moe"]["routed_counts"] for s in inner if s["round"] == r + 1], axis=0)
             header = pb.PayloadHeader(
                 round=r, island=name, tokens=2 * batch * 32, layout=layout,
                 params_checksum=view[r - 1] if r else checksum(params), step_seconds=1.0, streams=1,
                 total_bytes=payload, attempt=wire.new_attempt(), incarnation="0" * 32,  # a fixed64, 32 hex digits
+                routed_counts=counts.reshape(-1).tolist(), routing_probe=bytes(1 * 128 * 2),
+                post_sync_loss_change=0.0 if r else None,
             )
             trailer = pb.PayloadHeader(round=r, island=name, layout=layout, total_bytes=payload, crc32=1)
             assert rec["payload_bytes"] == payload
