@@ -29,6 +29,7 @@ def tiny_config(tmp_path, rounds=ROUNDS):
     c = get_config()
     c.data.files = write_corpus(tmp_path / "corpus")
     c.outer.rounds = rounds
+    c.metrics.routing_probe_tokens = 128  # the schema's default: these runs' records hold the top-k overlap
     return c
 
 

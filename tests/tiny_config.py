@@ -30,6 +30,8 @@ def get_config():
     c.eval.update(every_rounds=3, batch_size=4, num_windows=8)
     c.data.eval_fraction = 0.2
     c.checkpoint.every_rounds = 1
+    # no routing probe: a program less to compile in each of the suite's runs; tests/test_run.py's runs route one
+    c.metrics.routing_probe_tokens = 0
     return c
 
 

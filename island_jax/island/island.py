@@ -323,9 +323,13 @@ class Island(FragmentExchange, CheckpointState):
             self._probe = None
             return
         windows, real = batch
-        mask = np.zeros((len(windows), windows.shape[-1] - 1), np.float32)
+        seq_len, devices = windows.shape[-1] - 1, self.mesh.devices.size
+        # the windows that hold the probe's tokens, padded to a whole row per device (the batch is split over all)
+        rows = min(len(windows), -(-min(-(-tokens // seq_len), real) // devices) * devices)
+        windows, real = windows[:rows], min(real, rows)
+        mask = np.zeros((rows, seq_len), np.float32)
         mask[:real] = 1.0
-        self._probe = (windows, mask, min(tokens, real * mask.shape[1]), step_lib.build_probe_step(self._graphdef))
+        self._probe = (windows, mask, min(tokens, real * seq_len), step_lib.build_probe_step(self._graphdef))
         self.route_probe()
 
     def route_probe(self) -> np.ndarray | None:
