@@ -8,6 +8,10 @@ import numpy as np
 
 from island_jax.metrics import duration, read_jsonl
 
+# The figures a run can write into its workdir when it ends (`metrics.plots`): timeline.png (`plot_timeline`) and
+# routing.png (`plot_routing`).
+PLOTS = ("timeline", "routing")
+
 
 def plot_expert_load(metrics_path: str, png_path: str) -> str:
     """Draws each MoE layer's expert load fractions over inner steps into a PNG.

@@ -8,6 +8,8 @@
                            AdamW state, data position, round), summary.json
   WORKDIR/summary.json     every role's summary combined (`combine_summaries`)
   WORKDIR/timeline.png     when each island computed, sent, received, waited, evaluated, saved
+  WORKDIR/routing.png      expert load per island over rounds and the divergence between islands
+                           (the figures `metrics.plots` names; both by default)
 
 The in-process run (`island_jax.run`) and a multi-process launch write the
 same files with the same records, and both resume from the same workdir:
@@ -24,8 +26,8 @@ from typing import TYPE_CHECKING
 import ml_collections
 from absl import logging
 
-from island_jax.metrics import MetricsWriter, NoMetrics, gbps, make_writers, read_jsonl, write_json
-from island_jax.plots import plot_routing, plot_timeline, routing_records
+from island_jax.metrics import MetricsWriter, NoMetrics, gbps, make_writers, read_jsonl, write_json, writer_names
+from island_jax.plots import PLOTS, plot_routing, plot_timeline, routing_records
 from island_jax.provenance import record_start
 
 if TYPE_CHECKING:  # imported where used: the launcher reads workdirs without importing JAX (orbax needs it)
@@ -405,7 +407,9 @@ def _agree_every_round(config: ml_collections.ConfigDict, workdir: str, merged: 
 
 
 def combine_summaries(config: ml_collections.ConfigDict, workdir: str, wall_seconds: float) -> dict:
-    """Writes `WORKDIR/summary.json` from every role's folder, and `WORKDIR/timeline.png`.
+    """Writes `WORKDIR/summary.json` from every role's folder, and the figures `metrics.plots` names:
+    `WORKDIR/timeline.png` (`plots.plot_timeline`) and, where the coordinator's records hold routing diagnostics,
+    `WORKDIR/routing.png` (`plots.plot_routing`).
 
     Returns:
       `rounds`, `params`, `codec`, `block_size`, `update_codec`, `contribution_bytes` and `update_bytes` (one
@@ -476,12 +480,13 @@ def combine_summaries(config: ml_collections.ConfigDict, workdir: str, wall_seco
     )
     summary["failures"] = failures(config, summary, islands, coordinator, short)
     write_json(os.path.join(workdir, "summary.json"), summary)
+    plots = writer_names(config.metrics.get("plots", ",".join(PLOTS)))
     events = [os.path.join(island_dir(workdir, n), "events.jsonl") for n in names]
     events = [p for p in events if os.path.exists(p) and os.path.getsize(p)]
-    if events:
+    if events and "timeline" in plots:
         plot_timeline(events, os.path.join(workdir, "timeline.png"))
     coordinator_metrics = os.path.join(coordinator_dir(workdir), "metrics.jsonl")
-    if os.path.exists(coordinator_metrics) and routing_records(coordinator_metrics):
+    if "routing" in plots and os.path.exists(coordinator_metrics) and routing_records(coordinator_metrics):
         plot_routing(coordinator_metrics, os.path.join(workdir, "routing.png"))
     return summary
 

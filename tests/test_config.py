@@ -61,6 +61,8 @@ def test_two_islands_is_valid():
         (lambda c: c.data.update(eval_fraction=1.0), r"data\.eval_fraction is 1\.0; use a value in \(0, 1\)"),
         (lambda c: c.model.update(vocab_size=128),
          r"model\.vocab_size is 128 but the byte-level data has 256 symbols; use a vocab_size of at least 256"),
+        (lambda c: c.metrics.update(plots="timeline,loss"),
+         r"metrics\.plots is 'timeline,loss'; name figures among timeline, routing, comma-separated \(\'\' for none\)"),
     ],
 )
 def test_rules(edit, message):

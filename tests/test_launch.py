@@ -141,7 +141,7 @@ def test_streaming_fragments_across_processes(corpus, tmp_path):
     a_cpu, b_cpu = cpus[0], cpus[-1]  # each island on a CPU of its own where there are two
     result = launch(
         workdir, corpus, "--config.outer.fragments=2", "--config.outer.overlap_steps=1", f"--cpus=a={a_cpu}",
-        f"--cpus=b={b_cpu}",
+        f"--cpus=b={b_cpu}", "--config.metrics.plots=timeline",
     )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert re.search(rf"started island a \(pid \d+\) on CPUs {a_cpu}\n", result.stdout)

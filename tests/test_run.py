@@ -30,6 +30,7 @@ def tiny_config(tmp_path, rounds=ROUNDS):
     c.data.files = write_corpus(tmp_path / "corpus")
     c.outer.rounds = rounds
     c.metrics.routing_probe_tokens = 128  # the schema's default: these runs' records hold the top-k overlap
+    c.metrics.plots = "timeline,routing"  # the schema's default: the workdir's figures are tested here
     return c
 
 

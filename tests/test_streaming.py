@@ -251,6 +251,7 @@ def test_two_islands_stream_two_fragments_in_one_process(tmp_path):
     config.data.files = write_corpus(tmp_path / "corpus")
     config.outer.fragments = 2
     config.outer.overlap_steps = 1
+    config.metrics.plots = "timeline"
     workdir = tmp_path / "run"
     summary = run_in_process(config, str(workdir))
     last = {}
@@ -265,6 +266,7 @@ def test_two_islands_stream_two_fragments_in_one_process(tmp_path):
     # after the last round no update is in flight: both islands hold the same global parameters
     assert last["a"] == last["b"]
     assert (workdir / "timeline.png").exists()
+    assert not (workdir / "routing.png").exists()  # metrics.plots names the timeline alone
     assert summary["eval_loss_final"] < summary["eval_loss_initial"]
 
 

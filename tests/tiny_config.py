@@ -32,6 +32,9 @@ def get_config():
     c.checkpoint.every_rounds = 1
     # no routing probe: a program less to compile in each of the suite's runs; tests/test_run.py's runs route one
     c.metrics.routing_probe_tokens = 0
+    # no figures in the workdir (drawing them is a noticeable share of a tiny run's end); the tests of timeline.png
+    # and routing.png ask for them
+    c.metrics.plots = ""
     return c
 
 

@@ -306,6 +306,7 @@ def _check_eval(evaluation: ml_collections.ConfigDict) -> None:
 
 def _check_metrics(metrics: ml_collections.ConfigDict) -> None:
     from island_jax.metrics import WRITERS, writer_names  # imports no JAX
+    from island_jax.plots import PLOTS  # imports NumPy only (matplotlib where it draws)
 
     names = writer_names(metrics.writers)
     _require("jsonl" in names, f"metrics.writers is {metrics.writers!r}; it must include jsonl, the run's own "
@@ -314,6 +315,10 @@ def _check_metrics(metrics: ml_collections.ConfigDict) -> None:
         _require(name == "jsonl" or name in WRITERS or (":" in name and all(name.partition(":")[::2])),
                  f"metrics.writers names {name!r}; use {', '.join(['jsonl', *WRITERS])} or MODULE:CLASS of a writer "
                  "(island_jax/metrics.py)")
+    plots = writer_names(metrics.get("plots", ""))
+    _require(set(plots) <= set(PLOTS),
+             f"metrics.plots is {metrics.get('plots')!r}; name figures among {', '.join(PLOTS)}, comma-separated "
+             "('' for none)")
     probe = metrics.get("routing_probe_tokens", 0)
     _require(isinstance(probe, int) and probe >= 0,
              f"metrics.routing_probe_tokens is {probe!r}; use a whole number of tokens (0: no routing probe)")

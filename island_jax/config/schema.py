@@ -141,6 +141,10 @@ def _metrics() -> dict:
         # tokens of the fixed routing probe (the first windows of the shared held-out set) whose top-k experts every
         # island sends with its round's last contribution, for the round record's top-k overlap (docs/moe.md); 0: none
         routing_probe_tokens=128,
+        # comma-separated: the figures the launcher writes into the workdir when the run ends: timeline (timeline.png,
+        # each island's rounds over time) and routing (routing.png, expert load and divergence; a run with MoE
+        # layers); "": none (island_jax/plots.py draws them from the records at any time)
+        plots="timeline,routing",
         wandb=dict(  # with "wandb" in writers (pip install island_jax[wandb])
             project="island_jax",  # the W&B project of the run's runs (one per role, grouped by the workdir's name)
             entity="",  # the W&B entity (team or user); "": the account's default
