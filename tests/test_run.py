@@ -382,14 +382,17 @@ def test_one_island_with_outer_lr_1_no_momentum_and_no_codec_is_data_parallel(tm
         dp.train_round()
         result = isl.train_round()
         # the round's routed assignments: its steps' summed, every real token to num_experts_per_token experts
-        assert result["routed_counts"].dtype == np.int64
-        assert result["routed_counts"].tolist() == np.sum([m["routed_counts"] for m in result["layers"]], 0).tolist()
-        assert result["routed_counts"].sum(1).tolist() == [result["tokens"] * config.moe.num_experts_per_token]
+        routed = isl.take_routed_counts(0, result["tokens"])
+        assert routed["routed_counts"].dtype == np.int64 and routed["unrouted_tokens"] == 0
+        assert routed["routed_counts"].tolist() == np.sum([m["routed_counts"] for m in result["layers"]], 0).tolist()
+        assert routed["routed_counts"].sum(1).tolist() == [result["tokens"] * config.moe.num_experts_per_token]
+        assert isl.routed_steps.tolist() == [0] and not isl.routed_pending.any()  # taken: counted again from zero
         local = leaves(isl.params)
         if r == 0:  # the same inner steps from the same parameters
             assert checksum(jax.device_get(isl.params)) == checksum(jax.device_get(dp.params))
         encoder = isl.encode_fragment(0, isl.fragment_pseudo_gradient(0))
-        coordinator.contribute(ContributionHeader(r, "a", result["tokens"], isl.global_checksum), encoder.tobytes())
+        coordinator.contribute(ContributionHeader(r, "a", result["tokens"], isl.global_checksum, **routed),
+                               encoder.tobytes())
         isl.apply_fragment(0, isl.decode_fragment(0, coordinator.fetch_update(r, "a")))
         view = leaves(isl.params)
         for v, end, a in zip(view, local, anchor):

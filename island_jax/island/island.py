@@ -217,9 +217,8 @@ class Island(FragmentExchange, CheckpointState):
           scales; 0.0 when every step compiled), `mfu` (model FLOPs utilization at the median step,
           `Island.mfu`), per-step lists of the
           STEP_METRICS scalars, `layers` (per step, the LAYER_METRICS arrays per
-          MoE layer), `expert_load` of the last step [num_moe_layers, E], `routed_counts` (the round's
-          assignments per expert before drops, summed over its steps: int64 [num_moe_layers, E]; None without
-          steps), and
+          MoE layer; `routed_counts` of a step are also summed per fragment, `take_routed_counts`),
+          `expert_load` of the last step [num_moe_layers, E], and
           `step_times` (each step's seconds, sleep included).
         """
         budget = seconds
@@ -275,8 +274,6 @@ class Island(FragmentExchange, CheckpointState):
             compute_step_seconds=float(np.median(compute_times)) if compute_times else 0.0,
             mfu=self.mfu(float(np.median(step_times))) if step_times else 0.0,
             expert_load=out["layers"][-1]["expert_load"] if history else None,
-            routed_counts=np.sum([m["routed_counts"] for m in out["layers"]], axis=0, dtype=np.int64)
-            if history else None,
             step_times=step_times,
         )
         return out
