@@ -193,8 +193,9 @@ class WandbWriter(Writer):
 WRITERS = {"tensorboard": TensorBoardWriter, "wandb": WandbWriter}
 
 
-def writer_names(spec: str) -> list[str]:
-    """The names in a `metrics.writers` value ("jsonl,tensorboard" -> ["jsonl", "tensorboard"])."""
+def comma_names(spec: str) -> list[str]:
+    """The names in a comma-separated config value, `metrics.writers` or `metrics.plots`
+    ("jsonl, tensorboard" -> ["jsonl", "tensorboard"]; "" -> [])."""
     return [name.strip() for name in spec.split(",") if name.strip()]
 
 
@@ -208,7 +209,7 @@ def make_writers(spec: str, folder: str, role: str, config) -> list[Writer]:
     import importlib
 
     writers = []
-    for name in writer_names(spec):
+    for name in comma_names(spec):
         if name == "jsonl":
             continue
         if name in WRITERS:

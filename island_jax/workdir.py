@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING
 import ml_collections
 from absl import logging
 
-from island_jax.metrics import MetricsWriter, NoMetrics, gbps, make_writers, read_jsonl, write_json, writer_names
+from island_jax.metrics import MetricsWriter, NoMetrics, comma_names, gbps, make_writers, read_jsonl, write_json
 from island_jax.plots import PLOTS, plot_routing, plot_timeline, routing_records
 from island_jax.provenance import record_start
 
@@ -480,7 +480,7 @@ def combine_summaries(config: ml_collections.ConfigDict, workdir: str, wall_seco
     )
     summary["failures"] = failures(config, summary, islands, coordinator, short)
     write_json(os.path.join(workdir, "summary.json"), summary)
-    plots = writer_names(config.metrics.get("plots", ",".join(PLOTS)))
+    plots = comma_names(config.metrics.get("plots", ",".join(PLOTS)))
     events = [os.path.join(island_dir(workdir, n), "events.jsonl") for n in names]
     events = [p for p in events if os.path.exists(p) and os.path.getsize(p)]
     if events and "timeline" in plots:

@@ -305,17 +305,17 @@ def _check_eval(evaluation: ml_collections.ConfigDict) -> None:
 
 
 def _check_metrics(metrics: ml_collections.ConfigDict) -> None:
-    from island_jax.metrics import WRITERS, writer_names  # imports no JAX
+    from island_jax.metrics import WRITERS, comma_names  # imports no JAX
     from island_jax.plots import PLOTS  # imports NumPy only (matplotlib where it draws)
 
-    names = writer_names(metrics.writers)
+    names = comma_names(metrics.writers)
     _require("jsonl" in names, f"metrics.writers is {metrics.writers!r}; it must include jsonl, the run's own "
              "record (its summaries and progress are read from it), e.g. 'jsonl,tensorboard'")
     for name in names:
         _require(name == "jsonl" or name in WRITERS or (":" in name and all(name.partition(":")[::2])),
                  f"metrics.writers names {name!r}; use {', '.join(['jsonl', *WRITERS])} or MODULE:CLASS of a writer "
                  "(island_jax/metrics.py)")
-    plots = writer_names(metrics.get("plots", ""))
+    plots = comma_names(metrics.get("plots", ""))
     _require(set(plots) <= set(PLOTS),
              f"metrics.plots is {metrics.get('plots')!r}; name figures among {', '.join(PLOTS)}, comma-separated "
              "('' for none)")

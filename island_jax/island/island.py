@@ -321,8 +321,8 @@ class Island(FragmentExchange, CheckpointState):
             return
         windows, real = batch
         seq_len, devices = windows.shape[-1] - 1, self.mesh.devices.size
-        # the windows that hold the probe's tokens, padded to a whole row per device (the batch is split over all)
-        rows = min(len(windows), -(-min(-(-tokens // seq_len), real) // devices) * devices)
+        holding = min(-(-tokens // seq_len), real)  # the windows that hold the probe's first tokens
+        rows = min(len(windows), -(-holding // devices) * devices)  # a whole row per device: the batch is split
         windows, real = windows[:rows], min(real, rows)
         mask = np.zeros((rows, seq_len), np.float32)
         mask[:real] = 1.0
